@@ -1,0 +1,22 @@
+"""nvfp4-jax: training with NVIDIA's NVFP4 recipe in JAX and Flax."""
+
+from nvfp4_jax.hadamard import default_sign_vector
+from nvfp4_jax.hadamard import rht
+from nvfp4_jax.hadamard import rht_matrix
+from nvfp4_jax.hadamard import TE_SIGN_VECTOR_16
+from nvfp4_jax.mx import MXArray
+from nvfp4_jax.mx import quantize_mx
+from nvfp4_jax.numerics import E2M1_MAX
+from nvfp4_jax.numerics import E2M1_VALUES
+from nvfp4_jax.numerics import E4M3_MAX
+from nvfp4_jax.numerics import MX_BLOCK
+from nvfp4_jax.numerics import NVFP4_BLOCK
+from nvfp4_jax.numerics import e2m1_decode
+from nvfp4_jax.numerics import pack_e2m1
+from nvfp4_jax.numerics import unpack_e2m1
+from nvfp4_jax.nvfp4 import NVFP4Array
+from nvfp4_jax.nvfp4 import quantize
+from nvfp4_jax.quant import block_dequantize
+from nvfp4_jax.quant import dequantize
+
+__version__ = "0.1.0"

@@ -1,0 +1,231 @@
+"""Tile math of the block-scaled formats: one definition of every numeric step.
+
+Everything here is a pure `jax.numpy` function on arrays of any shape, written
+with elementwise operations, comparisons and selects only (no table lookups, no
+closed-over arrays), so the Pallas kernels in `pallas_kernels/` apply the very
+same functions to their tiles. The order of operations follows
+TransformerEngine's NVFP4 arithmetic (NVFP4_SPEC section 2); changing it changes
+bytes.
+
+FP32 subnormals: XLA:CPU flushes subnormal FP32 values to zero, XLA:GPU and
+Triton keep them. So that every backend computes the same bytes, the steps where a
+subnormal can appear flush it explicitly (`ftz`). This only touches elements
+below 1.2e-38 and tensors whose amax is below 3.2e-35.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Format constants.
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E4M3_MAX_X_E2M1_MAX = 2688.0  # 448 * 6: the global encode numerator.
+F32_MAX = float(np.finfo(np.float32).max)
+F32_TINY = float(np.finfo(np.float32).tiny)  # Smallest normal FP32.
+NVFP4_BLOCK = 16
+MX_BLOCK = 32
+E8M0_BIAS = 127
+
+# Magnitude by 3-bit code; bit 3 is the sign (code 8 is -0).
+E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=np.float32,
+)
+
+_SIGN_BIT = 8
+
+
+def ftz(v: jax.Array) -> jax.Array:
+  """Flushes FP32 subnormals to (signed) zero, as XLA:CPU does implicitly."""
+  return jnp.where(jnp.abs(v) < F32_TINY, v * 0.0, v)
+
+
+# ----------------------------------------------------------------------------
+# NVFP4 scale factors (NVFP4_SPEC section 2, steps 1-3 and 5).
+# ----------------------------------------------------------------------------
+
+
+def global_encode_scale(amax: jax.Array) -> jax.Array:
+  """`S_enc = min(2688 / amax, FLT_MAX)`, and 1 where amax or S_enc is 0.
+
+  A NaN amax gives a NaN scale, so NaN inputs poison every scale of the tensor
+  instead of being rounded to finite codes.
+  """
+  amax = amax.astype(jnp.float32)
+  s = jnp.minimum(jnp.float32(E4M3_MAX_X_E2M1_MAX) / amax, jnp.float32(F32_MAX))
+  return jnp.where((amax == 0.0) | (s == 0.0), jnp.float32(1.0), s)
+
+
+def global_decode_scale(amax: jax.Array) -> jax.Array:
+  """The FP32 tensor factor of dequantization: `amax / 2688`."""
+  return ftz(amax.astype(jnp.float32) / jnp.float32(E4M3_MAX_X_E2M1_MAX))
+
+
+def nvfp4_scale_constants(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The two per-tensor FP32 constants the block math needs.
+
+  Returns:
+    `(s_enc_over_6, inv_s_enc)`: `S_enc * (1/6)` (folded once, as TE does) and
+    `1 / S_enc`. Kernels receive these as inputs so that no division by a
+    per-tensor value happens inside a kernel.
+  """
+  s_enc = global_encode_scale(amax)
+  s_enc_over_6 = s_enc * jnp.float32(1.0 / E2M1_MAX)
+  inv_s_enc = ftz(jnp.float32(1.0) / s_enc)
+  return s_enc_over_6, inv_s_enc
+
+
+def nvfp4_block_decode_scale(block_amax: jax.Array,
+                             s_enc_over_6: jax.Array) -> jax.Array:
+  """`d = block_amax * (S_enc * (1/6))`, clamped to 448, cast to E4M3 (RTNE).
+
+  There is no lower clamp: a block whose scale underflows E4M3 gets scale 0.
+  The `optimization_barrier` keeps XLA from fusing the FP32->E4M3->FP32 round
+  trip away ("excess precision", seen on GPU).
+  """
+  d = jnp.minimum(block_amax.astype(jnp.float32) * s_enc_over_6,
+                  jnp.float32(E4M3_MAX))
+  return jax.lax.optimization_barrier(d.astype(jnp.float8_e4m3fn))
+
+
+def nvfp4_block_encode_scale(d_f32: jax.Array, inv_s_enc: jax.Array) -> jax.Array:
+  """`e = min(1 / (f32(d) * (1 / S_enc)), FLT_MAX)` from the decoded E4M3 scale.
+
+  A zero `d` gives `e = FLT_MAX`.
+  """
+  denom = ftz(d_f32 * inv_s_enc)
+  return jnp.minimum(jnp.float32(1.0) / denom, jnp.float32(F32_MAX))
+
+
+# ----------------------------------------------------------------------------
+# E2M1 rounding, decoding and packing.
+# ----------------------------------------------------------------------------
+
+
+def _sign_code(y: jax.Array) -> jax.Array:
+  return jnp.where(jnp.signbit(y), jnp.uint8(_SIGN_BIT), jnp.uint8(0))
+
+
+def e2m1_encode_nearest(y: jax.Array) -> jax.Array:
+  """Rounds FP32 `y` to E2M1 codes, to nearest with ties to the even code.
+
+  Saturates at +-6. The thresholds alternate between `>` and `>=` because the
+  even code alternates along the grid (0.25->0, 0.75->1, 1.25->1, 1.75->2,
+  2.5->2, 3.5->4, 5->4). NaN gets code 0 or 8 (E2M1 has no NaN): the NaN is
+  carried by the scales, see `global_encode_scale`.
+
+  Returns:
+    uint8 codes in [0, 16).
+  """
+  a = jnp.abs(y)
+  u = lambda c: c.astype(jnp.uint8)
+  mag = (u(a > 0.25) + u(a >= 0.75) + u(a > 1.25) + u(a >= 1.75)
+         + u(a > 2.5) + u(a >= 3.5) + u(a > 5.0))
+  return mag | _sign_code(y)
+
+
+def e2m1_encode_stochastic(y: jax.Array, rbits: jax.Array) -> jax.Array:
+  """Rounds FP32 `y` to one of its two neighbouring E2M1 values, stochastically.
+
+  With `lo <= |y| < hi` the neighbouring grid values and `t = (|y|-lo)/(hi-lo)`
+  (exact in FP32), the magnitude rounds up iff `256 t > r + 1/2`, `r` the
+  element's 8 random bits. The probability of rounding up is `t` exactly when
+  `t` is a multiple of 1/256 and within 1/512 of it otherwise. Values on the
+  grid never move; `|y| >= 6` saturates to 6.
+
+  Args:
+    y: scaled values, FP32.
+    rbits: uint8 (or any unsigned) random bits in [0, 256), same shape as `y`.
+
+  Returns:
+    uint8 codes in [0, 16).
+  """
+  a = jnp.abs(y)
+  u = lambda c: c.astype(jnp.uint8)
+  lo_code = (u(a >= 0.5) + u(a >= 1.0) + u(a >= 1.5) + u(a >= 2.0)
+             + u(a >= 3.0) + u(a >= 4.0) + u(a >= 6.0))
+  lo = jnp.where(a < 2.0, jnp.floor(a * 2.0) * 0.5,
+                 jnp.where(a < 4.0, jnp.floor(a), jnp.float32(4.0)))
+  inv_step = jnp.where(a < 2.0, jnp.float32(2.0),
+                       jnp.where(a < 4.0, jnp.float32(1.0), jnp.float32(0.5)))
+  t512 = (a - lo) * inv_step * 512.0
+  r2p1 = rbits.astype(jnp.float32) * 2.0 + 1.0
+  up = (t512 > r2p1) & (lo_code < 7)
+  return (lo_code + u(up)) | _sign_code(y)
+
+
+def e2m1_decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """E2M1 codes (uint8 in [0, 16)) to their values, without a table lookup."""
+  c = codes.astype(jnp.int32)
+  m = c & 7
+  # 0, .5, 1, 1.5 step by 0.5; 2, 3 by 1; 4, 6 by 2.
+  mag = jnp.where(m < 4, 0.5 * m, jnp.where(m < 6, m - 2.0, 2.0 * m - 8.0))
+  mag = mag.astype(jnp.float32)
+  val = jnp.where((c & _SIGN_BIT) != 0, -mag, mag)
+  return val.astype(dtype)
+
+
+def pack_e2m1(codes: jax.Array) -> jax.Array:
+  """Packs uint8 codes `[..., K]` into bytes `[..., K//2]`.
+
+  Element `2k` goes in the low nibble, element `2k+1` in the high nibble.
+  """
+  if codes.shape[-1] % 2:
+    raise ValueError(
+        f"pack_e2m1 needs an even last axis, got shape {codes.shape}.")
+  pairs = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], -1, 2)
+  return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
+
+
+def unpack_e2m1(packed: jax.Array) -> jax.Array:
+  """Inverse of `pack_e2m1`: bytes `[..., K//2]` to codes `[..., K]`."""
+  packed = packed.astype(jnp.uint8)
+  lo = packed & 0xF
+  hi = packed >> 4
+  return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+# ----------------------------------------------------------------------------
+# MX (OCP microscaling) scale factors: UE8M0, rounded up.
+# ----------------------------------------------------------------------------
+
+
+def e8m0_scale_exponent(block_amax: jax.Array, elem_max: float) -> jax.Array:
+  """Biased UE8M0 exponent of `2^ceil(log2(block_amax / elem_max))`.
+
+  Rounding the scale up (as TE's MXFP8 cast does) means the block max never
+  saturates. Computed from the FP32 bits, so it is exact; clamped to the E8M0
+  range [2^-127, 2^127]. A zero block gets the smallest scale. NaN -> 255 (the
+  E8M0 NaN).
+
+  Returns:
+    int32 biased exponents in [0, 255].
+  """
+  q = ftz(block_amax.astype(jnp.float32) / jnp.float32(elem_max))
+  bits = jax.lax.bitcast_convert_type(q, jnp.uint32)
+  biased = ((bits >> 23) & 0xFF).astype(jnp.int32)
+  has_mantissa = (bits & 0x7FFFFF) != 0
+  biased = biased + has_mantissa.astype(jnp.int32)  # Round up to a power of 2.
+  biased = jnp.where(q == 0.0, 0, biased)
+  biased = jnp.clip(biased, 0, 254)
+  return jnp.where(jnp.isnan(q), 255, biased)
+
+
+def e8m0_to_f32(biased: jax.Array) -> jax.Array:
+  """2^(biased - 127) as FP32, built from its bits (exact); 255 is NaN.
+
+  Biased exponent 0 (2^-127, an FP32 subnormal) is flushed to zero.
+  """
+  b = biased.astype(jnp.uint32)
+  val = jax.lax.bitcast_convert_type(b << 23, jnp.float32)
+  return jnp.where(b == 255, jnp.float32(np.nan), val)
+
+
+def e8m0_inverse_to_f32(biased: jax.Array) -> jax.Array:
+  """2^(127 - biased) as FP32, exact; the encode factor of an MX block."""
+  b = jnp.clip(254 - biased.astype(jnp.int32), 0, 254).astype(jnp.uint32)
+  return jax.lax.bitcast_convert_type(b << 23, jnp.float32)
