@@ -180,6 +180,9 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
   (lc, rc), (lb, rb) = dimension_numbers
   lc, rc = tuple(lc), tuple(rc)
   if not recipe.quantized:
+    if preferred_element_type is not None:
+      lhs = lhs.astype(preferred_element_type)
+      rhs = rhs.astype(preferred_element_type)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type)
   if lb or rb:

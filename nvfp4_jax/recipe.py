@@ -119,6 +119,21 @@ class Recipe:
       object.__setattr__(self, "rht_sign_vector", tuple(self.rht_sign_vector))
     rht_matrix(self.rht_sign_vector, self.rht_size)  # Validates both.
 
+  def __repr__(self) -> str:
+    def fmt(op: Operand) -> str:
+      tags = [op.format]
+      if op.block_2d:
+        tags.append("16x16")
+      if op.rounding == "stochastic":
+        tags.append("sr")
+      if op.rht:
+        tags.append(f"rht{self.rht_size}")
+      return "-".join(tags)
+    gemms = ", ".join(
+        f"{g}={fmt(getattr(self, a))}/{fmt(getattr(self, b))}"
+        for g, (a, b) in _GEMMS.items())
+    return f"Recipe({self.name!r}: {gemms})"
+
   def gemm_format(self, gemm: str) -> str:
     """The format of "fprop", "dgrad" or "wgrad"."""
     return getattr(self, _GEMMS[gemm][0]).format

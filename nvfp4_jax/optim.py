@@ -1,0 +1,100 @@
+"""FP32 master weights as an optax gradient transformation.
+
+    tx = nvfp4_jax.master_weights(optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(schedule)))
+    opt_state = tx.init(params)                 # params may be bf16
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    eval_params = nvfp4_jax.master_params(opt_state)   # FP32
+
+It wraps like `optax.apply_if_finite` and composes with `optax.chain`,
+`optax.MultiSteps` and `optax.apply_if_finite` on either side.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class MasterWeightsState(NamedTuple):
+  """State of `master_weights`.
+
+  Attributes:
+    master: FP32 copy of the parameters; the inner transformation updates it.
+    inner_state: the inner transformation's state (built on `master`).
+  """
+
+  master: optax.Params
+  inner_state: optax.OptState
+
+
+def _f32(tree):
+  return jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), tree)
+
+
+def master_weights(inner: optax.GradientTransformation
+                   ) -> optax.GradientTransformation:
+  """Runs `inner` on an FP32 master copy of the parameters.
+
+  Gradients are cast to FP32, `inner` updates the master in FP32, and the
+  returned updates move each parameter to the new master cast to the
+  parameter's dtype: `optax.apply_updates(params, updates)` gives
+  `new_master.astype(params.dtype)`. For FP32 parameters the updates are
+  `inner`'s own, so parameters and master stay identical. For bf16 parameters
+  the update is `f32(bf16(new_master)) - f32(param)`; that sum is exact unless
+  a weight shrinks by more than 2^15 in one step (then it lands within half an
+  FP32 ulp of the old weight). Updates too small to move a bf16 weight still
+  accumulate in the master.
+
+  Args:
+    inner: the optimizer to run in FP32 (e.g. `optax.adamw(...)`).
+
+  Returns:
+    An `optax.GradientTransformation` whose `update` needs `params`.
+  """
+
+  def init_fn(params):
+    master = _f32(params)
+    return MasterWeightsState(master=master, inner_state=inner.init(master))
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError(
+          "master_weights needs params: call tx.update(grads, state, params).")
+    grads = _f32(updates)
+    inner_updates, inner_state = inner.update(grads, state.inner_state,
+                                              state.master)
+    master = optax.apply_updates(state.master, inner_updates)
+
+    def param_update(u, new, p):
+      if p.dtype == jnp.float32:
+        return u
+      return new.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32)
+    out = jax.tree_util.tree_map(param_update, inner_updates, master, params)
+    return out, MasterWeightsState(master=master, inner_state=inner_state)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def master_params(opt_state: Any) -> optax.Params:
+  """The FP32 master parameters held in `opt_state` (found at any depth).
+
+  Raises:
+    ValueError: if `opt_state` holds no `MasterWeightsState`.
+  """
+  found = []
+
+  def visit(node):
+    if isinstance(node, MasterWeightsState):
+      found.append(node.master)
+      return True
+    return False
+  jax.tree_util.tree_map(lambda _: None, opt_state, is_leaf=visit)
+  if not found:
+    raise ValueError("opt_state holds no MasterWeightsState: build the "
+                     "optimizer with nvfp4_jax.master_weights(...).")
+  return found[0]
