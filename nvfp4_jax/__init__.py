@@ -6,6 +6,7 @@ from nvfp4_jax.hadamard import rht_matrix
 from nvfp4_jax.hadamard import TE_SIGN_VECTOR_16
 from nvfp4_jax.layers import NVFP4Dense
 from nvfp4_jax.layers import NVFP4DotGeneral
+from nvfp4_jax.layers import NVFP4Einsum
 from nvfp4_jax.layers import NVFP4Linear
 from nvfp4_jax.layers import RNG_STREAM
 from nvfp4_jax.layers import apply_rules

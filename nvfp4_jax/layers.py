@@ -125,9 +125,9 @@ class NVFP4Dense(nn.Module):
 
 
 class NVFP4DotGeneral(nn.Module):
-  """A `dot_general` module for `nn.Dense(dot_general_cls=...)`,
-  `nn.DenseGeneral` and `nn.Einsum`: switches existing layers to NVFP4 without
-  editing them.
+  """A `dot_general` module for `nn.Dense(dot_general_cls=...)` and
+  `nn.DenseGeneral(dot_general_cls=...)`: switches existing layers to NVFP4
+  without editing them (`NVFP4Einsum` does the same for `nn.Einsum`).
 
       dense = nn.Dense(1024, dot_general_cls=nvfp4_jax.NVFP4DotGeneral)
 
@@ -149,6 +149,49 @@ class NVFP4DotGeneral(nn.Module):
         preferred_element_type=preferred_element_type)
 
 
+class NVFP4Einsum(nn.Einsum):
+  """`nn.Einsum` whose contraction with the kernel follows the NVFP4 recipe.
+
+  Same arguments and parameters as `nn.Einsum` plus `recipe` (as
+  `NVFP4Dense.recipe`). The equation must contract the input with the kernel
+  without batch axes shared between them (a linear layer).
+  """
+
+  recipe: Recipe | None = None
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array, einsum_str: str | None = None):
+    einsum_str = nn.merge_param("einsum_str", self.einsum_str, einsum_str)
+    einsum_str = einsum_str.replace(" ", "")
+    if "->" not in einsum_str or einsum_str.count(",") != 1:
+      raise ValueError(
+          f"einsum_str must be explicit with exactly two operands, got "
+          f"{einsum_str!r}.")
+    kernel = self.param("kernel", self.kernel_init, self.shape,
+                        self.param_dtype)
+    bias = None
+    if self.use_bias:
+      bias_shape, broadcast_shape = self._get_bias_shape(einsum_str, inputs,
+                                                         kernel)
+      bias = self.param("bias", self.bias_init, bias_shape, self.param_dtype)
+    inputs, _, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+    path, key = _linen_path(self), _linen_key(self)
+
+    def dot_general(lhs, rhs, dimension_numbers, precision=None,
+                    preferred_element_type=None, **kwargs):
+      return layer_dot_general(
+          lhs, rhs, dimension_numbers, recipe=self.recipe, path=path, key=key,
+          precision=precision,
+          preferred_element_type=preferred_element_type or inputs.dtype)
+
+    y = jnp.einsum(einsum_str, inputs, kernel, precision=self.precision,
+                   preferred_element_type=self.preferred_element_type,
+                   _dot_general=dot_general)
+    if bias is not None:
+      y += jnp.reshape(bias, broadcast_shape)
+    return y
+
+
 def nvfp4_layer_paths(model: nn.Module, *args, **kwargs) -> list[str]:
   """Paths of the NVFP4 layers `model.init(*args, **kwargs)` creates.
 
@@ -160,7 +203,7 @@ def nvfp4_layer_paths(model: nn.Module, *args, **kwargs) -> list[str]:
   def interceptor(next_fun, fargs, fkwargs, context):
     m = context.module
     if context.method_name == "__call__":
-      if isinstance(m, NVFP4Dense):
+      if isinstance(m, (NVFP4Dense, NVFP4Einsum)):
         paths.append(_linen_path(m))
       elif isinstance(m, NVFP4DotGeneral):
         paths.append("/".join(str(p) for p in m.scope.path[:-1]))
