@@ -199,21 +199,28 @@ def e8m0_scale_exponent(block_amax: jax.Array, elem_max: float) -> jax.Array:
   """Biased UE8M0 exponent of `2^ceil(log2(block_amax / elem_max))`.
 
   Rounding the scale up (as TE's MXFP8 cast does) means the block max never
-  saturates. Computed from the FP32 bits, so it is exact; clamped to the E8M0
-  range [2^-127, 2^127]. A zero block gets the smallest scale. NaN -> 255 (the
-  E8M0 NaN).
+  saturates. Computed from the FP32 bits of `block_amax` and `elem_max` without
+  a division, so it is exact everywhere: with `a = 2^Ea * ma`, `elem_max =
+  2^Ee * me` (`ma, me` in [1, 2)), the exponent is `Ea - Ee + (ma > me)`.
+  (Dividing first would flush `block_amax / elem_max` to zero below 2^-126 and
+  give blocks with amax in [2^-126, elem_max * 2^-126) a scale that saturates
+  them.) Clamped to the E8M0 range [2^-127, 2^127]; a zero block gets the
+  smallest scale. A NaN or infinite block amax gives 255 (the E8M0 NaN), so the
+  block dequantizes to NaN instead of finite garbage.
 
   Returns:
     int32 biased exponents in [0, 255].
   """
-  q = ftz(block_amax.astype(jnp.float32) / jnp.float32(elem_max))
-  bits = jax.lax.bitcast_convert_type(q, jnp.uint32)
-  biased = ((bits >> 23) & 0xFF).astype(jnp.int32)
-  has_mantissa = (bits & 0x7FFFFF) != 0
-  biased = biased + has_mantissa.astype(jnp.int32)  # Round up to a power of 2.
-  biased = jnp.where(q == 0.0, 0, biased)
-  biased = jnp.clip(biased, 0, 254)
-  return jnp.where(jnp.isnan(q), 255, biased)
+  a = block_amax.astype(jnp.float32)
+  e_bits = int(np.float32(elem_max).view(np.uint32))
+  elem_exp = ((e_bits >> 23) & 0xFF) - E8M0_BIAS  # Ee, unbiased.
+  elem_man = e_bits & 0x7FFFFF
+  bits = jax.lax.bitcast_convert_type(a, jnp.uint32)
+  biased_a = ((bits >> 23) & 0xFF).astype(jnp.int32)  # Ea + 127.
+  up = ((bits & 0x7FFFFF) > elem_man).astype(jnp.int32)
+  biased = jnp.clip(biased_a - elem_exp + up, 0, 254)
+  biased = jnp.where(a == 0.0, 0, biased)  # Subnormals: 0 via the clip.
+  return jnp.where(biased_a == 255, 255, biased)
 
 
 def e8m0_to_f32(biased: jax.Array) -> jax.Array:
