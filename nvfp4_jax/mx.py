@@ -111,5 +111,9 @@ def dequantize_mx(q: MXArray, dtype=jnp.float32) -> jax.Array:
   shape = vals.shape
   biased = jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
   vals = vals.reshape(*shape[:-1], -1, nm.MX_BLOCK)
-  out = nm.ftz(vals * nm.e8m0_to_f32(biased)[..., None])
+  # 2^-127 (biased 0) is an FP32 subnormal that would flush to 0; apply it as
+  # 0.5 * 2^-126 so that its block's normal results survive.
+  half = jnp.where(biased == 0, jnp.float32(0.5), jnp.float32(1.0))
+  scale = nm.e8m0_to_f32(jnp.maximum(biased, 1))
+  out = nm.ftz((vals * half[..., None]) * scale[..., None])
   return out.reshape(shape).astype(dtype)
