@@ -1,0 +1,224 @@
+"""A GPT-style decoder whose every projection is an `NVFP4Dense`.
+
+Layout per block (pre-norm, no biases anywhere):
+
+    x = x + attn/out( causal_attention( rotary( attn/qkv( RMSNorm(x) ) ) ) )
+    x = x + mlp/down( act( mlp/up( RMSNorm(x) ) ) )
+
+Precision follows NVFP4_SPEC section 5. The four projections of each block
+(`block_{i}/attn/qkv`, `block_{i}/attn/out`, `block_{i}/mlp/up`,
+`block_{i}/mlp/down`) are `NVFP4Dense` layers without a fixed recipe: each
+takes its recipe from the active `nvfp4_jax.PrecisionRules` by that path, so
+`paper_rules(num_layers)` keeps the first two and the last ~15% of blocks in
+BF16. Everything else is high precision by construction: the token embedding
+and the untied output head are plain `nn.Embed`/`nn.Dense`, RMSNorm, rotary
+embeddings, the attention score and value batched GEMMs (FP32 accumulation)
+and the softmax run in FP32, the MLP non-linearity in FP32.
+
+The SwiGLU MLP fuses its gate and up projections into one `mlp/up` GEMM of
+width `2 * d_ff` (one quantization of the shared input instead of two).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import nvfp4_jax
+
+MLP_KINDS = ("swiglu", "relu2")
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+  """Shape and numerics of the decoder.
+
+  Attributes:
+    vocab_size: token ids `[0, vocab_size)`; 256 for bytes.
+    d_model: residual width, a multiple of 32 (the MX block) so every
+      projection can be quantized.
+    num_layers: number of blocks, named `block_0 ... block_{n-1}`.
+    num_heads: attention heads; `d_model / num_heads` must be even (rotary).
+    d_ff: MLP hidden width, a multiple of 32.
+    mlp: "swiglu" (`silu(gate) * up`) or "relu2" (squared ReLU, as in the
+      paper's Nemotron models).
+    rope_base: rotary frequency base.
+    dtype: compute dtype of activations and parameters, "float32" or
+      "bfloat16" (the optimizer keeps FP32 master weights either way).
+    norm_eps: RMSNorm epsilon.
+  """
+
+  vocab_size: int = 256
+  d_model: int = 128
+  num_layers: int = 4
+  num_heads: int = 4
+  d_ff: int = 352
+  mlp: str = "swiglu"
+  rope_base: float = 10000.0
+  dtype: str = "float32"
+  norm_eps: float = 1e-6
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+        raise ValueError(f"GPTConfig.{name} must be a positive int, got "
+                         f"{getattr(self, name)!r}.")
+    for name in ("d_model", "d_ff"):
+      if getattr(self, name) % 32:
+        raise ValueError(
+            f"GPTConfig.{name}={getattr(self, name)} is not a multiple of 32; "
+            f"NVFP4 (blocks of 16) and MX (blocks of 32) quantize along it. "
+            f"Round it to {32 * math.ceil(getattr(self, name) / 32)}.")
+    if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
+      raise ValueError(
+          f"d_model={self.d_model} must split into num_heads={self.num_heads} "
+          f"heads of even size (rotary rotates pairs of features).")
+    if self.mlp not in MLP_KINDS:
+      raise ValueError(f"unknown mlp {self.mlp!r}; use one of {MLP_KINDS}.")
+    if self.dtype not in _DTYPES:
+      raise ValueError(f"unknown dtype {self.dtype!r}; use one of "
+                       f"{tuple(_DTYPES)}.")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  @property
+  def jnp_dtype(self):
+    return _DTYPES[self.dtype]
+
+  def replace(self, **changes) -> "GPTConfig":
+    return dataclasses.replace(self, **changes)
+
+
+def _dense(cfg: GPTConfig, features: int, name: str, std: float):
+  return nvfp4_jax.NVFP4Dense(
+      features, use_bias=False, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_dtype,
+      kernel_init=nn.initializers.normal(std), name=name)
+
+
+def _norm(cfg: GPTConfig, name: str) -> nn.RMSNorm:
+  # FP32 statistics and scale; the output is cast back to the compute dtype.
+  return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=jnp.float32,
+                    param_dtype=jnp.float32, name=name)
+
+
+def rotary(x: jax.Array, base: float) -> jax.Array:
+  """Rotary position embedding of `x: [batch, seq, heads, head_dim]` in FP32.
+
+  Rotates the pairs `(x[..., i], x[..., i + head_dim/2])` by angle
+  `pos * base^(-2i/head_dim)`.
+  """
+  *_, seq, _, dim = x.shape
+  half = dim // 2
+  inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / dim)
+  angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  cos = jnp.cos(angles)[:, None, :]
+  sin = jnp.sin(angles)[:, None, :]
+  xf = x.astype(jnp.float32)
+  x1, x2 = xf[..., :half], xf[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     dtype) -> jax.Array:
+  """Softmax attention with a causal mask, `[batch, seq, heads, head_dim]`.
+
+  Both batched GEMMs take `dtype` operands with FP32 accumulation; the mask
+  and the softmax are FP32 (high precision per the recipe, never quantized).
+  """
+  scale = 1.0 / math.sqrt(q.shape[-1])
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q.astype(dtype), k.astype(dtype),
+                      preferred_element_type=jnp.float32) * scale
+  seq = q.shape[1]
+  mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+  scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(dtype), v.astype(dtype),
+                    preferred_element_type=jnp.float32)
+
+
+class Attention(nn.Module):
+  """Causal self-attention: `qkv` and `out` projections in NVFP4Dense."""
+
+  cfg: GPTConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.cfg
+    b, t, _ = x.shape
+    std = 0.02
+    qkv = _dense(cfg, 3 * cfg.d_model, "qkv", std)(x)
+    q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.num_heads, cfg.head_dim), 3,
+                        axis=2)
+    q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
+    y = causal_attention(q, k, v, cfg.jnp_dtype).astype(cfg.jnp_dtype)
+    out_std = std / math.sqrt(2 * cfg.num_layers)
+    return _dense(cfg, cfg.d_model, "out", out_std)(y.reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+  """SwiGLU or squared-ReLU MLP: `up` and `down` projections in NVFP4Dense."""
+
+  cfg: GPTConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.cfg
+    width = 2 * cfg.d_ff if cfg.mlp == "swiglu" else cfg.d_ff
+    h = _dense(cfg, width, "up", 0.02)(x).astype(jnp.float32)
+    if cfg.mlp == "swiglu":
+      gate, up = jnp.split(h, 2, axis=-1)
+      h = jax.nn.silu(gate) * up
+    else:
+      h = jnp.square(jax.nn.relu(h))
+    out_std = 0.02 / math.sqrt(2 * cfg.num_layers)
+    return _dense(cfg, cfg.d_model, "down", out_std)(h.astype(cfg.jnp_dtype))
+
+
+class Block(nn.Module):
+  """One pre-norm transformer block."""
+
+  cfg: GPTConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dt = self.cfg.jnp_dtype
+    x = x + Attention(self.cfg, name="attn")(
+        _norm(self.cfg, "attn_norm")(x).astype(dt))
+    x = x + FeedForward(self.cfg, name="mlp")(
+        _norm(self.cfg, "mlp_norm")(x).astype(dt))
+    return x
+
+
+class GPT(nn.Module):
+  """Decoder-only language model.
+
+  `__call__(tokens: int [batch, seq]) -> logits: float32 [batch, seq, vocab]`.
+  For NVFP4 GEMMs, `batch * seq` (the Wgrad contraction) must be a multiple
+  of 32. Apply it inside `nvfp4_jax.precision_rules(...)` with an "nvfp4" RNG
+  stream (stochastic rounding keys); `paper_rules(cfg.num_layers)` is the
+  paper's preset.
+  """
+
+  cfg: GPTConfig
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    cfg = self.cfg
+    x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.jnp_dtype,
+                 param_dtype=cfg.jnp_dtype,
+                 embedding_init=nn.initializers.normal(1.0), name="embed")(
+                     tokens)
+    for i in range(cfg.num_layers):
+      x = Block(cfg, name=f"block_{i}")(x)
+    x = _norm(cfg, "final_norm")(x)
+    # The untied output head: high precision (plain nn.Dense), FP32 logits.
+    return nn.Dense(cfg.vocab_size, use_bias=False, dtype=jnp.float32,
+                    param_dtype=cfg.jnp_dtype,
+                    kernel_init=nn.initializers.normal(0.02), name="head")(x)

@@ -1,0 +1,63 @@
+"""Size presets of the GPT decoder and their parameter counts.
+
+Byte-level vocabulary (256), so the embedding and head are small and the
+counts are almost all transformer blocks (about `12 * d_model^2` per block with
+SwiGLU at `d_ff ~ 8/3 d_model`).
+
+| preset | d_model | layers | heads | d_ff | parameters |
+| ------ | ------- | ------ | ----- | ---- | ---------- |
+| tiny   | 128     | 6      | 4     | 352  | ~1.2M      |
+| small  | 512     | 8      | 8     | 1376 | ~25M       |
+| base   | 768     | 18     | 12    | 2048 | ~127M      |
+| large  | 1024    | 28     | 16    | 2752 | ~354M      |
+
+`tiny` trains a few hundred steps on two CPU cores in about two minutes per
+precision; the others are for GPUs (`python -m train --preset base`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.gpt import GPT, GPTConfig
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(d_model=128, num_layers=6, num_heads=4, d_ff=352),
+    "small": GPTConfig(d_model=512, num_layers=8, num_heads=8, d_ff=1376),
+    "base": GPTConfig(d_model=768, num_layers=18, num_heads=12, d_ff=2048),
+    "large": GPTConfig(d_model=1024, num_layers=28, num_heads=16, d_ff=2752),
+}
+
+
+def preset(name: str, **overrides) -> GPTConfig:
+  """The `GPTConfig` of preset `name`, with fields replaced by `overrides`."""
+  if name not in PRESETS:
+    raise ValueError(f"unknown preset {name!r}; use one of {list(PRESETS)}.")
+  return PRESETS[name].replace(**overrides)
+
+
+def param_count(cfg: GPTConfig) -> int:
+  """Number of parameters of `GPT(cfg)`, from shapes only (nothing allocated)."""
+  shapes = jax.eval_shape(
+      lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 32), jnp.int32)))
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(shapes)))
+
+
+def format_count(n: int) -> str:
+  """`1234567 -> "1.23M"`."""
+  for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if n >= scale:
+      return f"{n / scale:.3g}{unit}"
+  return str(n)
+
+
+def preset_table() -> str:
+  """A printable table of the presets with their parameter counts."""
+  rows = ["preset  d_model  layers  heads  d_ff   params"]
+  for name, cfg in PRESETS.items():
+    rows.append(f"{name:<7} {cfg.d_model:>7} {cfg.num_layers:>7} "
+                f"{cfg.num_heads:>6} {cfg.d_ff:>5}  "
+                f"{format_count(param_count(cfg)):>7}")
+  return "\n".join(rows)

@@ -1,0 +1,7 @@
+"""Training the example GPT with the NVFP4 recipe: data, loop, CLI, plots.
+
+    python -m train                       # tiny GPT, bf16 vs nvfp4, on CPU
+    python -m train --preset small --precision nvfp4
+
+See `train.cli` for the flags, `train.loop.Trainer` for the jitted step.
+"""

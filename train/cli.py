@@ -1,0 +1,249 @@
+"""`python -m train` / `nvfp4-train`: train the GPT, compare precisions.
+
+With no arguments it runs `--preset tiny --compare bf16,nvfp4`: the tiny GPT
+trained twice on the same data, seed and steps, a table of final losses and
+one plot with both curves. That takes a few minutes on two CPU cores; on a GPU
+scale it up with `--preset small|base|large`.
+
+Exit status: 0 on success, 2 for a bad flag or path (one line on stderr), 1
+for a failure during training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+import sys
+import time
+from typing import Sequence
+
+from models import PRESETS
+from train.config import PRECISIONS
+from train.config import SWITCH_MODES
+from train.config import TrainConfig
+
+PROG = "nvfp4-train"
+
+
+class UsageError(Exception):
+  """A bad command line: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+
+  def error(self, message):
+    raise UsageError(message)
+
+
+def _positive(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got "
+                                     f"{text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got "
+                                     f"{text!r}")
+  return value
+
+
+def _nonnegative(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    value = -1
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got "
+                                     f"{text!r}")
+  return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = _Parser(
+      prog=PROG,
+      description="Train a GPT with the NVFP4 recipe and compare it with "
+      "BF16. No arguments: --preset tiny --compare bf16,nvfp4 (minutes on a "
+      "CPU).")
+  p.add_argument("--preset", choices=list(PRESETS), default="tiny",
+                 help="model size (default tiny; parameter counts: "
+                 "python -m models)")
+  what = p.add_mutually_exclusive_group()
+  what.add_argument("--precision", choices=PRECISIONS,
+                    help="train one run in this precision")
+  what.add_argument("--compare", metavar="P1,P2[,...]",
+                    help="train one run per precision on the same data, "
+                    "seed and steps (default bf16,nvfp4)")
+  p.add_argument("--steps", type=_positive, help="optimizer steps "
+                 "(preset default)")
+  p.add_argument("--batch-size", type=_positive,
+                 help="sequences per step (preset default)")
+  p.add_argument("--seq-len", type=_positive,
+                 help="tokens per sequence (preset default)")
+  p.add_argument("--grad-accum", type=_positive, default=1,
+                 help="micro-batches per step (default 1)")
+  p.add_argument("--lr", type=float, help="peak learning rate (preset "
+                 "default)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--mlp", choices=("swiglu", "relu2"),
+                 help="MLP type (default swiglu)")
+  p.add_argument("--late-switch-step", type=_nonnegative, metavar="STEP",
+                 help="switch quantized layers to BF16 from this step on")
+  p.add_argument("--late-switch-mode", choices=SWITCH_MODES, default="all",
+                 help="what the late switch moves to BF16: all GEMMs "
+                 "(default) or only the forward GEMM")
+  p.add_argument("--eval-every", type=_positive,
+                 help="steps between validation evaluations (default "
+                 "steps/6)")
+  p.add_argument("--ckpt-every", type=_positive,
+                 help="steps between checkpoints (default steps/6)")
+  p.add_argument("--no-diagnostics", action="store_true",
+                 help="skip the per-layer quantization diagnostics")
+  p.add_argument("--data", metavar="PATH",
+                 help="text file, directory of text files, or uint16 .bin "
+                 "token file (default: the Python standard library's source)")
+  p.add_argument("--out", metavar="DIR", default="runs",
+                 help="output directory (default runs/)")
+  p.add_argument("--resume", action="store_true",
+                 help="continue from the latest checkpoint in the run "
+                 "directory")
+  p.add_argument("--no-progress", action="store_true",
+                 help="no progress bar")
+  return p
+
+
+def parse_precisions(args) -> list[str]:
+  if args.precision:
+    return [args.precision]
+  if args.compare is None:
+    return ["bf16", "nvfp4"]
+  names = [n.strip() for n in args.compare.split(",") if n.strip()]
+  bad = [n for n in names if n not in PRECISIONS]
+  if bad:
+    raise UsageError(f"--compare: unknown precision {bad[0]!r}; choose from "
+                     f"{','.join(PRECISIONS)}")
+  if len(names) < 2 or len(set(names)) != len(names):
+    raise UsageError(f"--compare needs two or more different precisions, "
+                     f"e.g. bf16,nvfp4; got {args.compare!r}")
+  return names
+
+
+def make_configs(args, precisions: list[str]) -> list[TrainConfig]:
+  try:
+    return [TrainConfig.for_preset(
+        args.preset, precision=p, steps=args.steps,
+        batch_size=args.batch_size, seq_len=args.seq_len,
+        grad_accum=args.grad_accum, lr=args.lr, seed=args.seed, mlp=args.mlp,
+        late_switch_step=args.late_switch_step,
+        late_switch_mode=args.late_switch_mode, eval_every=args.eval_every,
+        ckpt_every=args.ckpt_every,
+        diagnostics=not args.no_diagnostics) for p in precisions]
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+
+
+def check_paths(args) -> None:
+  if args.data is not None and not pathlib.Path(args.data).expanduser().exists():
+    raise UsageError(f"--data {args.data}: no such file or directory")
+  out = pathlib.Path(args.out)
+  if out.exists() and not out.is_dir():
+    raise UsageError(f"--out {args.out}: exists and is not a directory")
+  if args.resume:
+    for run in run_dirs(args):
+      if not (run / "checkpoints").is_dir():
+        raise UsageError(f"--resume: no checkpoint in {run}; run without "
+                         f"--resume to start it")
+
+
+def run_dirs(args) -> list[pathlib.Path]:
+  return [pathlib.Path(args.out) / f"{args.preset}-{p}"
+          for p in parse_precisions(args)]
+
+
+def format_table(results) -> str:
+  """Final losses and the relative gap of each run to the first one."""
+  ref = results[0]
+  head = (f"{'precision':<10} {'train loss':>10} {'val loss':>9} "
+          f"{'val gap vs ' + ref.config.precision:>16} {'skipped':>8}")
+  rows = [head, "-" * len(head)]
+  for r in results:
+    if r is ref:
+      gap = "-"
+    else:
+      gap = f"{100 * (r.final_val_loss - ref.final_val_loss) / ref.final_val_loss:+.2f}%"
+    rows.append(f"{r.config.precision:<10} {r.final_train_loss:>10.4f} "
+                f"{r.final_val_loss:>9.4f} {gap:>16} {r.skipped:>8}")
+  return "\n".join(rows)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  precisions = parse_precisions(args)
+  configs = make_configs(args, precisions)
+  check_paths(args)
+
+  # Heavy imports after the flags are known to be good: errors stay fast.
+  import jax
+  from models import format_count
+  from models import param_count
+  from train import data as data_lib
+  from train.loop import Trainer
+  from train.loop import model_config
+  from train.plots import plot_losses
+
+  t_start = time.perf_counter()
+  try:
+    corpus = data_lib.load_corpus(args.data)
+  except (OSError, ValueError) as e:
+    raise UsageError(str(e)) from None
+  cfg0 = configs[0]
+  mcfg = model_config(cfg0, corpus.vocab_size)
+  print(f"data: {corpus.describe()}")
+  print(f"model: GPT {cfg0.preset}, {format_count(param_count(mcfg))} "
+        f"parameters (d_model {mcfg.d_model}, {mcfg.num_layers} layers, "
+        f"{mcfg.num_heads} heads, {mcfg.mlp}, {mcfg.dtype} compute) on "
+        f"{jax.default_backend()}")
+  print(f"training: {cfg0.steps} steps x {cfg0.batch_size} sequences x "
+        f"{cfg0.seq_len} tokens, seed {cfg0.seed}; precisions "
+        f"{', '.join(precisions)}")
+
+  results = []
+  for cfg, out in zip(configs, run_dirs(args)):
+    try:
+      trainer = Trainer(cfg, corpus)
+    except ValueError as e:
+      raise UsageError(str(e)) from None
+    print(f"\n[{cfg.precision}] {trainer.describe()} -> {out}")
+    t0 = time.perf_counter()
+    result = trainer.run(out, resume=args.resume, progress=not args.no_progress,
+                         label=f"{cfg.precision:>5} ")
+    print(f"[{cfg.precision}] train loss {result.final_train_loss:.4f}, val "
+          f"loss {result.final_val_loss:.4f}, {result.skipped} skipped steps, "
+          f"{time.perf_counter() - t0:.0f}s; plots: {result.loss_plot}"
+          + (f", {result.diag_plot}" if result.diag_plot else ""))
+    results.append(result)
+
+  if len(results) > 1:
+    print()
+    print(format_table(results))
+    plot = pathlib.Path(args.out) / f"{args.preset}-{'-vs-'.join(precisions)}.png"
+    plot_losses({r.config.precision: r.records for r in results}, plot,
+                title=f"GPT {cfg0.preset}: {cfg0.steps} steps x "
+                f"{cfg0.batch_size} x {cfg0.seq_len} tokens, seed {cfg0.seed}")
+    print(f"\ncomparison plot: {plot}")
+  print(f"done in {time.perf_counter() - t_start:.0f}s")
+  bad = [r for r in results if not math.isfinite(r.final_val_loss)]
+  return 1 if bad else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Console entry point; returns the exit status."""
+  try:
+    return run(argv)
+  except UsageError as e:
+    print(f"{PROG}: error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print(f"{PROG}: interrupted; continue with the same flags and --resume",
+          file=sys.stderr)
+    return 130

@@ -1,0 +1,155 @@
+"""The training run's configuration and the per-preset defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from models import PRESETS
+from models import MLP_KINDS
+
+PRECISIONS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
+SWITCH_MODES = ("all", "forward")
+
+# Steps, global batch, sequence length and peak learning rate per model size.
+# `tiny` is sized for two CPU cores (both precisions of the default comparison
+# in under five minutes); the rest are starting points for a GPU.
+PRESET_TRAINING: dict[str, dict[str, Any]] = {
+    "tiny": dict(steps=300, batch_size=16, seq_len=128, lr=3e-3),
+    "small": dict(steps=5000, batch_size=64, seq_len=512, lr=1.5e-3),
+    "base": dict(steps=20000, batch_size=128, seq_len=1024, lr=6e-4),
+    "large": dict(steps=40000, batch_size=256, seq_len=1024, lr=3e-4),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+  """Everything that determines a run's numbers (saved with its checkpoints).
+
+  Attributes:
+    preset: model size, a key of `models.PRESETS`.
+    precision: "bf16" (every projection in high precision), "nvfp4" (the
+      paper's recipe with its selective-precision preset), "mxfp4" or
+      "mxfp8" (the same preset with that format).
+    steps: optimizer steps.
+    batch_size: sequences per optimizer step (all micro-batches together).
+    seq_len: tokens per sequence.
+    grad_accum: micro-batches per step; `batch_size` must divide evenly.
+    lr: peak learning rate of the warmup-stable-decay schedule.
+    warmup_steps: linear warmup length; None = 5% of `steps`.
+    decay_fraction: share of the run spent in the final linear decay to 0.
+    weight_decay: AdamW decoupled weight decay (matrices only).
+    b1, b2: AdamW moment decay rates.
+    clip_norm: global gradient-norm clip.
+    seed: seeds the initialization, the data order and stochastic rounding.
+    eval_every: steps between validation evaluations (and at the end).
+    eval_batches: validation batches per evaluation.
+    ckpt_every: steps between checkpoints (and at the end).
+    diagnostics: sample per-layer quantization diagnostics on the validation
+      batches at every evaluation.
+    late_switch_step: from this step on, quantized layers run in BF16
+      (paper Appendix D); None = never.
+    late_switch_mode: "all" GEMMs or only the "forward" one.
+    mlp: "swiglu" or "relu2"; None = the preset's.
+    dtype: compute dtype "float32"/"bfloat16"; None = bfloat16 on GPU/TPU,
+      float32 on CPU (where bf16 arithmetic is emulated and slow).
+  """
+
+  preset: str = "tiny"
+  precision: str = "nvfp4"
+  steps: int = 300
+  batch_size: int = 16
+  seq_len: int = 128
+  grad_accum: int = 1
+  lr: float = 3e-3
+  warmup_steps: int | None = None
+  decay_fraction: float = 0.2
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  clip_norm: float = 1.0
+  seed: int = 0
+  eval_every: int = 50
+  eval_batches: int = 4
+  ckpt_every: int = 100
+  diagnostics: bool = True
+  late_switch_step: int | None = None
+  late_switch_mode: str = "all"
+  mlp: str | None = None
+  dtype: str | None = None
+
+  def __post_init__(self):
+    if self.preset not in PRESETS:
+      raise ValueError(
+          f"unknown preset {self.preset!r}; use one of {list(PRESETS)}.")
+    if self.precision not in PRECISIONS:
+      raise ValueError(
+          f"unknown precision {self.precision!r}; use one of {PRECISIONS}.")
+    for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every",
+                 "eval_batches", "ckpt_every"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+    if self.batch_size % self.grad_accum:
+      raise ValueError(
+          f"batch_size={self.batch_size} is not divisible by grad_accum="
+          f"{self.grad_accum}; each micro-batch must hold the same number of "
+          f"sequences.")
+    tokens = self.micro_batch * self.seq_len
+    if self.precision != "bf16" and tokens % 32:
+      raise ValueError(
+          f"a micro-batch holds {self.micro_batch} x {self.seq_len} = {tokens} "
+          f"tokens, not a multiple of 32: the quantized weight-gradient GEMM "
+          f"blocks the token axis. Change --batch-size or --seq-len.")
+    if self.lr <= 0 or self.clip_norm <= 0:
+      raise ValueError("lr and clip_norm must be positive.")
+    if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
+      raise ValueError(f"warmup_steps must be in [0, steps), got "
+                       f"{self.warmup_steps}.")
+    if not 0.0 <= self.decay_fraction <= 1.0:
+      raise ValueError(f"decay_fraction must be in [0, 1], got "
+                       f"{self.decay_fraction}.")
+    if self.late_switch_step is not None and not (
+        0 <= self.late_switch_step <= self.steps):
+      raise ValueError(
+          f"late_switch_step={self.late_switch_step} is outside the run "
+          f"[0, {self.steps}].")
+    if self.late_switch_mode not in SWITCH_MODES:
+      raise ValueError(f"unknown late_switch_mode {self.late_switch_mode!r}; "
+                       f"use one of {SWITCH_MODES}.")
+    if self.mlp is not None and self.mlp not in MLP_KINDS:
+      raise ValueError(f"unknown mlp {self.mlp!r}; use one of {MLP_KINDS}.")
+    if self.dtype not in (None, "float32", "bfloat16"):
+      raise ValueError(f"unknown dtype {self.dtype!r}; use float32 or "
+                       f"bfloat16.")
+
+  @property
+  def micro_batch(self) -> int:
+    return self.batch_size // self.grad_accum
+
+  @property
+  def warmup(self) -> int:
+    if self.warmup_steps is not None:
+      return self.warmup_steps
+    return max(1, self.steps // 20) if self.steps > 1 else 0
+
+  def replace(self, **changes) -> "TrainConfig":
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def for_preset(cls, preset: str = "tiny", **overrides) -> "TrainConfig":
+    """The preset's training defaults, with `overrides` (None values ignored)."""
+    if preset not in PRESET_TRAINING:
+      raise ValueError(
+          f"unknown preset {preset!r}; use one of {list(PRESET_TRAINING)}.")
+    fields = dict(PRESET_TRAINING[preset])
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    steps = fields["steps"]
+    # Evaluate (with diagnostics) and checkpoint ~6 times per run by default.
+    interval = max(1, steps // 6)
+    for name in ("eval_every", "ckpt_every"):
+      fields.setdefault(name, interval)
+    return cls(preset=preset, **fields)
