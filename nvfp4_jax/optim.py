@@ -43,11 +43,12 @@ def master_weights(inner: optax.GradientTransformation
   Gradients are cast to FP32, `inner` updates the master in FP32, and the
   returned updates move each parameter to the new master cast to the
   parameter's dtype: `optax.apply_updates(params, updates)` gives
-  `new_master.astype(params.dtype)`. For FP32 parameters the updates are
-  `inner`'s own, so parameters and master stay identical. For bf16 parameters
-  the update is `f32(bf16(new_master)) - f32(param)`; that sum is exact unless
-  a weight shrinks by more than 2^15 in one step (then it lands within half an
-  FP32 ulp of the old weight). Updates too small to move a bf16 weight still
+  `new_master.astype(params.dtype)`, whatever XLA fuses on either side. The
+  update, in the parameter's dtype, is the difference of the new and the old
+  parameter, which is exact -- and so is the sum -- whenever the weight moves
+  by less than its own magnitude in one step (every ordinary step). A weight
+  that crosses or collapses to zero in one step lands within one ulp of the
+  old weight's scale instead. Updates too small to move a bf16 weight still
   accumulate in the master.
 
   Args:
@@ -70,11 +71,12 @@ def master_weights(inner: optax.GradientTransformation
                                               state.master)
     master = optax.apply_updates(state.master, inner_updates)
 
-    def param_update(u, new, p):
-      if p.dtype == jnp.float32:
-        return u
-      return new.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32)
-    out = jax.tree_util.tree_map(param_update, inner_updates, master, params)
+    def param_update(new, p):
+      # In the parameter's dtype (optax wrappers like apply_if_finite need the
+      # updates' dtype to match the gradients').
+      delta = new.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32)
+      return delta.astype(p.dtype)
+    out = jax.tree_util.tree_map(param_update, master, params)
     return out, MasterWeightsState(master=master, inner_state=inner_state)
 
   return optax.GradientTransformation(init_fn, update_fn)
