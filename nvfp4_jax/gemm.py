@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from nvfp4_jax import dispatch
 from nvfp4_jax import numerics as nm
 from nvfp4_jax.mx import MXArray
 from nvfp4_jax.nvfp4 import NVFP4Array
@@ -34,8 +35,8 @@ def gemm_alpha(a: QArray, b: QArray) -> jax.Array:
   return nm.ftz((amax_a * amax_b) / jnp.float32(den_a * den_b))
 
 
-def block_scaled_matmul(a: QArray, b: QArray, *,
-                        out_dtype=jnp.float32) -> jax.Array:
+def block_scaled_matmul(a: QArray, b: QArray, *, out_dtype=jnp.float32,
+                        implementation: str | None = None) -> jax.Array:
   """`a @ b.T` over the quantized last axis, FP32 accumulation.
 
   Args:
@@ -43,6 +44,16 @@ def block_scaled_matmul(a: QArray, b: QArray, *,
     b: quantized `[N, K]`.
     out_dtype: dtype of the result; the FP32 product is scaled by `alpha` in
       FP32 and then cast.
+    implementation: how to run it (all exact: bf16 products of block values,
+      FP32 accumulation; results differ only by FP32 summation order):
+      - "xla": the reference: block-dequantize in jnp, `lax.dot_general`.
+      - "pallas": the Pallas block-dequantize kernel, then a bf16 GEMM with
+        FP32 accumulation (cuBLAS on GPU). NVFP4 only.
+      - "triton": a jax-triton kernel with `tl.dot_scaled` (FP4 tensor cores
+        on Blackwell; decomposed on Hopper). NVFP4 on GPU only.
+      - "scaled_matmul": `jax.nn.scaled_matmul` on float4_e2m1fn operands
+        (cuDNN on Blackwell; XLA decomposes it elsewhere). NVFP4 on GPU only.
+      - None: "pallas" on GPU, "xla" elsewhere.
 
   Returns:
     `[M, N]` in `out_dtype`.
@@ -60,9 +71,68 @@ def block_scaled_matmul(a: QArray, b: QArray, *,
     raise ValueError(
         f"block_scaled_matmul: contraction sizes differ, a {a.shape} vs b "
         f"{b.shape} (both are quantized along their last axis: a @ b.T).")
-  va, _ = block_dequantize(a)
-  vb, _ = block_dequantize(b)
+  return dispatch.dispatch(
+      "block_scaled_matmul", _GEMM_IMPLEMENTATIONS, implementation,
+      {"gpu": ("pallas",)}, a, b, out_dtype=out_dtype)
+
+
+def block_values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
+                        out_dtype=jnp.float32) -> jax.Array:
+  """`(va @ vb.T) * alpha`: bf16 block values `[M, K]`, `[N, K]`, FP32 acc.
+
+  The GEMM of the exact emulation, for callers that already hold the block
+  values (e.g. from `nvfp4_jax.fused.quantize_with_values`).
+  """
   acc = jax.lax.dot_general(
       va, vb, (((1,), (1,)), ((), ())),
       preferred_element_type=jnp.float32)
+  return (acc * alpha).astype(out_dtype)
+
+
+def _matmul_xla(a, b, *, out_dtype):
+  va, _ = block_dequantize(a)
+  vb, _ = block_dequantize(b)
+  return block_values_matmul(va, vb, gemm_alpha(a, b), out_dtype=out_dtype)
+
+
+def _require_nvfp4(a, b, what):
+  if not (isinstance(a, NVFP4Array) and isinstance(b, NVFP4Array)):
+    raise NotImplementedError(
+        f"implementation={what!r} takes NVFP4Arrays only; use 'xla' for MX.")
+
+
+def _matmul_pallas(a, b, *, out_dtype):
+  _require_nvfp4(a, b, "pallas")
+  from pallas_kernels import quantize as pq  # pylint: disable=g-import-not-at-top
+  return block_values_matmul(pq.block_values(a), pq.block_values(b),
+                             gemm_alpha(a, b), out_dtype=out_dtype)
+
+
+def _matmul_triton(a, b, *, out_dtype):
+  _require_nvfp4(a, b, "triton")
+  from pallas_kernels import triton_gemm  # pylint: disable=g-import-not-at-top
+  return triton_gemm.block_scaled_matmul(a, b, gemm_alpha(a, b),
+                                         out_dtype=out_dtype)
+
+
+def _matmul_scaled_matmul(a, b, *, out_dtype):
+  _require_nvfp4(a, b, "scaled_matmul")
+  if dispatch.platform() != "gpu":
+    raise NotImplementedError(
+        "jax.nn.scaled_matmul has no lowering on this platform "
+        f"({dispatch.platform()}); use implementation='xla'.")
+
+  def f4(q):  # Packed bytes -> float4_e2m1fn [rows, K] (low nibble first).
+    v = jax.lax.bitcast_convert_type(q.codes, jnp.float4_e2m1fn)
+    return v.reshape(q.shape)[None]
+  acc = jax.nn.scaled_matmul(f4(a), f4(b), a.scales[None], b.scales[None],
+                             preferred_element_type=jnp.float32)[0]
   return (acc * gemm_alpha(a, b)).astype(out_dtype)
+
+
+_GEMM_IMPLEMENTATIONS = {
+    "xla": _matmul_xla,
+    "pallas": _matmul_pallas,
+    "triton": _matmul_triton,
+    "scaled_matmul": _matmul_scaled_matmul,
+}

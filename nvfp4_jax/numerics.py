@@ -88,18 +88,29 @@ def nvfp4_block_decode_scale(block_amax: jax.Array,
   XLA:GPU from fusing the FP32->E4M3->FP32 round trip away ("excess
   precision"). Kernels need no barrier (the barrier does not lower there).
   """
-  d = jnp.minimum(block_amax.astype(jnp.float32) * s_enc_over_6,
-                  jnp.float32(E4M3_MAX))
+  d = block_amax.astype(jnp.float32) * s_enc_over_6
+  # A select rather than jnp.minimum: Pallas-Triton lowers min to `minnumf`,
+  # which would turn a NaN block amax into a finite 448.
+  d = jnp.where(d > E4M3_MAX, jnp.float32(E4M3_MAX), d)
   return d.astype(jnp.float8_e4m3fn)
 
 
-def nvfp4_block_encode_scale(d_f32: jax.Array, inv_s_enc: jax.Array) -> jax.Array:
+def nvfp4_block_encode_scale(d_f32: jax.Array, inv_s_enc: jax.Array, *,
+                             divide=jnp.divide) -> jax.Array:
   """`e = min(1 / (f32(d) * (1 / S_enc)), FLT_MAX)` from the decoded E4M3 scale.
 
-  A zero `d` gives `e = FLT_MAX`.
+  A zero `d` gives `e = FLT_MAX`; NaN stays NaN.
+
+  Args:
+    d_f32: the E4M3 block decode scales, widened to FP32.
+    inv_s_enc: `1 / S_enc` (see `nvfp4_scale_constants`).
+    divide: the FP32 division, correctly rounded. XLA's is; Pallas-Triton
+      lowers `/` to the approximate `div.full.f32`, so GPU kernels pass an
+      IEEE `div.rn.f32` here.
   """
   denom = ftz(d_f32 * inv_s_enc)
-  return jnp.minimum(jnp.float32(1.0) / denom, jnp.float32(F32_MAX))
+  e = divide(jnp.float32(1.0), denom)
+  return jnp.where(e > F32_MAX, jnp.float32(F32_MAX), e)
 
 
 # ----------------------------------------------------------------------------
@@ -179,7 +190,8 @@ def pack_e2m1(codes: jax.Array) -> jax.Array:
     raise ValueError(
         f"pack_e2m1 needs an even last axis, got shape {codes.shape}.")
   pairs = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], -1, 2)
-  return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
+  lo, hi = jnp.unstack(pairs, axis=-1)  # Lowers to Triton's split, too.
+  return (lo & 0xF) | ((hi & 0xF) << 4)
 
 
 def unpack_e2m1(packed: jax.Array) -> jax.Array:

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from nvfp4_jax import dispatch
 from nvfp4_jax import numerics as nm
 from nvfp4_jax import prng
 
@@ -132,7 +133,8 @@ def _block_amax(xf: jax.Array, block_2d: bool) -> jax.Array:
 
 def quantize(x: jax.Array, *, block_2d: bool = False,
              rounding: str = "nearest", key: jax.Array | None = None,
-             amax: jax.Array | None = None) -> NVFP4Array:
+             amax: jax.Array | None = None,
+             implementation: str | None = None) -> NVFP4Array:
   """Quantizes `x` to NVFP4 along its last axis (blocks of 16).
 
   Args:
@@ -144,6 +146,9 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
       the stream of `nvfp4_jax.prng` on `x`'s row-major element order.
     amax: an already reduced tensor amax (FP32 scalar), e.g. a `pmax` over the
       shards of a sharded tensor. Defaults to `max |x|`.
+    implementation: "xla" (the pure-jnp reference below), "pallas" (the
+      Pallas-Triton kernel, `pallas_kernels.quantize`; interpreted on CPU), or
+      None: "pallas" on GPU, "xla" elsewhere. All give identical bytes.
 
   Returns:
     An `NVFP4Array`.
@@ -151,7 +156,24 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   Raises:
     TypeError: `x` is not a floating array.
     ValueError: bad shapes, unknown rounding, stochastic rounding without key.
+    NotImplementedError: the named implementation cannot run here.
   """
+  return dispatch.dispatch(
+      "quantize", _QUANTIZE_IMPLEMENTATIONS, implementation,
+      {"gpu": ("pallas",)}, x, block_2d=block_2d, rounding=rounding, key=key,
+      amax=amax)
+
+
+def _quantize_pallas(x, **kwargs) -> NVFP4Array:
+  from pallas_kernels import quantize as pallas_quantize  # pylint: disable=g-import-not-at-top
+  return pallas_quantize.quantize(x, **kwargs)
+
+
+def quantize_reference(x: jax.Array, *, block_2d: bool = False,
+                       rounding: str = "nearest",
+                       key: jax.Array | None = None,
+                       amax: jax.Array | None = None) -> NVFP4Array:
+  """The pure-jnp reference of `quantize` (its `implementation="xla"`)."""
   x = check_input(x, block=nm.NVFP4_BLOCK, block_2d=block_2d, what="quantize")
   check_rounding(rounding, key)
   xf = nm.ftz(x.astype(jnp.float32))
@@ -176,6 +198,10 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
     codes = nm.e2m1_encode_stochastic(y, rbits)
   codes = nm.pack_e2m1(codes.reshape(x.shape))
   return NVFP4Array(codes=codes, scales=scales, amax=amax, block_2d=block_2d)
+
+
+_QUANTIZE_IMPLEMENTATIONS = {"xla": quantize_reference,
+                             "pallas": _quantize_pallas}
 
 
 def block_dequantize_nvfp4(q: NVFP4Array) -> tuple[jax.Array, jax.Array]:

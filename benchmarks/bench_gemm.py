@@ -1,0 +1,112 @@
+"""NVFP4 GEMM: TFLOP/s vs cuBLAS bf16 at 8192^3 and transformer shapes.
+
+Rows per shape (M tokens, N out, K in; bf16 output):
+- "cuBLAS bf16": the ceiling, `a @ b.T` on random bf16 operands.
+- "pallas excl. prep": the GEMM on already block-dequantized bf16 operands
+  (`block_values_matmul`; the values come fused out of the quantize kernel).
+- "pallas incl. prep": from `NVFP4Array`s: Pallas dequantize kernel on both
+  operands, then the bf16 GEMM (`block_scaled_matmul(implementation="pallas")`).
+- "xla": the reference from `NVFP4Array`s (dequantize in XLA + dot).
+- at 8192^3 also "triton" (`tl.dot_scaled` via jax-triton), "scaled_matmul"
+  (`jax.nn.scaled_matmul`) and "quantize+GEMM" from bf16 inputs (both
+  operands quantized with values by the Pallas kernel, amax included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import timing
+from nvfp4_jax import fused
+from nvfp4_jax import gemm
+from nvfp4_jax import nvfp4
+
+TRANSFORMER_DIMS = (2048, 4096, 8192, 14336)
+
+
+def _rel_err(got, want) -> float:
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def run_shape(m: int, n: int, k: int, *, full: bool) -> list[dict]:
+  flops = 2.0 * m * n * k
+  ka, kb = jax.random.split(jax.random.key(m + n + k))
+  a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
+  b = jax.random.normal(kb, (n, k), jnp.float32).astype(jnp.bfloat16)
+  qa, va = fused.quantize_with_values(a)
+  qb, vb = fused.quantize_with_values(b, block_2d=True)
+  alpha = gemm.gemm_alpha(qa, qb)
+  bf16 = jnp.bfloat16
+  shape = f"{m}x{n}x{k}"
+  rows = []
+  t_cublas = timing.bench(timing.bf16_matmul(m, n, k), [(a, b)], calls=5,
+                          reps=5)
+
+  def add(name, fn, args, check=True):
+    try:
+      f = jax.jit(fn)
+      out = f(*args)
+      err = _rel_err(out, ref) if check else float("nan")
+      t = timing.bench(f, [args], calls=5, reps=5)
+    except Exception as e:  # pylint: disable=broad-except
+      rows.append(dict(shape=shape, gemm=name,
+                       note=f"failed: {type(e).__name__}: {str(e)[:120]}"))
+      return
+    rows.append(dict(shape=shape, gemm=name, ms=t * 1e3,
+                     tflops=flops / t / 1e12, of_cublas=t_cublas / t,
+                     rel_err=err))
+
+  ref = jax.jit(functools.partial(gemm.block_scaled_matmul, out_dtype=bf16,
+                                  implementation="xla"))(qa, qb)
+  rows.append(dict(shape=shape, gemm="cuBLAS bf16", ms=t_cublas * 1e3,
+                   tflops=flops / t_cublas / 1e12, of_cublas=1.0))
+  add("pallas excl. prep", functools.partial(gemm.block_values_matmul,
+                                             out_dtype=bf16), (va, vb, alpha))
+  add("pallas incl. prep", functools.partial(
+      gemm.block_scaled_matmul, out_dtype=bf16, implementation="pallas"),
+      (qa, qb))
+  add("xla", functools.partial(gemm.block_scaled_matmul, out_dtype=bf16,
+                               implementation="xla"), (qa, qb))
+  if full:
+    add("triton", functools.partial(
+        gemm.block_scaled_matmul, out_dtype=bf16, implementation="triton"),
+        (qa, qb))
+    add("scaled_matmul", functools.partial(
+        gemm.block_scaled_matmul, out_dtype=bf16,
+        implementation="scaled_matmul"), (qa, qb))
+
+    def e2e(x, w):
+      qx, vx = fused.quantize_with_values(x)
+      qw, vw = fused.quantize_with_values(w, block_2d=True)
+      return gemm.block_values_matmul(vx, vw, gemm.gemm_alpha(qx, qw),
+                                      out_dtype=bf16)
+    add("quantize+GEMM (from bf16)", e2e, (a, b))
+  return rows
+
+
+def run(shapes=None) -> list[dict]:
+  if shapes is None:
+    shapes = [(8192, 8192, 8192, True)]
+    shapes += [(8192, n, k, False) for k in TRANSFORMER_DIMS
+               for n in TRANSFORMER_DIMS if (n, k) != (8192, 8192)]
+  rows = []
+  for m, n, k, full in shapes:
+    rows += run_shape(m, n, k, full=full)
+  return rows
+
+
+COLS = ("shape", "gemm", "ms", "tflops", "of_cublas", "rel_err", "note")
+
+if __name__ == "__main__":
+  p = argparse.ArgumentParser()
+  p.add_argument("--size", type=int, default=0,
+                 help="only one square size (e.g. 1024 for a smoke run)")
+  args = p.parse_args()
+  shapes = [(args.size,) * 3 + (True,)] if args.size else None
+  print(timing.table(run(shapes), COLS))

@@ -1,0 +1,175 @@
+"""Quantize kernels: achieved TB/s vs the copy bandwidth, and vs pure XLA.
+
+Bytes are the fewest a single pass can move: each input element read once
+(2 B for bf16) plus the outputs written once (0.5 B of codes + 1/16 B of
+scales per element; +2 B with the bf16 block values). Rows "+amax" include
+the separate tensor-amax pass (a global max must be complete before encoding),
+which reads the input a second time but is not counted in the bytes: their
+TB/s is effective throughput, the ratio what a caller gets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import timing
+from nvfp4_jax import fused
+from nvfp4_jax import nvfp4
+from pallas_kernels import quantize as pq
+from pallas_kernels import rht as pr
+
+Q_BYTES = 0.5 + 1 / 16  # Codes + scales written per element.
+
+
+def _same(a, b) -> bool:
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(la) == len(lb) and all(
+      np.array_equal(np.atleast_1d(np.asarray(x)).view(np.uint8),
+                     np.atleast_1d(np.asarray(y)).view(np.uint8))
+      for x, y in zip(la, lb))
+
+
+def variants(key):
+  """(name, bytes/elem, pallas fn, xla fn, needs_amax_t?) over x [T, F]."""
+  q = functools.partial
+  return [
+      ("quantize 1x16 RTNE", 2 + Q_BYTES,
+       lambda x, a: nvfp4.quantize(x, amax=a, implementation="pallas"),
+       lambda x, a: nvfp4.quantize(x, amax=a, implementation="xla"), "x"),
+      ("quantize 1x16 RTNE +amax", 2 + Q_BYTES,
+       q(nvfp4.quantize, implementation="pallas"),
+       q(nvfp4.quantize, implementation="xla"), None),
+      ("quantize 1x16 SR +amax", 2 + Q_BYTES,
+       q(nvfp4.quantize, rounding="stochastic", key=key,
+         implementation="pallas"),
+       q(nvfp4.quantize, rounding="stochastic", key=key,
+         implementation="xla"), None),
+      ("quantize 16x16 RTNE +amax", 2 + Q_BYTES,
+       q(nvfp4.quantize, block_2d=True, implementation="pallas"),
+       q(nvfp4.quantize, block_2d=True, implementation="xla"), None),
+      ("quantize 1x16 + bf16 values +amax", 4 + Q_BYTES,
+       q(fused.quantize_with_values, implementation="pallas"),
+       q(fused.quantize_with_values, implementation="xla"), None),
+      ("rht_t RTNE", 2 + Q_BYTES,
+       lambda x, a: fused.quantize_rht_t(x, amax=a, implementation="pallas"),
+       lambda x, a: fused.quantize_rht_t(x, amax=a, implementation="xla"),
+       "t"),
+      ("rht_t RTNE +amax", 2 + Q_BYTES,
+       q(fused.quantize_rht_t, implementation="pallas"),
+       q(fused.quantize_rht_t, implementation="xla"), None),
+      ("rht_t SR +amax", 2 + Q_BYTES,
+       q(fused.quantize_rht_t, rounding="stochastic", key=key,
+         implementation="pallas"),
+       q(fused.quantize_rht_t, rounding="stochastic", key=key,
+         implementation="xla"), None),
+      ("x + rht_t RTNE +amax", 2 + 2 * Q_BYTES,
+       q(fused.quantize_x_and_rht_t, implementation="pallas"),
+       q(fused.quantize_x_and_rht_t, implementation="xla"), None),
+      ("x + rht_t SR +amax", 2 + 2 * Q_BYTES,
+       q(fused.quantize_x_and_rht_t, key=key, implementation="pallas"),
+       q(fused.quantize_x_and_rht_t, key=key, implementation="xla"), None),
+  ]
+
+
+def run(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
+        n_inputs: int = 2) -> list[dict]:
+  key = jax.random.key(0)
+  xs = [jax.random.normal(jax.random.key(i), (tokens, features),
+                          jnp.float32).astype(jnp.bfloat16)
+        for i in range(n_inputs)]
+  n = tokens * features
+  amax_x = [jnp.max(jnp.abs(x)).astype(jnp.float32) for x in xs]
+  amax_t = [pr.rht_amax(x) for x in xs]
+  rows = []
+
+  # The amax pass alone and the dequantize kernel, for reference.
+  f_amax = jax.jit(lambda x: jnp.max(jnp.abs(x.astype(jnp.float32))))
+  t = timing.bench(f_amax, [(x,) for x in xs])
+  rows.append(dict(kernel="amax pass (XLA reduction)", bytes_per_elem=2.0,
+                   us=t * 1e6, tbps=2 * n / t / 1e12,
+                   of_copy=2 * n / t / copy_bw))
+  f_amax_t = jax.jit(functools.partial(pr.rht_amax, with_x=True))
+  t = timing.bench(f_amax_t, [(x,) for x in xs])
+  rows.append(dict(kernel="amax pass (x and rht(x.T), Pallas)",
+                   bytes_per_elem=2.0, us=t * 1e6, tbps=2 * n / t / 1e12,
+                   of_copy=2 * n / t / copy_bw))
+
+  qs = [nvfp4.quantize(x, implementation="pallas") for x in xs]
+  f_p = jax.jit(pq.block_values)
+  f_x = jax.jit(lambda q: nvfp4.block_dequantize_nvfp4(q)[0])
+  t_p = timing.bench(f_p, [(q,) for q in qs])
+  t_x = timing.bench(f_x, [(q,) for q in qs])
+  b = (Q_BYTES + 2) * n
+  rows.append(dict(kernel="dequantize to bf16 values", bytes_per_elem=2.5625,
+                   us=t_p * 1e6, tbps=b / t_p / 1e12, of_copy=b / t_p / copy_bw,
+                   xla_us=t_x * 1e6, vs_xla=t_x / t_p,
+                   exact=_same(f_p(qs[0]), f_x(qs[0]))))
+
+  for name, bpe, fp, fx, amax_kind in variants(key):
+    if amax_kind is None:
+      args = [(x,) for x in xs]
+    else:
+      am = amax_x if amax_kind == "x" else amax_t
+      args = list(zip(xs, am))
+    jp, jx = jax.jit(fp), jax.jit(fx)
+    exact = _same(jp(*args[0]), jx(*args[0]))
+    t_p = timing.bench(jp, args)
+    t_x = timing.bench(jx, args)
+    b = bpe * n
+    rows.append(dict(kernel=name, bytes_per_elem=bpe, us=t_p * 1e6,
+                     tbps=b / t_p / 1e12, of_copy=b / t_p / copy_bw,
+                     xla_us=t_x * 1e6, vs_xla=t_x / t_p, exact=exact))
+  return rows
+
+
+def sweep(tokens: int = 8192, features: int = 8192, *, copy_bw: float
+          ) -> list[dict]:
+  """Tile-size sweep of the two main kernels (amax given)."""
+  x = jax.random.normal(jax.random.key(0), (tokens, features),
+                        jnp.float32).astype(jnp.bfloat16)
+  xs = [x, x * 0.5]
+  n = tokens * features
+  rows = []
+  a = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  for br, bc, w in [(32, 256, 4), (64, 256, 8), (16, 512, 4), (64, 128, 4),
+                    (128, 256, 8), (32, 512, 8), (8, 1024, 4)]:
+    cfg = pq.QuantizeConfig(block_rows=br, block_cols=bc, num_warps=w)
+    f = jax.jit(lambda x, cfg=cfg: pq.quantize(x, amax=a, config=cfg))
+    t = timing.bench(f, [(v,) for v in xs])
+    rows.append(dict(kernel=f"quantize 1x16 {br}x{bc} w{w}", us=t * 1e6,
+                     of_copy=(2 + Q_BYTES) * n / t / copy_bw))
+  at = pr.rht_amax(x)
+  for bt, bf, w in [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8),
+                    (32, 64, 2), (256, 64, 8), (64, 32, 2)]:
+    cfg = pr.RHTConfig(block_tokens=bt, block_features=bf, num_warps=w)
+    f = jax.jit(lambda x, cfg=cfg: pr.quantize_rht_t(x, amax=at, config=cfg))
+    t = timing.bench(f, [(v,) for v in xs])
+    rows.append(dict(kernel=f"rht_t {bt}x{bf} w{w}", us=t * 1e6,
+                     of_copy=(2 + Q_BYTES) * n / t / copy_bw))
+    f = jax.jit(lambda x, cfg=cfg: pr.rht_amax(x, with_x=True, config=cfg))
+    t = timing.bench(f, [(v,) for v in xs])
+    rows.append(dict(kernel=f"rht_amax {bt}x{bf} w{w}", us=t * 1e6,
+                     of_copy=2 * n / t / copy_bw))
+  return rows
+
+
+COLS = ("kernel", "bytes_per_elem", "us", "tbps", "of_copy", "xla_us",
+        "vs_xla", "exact")
+
+if __name__ == "__main__":
+  p = argparse.ArgumentParser()
+  p.add_argument("--tokens", type=int, default=8192)
+  p.add_argument("--features", type=int, default=8192)
+  p.add_argument("--sweep", action="store_true")
+  a = p.parse_args()
+  bw = timing.copy_bandwidth()
+  print(f"copy bandwidth: {bw / 1e12:.3f} TB/s")
+  if a.sweep:
+    print(timing.table(sweep(a.tokens, a.features, copy_bw=bw),
+                       ("kernel", "us", "of_copy")))
+  print(timing.table(run(a.tokens, a.features, copy_bw=bw), COLS))

@@ -1,0 +1,74 @@
+"""GPU facts the kernels rely on, checked on the device (prints a table).
+
+1. FP32 division inside Pallas-Triton: `/` vs `common.exact_divide` (inline
+   `div.rn.f32`) against NumPy's correctly rounded division, on the block
+   encode scale's actual operands (`1 / (f32(d_e4m3) * inv_s_enc)`).
+2. `tl.dot_scaled` with NVFP4 (E4M3, block-16) scales on this GPU: native
+   (Triton's own decomposition on Hopper) vs the written-out decomposition.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from nvfp4_jax import gemm
+from nvfp4_jax import nvfp4
+from pallas_kernels import common
+
+
+def division() -> list[str]:
+  rng = np.random.default_rng(0)
+  n = 1 << 20
+  d = rng.integers(1, 127, n).astype(np.uint8).view(jnp.float8_e4m3fn)
+  d = np.asarray(d, np.float32)
+  inv = np.float32(1) / (np.float32(2688) / rng.uniform(1e-3, 1e4, n)
+                         ).astype(np.float32)
+  denom = (d * inv.astype(np.float32)).astype(np.float32)
+  want = (np.float32(1) / denom).astype(np.float32)
+  out = []
+  for name, div in (("a / b", jnp.divide),
+                    ("div.rn.f32", common.exact_divide(False))):
+    def kernel(x_ref, o_ref, div=div):
+      o_ref[...] = div(jnp.float32(1.0), x_ref[...])
+    f = pl.pallas_call(kernel, grid=(n // 1024,),
+                       in_specs=[pl.BlockSpec((1024,), lambda i: (i,))],
+                       out_specs=pl.BlockSpec((1024,), lambda i: (i,)),
+                       out_shape=jax.ShapeDtypeStruct((n,), jnp.float32))
+    got = np.asarray(jax.jit(f)(jnp.asarray(denom)))
+    bad = int(np.sum(got.view(np.uint32) != want.view(np.uint32)))
+    out.append(f"| division {name} | {bad} of {n} differ from IEEE |")
+  return out
+
+
+def dot_scaled() -> list[str]:
+  from pallas_kernels import triton_gemm  # pylint: disable=g-import-not-at-top
+  a = jax.random.normal(jax.random.key(0), (256, 512), jnp.float32)
+  b = jax.random.normal(jax.random.key(1), (384, 512), jnp.float32)
+  qa, qb = nvfp4.quantize(a), nvfp4.quantize(b)
+  want = np.asarray(gemm.block_scaled_matmul(qa, qb, implementation="xla"))
+  out = []
+  for native in (True, False):
+    try:
+      f = jax.jit(functools.partial(triton_gemm.block_scaled_matmul,
+                                    native=native))
+      got = np.asarray(f(qa, qb, gemm.gemm_alpha(qa, qb)))
+      err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+      out.append(f"| tl.dot_scaled native={native} | max rel err {err:.2e} |")
+    except Exception as e:  # pylint: disable=broad-except
+      msg = str(e).replace("\n", " ")[:300]
+      out.append(f"| tl.dot_scaled native={native} | FAILED {type(e).__name__}:"
+                 f" {msg} |")
+  return out
+
+
+if __name__ == "__main__":
+  print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"cc {common.compute_capability()}")
+  print("| probe | result |\n| --- | --- |")
+  for line in division() + dot_scaled():
+    print(line, flush=True)

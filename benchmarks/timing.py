@@ -1,0 +1,63 @@
+"""Timing helpers shared by the benchmarks (GPU; they also run, slowly, on CPU).
+
+`bench` times a jitted function by queueing `calls` launches back to back and
+blocking once (so launch overhead overlaps with device work), `reps` times,
+and returns the median seconds per call. Inputs rotate through several sets
+larger than L2 so repeated calls do not hit in cache.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def bench(fn: Callable, arg_sets: Sequence[tuple], *, calls: int = 10,
+          reps: int = 7) -> float:
+  """Median seconds per call of `fn(*args)` over rotating `arg_sets`."""
+  for args in arg_sets:  # Compile and warm up.
+    jax.block_until_ready(fn(*args))
+  per_call = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    out = None
+    for i in range(calls):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    per_call.append((time.perf_counter() - t0) / calls)
+  return statistics.median(per_call)
+
+
+def copy_bandwidth(n_bytes: int = 1 << 30) -> float:
+  """Bytes/s of `a * 1.0001` on an FP32 array of `n_bytes` (read + write)."""
+  n = n_bytes // 4
+  xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32)
+        for i in range(2)]
+  f = jax.jit(lambda a: a * jnp.float32(1.0001))
+  t = bench(f, [(x,) for x in xs], calls=10, reps=7)
+  del xs
+  return 2 * n_bytes / t
+
+
+def bf16_matmul(m: int, n: int, k: int):
+  """The cuBLAS baseline: bf16 `a @ b.T`, FP32 accumulation, bf16 out."""
+  return jax.jit(lambda a, b: jax.lax.dot_general(
+      a, b, (((1,), (1,)), ((), ())),
+      preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+
+
+def table(rows: list[dict], cols: Sequence[str]) -> str:
+  """A Markdown table of `rows` (dicts) with the given column order."""
+  def fmt(v):
+    if isinstance(v, float):
+      return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+  lines = ["| " + " | ".join(cols) + " |",
+           "| " + " | ".join("---" for _ in cols) + " |"]
+  for r in rows:
+    lines.append("| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |")
+  return "\n".join(lines)

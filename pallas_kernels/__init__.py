@@ -1,0 +1,1 @@
+"""Pallas-Triton kernels for NVFP4 (see nvfp4_jax for the reference)."""

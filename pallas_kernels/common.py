@@ -1,0 +1,117 @@
+"""Plumbing shared by the Pallas-Triton kernels: backend checks, exact division,
+NaN-propagating maxima and the launch helper.
+
+The numerics live in `nvfp4_jax.numerics` (and `nvfp4_jax.prng`); the kernels
+apply those same jnp functions to their tiles. What is here only makes them
+lower to Triton with the same results:
+
+- Triton lowers FP32 `/` to the approximate `div.full.f32`; `exact_divide`
+  returns an IEEE `div.rn.f32` (inline PTX) on GPU and plain division in
+  interpret mode, where XLA's division is already correctly rounded.
+- Triton lowers float `max` to `maxnumf`, which drops NaN. `abs_max` reduces
+  the magnitudes' bit patterns as unsigned integers instead: for non-negative
+  floats the order is the same, and every NaN sorts above +Inf, so a NaN
+  anywhere gives a NaN amax (as `jnp.max(jnp.abs(x))` does under XLA).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+
+def backend() -> str:
+  """The platform the kernels will run on: "gpu", "cpu", "tpu", ..."""
+  return jax.default_backend()
+
+
+def check_backend(what: str) -> bool:
+  """Raises NotImplementedError where Pallas-Triton cannot run.
+
+  Returns:
+    Whether to run in interpret mode (True on CPU).
+  """
+  b = backend()
+  if b == "cpu":
+    return True
+  if b != "gpu":
+    raise NotImplementedError(
+        f"{what}: the Pallas kernels target NVIDIA GPUs through Triton (and run "
+        f"interpreted on CPU); backend {b!r} is not supported. Use "
+        f"implementation='xla'.")
+  cc = compute_capability()
+  if cc is not None and cc < (8, 9):
+    raise NotImplementedError(
+        f"{what}: the kernels cast to float8_e4m3fn, which Triton supports from "
+        f"compute capability 8.9; this GPU is {cc}. Use implementation='xla'.")
+  return False
+
+
+def compute_capability() -> tuple[int, int] | None:
+  """`(major, minor)` of the first GPU, or None if unknown."""
+  try:
+    cc = jax.devices("gpu")[0].compute_capability
+  except (RuntimeError, AttributeError, IndexError):
+    return None
+  major, minor = str(cc).split(".")[:2]
+  return int(major), int(minor)
+
+
+def exact_divide(interpret: bool) -> Callable[[jax.Array, jax.Array],
+                                              jax.Array]:
+  """Correctly rounded FP32 division for use inside a kernel."""
+  if interpret:
+    return jnp.divide
+
+  def div_rn(a, b):
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32),
+                                jnp.asarray(b, jnp.float32))
+    [out] = plt.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+    return out
+  return div_rn
+
+
+def abs_max(x: jax.Array, axis) -> jax.Array:
+  """`max |x|` over `axis` of FP32 `x`, NaN-propagating in Triton too."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0x7FFFFFFF)
+  return jax.lax.bitcast_convert_type(jnp.max(bits, axis=axis), jnp.float32)
+
+
+def abs_max_bits(x: jax.Array) -> jax.Array:
+  """`max |x|` over all of FP32 `x`, as its uint32 bit pattern (for partials)."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0x7FFFFFFF)
+  return jnp.max(bits)
+
+
+def combine_partial_amax(bits: jax.Array) -> jax.Array:
+  """Reduces per-program amax bit patterns (uint32) to the FP32 tensor amax."""
+  return jax.lax.bitcast_convert_type(jnp.max(bits), jnp.float32)
+
+
+def next_pow2(n: int) -> int:
+  return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def pallas_call(kernel, *, interpret: bool, num_warps: int, num_stages: int,
+                name: str, **kwargs) -> Any:
+  """`pl.pallas_call` with Triton compiler parameters (or interpret mode)."""
+  return pl.pallas_call(
+      kernel, interpret=interpret, name=name,
+      compiler_params=plt.CompilerParams(num_warps=num_warps,
+                                         num_stages=num_stages),
+      **kwargs)
+
+
+def scalar_spec(n: int) -> pl.BlockSpec:
+  """A whole small 1-D operand (per-tensor constants, seeds) for every program."""
+  return pl.BlockSpec((n,), lambda *idx: (0,))

@@ -1,0 +1,205 @@
+"""Pallas-Triton NVFP4 quantize and block-dequantize kernels (1x16 and 16x16).
+
+Data flow of `quantize`: the tensor amax is one XLA reduction (a global max
+must be complete before any block can be encoded); then one kernel reads each
+element once and writes the packed codes, the E4M3 scales and, optionally, the
+exact bf16 block-dequantized values that a Hopper GEMM consumes. Pass `amax=`
+(e.g. a `pmax` across shards, or an amax fused into the producer) to skip the
+reduction.
+
+The tile math is `pallas_kernels.tile.encode_blocks`, i.e. the functions of
+`nvfp4_jax.numerics` in the reference's order: codes, scales and amax are
+bit-identical to `nvfp4_jax.nvfp4.quantize` (tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from nvfp4_jax import numerics as nm
+from nvfp4_jax import prng
+from nvfp4_jax.nvfp4 import NVFP4Array, check_input, check_rounding, tensor_amax
+from pallas_kernels import common
+from pallas_kernels import tile
+
+B = nm.NVFP4_BLOCK
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantizeConfig:
+  """Tile sizes of the quantize/dequantize kernels.
+
+  Attributes:
+    block_rows: rows per program (a power of two; a multiple of 16 for 16x16).
+    block_cols: elements of the quantized axis per program (a power of two,
+      at least 16).
+    num_warps: Triton warps per program.
+  """
+
+  block_rows: int = 32
+  block_cols: int = 256
+  num_warps: int = 4
+
+  def __post_init__(self):
+    for name in ("block_rows", "block_cols", "num_warps"):
+      v = getattr(self, name)
+      if v < 1 or v & (v - 1):
+        raise ValueError(f"QuantizeConfig.{name}={v} must be a power of two.")
+    if self.block_cols < B:
+      raise ValueError(
+          f"QuantizeConfig.block_cols={self.block_cols} must be >= {B}.")
+
+
+def default_config(rows: int, cols: int, block_2d: bool = False
+                   ) -> QuantizeConfig:
+  """~8K elements per program: enough bytes in flight, few registers."""
+  bc = min(256, common.next_pow2(cols))
+  br = max(B if block_2d else 1, min(64, common.next_pow2(rows), 8192 // bc))
+  return QuantizeConfig(block_rows=br, block_cols=bc, num_warps=4)
+
+
+def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
+                     with_values: bool, interpret: bool, words_per_row: int):
+  refs = list(refs)
+  consts_ref = refs.pop(0)
+  seeds_ref = refs.pop(0) if stochastic else None
+  x_ref, codes_ref, scales_ref = refs[:3]
+  values_ref = refs[3] if with_values else None
+
+  xf = nm.ftz(x_ref[...].astype(jnp.float32))  # [rows, nb, 16]
+  rows, nb, _ = xf.shape
+  bamax = common.abs_max(xf, axis=-1)
+  if block_2d:
+    bamax = tile.block_amax_2d(bamax)
+  rbits = None
+  if stochastic:
+    rbits = tile.sr_bytes(pl.program_id(0) * rows, rows,
+                          pl.program_id(1) * nb, nb, words_per_row,
+                          seeds_ref[0], seeds_ref[1])
+  packed, scales, values = tile.encode_blocks(
+      xf, bamax, consts_ref[0], consts_ref[1],
+      divide=common.exact_divide(interpret), rbits=rbits,
+      with_values=with_values)
+  codes_ref[...] = packed
+  scales_ref[...] = scales
+  if with_values:
+    values_ref[...] = values
+
+
+def quantize(x: jax.Array, *, block_2d: bool = False,
+             rounding: str = "nearest", key: jax.Array | None = None,
+             amax: jax.Array | None = None, with_values: bool = False,
+             config: QuantizeConfig | None = None):
+  """`nvfp4_jax.quantize` as a Pallas-Triton kernel (interpreted on CPU).
+
+  Args:
+    x: float array `[..., K]` (see `nvfp4_jax.quantize`).
+    block_2d, rounding, key, amax: as `nvfp4_jax.quantize`.
+    with_values: also return the exact bf16 block-dequantized values
+      `[..., K]` (`fp4 * f32(scale)`, the Hopper GEMM's operand).
+    config: tile sizes; defaults to `default_config`.
+
+  Returns:
+    An `NVFP4Array`, or `(NVFP4Array, values)` with `with_values`.
+
+  Raises:
+    NotImplementedError: on a backend the kernels do not support.
+  """
+  x = check_input(x, block=B, block_2d=block_2d, what="quantize")
+  check_rounding(rounding, key)
+  interpret = common.check_backend("quantize")
+  if x.dtype == jnp.float64:
+    x = x.astype(jnp.float32)
+  shape = x.shape
+  k = shape[-1]
+  m = x.size // k
+  if amax is None:
+    amax = tensor_amax(nm.ftz(x.astype(jnp.float32)))
+  else:
+    amax = jnp.asarray(amax, jnp.float32)
+    if amax.shape != ():
+      raise ValueError(f"amax must be a scalar, got shape {amax.shape}.")
+  consts = jnp.stack(jax.lax.optimization_barrier(
+      nm.nvfp4_scale_constants(amax)))
+  stochastic = rounding == "stochastic"
+  if stochastic and x.size > prng.MAX_ELEMENTS:
+    raise ValueError(
+        f"stochastic rounding supports tensors of at most 2^34 elements; got "
+        f"{x.size}. Split the tensor.")
+  cfg = config or default_config(m, k, block_2d)
+  if block_2d and cfg.block_rows % B:
+    raise ValueError(
+        f"16x16 scaling needs block_rows to be a multiple of {B}; got "
+        f"{cfg.block_rows}.")
+  nb_total = k // B
+  br, bnb = cfg.block_rows, max(1, cfg.block_cols // B)
+  grid = (common.cdiv(m, br), common.cdiv(nb_total, bnb))
+
+  in_specs = [common.scalar_spec(2)]
+  args = [consts]
+  if stochastic:
+    in_specs.append(common.scalar_spec(2))
+    args.append(prng.seeds_from_key(key))
+  in_specs.append(pl.BlockSpec((br, bnb, B), lambda i, j: (i, j, 0)))
+  args.append(x.reshape(m, nb_total, B))
+  out_shape = [jax.ShapeDtypeStruct((m, nb_total, B // 2), jnp.uint8),
+               jax.ShapeDtypeStruct((m, nb_total), jnp.float8_e4m3fn)]
+  out_specs = [pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)),
+               pl.BlockSpec((br, bnb), lambda i, j: (i, j))]
+  if with_values:
+    out_shape.append(jax.ShapeDtypeStruct((m, nb_total, B), jnp.bfloat16))
+    out_specs.append(pl.BlockSpec((br, bnb, B), lambda i, j: (i, j, 0)))
+
+  kernel = functools.partial(
+      _quantize_kernel, block_2d=block_2d, stochastic=stochastic,
+      with_values=with_values, interpret=interpret, words_per_row=k // 4)
+  outs = common.pallas_call(
+      kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
+      name="nvfp4_quantize_2d" if block_2d else "nvfp4_quantize",
+      grid=grid, in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape)(*args)
+  lead = shape[:-1]
+  q = NVFP4Array(codes=outs[0].reshape(*lead, k // 2),
+                 scales=outs[1].reshape(*lead, nb_total), amax=amax,
+                 block_2d=block_2d)
+  if with_values:
+    return q, outs[2].reshape(shape)
+  return q
+
+
+def _dequantize_kernel(codes_ref, scales_ref, values_ref):
+  values_ref[...] = tile.block_values(codes_ref[...], scales_ref[...])
+
+
+def block_values(q: NVFP4Array, *, config: QuantizeConfig | None = None
+                 ) -> jax.Array:
+  """The exact bf16 block-dequantized values of `q` (`fp4 * f32(scale)`).
+
+  Equals `nvfp4_jax.nvfp4.block_dequantize_nvfp4(q)[0]`: one read of the
+  packed codes and scales, one write of bf16.
+  """
+  if not isinstance(q, NVFP4Array):
+    raise NotImplementedError(
+        f"the Pallas dequantize kernel takes NVFP4Arrays, got {type(q)}.")
+  interpret = common.check_backend("block_values")
+  shape = q.shape
+  k = shape[-1]
+  m = q.codes.size * 2 // k
+  nb_total = k // B
+  cfg = config or default_config(m, k)
+  br, bnb = cfg.block_rows, max(1, cfg.block_cols // B)
+  grid = (common.cdiv(m, br), common.cdiv(nb_total, bnb))
+  out = common.pallas_call(
+      _dequantize_kernel, interpret=interpret, num_warps=cfg.num_warps,
+      num_stages=1, name="nvfp4_block_values", grid=grid,
+      in_specs=[pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)),
+                pl.BlockSpec((br, bnb), lambda i, j: (i, j))],
+      out_specs=pl.BlockSpec((br, bnb, B), lambda i, j: (i, j, 0)),
+      out_shape=jax.ShapeDtypeStruct((m, nb_total, B), jnp.bfloat16),
+  )(q.codes.reshape(m, nb_total, B // 2), q.scales.reshape(m, nb_total))
+  return out.reshape(shape)

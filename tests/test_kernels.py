@@ -1,0 +1,462 @@
+"""One test base for every implementation of the quantizers and the GEMM.
+
+Each `*Base` class holds the cases; a subclass per implementation runs them
+(tokamax's `test_base.py` pattern). The truth is the pure-jnp reference
+(`implementation="xla"`): kernels must give the same codes, E4M3 scale bytes
+and amax bit for bit, also with stochastic rounding given the key, on
+heavy-tailed inputs, edge cases and shapes with partial tiles and several grid
+steps. On CPU the Pallas kernels run in interpret mode (small shapes); on a GPU
+the same file runs them compiled, plus the GPU-only GEMM routes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nvfp4_jax as nf
+from nvfp4_jax import fused
+from nvfp4_jax import gemm
+from nvfp4_jax import nvfp4
+from pallas_kernels import common
+from pallas_kernels import quantize as pallas_quantize
+from pallas_kernels import rht as pallas_rht
+
+ON_GPU = jax.default_backend() == "gpu"
+GPU_ONLY = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+
+
+def _has_jax_triton() -> bool:
+  try:
+    import jax_triton  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    return False
+  return True
+
+
+def heavy(shape, dtype=jnp.float32, seed=0, *, sigma=1.5, outliers=30.0,
+          token_sigma=None):
+  """Gaussian x lognormal row and column scales, plus 0.5% outliers.
+
+  `token_sigma` (the row scale) is kept small for RHT inputs: the RHT sums 16
+  rows, and its bytes are order-independent only while those sums are exact
+  in FP32 (true for bf16 data spanning fewer than ~2^12 within a group).
+  """
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape)
+  rs = sigma if token_sigma is None else token_sigma
+  x *= np.exp(rs * rng.standard_normal((*shape[:-1], 1)))
+  x *= np.exp(sigma * rng.standard_normal((1,) * (len(shape) - 1)
+                                          + shape[-1:]))
+  mask = rng.random(shape) < 0.005
+  x = np.where(mask, x * outliers, x)
+  return jnp.asarray(x, jnp.float32).astype(dtype)
+
+
+def f32_bits(a):
+  return np.asarray(a, np.float32).view(np.uint32)
+
+
+def assert_same(got: nf.NVFP4Array, want: nf.NVFP4Array, what=""):
+  """Codes, scale bytes, amax and block_2d identical."""
+  assert got.block_2d == want.block_2d, what
+  assert got.codes.shape == want.codes.shape, what
+  np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(want.codes),
+                                err_msg=f"{what}: codes differ")
+  np.testing.assert_array_equal(
+      np.asarray(got.scales).view(np.uint8),
+      np.asarray(want.scales).view(np.uint8),
+      err_msg=f"{what}: scale bytes differ")
+  np.testing.assert_array_equal(f32_bits(got.amax), f32_bits(want.amax),
+                                err_msg=f"{what}: amax differs")
+
+
+def jit_ref(**kw):
+  return jax.jit(functools.partial(nvfp4.quantize_reference, **kw))
+
+
+def jit_xla(fn, **kw):
+  """`fn(..., implementation="xla", **kw)` under jit (eager CPU ops are slow)."""
+  return jax.jit(functools.partial(fn, implementation="xla", **kw))
+
+
+block_values = jax.jit(lambda q: nf.block_dequantize(q)[0])
+
+
+KEY = jax.random.key(42)
+
+# (shape, dtype, block_2d, rounding): partial row/column tiles and several
+# grid steps with the default tile sizes (<= 64 rows x 256 columns).
+QUANTIZE_CASES = [
+    ((72, 400), jnp.bfloat16, False, "nearest"),
+    ((72, 400), jnp.bfloat16, False, "stochastic"),
+    ((3, 40, 48), jnp.float32, False, "nearest"),
+    ((96, 288), jnp.float32, True, "nearest"),
+    ((80, 48), jnp.bfloat16, True, "stochastic"),
+    ((16, 16), jnp.float16, False, "nearest"),
+]
+
+
+class QuantizeBase:
+  """`nvfp4_jax.quantize(..., implementation=impl)` against the reference."""
+
+  impl: str
+
+  def quantize(self, x, **kw):
+    return jax.jit(functools.partial(nf.quantize, implementation=self.impl,
+                                     **kw))(x)
+
+  @pytest.mark.parametrize("shape,dtype,block_2d,rounding", QUANTIZE_CASES)
+  def test_matches_reference(self, shape, dtype, block_2d, rounding):
+    x = heavy(shape, dtype, seed=len(shape) + shape[-1])
+    key = KEY if rounding == "stochastic" else None
+    got = self.quantize(x, block_2d=block_2d, rounding=rounding, key=key)
+    want = jit_ref(block_2d=block_2d, rounding=rounding, key=key)(x)
+    assert_same(got, want)
+    scale_bytes = np.unique(np.asarray(want.scales).view(np.uint8))
+    assert scale_bytes.size >= 8, "test data too uniform to test the scales"
+
+  def test_given_amax(self):
+    x = heavy((32, 64), jnp.bfloat16, seed=3)
+    amax = jnp.float32(1e4)
+    assert_same(self.quantize(x, amax=amax), jit_ref(amax=amax)(x))
+
+  @pytest.mark.parametrize("case", [
+      "zeros", "zero_blocks", "inf", "huge", "tiny", "subnormal", "neg_zero",
+  ])
+  def test_edge_cases(self, case):
+    x = np.array(heavy((32, 64), jnp.float32, seed=5))
+    if case == "zeros":
+      x = np.zeros_like(x)
+    elif case == "zero_blocks":
+      x[:, 16:32] = 0.0
+      x[5, :] = 0.0
+    elif case == "inf":
+      x[3, 7] = np.inf
+      x[9, 40] = -np.inf
+    elif case == "huge":
+      x = x / np.abs(x).max() * np.float32(3.0e38)
+    elif case == "tiny":
+      x = x / np.abs(x).max() * np.float32(1e-36)
+    elif case == "subnormal":
+      x[:, :16] = np.float32(3e-39)
+    elif case == "neg_zero":
+      x[:, 32:48] = -0.0
+    x = jnp.asarray(x)
+    for block_2d in (False, True):
+      got = self.quantize(x, block_2d=block_2d)
+      assert_same(got, jit_ref(block_2d=block_2d)(x), f"{case} 2d={block_2d}")
+    if case == "zeros":
+      assert not np.asarray(got.codes).any()
+      assert not np.asarray(got.scales.astype(jnp.float32)).any()
+
+  @pytest.mark.parametrize("block_2d", [False, True])
+  def test_nan_gives_non_finite(self, block_2d):
+    x = np.array(heavy((32, 64), jnp.bfloat16, seed=6))
+    x[17, 33] = np.nan
+    q = self.quantize(jnp.asarray(x), block_2d=block_2d)
+    assert np.isnan(float(q.amax))
+    assert np.isnan(np.asarray(q.scales.astype(jnp.float32))).all()
+    assert not np.isfinite(np.asarray(jax.jit(nf.dequantize)(q))).any()
+
+  def test_stochastic_depends_on_key_only(self):
+    x = heavy((32, 64), jnp.bfloat16, seed=7)
+    a = self.quantize(x, rounding="stochastic", key=jax.random.key(1))
+    b = self.quantize(x, rounding="stochastic", key=jax.random.key(1))
+    c = self.quantize(x, rounding="stochastic", key=jax.random.key(2))
+    assert_same(a, b)
+    assert (np.asarray(a.codes) != np.asarray(c.codes)).any()
+
+  def test_vmap(self):
+    x = heavy((3, 32, 48), jnp.bfloat16, seed=8)
+    keys = jax.random.split(KEY, 3)
+    f = functools.partial(nf.quantize, rounding="stochastic",
+                          implementation=self.impl)
+    got = jax.jit(jax.vmap(lambda x, k: f(x, key=k)))(x, keys)
+    for i in range(3):
+      want = jit_ref(rounding="stochastic", key=keys[i])(x[i])
+      assert_same(jax.tree.map(lambda a, i=i: a[i], got), want, f"vmap {i}")
+
+  def test_2d_codes_transpose(self):
+    w = heavy((48, 64), jnp.float32, seed=9)
+    q = self.quantize(w, block_2d=True)
+    qt = self.quantize(w.T, block_2d=True)
+    assert_same(jax.jit(lambda q: q.T)(q), qt)
+
+
+class TestQuantizeXla(QuantizeBase):
+  impl = "xla"
+
+
+class TestQuantizePallas(QuantizeBase):
+  impl = "pallas"
+
+
+# ----------------------------------------------------------------------------
+# Fused operand quantizers (nvfp4_jax.fused).
+# ----------------------------------------------------------------------------
+
+RHT_CASES = [  # (tokens, features), dtype, rounding
+    ((80, 48), jnp.bfloat16, "nearest"),
+    ((80, 40), jnp.bfloat16, "stochastic"),
+    ((64, 96), jnp.float32, "nearest"),
+    ((128, 80), jnp.bfloat16, "stochastic"),
+]
+
+
+def rht_input(shape, dtype, seed):
+  # bf16-exact values even for float32 (see `heavy`).
+  x = heavy(shape, jnp.bfloat16, seed=seed, token_sigma=0.5, outliers=8.0)
+  return x.astype(dtype)
+
+
+class FusedBase:
+  """`nvfp4_jax.fused.*(..., implementation=impl)` against their references."""
+
+  impl: str
+
+  @pytest.mark.parametrize("shape,dtype,rounding", RHT_CASES)
+  def test_quantize_rht_t(self, shape, dtype, rounding):
+    x = rht_input(shape, dtype, seed=shape[1])
+    key = KEY if rounding == "stochastic" else None
+    f = lambda impl: jax.jit(functools.partial(
+        fused.quantize_rht_t, rounding=rounding, key=key,
+        implementation=impl))(x)
+    got, want = f(self.impl), f("xla")
+    assert got.shape == (shape[1], shape[0])
+    assert_same(got, want)
+    ref = jit_ref(rounding=rounding, key=key)(jax.jit(nf.rht)(x.T))
+    assert_same(want, ref, "xla vs quantize(rht(x.T))")
+
+  def test_quantize_rht_t_given_amax_and_signs(self):
+    x = rht_input((64, 32), jnp.bfloat16, seed=11)
+    signs = tuple(int(s) for s in np.random.default_rng(0).choice([-1, 1], 16))
+    f = lambda impl: jax.jit(functools.partial(
+        fused.quantize_rht_t, amax=jnp.float32(500.0), sign_vector=signs,
+        implementation=impl))(x)
+    assert_same(f(self.impl), f("xla"))
+
+  @pytest.mark.parametrize("stochastic", [False, True])
+  def test_quantize_x_and_rht_t(self, stochastic):
+    x = rht_input((96, 80), jnp.bfloat16, seed=12)
+    key = KEY if stochastic else None
+    f = lambda impl: jax.jit(functools.partial(
+        fused.quantize_x_and_rht_t, key=key, implementation=impl))(x)
+    (gx, gt), (wx, wt) = f(self.impl), f("xla")
+    assert_same(gx, wx, "q_x")
+    assert_same(gt, wt, "q_rht_xt")
+    rounding = "stochastic" if stochastic else "nearest"
+    kx = fused.split_key(key)[0] if stochastic else None
+    assert_same(wx, jit_ref(rounding=rounding, key=kx)(x), "q_x vs quantize")
+
+  def test_quantize_x_and_rht_t_nan(self):
+    x = np.array(rht_input((32, 32), jnp.bfloat16, seed=13))
+    x[4, 5] = np.nan
+    qx, qt = jax.jit(functools.partial(fused.quantize_x_and_rht_t,
+                                       implementation=self.impl))(x)
+    for q in (qx, qt):
+      assert np.isnan(float(q.amax))
+      assert not np.isfinite(np.asarray(jax.jit(nf.dequantize)(q))).any()
+
+  @pytest.mark.parametrize("block_2d", [False, True])
+  def test_quantize_with_values(self, block_2d):
+    x = heavy((48, 96), jnp.bfloat16, seed=14)
+    q, v = jax.jit(functools.partial(fused.quantize_with_values,
+                                     block_2d=block_2d,
+                                     implementation=self.impl))(x)
+    assert_same(q, jit_ref(block_2d=block_2d)(x))
+    assert v.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(v, np.float32),
+                                  np.asarray(block_values(q), np.float32))
+
+  def test_vmap(self):
+    x = jnp.stack([rht_input((32, 48), jnp.bfloat16, seed=s) for s in (1, 2)])
+    f = functools.partial(fused.quantize_rht_t, implementation=self.impl)
+    got = jax.jit(jax.vmap(f))(x)
+    for i in range(2):
+      assert_same(jax.tree.map(lambda a, i=i: a[i], got),
+                  jit_xla(fused.quantize_rht_t)(x[i]))
+
+
+class TestFusedXla(FusedBase):
+  impl = "xla"
+
+
+class TestFusedPallas(FusedBase):
+  impl = "pallas"
+
+
+# ----------------------------------------------------------------------------
+# Block-scaled GEMM (nvfp4_jax.gemm.block_scaled_matmul).
+# ----------------------------------------------------------------------------
+
+
+def _gemm_bound(a, b):
+  """|error| bound of an FP32-accumulated sum in another order."""
+  va = np.abs(np.asarray(block_values(a), np.float64))
+  vb = np.abs(np.asarray(block_values(b), np.float64))
+  alpha = float(gemm.gemm_alpha(a, b))
+  return (va @ vb.T) * alpha * a.shape[1] * 2.0**-23
+
+
+class GemmBase:
+  """`block_scaled_matmul(..., implementation=impl)` against the reference.
+
+  Summation order may differ from the reference's (cuBLAS, Triton and XLA:CPU
+  all sum differently), so results agree to FP32 rounding of the sums;
+  where every partial sum is exact they agree bit for bit.
+  """
+
+  impl: str
+
+  def matmul(self, a, b, **kw):
+    return jax.jit(functools.partial(gemm.block_scaled_matmul,
+                                     implementation=self.impl, **kw))(a, b)
+
+  @pytest.mark.parametrize("m,n,k", [(64, 48, 128), (40, 80, 256)])
+  def test_matches_reference(self, m, n, k):
+    a = jit_ref()(heavy((m, k), jnp.bfloat16, seed=m))
+    b = jit_ref(block_2d=n % 16 == 0)(heavy((n, k), jnp.bfloat16, seed=n))
+    got = np.asarray(self.matmul(a, b), np.float64)
+    want = np.asarray(jit_xla(gemm.block_scaled_matmul)(a, b), np.float64)
+    assert np.all(np.abs(got - want) <= _gemm_bound(a, b))
+
+  def test_exact_when_sums_are_exact(self):
+    rng = np.random.default_rng(0)
+    grid = np.array([0, .5, 1, 1.5, 2, 3, 4, 6], np.float32)
+    xa = rng.choice(grid, (32, 64)) * rng.choice([-1, 1], (32, 64))
+    xb = rng.choice(grid, (48, 64)) * rng.choice([-1, 1], (48, 64))
+    xa[:, ::16] = 6.0  # Every block hits the amax: one common scale.
+    xb[:, ::16] = -6.0
+    a, b = jit_ref()(jnp.asarray(xa)), jit_ref()(jnp.asarray(xb))
+    got = self.matmul(a, b)
+    want = jit_xla(gemm.block_scaled_matmul)(a, b)
+    np.testing.assert_array_equal(f32_bits(got), f32_bits(want))
+
+  def test_bf16_output(self):
+    a = jit_ref()(heavy((32, 64), jnp.bfloat16, seed=1))
+    b = jit_ref()(heavy((32, 64), jnp.bfloat16, seed=2))
+    got = self.matmul(a, b, out_dtype=jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    want = jit_xla(gemm.block_scaled_matmul)(a, b)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-2,
+                               atol=1e-2 * float(jnp.abs(want).max()))
+
+
+class TestGemmXla(GemmBase):
+  impl = "xla"
+
+
+class TestGemmPallas(GemmBase):
+  impl = "pallas"
+
+
+@GPU_ONLY
+@pytest.mark.skipif(not _has_jax_triton(), reason="needs jax-triton")
+class TestGemmTriton(GemmBase):
+  impl = "triton"
+
+
+@GPU_ONLY
+class TestGemmScaledMatmul(GemmBase):
+  impl = "scaled_matmul"
+
+
+# ----------------------------------------------------------------------------
+# Kernel-specific checks: the kernel really runs, tiles, dispatch, lowering.
+# ----------------------------------------------------------------------------
+
+
+def _primitives(fn, *args):
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  names = set()
+
+  def walk(jp):
+    for eqn in jp.eqns:
+      names.add(eqn.primitive.name)
+      for sub in jax.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+  walk(jaxpr.jaxpr)
+  return names
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, impl: nf.quantize(x, implementation=impl),
+    lambda x, impl: fused.quantize_rht_t(x, implementation=impl),
+    lambda x, impl: fused.quantize_x_and_rht_t(x, implementation=impl),
+    lambda x, impl: gemm.block_scaled_matmul(
+        nvfp4.quantize_reference(x), nvfp4.quantize_reference(x),
+        implementation=impl),
+])
+def test_pallas_call_is_used(fn):
+  x = jnp.ones((32, 32), jnp.bfloat16)
+  assert "pallas_call" in _primitives(lambda x: fn(x, "pallas"), x)
+  assert "pallas_call" not in _primitives(lambda x: fn(x, "xla"), x)
+  default = "pallas_call" in _primitives(lambda x: fn(x, None), x)
+  assert default == ON_GPU  # None: kernels on GPU, the reference on CPU.
+
+
+def test_dispatch_errors_and_fallback():
+  x = rht_input((32, 32), jnp.bfloat16, seed=0)
+  with pytest.raises(ValueError, match="unknown implementation"):
+    nf.quantize(x, implementation="cuda")
+  with pytest.raises(NotImplementedError):  # 4-point RHT: no kernel.
+    fused.quantize_rht_t(x, size=4, implementation="pallas")
+  f = functools.partial(fused.quantize_rht_t, size=4)
+  assert_same(jax.jit(f)(x), jit_xla(f)(x))  # The default falls back.
+  if not ON_GPU:
+    q = jit_ref()(x)
+    with pytest.raises(NotImplementedError):
+      gemm.block_scaled_matmul(q, q, implementation="triton")
+
+
+@pytest.mark.parametrize("block_2d,rounding", [(False, "stochastic"),
+                                               (True, "nearest")])
+def test_quantize_small_tiles_many_grid_steps(block_2d, rounding):
+  x = heavy((80, 208), jnp.bfloat16, seed=21)
+  key = KEY if rounding == "stochastic" else None
+  cfg = pallas_quantize.QuantizeConfig(block_rows=16, block_cols=32)
+  got, vals = jax.jit(lambda x: pallas_quantize.quantize(
+      x, block_2d=block_2d, rounding=rounding, key=key, with_values=True,
+      config=cfg))(x)
+  assert_same(got, jit_ref(block_2d=block_2d, rounding=rounding, key=key)(x))
+  back = jax.jit(lambda q: pallas_quantize.block_values(q, config=cfg))(got)
+  np.testing.assert_array_equal(np.asarray(back, np.float32),
+                                np.asarray(vals, np.float32))
+
+
+def test_rht_small_tiles_many_grid_steps():
+  x = rht_input((96, 72), jnp.bfloat16, seed=22)
+  cfg = pallas_rht.RHTConfig(block_tokens=32, block_features=16)
+  kx, kt = fused.split_key(KEY)
+  gx, gt = jax.jit(lambda x: pallas_rht.quantize_x_and_rht_t(
+      x[:, :64], key_x=kx, key_t=kt, config=cfg))(x)
+  wx, wt = jit_xla(fused.quantize_x_and_rht_t, key=KEY)(x[:, :64])
+  assert_same(gx, wx)
+  assert_same(gt, wt)
+  got = jax.jit(lambda x: pallas_rht.quantize_rht_t(x, config=cfg))(x)
+  assert_same(got, jit_xla(fused.quantize_rht_t)(x))
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the kernels are compiled for real")
+def test_kernels_lower_to_triton(monkeypatch):
+  """Off-GPU, lower every kernel for CUDA: no missing Pallas-Triton rule."""
+  monkeypatch.setattr(common, "backend", lambda: "gpu")
+  monkeypatch.setattr(common, "compute_capability", lambda: (9, 0))
+  x = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16)
+  fns = [
+      lambda x: pallas_quantize.quantize(x, with_values=True),
+      lambda x: pallas_quantize.quantize(x, block_2d=True,
+                                         rounding="stochastic", key=KEY),
+      lambda x: pallas_quantize.block_values(pallas_quantize.quantize(x)),
+      lambda x: pallas_rht.quantize_rht_t(x.astype(jnp.float32)),
+      lambda x: pallas_rht.quantize_x_and_rht_t(
+          x, key_x=KEY, key_t=jax.random.key(1)),
+  ]
+  for fn in fns:
+    text = jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text
