@@ -61,8 +61,18 @@ def global_encode_scale(amax: jax.Array) -> jax.Array:
 
 
 def global_decode_scale(amax: jax.Array) -> jax.Array:
-  """The FP32 tensor factor of dequantization: `amax / 2688`."""
-  return ftz(amax.astype(jnp.float32) / jnp.float32(E4M3_MAX_X_E2M1_MAX))
+  """The FP32 tensor factor of dequantization: `amax / 2688`, correctly rounded.
+
+  XLA's algebraic simplifier rewrites a division by a constant into a
+  multiplication by the constant's rounded reciprocal, `amax * fl(1/2688)`,
+  which is one ulp off for about one amax in five (an `optimization_barrier`
+  on the constant does not stop it: XLA:CPU drops barriers on constants). A
+  divisor that depends on the data (2688, or amax itself when amax is NaN,
+  which gives NaN either way) keeps the true division.
+  """
+  amax = amax.astype(jnp.float32)
+  den = jnp.where(jnp.isnan(amax), amax, jnp.float32(E4M3_MAX_X_E2M1_MAX))
+  return ftz(amax / den)
 
 
 def nvfp4_scale_constants(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
