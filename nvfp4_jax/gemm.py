@@ -23,8 +23,11 @@ from nvfp4_jax.quant import QArray, block_dequantize
 def gemm_alpha(a: QArray, b: QArray) -> jax.Array:
   """The FP32 output factor of `a @ b.T`.
 
-  NVFP4 x NVFP4: `amax_a * amax_b / 2688^2`, as TE's GEMM applies it. MX
-  operands have no tensor scale (factor 1).
+  NVFP4 x NVFP4: `amax_a * amax_b / 2688^2`, computed as TE's
+  `compute_nvfp4_per_tensor_scale_kernel` does: `(amax_a * amax_b) *
+  f32(1 / 2688^2)`. (Written as a division, XLA would silently make the same
+  rewrite; writing it out keeps it when that rewrite changes.) MX operands have
+  no tensor scale (factor 1).
   """
   def amax_over(q):
     if isinstance(q, NVFP4Array):
@@ -32,7 +35,7 @@ def gemm_alpha(a: QArray, b: QArray) -> jax.Array:
     return jnp.float32(1.0), 1.0
   amax_a, den_a = amax_over(a)
   amax_b, den_b = amax_over(b)
-  return nm.ftz((amax_a * amax_b) / jnp.float32(den_a * den_b))
+  return nm.ftz((amax_a * amax_b) * jnp.float32(1.0 / (den_a * den_b)))
 
 
 def block_scaled_matmul(a: QArray, b: QArray, *, out_dtype=jnp.float32,
