@@ -11,7 +11,7 @@ SwiGLU at `d_ff ~ 8/3 d_model`).
 | base   | 768     | 18     | 12    | 2048 | ~127M      |
 | large  | 1024    | 28     | 16    | 2752 | ~354M      |
 
-`tiny` trains a few hundred steps on two CPU cores in about two minutes per
+`tiny` trains its 200 steps on two CPU cores in one to two minutes per
 precision; the others are for GPUs (`python -m train --preset base`).
 """
 

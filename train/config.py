@@ -15,7 +15,7 @@ SWITCH_MODES = ("all", "forward")
 # `tiny` is sized for two CPU cores (both precisions of the default comparison
 # in under five minutes); the rest are starting points for a GPU.
 PRESET_TRAINING: dict[str, dict[str, Any]] = {
-    "tiny": dict(steps=300, batch_size=16, seq_len=128, lr=3e-3),
+    "tiny": dict(steps=200, batch_size=16, seq_len=128, lr=3e-3),
     "small": dict(steps=5000, batch_size=64, seq_len=512, lr=1.5e-3),
     "base": dict(steps=20000, batch_size=128, seq_len=1024, lr=6e-4),
     "large": dict(steps=40000, batch_size=256, seq_len=1024, lr=3e-4),
@@ -57,7 +57,7 @@ class TrainConfig:
 
   preset: str = "tiny"
   precision: str = "nvfp4"
-  steps: int = 300
+  steps: int = 200
   batch_size: int = 16
   seq_len: int = 128
   grad_accum: int = 1

@@ -1,6 +1,6 @@
 """Per-layer NVFP4 quantization diagnostics, sampled outside the hot path.
 
-For every `NVFP4Dense` of a model, on one batch, this quantizes what the
+For every `NVFP4Dense` of a model, during a forward pass, this quantizes what the
 layer's forward GEMM sees — its input `X` (`[tokens, in]`, 1x16 blocks) and its
 weight `W = kernel^T` (16x16 tiles) — with `nvfp4_jax.quantize` (RTNE) and
 reports:
@@ -8,10 +8,14 @@ reports:
 - `*_flushed`: the fraction of nonzero values that dequantize to zero (below
   half the smallest FP4 step of their block, or in a block whose E4M3 scale
   underflowed);
-- `*_saturated`: the fraction of blocks (tiles for `W`) whose largest
-  magnitude exceeds the largest value the block can represent, `6 * scale *
-  amax / 2688` (the E4M3 rounding of the scale went down, so the top
-  element is clipped to +-6);
+- `*_saturated`: the fraction of blocks (tiles for `W`) in which some value
+  was clipped: its scaled magnitude exceeds 7, the midpoint between the
+  largest FP4 value 6 and the next value 8 an FP4 grid without a top would
+  have, so saturation changed it more than rounding would have. The E4M3
+  rounding of a normal block scale moves the block max by at most 1/16 (to
+  <= 6.375), so this counts blocks whose scale fell into E4M3's subnormal
+  range, where it rounds coarsely — a failure of the two-level scaling, not
+  the routine clip of the block max to 6;
 - `*_rel_err`: `||x - dq(q(x))|| / ||x||`.
 
 The inputs are captured with a flax method interceptor during a forward pass
@@ -32,9 +36,8 @@ import jax.numpy as jnp
 import nvfp4_jax
 
 _BLOCK = 16
-# `6 * f32(d) * (amax / 2688)` is the exact block maximum up to the rounding of
-# the FP32 products; genuine saturation exceeds it by far more than this.
-_REL_TOL = 2.0 ** -16
+# Scaled magnitudes above this were clipped by more than RTNE would move them.
+_CLIP = 7.0
 
 
 def tensor_stats(x: jax.Array, *, block_2d: bool) -> dict[str, jax.Array]:
@@ -50,9 +53,12 @@ def tensor_stats(x: jax.Array, *, block_2d: bool) -> dict[str, jax.Array]:
   nonzero = xf != 0
   flushed = jnp.sum(nonzero & (dq == 0)) / jnp.maximum(jnp.sum(nonzero), 1)
   m, k = xf.shape
-  cap = 6.0 * q.scales.astype(jnp.float32) * (q.amax / 2688.0)   # [M, K/16]
-  over = jnp.abs(xf).reshape(m, k // _BLOCK, _BLOCK) > (
-      cap * (1 + _REL_TOL))[..., None]
+  # The largest unclipped magnitude of each block, `7 * d * amax / 2688`.
+  cap = _CLIP * q.scales.astype(jnp.float32) * (q.amax / 2688.0)  # [M, K/16]
+  # A block whose scale underflowed to 0 dequantizes to zeros: flushed, not
+  # saturated.
+  over = (jnp.abs(xf).reshape(m, k // _BLOCK, _BLOCK) > cap[..., None]) & (
+      cap > 0)[..., None]
   sat = jnp.any(over, axis=-1)                                    # [M, K/16]
   if block_2d:
     sat = jnp.any(sat.reshape(m // _BLOCK, _BLOCK, k // _BLOCK), axis=1)

@@ -35,6 +35,7 @@ import optax
 import nvfp4_jax
 from models import GPT
 from models import GPTConfig
+from models import format_count
 from models import param_count
 from models import preset as model_preset
 from train import data as data_lib
@@ -142,12 +143,21 @@ class Trainer:
   Args:
     cfg: the `TrainConfig`.
     corpus: the `data.Corpus` to train on.
+    model_cfg: a custom `GPTConfig`; default the preset's (`model_config`).
+      Its `vocab_size` must cover the corpus.
   """
 
-  def __init__(self, cfg: TrainConfig, corpus: data_lib.Corpus):
+  def __init__(self, cfg: TrainConfig, corpus: data_lib.Corpus,
+               model_cfg: GPTConfig | None = None):
     self.cfg = cfg
     self.corpus = corpus
-    self.model_cfg = model_config(cfg, corpus.vocab_size)
+    if model_cfg is None:
+      model_cfg = model_config(cfg, corpus.vocab_size)
+    if model_cfg.vocab_size < corpus.vocab_size:
+      raise ValueError(
+          f"the model embeds {model_cfg.vocab_size} token ids but the corpus "
+          f"uses {corpus.vocab_size}; raise GPTConfig.vocab_size.")
+    self.model_cfg = model_cfg
     self.model = GPT(self.model_cfg)
     self.rules = make_rules(cfg, self.model_cfg.num_layers)
     self.optimizer, self.schedule = make_optimizer(cfg)
@@ -257,7 +267,7 @@ class Trainer:
     paths = self.layer_paths()
     quantized = sum(self.rules.recipe_for(p).quantized for p in paths)
     m = self.model_cfg
-    return (f"GPT {self.cfg.preset}: {param_count(m) / 1e6:.2f}M params "
+    return (f"GPT {self.cfg.preset}: {format_count(param_count(m))} params "
             f"(d_model {m.d_model}, {m.num_layers} layers, {m.mlp}, "
             f"{m.dtype}); {self.cfg.precision}: {quantized}/{len(paths)} "
             f"projections quantized")
@@ -289,7 +299,8 @@ class Trainer:
     out = pathlib.Path(out_dir)
     metrics_path = out / "metrics.jsonl"
     ckpt_dir = out / "checkpoints"
-    config = cfg.to_dict()
+    config = {"train": cfg.to_dict(),
+              "model": dataclasses.asdict(self.model_cfg)}
     if resume:
       if not ckpt_dir.is_dir():
         raise FileNotFoundError(
@@ -327,10 +338,12 @@ class Trainer:
           f"to start this run.")
     like = jax.eval_shape(self.init_state)
     state, saved = ckpt.restore(step, like)
-    diff = sorted(k for k in set(saved) | set(config)
-                  if saved.get(k) != config.get(k))
+    flat = lambda c: {f"{g}.{k}": v for g, d in c.items() for k, v in d.items()}
+    saved, current = flat(saved), flat(config)
+    diff = sorted(k for k in set(saved) | set(current)
+                  if saved.get(k) != current.get(k))
     if diff:
-      changes = ", ".join(f"{k}: {saved.get(k)!r} -> {config.get(k)!r}"
+      changes = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
                           for k in diff)
       raise ValueError(
           f"--resume: the checkpoint in {ckpt.directory} was written by a "

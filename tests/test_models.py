@@ -1,0 +1,153 @@
+"""models/: the MLP and the GPT decoder, their precision and presets."""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nvfp4_jax as nv
+from models import GPT, GPTConfig, MLP, PRESETS, param_count, preset
+
+CFG = GPTConfig(d_model=64, num_layers=6, num_heads=2, d_ff=128)
+TOKENS = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
+BF16 = nv.PrecisionRules(default=nv.Recipe.bf16())
+
+
+def _init(cfg=CFG):
+  with nv.precision_rules(BF16):
+    return GPT(cfg).init(jax.random.key(0), TOKENS)["params"]
+
+
+def _apply(params, rules, tokens=TOKENS, cfg=CFG):
+  with nv.precision_rules(rules, step=0):
+    return GPT(cfg).apply({"params": params}, tokens,
+                          rngs={"nvfp4": jax.random.key(0)})
+
+
+_apply_jit = jax.jit(_apply, static_argnums=(1, 3))
+
+
+def _named_regions(fn, *args):
+  """Counts of the recipe's named GEMM regions in the jaxpr of `fn`."""
+  text = str(jax.make_jaxpr(fn)(*args))
+  names = re.findall(r"name=((?:nvfp4|bf16)_(?:fprop|dgrad|wgrad))\b", text)
+  return {n: names.count(n) for n in set(names)}
+
+
+def test_gpt_structure_every_projection_is_nvfp4dense_without_bias():
+  params = _init()
+  layers = nv.nvfp4_layer_paths(GPT(CFG), TOKENS)
+  expected = sorted(f"block_{i}/{m}" for i in range(6) for m in (
+      "attn/qkv", "attn/out", "mlp/up", "mlp/down"))
+  assert layers == expected
+  # Untied embedding and head are plain high-precision modules.
+  assert set(params) == {"embed", "head", "final_norm"} | {
+      f"block_{i}" for i in range(6)}
+  assert params["embed"]["embedding"].shape == (256, 64)
+  assert params["head"]["kernel"].shape == (64, 256)
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  assert not any("bias" in jax.tree_util.keystr(p) for p, _ in leaves)
+  assert params["block_0"]["mlp"]["up"]["kernel"].shape == (64, 2 * 128)
+
+
+def test_gpt_is_causal_and_returns_fp32_logits():
+  params = _init()
+  logits = _apply_jit(params, BF16)
+  assert logits.shape == (2, 32, 256) and logits.dtype == jnp.float32
+  changed = TOKENS.at[:, 20:].set(7)
+  logits2 = _apply_jit(params, BF16, changed)
+  np.testing.assert_array_equal(logits[:, :20], logits2[:, :20])
+  assert not np.allclose(logits[:, 20:], logits2[:, 20:])
+  # With NVFP4 layers only approximately: the tensor scale (amax) of each
+  # quantized operand spans all tokens, future ones included.
+  rules = nv.paper_rules(6)
+  q1 = _apply_jit(params, rules)
+  q2 = _apply_jit(params, rules, changed)
+  np.testing.assert_allclose(q1[:, :20], q2[:, :20], atol=0.1)
+
+
+def test_paper_preset_quantizes_the_middle_blocks_only():
+  params = _init()
+  rules = nv.paper_rules(CFG.num_layers)
+
+  def loss(p):
+    return _apply(p, rules).mean()
+  regions = _named_regions(jax.grad(loss), params)
+  # Blocks 0, 1 and the last ceil(0.15 * 6) = 1 stay BF16: blocks 2-4 quantize.
+  assert regions.get("nvfp4_fprop") == 3 * 4
+  assert regions.get("nvfp4_dgrad") == 3 * 4
+  assert regions.get("nvfp4_wgrad") == 3 * 4
+  assert regions.get("bf16_fprop", 0) == 0  # BF16 layers call plain dot.
+  for i in range(6):
+    recipe = rules.recipe_for(f"block_{i}/mlp/up")
+    assert recipe.quantized == (i in (2, 3, 4))
+  # The quantized forward differs from BF16, but not by much.
+  ref = _apply_jit(params, BF16)
+  out = _apply_jit(params, rules)
+  assert not np.array_equal(out, ref)
+  rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+  assert rel < 0.1
+
+
+def test_bf16_rules_run_no_quantization():
+  params = _init()
+  regions = _named_regions(jax.grad(lambda p: _apply(p, BF16).mean()), params)
+  assert not any(k.startswith("nvfp4") for k in regions)
+
+
+def test_relu2_mlp_option():
+  cfg = CFG.replace(mlp="relu2")
+  params = _init(cfg)
+  assert params["block_0"]["mlp"]["up"]["kernel"].shape == (64, 128)
+  out = _apply_jit(params, nv.paper_rules(6), TOKENS, cfg)
+  assert np.all(np.isfinite(out))
+
+
+def test_gpt_config_validates():
+  with pytest.raises(ValueError, match="multiple of 32"):
+    GPTConfig(d_model=100)
+  with pytest.raises(ValueError, match="even size"):
+    GPTConfig(d_model=96, num_heads=32)
+  with pytest.raises(ValueError, match="unknown mlp"):
+    GPTConfig(mlp="gelu")
+  with pytest.raises(ValueError, match="unknown preset"):
+    preset("huge")
+
+
+def test_preset_parameter_counts():
+  counts = {name: param_count(cfg) for name, cfg in PRESETS.items()}
+  assert 0.5e6 < counts["tiny"] < 2e6
+  assert 22e6 < counts["small"] < 28e6
+  assert 115e6 < counts["base"] < 135e6
+  assert 330e6 < counts["large"] < 370e6
+  for name, cfg in PRESETS.items():
+    d = cfg.d_model
+    # qkv + out, SwiGLU up (gate and up fused) + down, two norm scales.
+    block = 4 * d * d + 3 * d * cfg.d_ff + 2 * d
+    assert counts[name] == cfg.num_layers * block + 2 * 256 * d + d
+
+
+def test_mlp_is_a_drop_in_for_dense():
+  x = jax.random.normal(jax.random.key(3), (32, 48))
+
+  class DenseMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.relu(nn.Dense(32, name="dense_0")(x))
+      return nn.Dense(16, name="dense_1")(x)
+
+  mlp = MLP(features=(32, 16), recipe=nv.Recipe.bf16())
+  params = mlp.init(jax.random.key(0), x)
+  ref_params = DenseMLP().init(jax.random.key(0), x)
+  assert jax.tree.structure(params) == jax.tree.structure(ref_params)
+  np.testing.assert_array_equal(mlp.apply(params, x),
+                                DenseMLP().apply(params, x))
+  # With the NVFP4 recipe the GEMMs are quantized: the output moves a little.
+  q = MLP(features=(32, 16), recipe=nv.Recipe.nvfp4()).apply(
+      params, x, rngs={"nvfp4": jax.random.key(0)})
+  ref = mlp.apply(params, x)
+  assert not np.array_equal(q, ref)
+  assert np.linalg.norm(q - ref) / np.linalg.norm(ref) < 0.2

@@ -1,0 +1,62 @@
+"""Checkpoints: a run killed and resumed continues bit-identically on CPU."""
+
+import jax
+import numpy as np
+import pytest
+
+from test_train import MODEL, config, small_corpus
+from train.loop import Trainer
+from train.metrics import read_metrics, select
+
+
+class Killed(Exception):
+  pass
+
+
+def _kill_at(step):
+  def on_step(done):
+    if done == step:
+      raise Killed(done)
+  return on_step
+
+
+def test_killed_and_resumed_run_is_bit_identical(tmp_path):
+  corpus = small_corpus()
+  # NVFP4 with stochastic rounding: the SR keys must continue correctly too.
+  cfg = config(steps=10, ckpt_every=3, eval_every=5, diagnostics=False)
+  trainer = Trainer(cfg, corpus, MODEL)
+  full = trainer.run(tmp_path / "full", progress=False)
+
+  run = tmp_path / "killed"
+  with pytest.raises(Killed):
+    trainer.run(run, progress=False, log_every=1, on_step=_kill_at(8))
+  # Killed after step 8: metrics up to 8 were written, the last checkpoint is 6.
+  assert select(read_metrics(run / "metrics.jsonl"), "train")[-1]["step"] == 8
+  assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["3", "6"]
+
+  # A new trainer, as in a new process: all it shares is the directory.
+  resumed = Trainer(cfg, corpus, MODEL).run(run, resume=True, progress=False)
+  train = select(resumed.records, "train")
+  assert [r["step"] for r in train] == list(range(1, 11))  # No duplicates.
+  losses = [r["loss"] for r in train]
+  assert losses == [r["loss"] for r in select(full.records, "train")]
+  assert [e["val_loss"] for e in select(resumed.records, "eval")] == [
+      e["val_loss"] for e in select(full.records, "eval")]
+  jax.tree.map(np.testing.assert_array_equal, resumed.params, full.params)
+
+
+def test_resume_refuses_other_settings_and_missing_checkpoints(tmp_path):
+  corpus = small_corpus()
+  cfg = config(steps=2, ckpt_every=2, eval_every=2, warmup_steps=1,
+               diagnostics=False)
+  Trainer(cfg, corpus, MODEL).run(tmp_path / "run", progress=False)
+  with pytest.raises(ValueError, match=r"train\.lr: 0\.003 -> 0\.001"):
+    Trainer(cfg.replace(lr=1e-3), corpus, MODEL).run(
+        tmp_path / "run", resume=True, progress=False)
+  with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    Trainer(cfg, corpus, MODEL).run(tmp_path / "empty", resume=True,
+                                    progress=False)
+  # Resuming a finished run is a no-op that reports the same result.
+  again = Trainer(cfg, corpus, MODEL).run(tmp_path / "run", resume=True,
+                                          progress=False)
+  assert [r["step"] for r in select(again.records, "train")] == [1, 2]
