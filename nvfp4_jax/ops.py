@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax import numerics as nm
+from nvfp4_jax.fused import quantize_rht_t, quantize_x_and_rht_t
 from nvfp4_jax.gemm import block_scaled_matmul
 from nvfp4_jax.hadamard import rht
 from nvfp4_jax.mx import quantize_mx
@@ -47,10 +48,40 @@ def quantize_operand(x: jax.Array, op: Operand, key: jax.Array | None
 def quantize_wgrad_operand(x: jax.Array, op: Operand, recipe: Recipe,
                            key: jax.Array | None) -> QArray:
   """`q(rht(x^T))` (or `q(x^T)` without RHT): quantized along the token axis."""
+  if op.format == "nvfp4" and op.rht:
+    return quantize_rht_t(x, rounding=op.rounding, key=key,
+                          sign_vector=recipe.rht_sign_vector,
+                          size=recipe.rht_size)
   xt = x.T
   if op.rht:
     xt = rht(xt, sign_vector=recipe.rht_sign_vector, size=recipe.rht_size)
   return quantize_operand(xt, op, key)
+
+
+def quantize_both(x: jax.Array, row_op: Operand, wgrad_op: Operand,
+                  recipe: Recipe, key: jax.Array | None
+                  ) -> tuple[QArray | None, QArray | None]:
+  """`(q(x), q(rht(x^T)))` of an activation (X) or gradient (dY).
+
+  `row_op` quantizes `x` along its last axis (Fprop's X, Dgrad's dY) and
+  `wgrad_op` its transpose for Wgrad; either may be high precision (None is
+  returned for it). When both are the recipe's NVFP4 1x16 + RHT pair, one fused
+  quantizer reads `x` once for both (the Pallas kernel on GPU). With a key,
+  the two operands round with `jax.random.split(key)`.
+  """
+  if "stochastic" not in (row_op.rounding, wgrad_op.rounding):
+    key = None
+  keys = jax.random.split(key) if key is not None else (None, None)
+  fusable = (row_op.format == wgrad_op.format == "nvfp4" and wgrad_op.rht
+             and not row_op.block_2d and row_op.rounding == wgrad_op.rounding
+             and (row_op.rounding == "nearest") == (key is None))
+  if fusable:
+    return quantize_x_and_rht_t(x, key=key, sign_vector=recipe.rht_sign_vector,
+                                size=recipe.rht_size)
+  q_row = quantize_operand(x, row_op, keys[0]) if row_op.quantized else None
+  q_t = (quantize_wgrad_operand(x, wgrad_op, recipe, keys[1])
+         if wgrad_op.quantized else None)
+  return q_row, q_t
 
 
 def _named(name: str, fn: Callable) -> Callable:
@@ -92,57 +123,56 @@ def _linear(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype):
   return y
 
 
+def _gemm(name: str, out_dtype):
+  """A named block-scaled GEMM region taking quantized operands."""
+  return _named(name, lambda a, b: block_scaled_matmul(a, b,
+                                                       out_dtype=out_dtype))
+
+
 def _linear_fwd(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype):
   del x_dtype
-  if recipe.gemm_format("fprop") != "bf16":
-    def nvfp4_fprop(x, w):
-      qx = quantize_operand(x, recipe.fprop_x, None)
-      qw = quantize_operand(w.T, recipe.fprop_w, None)
-      return block_scaled_matmul(qx, qw, out_dtype=out_dtype), qw
-    y, qw = _named("nvfp4_fprop", nvfp4_fprop)(x, w)
+  fprop_q = recipe.gemm_format("fprop") != "bf16"
+  wgrad_q = recipe.gemm_format("wgrad") != "bf16"
+  qx, qxt = _named("nvfp4_quantize_x", lambda x: quantize_both(
+      x, recipe.fprop_x, recipe.wgrad_x, recipe, None))(x)
+  if fprop_q:
+    qw = _named("nvfp4_quantize_w", lambda w: quantize_operand(
+        w.T, recipe.fprop_w, None))(w)
+    y = _gemm("nvfp4_fprop", out_dtype)(qx, qw)
   else:
     y = _named("bf16_fprop", functools.partial(
         _hp_matmul, dtype=out_dtype, precision=precision))(x, w)
     qw = None
-
   # Dgrad's weight: with identical 16x16 settings it is Fprop's quantized W,
-  # transposed (exactly what quantizing kernel along `out` gives); otherwise it
-  # is quantized in the backward pass from `w`, which is alive anyway.
+  # transposed (exactly what quantizing the kernel along `out` gives);
+  # otherwise it is quantized in the backward pass from `w`, alive anyway.
   reuse_w = (qw is not None and recipe.dgrad_w == recipe.fprop_w
              and recipe.fprop_w.block_2d)
-  if recipe.gemm_format("wgrad") != "bf16":
-    x_saved = _named("nvfp4_wgrad_x", lambda x: quantize_wgrad_operand(
-        x, recipe.wgrad_x, recipe, None))(x)
-  else:
-    x_saved = x
-  return y, (x_saved, w, qw if reuse_w else None, key)
+  return y, (qxt if wgrad_q else x, w, qw if reuse_w else None, key)
 
 
 def _linear_bwd(recipe: Recipe, precision, out_dtype, x_dtype, res, dy):
   x_saved, w, qw_fprop, key = res
+  dgrad_q = recipe.gemm_format("dgrad") != "bf16"
+  wgrad_q = recipe.gemm_format("wgrad") != "bf16"
   if recipe.needs_key and key is None:
     raise ValueError(
         "this recipe uses stochastic rounding in the backward pass but no key "
         "was given: pass key= to nvfp4_jax.dot_general, or rngs={'nvfp4': "
         "key} to the NVFP4 layer's apply (a new key every step).")
-  key_d, key_w = (jax.random.split(key) if key is not None else (None, None))
+  qdy, qdyt = _named("nvfp4_quantize_dy", lambda dy, key: quantize_both(
+      dy, recipe.dgrad_dy, recipe.wgrad_dy, recipe, key))(dy, key)
 
-  if recipe.gemm_format("dgrad") != "bf16":
-    def nvfp4_dgrad(dy, w, qw_fprop, key_d):
-      qdy = quantize_operand(dy, recipe.dgrad_dy, key_d)
-      qw = (qw_fprop.T if qw_fprop is not None
-            else quantize_operand(w, recipe.dgrad_w, None))
-      return block_scaled_matmul(qdy, qw, out_dtype=jnp.float32)
-    dx = _named("nvfp4_dgrad", nvfp4_dgrad)(dy, w, qw_fprop, key_d)
+  if dgrad_q:
+    qw = (qw_fprop.T if qw_fprop is not None else _named(
+        "nvfp4_quantize_w", lambda w: quantize_operand(
+            w, recipe.dgrad_w, None))(w))
+    dx = _gemm("nvfp4_dgrad", jnp.float32)(qdy, qw)
   else:
     dx = _named("bf16_dgrad", lambda dy, w: _hp_matmul(
         dy, w.T, out_dtype, precision))(dy, w)
-
-  if recipe.gemm_format("wgrad") != "bf16":
-    def nvfp4_wgrad(dy, qxt, key_w):
-      qdyt = quantize_wgrad_operand(dy, recipe.wgrad_dy, recipe, key_w)
-      return block_scaled_matmul(qxt, qdyt, out_dtype=jnp.float32)
-    dw = _named("nvfp4_wgrad", nvfp4_wgrad)(dy, x_saved, key_w)
+  if wgrad_q:
+    dw = _gemm("nvfp4_wgrad", jnp.float32)(x_saved, qdyt)
   else:
     dw = _named("bf16_wgrad", lambda x, dy: _hp_matmul(
         x.T, dy, jnp.float32, precision))(x_saved, dy)

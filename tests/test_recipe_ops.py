@@ -188,13 +188,21 @@ def test_jaxpr_of_train_step_quantizes_all_three_gemms_of_quantized_layers():
 
   step = jax.jit(jax.grad(loss))
   jaxpr = jax.make_jaxpr(step)(params, jax.random.key(2)).jaxpr
-  for name in ("nvfp4_fprop", "nvfp4_dgrad", "nvfp4_wgrad", "nvfp4_wgrad_x"):
+  # Only layer "q" is quantized: each region appears once.
+  for name in ("nvfp4_quantize_x", "nvfp4_quantize_w", "nvfp4_quantize_dy"):
     eqns = _eqns_named(jaxpr, name)
-    assert len(eqns) == 1, (name, len(eqns))  # Only layer "q" is quantized.
+    assert len(eqns) == 1, (name, len(eqns))
     assert _has_e4m3_cast(eqns[0].params["jaxpr"]), name
-  # The quantized GEMMs multiply bf16 block-dequantized operands.
-  fprop = str(_eqns_named(jaxpr, "nvfp4_fprop")[0].params["jaxpr"])
-  assert "dot_general" in fprop and "bf16[32,64]" in fprop
+  # Each GEMM takes quantized operands (uint8 codes + E4M3 scales) and
+  # multiplies their bf16 block values.
+  for name in ("nvfp4_fprop", "nvfp4_dgrad", "nvfp4_wgrad"):
+    eqns = _eqns_named(jaxpr, name)
+    assert len(eqns) == 1, (name, len(eqns))
+    dtypes = {str(v.aval.dtype) for v in eqns[0].invars}
+    assert dtypes == {"uint8", "float8_e4m3fn", "float32"}, (name, dtypes)
+    inner = str(eqns[0].params["jaxpr"])
+    assert "dot_general" in inner and "bf16[" in inner, name
+  assert not _eqns_named(jaxpr, "bf16_fprop")  # Layer "hp" uses plain dots.
 
 
 def test_dense_general_and_einsum_via_dot_general_cls():
