@@ -5,6 +5,8 @@
    encode scale's actual operands (`1 / (f32(d_e4m3) * inv_s_enc)`).
 2. `tl.dot_scaled` with NVFP4 (E4M3, block-16) scales on this GPU: native
    (Triton's own decomposition on Hopper) vs the written-out decomposition.
+3. XLA:GPU "excess precision": does a bf16 rounding feeding an FP32 consumer
+   in one fusion survive? And the reference quantizer on GPU vs on CPU.
 """
 
 from __future__ import annotations
@@ -66,9 +68,42 @@ def dot_scaled() -> list[str]:
   return out
 
 
+def excess_precision() -> list[str]:
+  from nvfp4_jax.hadamard import rht  # pylint: disable=g-import-not-at-top
+  cpu = jax.devices("cpu")[0]
+  x = (jax.random.normal(jax.random.key(0), (2048, 1024), jnp.float32) * 3
+       ).astype(jnp.bfloat16)
+
+  def both(fn):
+    g = jax.jit(fn)(x)
+    with jax.default_device(cpu):
+      c = jax.jit(fn)(jax.device_put(x, cpu))
+    return jax.tree.leaves(g), jax.tree.leaves(c)
+
+  out = []
+  g, c = both(lambda x: rht(x.T).astype(jnp.float32) * 3.0)
+  bad = int(np.sum(np.asarray(g[0]) != np.asarray(c[0])))
+  out.append(f"| rht(x.T) -> f32 * 3 fused, GPU vs CPU | {bad} of {x.size} "
+             f"differ |")
+  for name, fn in (
+      ("quantize_reference(rht(x.T))",
+       lambda x: nvfp4.quantize_reference(rht(x.T))),
+      ("quantize_reference(rht(x.T), SR)",
+       lambda x: nvfp4.quantize_reference(rht(x.T), rounding="stochastic",
+                                          key=jax.random.key(3))),
+      ("quantize_reference(x)", nvfp4.quantize_reference)):
+    g, c = both(fn)
+    bad = [int(np.sum(np.atleast_1d(np.asarray(a)).view(np.uint8)
+                      != np.atleast_1d(np.asarray(b)).view(np.uint8)))
+           for a, b in zip(g, c)]
+    out.append(f"| {name} GPU vs CPU | differing bytes (codes, scales, "
+               f"amax): {bad} |")
+  return out
+
+
 if __name__ == "__main__":
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, "
         f"cc {common.compute_capability()}")
   print("| probe | result |\n| --- | --- |")
-  for line in division() + dot_scaled():
+  for line in division() + dot_scaled() + excess_precision():
     print(line, flush=True)

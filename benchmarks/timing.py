@@ -17,10 +17,13 @@ import jax.numpy as jnp
 
 
 def bench(fn: Callable, arg_sets: Sequence[tuple], *, calls: int = 10,
-          reps: int = 7) -> float:
+          reps: int = 9, warmup_s: float = 0.1) -> float:
   """Median seconds per call of `fn(*args)` over rotating `arg_sets`."""
-  for args in arg_sets:  # Compile and warm up.
+  for args in arg_sets:  # Compile.
     jax.block_until_ready(fn(*args))
+  t_end = time.perf_counter() + warmup_s  # Let the clocks ramp up.
+  while time.perf_counter() < t_end:
+    jax.block_until_ready(fn(*arg_sets[0]))
   per_call = []
   for _ in range(reps):
     t0 = time.perf_counter()

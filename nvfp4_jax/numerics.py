@@ -49,14 +49,16 @@ def ftz(v: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------
 
 
-def global_encode_scale(amax: jax.Array) -> jax.Array:
+def global_encode_scale(amax: jax.Array, *, divide=jnp.divide) -> jax.Array:
   """`S_enc = min(2688 / amax, FLT_MAX)`, and 1 where amax or S_enc is 0.
 
   A NaN amax gives a NaN scale, so NaN inputs poison every scale of the tensor
-  instead of being rounded to finite codes.
+  instead of being rounded to finite codes. `divide`: see
+  `nvfp4_block_encode_scale`.
   """
   amax = amax.astype(jnp.float32)
-  s = jnp.minimum(jnp.float32(E4M3_MAX_X_E2M1_MAX) / amax, jnp.float32(F32_MAX))
+  s = divide(jnp.float32(E4M3_MAX_X_E2M1_MAX), amax)
+  s = jnp.where(s > F32_MAX, jnp.float32(F32_MAX), s)
   return jnp.where((amax == 0.0) | (s == 0.0), jnp.float32(1.0), s)
 
 
@@ -75,7 +77,8 @@ def global_decode_scale(amax: jax.Array) -> jax.Array:
   return ftz(amax / den)
 
 
-def nvfp4_scale_constants(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+def nvfp4_scale_constants(amax: jax.Array, *, divide=jnp.divide
+                          ) -> tuple[jax.Array, jax.Array]:
   """The two per-tensor FP32 constants the block math needs.
 
   Returns:
@@ -83,9 +86,9 @@ def nvfp4_scale_constants(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
     `1 / S_enc`. Kernels receive these as inputs so that no division by a
     per-tensor value happens inside a kernel.
   """
-  s_enc = global_encode_scale(amax)
+  s_enc = global_encode_scale(amax, divide=divide)
   s_enc_over_6 = s_enc * jnp.float32(1.0 / E2M1_MAX)
-  inv_s_enc = ftz(jnp.float32(1.0) / s_enc)
+  inv_s_enc = ftz(divide(jnp.float32(1.0), s_enc))
   return s_enc_over_6, inv_s_enc
 
 
@@ -114,9 +117,10 @@ def nvfp4_block_encode_scale(d_f32: jax.Array, inv_s_enc: jax.Array, *,
   Args:
     d_f32: the E4M3 block decode scales, widened to FP32.
     inv_s_enc: `1 / S_enc` (see `nvfp4_scale_constants`).
-    divide: the FP32 division, correctly rounded. XLA's is; Pallas-Triton
-      lowers `/` to the approximate `div.full.f32`, so GPU kernels pass an
-      IEEE `div.rn.f32` here.
+    divide: the FP32 division, correctly rounded. XLA:CPU's is. XLA:GPU and
+      Pallas-Triton lower `/` to the approximate `div.full.f32` (XLA:GPU
+      unless `XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2`),
+      so the GPU kernels pass an IEEE `div.rn.f32` here.
   """
   denom = ftz(d_f32 * inv_s_enc)
   e = divide(jnp.float32(1.0), denom)
@@ -135,19 +139,28 @@ def _sign_code(y: jax.Array) -> jax.Array:
 def e2m1_encode_nearest(y: jax.Array) -> jax.Array:
   """Rounds FP32 `y` to E2M1 codes, to nearest with ties to the even code.
 
-  Saturates at +-6. The thresholds alternate between `>` and `>=` because the
-  even code alternates along the grid (0.25->0, 0.75->1, 1.25->1, 1.75->2,
-  2.5->2, 3.5->4, 5->4). NaN gets code 0 or 8 (E2M1 has no NaN): the NaN is
-  carried by the scales, see `global_encode_scale`.
+  Saturates at +-6. Ties go to the even code, which alternates along the grid
+  (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4). NaN gets code 0
+  or 8 (E2M1 has no NaN): the NaN is carried by the scales, see
+  `global_encode_scale`.
+
+  Computed on the FP32 bits (fewer instructions per element than comparing
+  against the 7 thresholds, which matters in the GPU kernels; the results are
+  identical): for `|y| >= 1` the E2M1 value is `|y|` with its mantissa rounded
+  to 1 bit, ties to even (a carry bumps the exponent), and the code is
+  `2 * (exponent + 1) + mantissa bit`, capped at 7; below 1 the grid is 0,
+  0.5, 1 with ties at 0.25 (to 0) and 0.75 (to 1).
 
   Returns:
     uint8 codes in [0, 16).
   """
   a = jnp.abs(y)
-  u = lambda c: c.astype(jnp.uint8)
-  mag = (u(a > 0.25) + u(a >= 0.75) + u(a > 1.25) + u(a >= 1.75)
-         + u(a > 2.5) + u(a >= 3.5) + u(a > 5.0))
-  return mag | _sign_code(y)
+  b = jax.lax.bitcast_convert_type(a, jnp.uint32)
+  r = (b + jnp.uint32(0x1FFFFF) + ((b >> 22) & 1)) & jnp.uint32(0xFFC00000)
+  big = jnp.minimum((r >> 22) - jnp.uint32(2 * 127 - 2), jnp.uint32(7))
+  small = (a > 0.25).astype(jnp.uint32) + (a >= 0.75).astype(jnp.uint32)
+  mag = jnp.where(a >= 1.0, big, small)  # NaN: small, i.e. 0.
+  return (mag | _sign_code(y)).astype(jnp.uint8)
 
 
 def e2m1_encode_stochastic(y: jax.Array, rbits: jax.Array) -> jax.Array:
@@ -159,6 +172,11 @@ def e2m1_encode_stochastic(y: jax.Array, rbits: jax.Array) -> jax.Array:
   `t` is a multiple of 1/256 and within 1/512 of it otherwise. Values on the
   grid never move; `|y| >= 6` saturates to 6.
 
+  Computed on the FP32 bits where `1 <= |y| < 6`: `lo` is `|y|` with its
+  mantissa cut to 1 bit and `t` is the cut 22 bits over 2^22, so the test is
+  the integer comparison `cut > (2r + 1) << 13`. Below 1 (grid 0, 0.5, 1) it
+  is the same test in FP32, where every step is exact.
+
   Args:
     y: scaled values, FP32.
     rbits: uint8 (or any unsigned) random bits in [0, 256), same shape as `y`.
@@ -167,17 +185,16 @@ def e2m1_encode_stochastic(y: jax.Array, rbits: jax.Array) -> jax.Array:
     uint8 codes in [0, 16).
   """
   a = jnp.abs(y)
-  u = lambda c: c.astype(jnp.uint8)
-  lo_code = (u(a >= 0.5) + u(a >= 1.0) + u(a >= 1.5) + u(a >= 2.0)
-             + u(a >= 3.0) + u(a >= 4.0) + u(a >= 6.0))
-  lo = jnp.where(a < 2.0, jnp.floor(a * 2.0) * 0.5,
-                 jnp.where(a < 4.0, jnp.floor(a), jnp.float32(4.0)))
-  inv_step = jnp.where(a < 2.0, jnp.float32(2.0),
-                       jnp.where(a < 4.0, jnp.float32(1.0), jnp.float32(0.5)))
-  t512 = (a - lo) * inv_step * 512.0
-  r2p1 = rbits.astype(jnp.float32) * 2.0 + 1.0
-  up = (t512 > r2p1) & (lo_code < 7)
-  return (lo_code + u(up)) | _sign_code(y)
+  b = jax.lax.bitcast_convert_type(a, jnp.uint32)
+  r = rbits.astype(jnp.uint32)
+  big_lo = (b >> 22) - jnp.uint32(2 * 127 - 2)
+  big_up = (b & jnp.uint32(0x3FFFFF)) > ((r * 2 + 1) << 13)
+  big = jnp.where(a >= 6.0, jnp.uint32(7), big_lo + big_up.astype(jnp.uint32))
+  half = jnp.floor(a * 2.0)
+  small_up = (a * 2.0 - half) * 512.0 > r.astype(jnp.float32) * 2.0 + 1.0
+  small = half.astype(jnp.uint32) + small_up.astype(jnp.uint32)
+  mag = jnp.where(a >= 1.0, big, small)  # NaN: small, i.e. 0.
+  return (mag | _sign_code(y)).astype(jnp.uint8)
 
 
 def e2m1_decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
@@ -187,8 +204,10 @@ def e2m1_decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
   # 0, .5, 1, 1.5 step by 0.5; 2, 3 by 1; 4, 6 by 2.
   mag = jnp.where(m < 4, 0.5 * m, jnp.where(m < 6, m - 2.0, 2.0 * m - 8.0))
   mag = mag.astype(jnp.float32)
-  val = jnp.where((c & _SIGN_BIT) != 0, -mag, mag)
-  return val.astype(dtype)
+  # Multiply rather than negate: Pallas-Triton lowers `-x` to `0 - x`, which
+  # turns code 8 (-0) into +0.
+  sign = jnp.where((c & _SIGN_BIT) != 0, jnp.float32(-1.0), jnp.float32(1.0))
+  return (sign * mag).astype(dtype)
 
 
 def pack_e2m1(codes: jax.Array) -> jax.Array:

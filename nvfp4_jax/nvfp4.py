@@ -176,6 +176,10 @@ def quantize_reference(x: jax.Array, *, block_2d: bool = False,
   """The pure-jnp reference of `quantize` (its `implementation="xla"`)."""
   x = check_input(x, block=nm.NVFP4_BLOCK, block_2d=block_2d, what="quantize")
   check_rounding(rounding, key)
+  # The barrier keeps XLA:GPU from fusing a producer's rounding to `x.dtype`
+  # (e.g. the RHT's FP32->bf16) with the widening below and eliding both
+  # ("excess precision"): the quantizer must see the rounded values.
+  x = jax.lax.optimization_barrier(x)
   xf = nm.ftz(x.astype(jnp.float32))
   if amax is None:
     amax = tensor_amax(xf)

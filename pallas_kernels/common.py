@@ -8,6 +8,10 @@ lower to Triton with the same results:
 - Triton lowers FP32 `/` to the approximate `div.full.f32`; `exact_divide`
   returns an IEEE `div.rn.f32` (inline PTX) on GPU and plain division in
   interpret mode, where XLA's division is already correctly rounded.
+- Pallas-Triton does not mask `ref[...]` of a partial tile: out-of-bounds
+  loads read other rows' (or other buffers') memory and out-of-bounds stores
+  corrupt them. `bounds_mask` + `load`/`store` mask partial tiles explicitly
+  (interpret mode pads instead, which hid this on CPU).
 - Triton lowers float `max` to `maxnumf`, which drops NaN. `abs_max` reduces
   the magnitudes' bit patterns as unsigned integers instead: for non-negative
   floats the order is the same, and every NaN sorts above +Inf, so a NaN
@@ -115,3 +119,44 @@ def pallas_call(kernel, *, interpret: bool, num_warps: int, num_stages: int,
 def scalar_spec(n: int) -> pl.BlockSpec:
   """A whole small 1-D operand (per-tensor constants, seeds) for every program."""
   return pl.BlockSpec((n,), lambda *idx: (0,))
+
+
+def bounds_mask(shape: tuple[int, ...], *dims) -> jax.Array | None:
+  """In-bounds mask of a tile, or None when every listed axis divides evenly.
+
+  Args:
+    shape: the tile's shape.
+    *dims: `(axis, start, limit, block)`: elements `start + i` along `axis`
+      are valid while `< limit`; the axis is skipped when `limit % block == 0`
+      (then no tile is partial along it and the fast unmasked path is kept).
+  """
+  mask = None
+  for axis, start, limit, block in dims:
+    if limit % block == 0:
+      continue
+    idx = start + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+    m = idx < limit
+    mask = m if mask is None else mask & m
+  return mask
+
+
+def load(ref, mask: jax.Array | None) -> jax.Array:
+  """`ref[...]`, out-of-bounds elements (`mask` False) not read.
+
+  They come back as 0, except for float8 refs (no constant of that type
+  lowers), whose masked elements are undefined: callers must not store them.
+  """
+  if mask is None:
+    return ref[...]
+  other = None if jnp.dtype(ref.dtype).itemsize == 1 and jnp.issubdtype(
+      ref.dtype, jnp.floating) else 0
+  return plt.load(ref, mask=mask, other=other)
+
+
+def store(ref, value: jax.Array, mask: jax.Array | None) -> None:
+  """`ref[...] = value`, skipping elements where `mask` is False."""
+  if mask is None:
+    ref[...] = value
+  else:
+    plt.store(ref, value, mask=mask)
+

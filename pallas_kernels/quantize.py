@@ -41,7 +41,7 @@ class QuantizeConfig:
     num_warps: Triton warps per program.
   """
 
-  block_rows: int = 32
+  block_rows: int = 16
   block_cols: int = 256
   num_warps: int = 4
 
@@ -57,38 +57,55 @@ class QuantizeConfig:
 
 def default_config(rows: int, cols: int, block_2d: bool = False
                    ) -> QuantizeConfig:
-  """~8K elements per program: enough bytes in flight, few registers."""
+  """4K elements per program (16 x 256 at full size, 4 warps).
+
+  Measured on H100 at 8192^2 bf16 (BENCHMARKS.md, tile sweep): 16x256 and
+  8x256 were fastest; 8K-element tiles were ~20% slower, 32K spilled.
+  """
   bc = min(256, common.next_pow2(cols))
-  br = max(B if block_2d else 1, min(64, common.next_pow2(rows), 8192 // bc))
+  br = max(B if block_2d else 1, min(16, common.next_pow2(rows), 4096 // bc))
   return QuantizeConfig(block_rows=br, block_cols=bc, num_warps=4)
 
 
+def _masks(rows: int, nb: int, m: int, nb_total: int):
+  """Bounds masks of a `[rows, nb, ...]` tile (None where no tile is partial)."""
+  row0, blk0 = pl.program_id(0) * rows, pl.program_id(1) * nb
+  dims = ((0, row0, m, rows), (1, blk0, nb_total, nb))
+  return {w: common.bounds_mask((rows, nb, w), *dims) for w in (B, B // 2)} | {
+      0: common.bounds_mask((rows, nb), *dims)}
+
+
 def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
-                     with_values: bool, interpret: bool, words_per_row: int):
+                     with_values: bool, interpret: bool, m: int,
+                     nb_total: int):
   refs = list(refs)
-  consts_ref = refs.pop(0)
+  amax_ref = refs.pop(0)
   seeds_ref = refs.pop(0) if stochastic else None
   x_ref, codes_ref, scales_ref = refs[:3]
+  divide = common.exact_divide(interpret)
+  # Shape (1,), not scalars: the inline-asm division needs tensor operands.
+  s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(amax_ref[...],
+                                                     divide=divide)
   values_ref = refs[3] if with_values else None
+  rows, nb, _ = x_ref.shape
+  mask = _masks(rows, nb, m, nb_total)
 
-  xf = nm.ftz(x_ref[...].astype(jnp.float32))  # [rows, nb, 16]
-  rows, nb, _ = xf.shape
+  xf = nm.ftz(common.load(x_ref, mask[B]).astype(jnp.float32))
   bamax = common.abs_max(xf, axis=-1)
   if block_2d:
     bamax = tile.block_amax_2d(bamax)
   rbits = None
   if stochastic:
     rbits = tile.sr_bytes(pl.program_id(0) * rows, rows,
-                          pl.program_id(1) * nb, nb, words_per_row,
+                          pl.program_id(1) * nb, nb, nb_total * B // 4,
                           seeds_ref[0], seeds_ref[1])
   packed, scales, values = tile.encode_blocks(
-      xf, bamax, consts_ref[0], consts_ref[1],
-      divide=common.exact_divide(interpret), rbits=rbits,
+      xf, bamax, s_enc_over_6, inv_s_enc, divide=divide, rbits=rbits,
       with_values=with_values)
-  codes_ref[...] = packed
-  scales_ref[...] = scales
+  common.store(codes_ref, packed, mask[B // 2])
+  common.store(scales_ref, scales, mask[0])
   if with_values:
-    values_ref[...] = values
+    common.store(values_ref, values, mask[B])
 
 
 def quantize(x: jax.Array, *, block_2d: bool = False,
@@ -124,8 +141,6 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
     amax = jnp.asarray(amax, jnp.float32)
     if amax.shape != ():
       raise ValueError(f"amax must be a scalar, got shape {amax.shape}.")
-  consts = jnp.stack(jax.lax.optimization_barrier(
-      nm.nvfp4_scale_constants(amax)))
   stochastic = rounding == "stochastic"
   if stochastic and x.size > prng.MAX_ELEMENTS:
     raise ValueError(
@@ -140,8 +155,10 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   br, bnb = cfg.block_rows, max(1, cfg.block_cols // B)
   grid = (common.cdiv(m, br), common.cdiv(nb_total, bnb))
 
-  in_specs = [common.scalar_spec(2)]
-  args = [consts]
+  # The per-tensor constants are computed in the kernel, with its exact
+  # division (XLA:GPU's FP32 division is not correctly rounded).
+  in_specs = [common.scalar_spec(1)]
+  args = [amax.reshape(1)]
   if stochastic:
     in_specs.append(common.scalar_spec(2))
     args.append(prng.seeds_from_key(key))
@@ -157,7 +174,7 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
 
   kernel = functools.partial(
       _quantize_kernel, block_2d=block_2d, stochastic=stochastic,
-      with_values=with_values, interpret=interpret, words_per_row=k // 4)
+      with_values=with_values, interpret=interpret, m=m, nb_total=nb_total)
   outs = common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
       name="nvfp4_quantize_2d" if block_2d else "nvfp4_quantize",
@@ -172,8 +189,13 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   return q
 
 
-def _dequantize_kernel(codes_ref, scales_ref, values_ref):
-  values_ref[...] = tile.block_values(codes_ref[...], scales_ref[...])
+def _dequantize_kernel(codes_ref, scales_ref, values_ref, *, m: int,
+                       nb_total: int):
+  rows, nb, _ = codes_ref.shape
+  mask = _masks(rows, nb, m, nb_total)
+  values = tile.block_values(common.load(codes_ref, mask[B // 2]),
+                             common.load(scales_ref, mask[0]))
+  common.store(values_ref, values, mask[B])
 
 
 def block_values(q: NVFP4Array, *, config: QuantizeConfig | None = None
@@ -195,7 +217,8 @@ def block_values(q: NVFP4Array, *, config: QuantizeConfig | None = None
   br, bnb = cfg.block_rows, max(1, cfg.block_cols // B)
   grid = (common.cdiv(m, br), common.cdiv(nb_total, bnb))
   out = common.pallas_call(
-      _dequantize_kernel, interpret=interpret, num_warps=cfg.num_warps,
+      functools.partial(_dequantize_kernel, m=m, nb_total=nb_total),
+      interpret=interpret, num_warps=cfg.num_warps,
       num_stages=1, name="nvfp4_block_values", grid=grid,
       in_specs=[pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)),
                 pl.BlockSpec((br, bnb), lambda i, j: (i, j))],

@@ -91,20 +91,12 @@ def _check(x: jax.Array, size: int, fused_x: bool, what: str) -> jax.Array:
   return x.astype(jnp.float32) if x.dtype == jnp.float64 else x
 
 
-def _valid(x: jax.Array, row0, col0, rows: int, cols: int) -> jax.Array:
-  """Zeroes the out-of-bounds part of a partial tile (for the amax only)."""
-  r = row0 + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
-  c = col0 + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-  return jnp.where((r < rows) & (c < cols), x, jnp.zeros_like(x))
-
-
 def _amax_kernel(h_ref, x_ref, *out_refs, size: int, with_x: bool,
-                 masked: bool, tokens: int, features: int):
-  x = x_ref[...]
-  bt, bf = x.shape
-  if masked:
-    x = _valid(x, pl.program_id(0) * bt, pl.program_id(1) * bf, tokens,
-               features)
+                 tokens: int, features: int):
+  bt, bf = x_ref.shape
+  mask = common.bounds_mask((bt, bf), (0, pl.program_id(0) * bt, tokens, bt),
+                            (1, pl.program_id(1) * bf, features, bf))
+  x = common.load(x_ref, mask)  # Out-of-bounds elements read as 0.
   z = tile.rht_transposed(x, h_ref[...], size)
   out_refs[0][...] = jnp.full((1, 1), common.abs_max_bits(z), jnp.uint32)
   if with_x:
@@ -129,9 +121,8 @@ def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
   h = jnp.asarray(rht_matrix(sign_vector, size))
   part = jax.ShapeDtypeStruct(grid, jnp.uint32)
   n_out = 2 if with_x else 1
-  kernel = functools.partial(
-      _amax_kernel, size=size, with_x=with_x,
-      masked=bool(t % bt or f % bf), tokens=t, features=f)
+  kernel = functools.partial(_amax_kernel, size=size, with_x=with_x,
+                             tokens=t, features=f)
   outs = common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
       name="nvfp4_rht_amax", grid=grid,
@@ -148,13 +139,19 @@ def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
 def _quantize_kernel(*refs, size: int, fused_x: bool, stochastic: bool,
                      interpret: bool, tokens: int, features: int):
   refs = list(refs)
-  consts_ref = refs.pop(0)
+  amax_ref = refs.pop(0)
   seeds_ref = refs.pop(0) if stochastic else None
   h_ref, x_ref = refs.pop(0), refs.pop(0)
   divide = common.exact_divide(interpret)
-  x = x_ref[...]
-  bt, bf = x.shape
+  # Shape (1,), not scalars: the inline-asm division needs tensor operands.
+  consts = lambda k: nm.nvfp4_scale_constants(amax_ref[pl.ds(k, 1)],
+                                              divide=divide)
+  bt, bf = x_ref.shape
   i, j = pl.program_id(0), pl.program_id(1)  # token tile, feature tile
+  tok = lambda axis, n: (axis, i * n, tokens // (bt // n), n)
+  feat = lambda axis, n: (axis, j * n, features // (bf // n), n)
+  x = common.load(x_ref, common.bounds_mask((bt, bf), tok(0, bt),
+                                            feat(1, bf)))
 
   # Wgrad operand: rht(x.T), [features, tokens], blocks along tokens.
   z = nm.ftz(tile.rht_transposed(x, h_ref[...], size)).reshape(bf, bt // B, B)
@@ -163,10 +160,10 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, stochastic: bool,
     rbits = tile.sr_bytes(j * bf, bf, i * (bt // B), bt // B, tokens // 4,
                           seeds_ref[0], seeds_ref[1])
   packed, scales, _ = tile.encode_blocks(
-      z, common.abs_max(z, axis=-1), consts_ref[0], consts_ref[1],
-      divide=divide, rbits=rbits)
-  refs[0][...] = packed
-  refs[1][...] = scales
+      z, common.abs_max(z, axis=-1), *consts(0), divide=divide, rbits=rbits)
+  dims = (feat(0, bf), tok(1, bt // B))
+  common.store(refs[0], packed, common.bounds_mask(packed.shape, *dims))
+  common.store(refs[1], scales, common.bounds_mask(scales.shape, *dims))
 
   if fused_x:  # Fprop operand: x, [tokens, features], blocks along features.
     xf = nm.ftz(x.astype(jnp.float32)).reshape(bt, bf // B, B)
@@ -175,10 +172,11 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, stochastic: bool,
       rbits = tile.sr_bytes(i * bt, bt, j * (bf // B), bf // B, features // 4,
                             seeds_ref[2], seeds_ref[3])
     packed, scales, _ = tile.encode_blocks(
-        xf, common.abs_max(xf, axis=-1), consts_ref[2], consts_ref[3],
-        divide=divide, rbits=rbits)
-    refs[2][...] = packed
-    refs[3][...] = scales
+        xf, common.abs_max(xf, axis=-1), *consts(1), divide=divide,
+        rbits=rbits)
+    dims = (tok(0, bt), feat(1, bf // B))
+    common.store(refs[2], packed, common.bounds_mask(packed.shape, *dims))
+    common.store(refs[3], scales, common.bounds_mask(scales.shape, *dims))
 
 
 def _quantize_call(x, amax_t, key_t, amax_x, key_x, *, size, sign_vector,
@@ -190,15 +188,16 @@ def _quantize_call(x, amax_t, key_t, amax_x, key_x, *, size, sign_vector,
   if bt % size:
     raise ValueError(f"block_tokens={bt} must be a multiple of the Hadamard "
                      f"size {size}.")
-  consts = list(jax.lax.optimization_barrier(nm.nvfp4_scale_constants(amax_t)))
+  # The per-tensor constants are computed in the kernel, with its exact
+  # division (XLA:GPU's FP32 division is not correctly rounded).
+  amaxes = [amax_t]
   seeds = [prng.seeds_from_key(key_t)] if stochastic else []
   if fused_x:
-    consts += list(jax.lax.optimization_barrier(
-        nm.nvfp4_scale_constants(amax_x)))
+    amaxes.append(amax_x)
     if stochastic:
       seeds.append(prng.seeds_from_key(key_x))
-  args = [jnp.stack(consts)]
-  in_specs = [common.scalar_spec(len(consts))]
+  args = [jnp.stack(amaxes).astype(jnp.float32)]
+  in_specs = [common.scalar_spec(len(amaxes))]
   if stochastic:
     args.append(jnp.concatenate(seeds))
     in_specs.append(common.scalar_spec(2 * len(seeds)))
