@@ -26,6 +26,8 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--small", action="store_true")
   p.add_argument("--sweep", action="store_true")
+  p.add_argument("--quick", action="store_true",
+                 help="GEMM at 8192^3 and 3 transformer shapes only")
   p.add_argument("--skip", default="", help="comma list: quantize,gemm,dense")
   p.add_argument("--out", default=os.environ.get("OUT", ""))
   a = p.parse_args()
@@ -54,6 +56,9 @@ def main():
     print(sections[-1], flush=True)
   if "gemm" not in skip:
     shapes = [(512, 512, 512, True)] if a.small else None
+    if a.quick:
+      shapes = [(8192, 8192, 8192, True), (8192, 4096, 4096, False),
+                (8192, 14336, 4096, False), (8192, 4096, 14336, False)]
     rows = bench_gemm.run(shapes)
     results["gemm"] = rows
     sections.append("## GEMM\n" + timing.table(rows, bench_gemm.COLS))
