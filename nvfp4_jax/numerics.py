@@ -44,12 +44,56 @@ def ftz(v: jax.Array) -> jax.Array:
   return jnp.where(jnp.abs(v) < F32_TINY, v * 0.0, v)
 
 
+def div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
+  """FP32 `a / b`, correctly rounded (RTNE), the same bits on every backend.
+
+  TE divides with IEEE `div.rn.f32`. XLA does not guarantee that: XLA:GPU
+  lowers an FP32 divide to PTX `div.full.f32` (up to 2 ulp off; 13-30% of
+  quotients differ on an H100), and XLA's simplifier turns a division by a
+  constant into a multiplication by the rounded reciprocal. Here the
+  significands are divided by restoring long division in uint32 (24 quotient
+  bits, then round to nearest even on the remainder), which no compiler
+  rewrites. Subnormal inputs and results are flushed to (signed) zero, as
+  everywhere in this module. Zero, infinite and NaN operands take the plain
+  division, whose special values are exact on every backend.
+  """
+  a = ftz(jnp.asarray(a, jnp.float32))
+  b = ftz(jnp.asarray(b, jnp.float32))
+  a, b = jnp.broadcast_arrays(a, b)
+  ba = jax.lax.bitcast_convert_type(a, jnp.uint32)
+  bb = jax.lax.bitcast_convert_type(b, jnp.uint32)
+  ea = ((ba >> 23) & 0xFF).astype(jnp.int32)
+  eb = ((bb >> 23) & 0xFF).astype(jnp.int32)
+  ma = (ba & 0x7FFFFF) | 0x800000
+  mb = (bb & 0x7FFFFF) | 0x800000
+  small = ma < mb  # Normalise so that the quotient of significands is in [1, 2).
+  r = jnp.where(small, ma << 1, ma)
+  e = ea - eb + 127 - small.astype(jnp.int32)
+  q = jnp.zeros_like(ma)
+  for _ in range(24):
+    bit = r >= mb
+    q = (q << 1) | bit.astype(jnp.uint32)
+    r = jnp.where(bit, r - mb, r) << 1  # r = 2 * remainder
+  up = (r > mb) | ((r == mb) & ((q & 1) == 1))
+  q = q + up.astype(jnp.uint32)
+  carry = q >> 24  # Rounded up to 2^24: renormalise.
+  q = q >> carry
+  e = e + carry.astype(jnp.int32)
+  sign = (ba ^ bb) & jnp.uint32(0x80000000)
+  bits = sign | (jnp.clip(e, 0, 255).astype(jnp.uint32) << 23) | (q & 0x7FFFFF)
+  bits = jnp.where(e > 254, sign | jnp.uint32(0x7F800000), bits)  # +-inf.
+  bits = jnp.where(e < 1, sign, bits)  # Underflow: flushed to +-0.
+  exact = jax.lax.bitcast_convert_type(bits, jnp.float32)
+  regular = (ea > 0) & (ea < 255) & (eb > 0) & (eb < 255)
+  return jnp.where(regular, exact, a / b)
+
+
 # ----------------------------------------------------------------------------
 # NVFP4 scale factors (NVFP4_SPEC section 2, steps 1-3 and 5).
 # ----------------------------------------------------------------------------
 
 
-def global_encode_scale(amax: jax.Array, *, divide=jnp.divide) -> jax.Array:
+def global_encode_scale(amax: jax.Array, *, divide=div_rn) -> jax.Array:
   """`S_enc = min(2688 / amax, FLT_MAX)`, and 1 where amax or S_enc is 0.
 
   A NaN amax gives a NaN scale, so NaN inputs poison every scale of the tensor
@@ -65,19 +109,15 @@ def global_encode_scale(amax: jax.Array, *, divide=jnp.divide) -> jax.Array:
 def global_decode_scale(amax: jax.Array) -> jax.Array:
   """The FP32 tensor factor of dequantization: `amax / 2688`, correctly rounded.
 
-  XLA's algebraic simplifier rewrites a division by a constant into a
-  multiplication by the constant's rounded reciprocal, `amax * fl(1/2688)`,
-  which is one ulp off for about one amax in five (an `optimization_barrier`
-  on the constant does not stop it: XLA:CPU drops barriers on constants). A
-  divisor that depends on the data (2688, or amax itself when amax is NaN,
-  which gives NaN either way) keeps the true division.
+  A plain `amax / 2688` is not: XLA's algebraic simplifier rewrites a division
+  by a constant into `amax * fl(1/2688)` (one ulp off for about one amax in
+  five; an `optimization_barrier` on the constant does not stop it), and
+  XLA:GPU divides approximately anyway. `div_rn` is exact everywhere.
   """
-  amax = amax.astype(jnp.float32)
-  den = jnp.where(jnp.isnan(amax), amax, jnp.float32(E4M3_MAX_X_E2M1_MAX))
-  return ftz(amax / den)
+  return div_rn(amax, jnp.float32(E4M3_MAX_X_E2M1_MAX))
 
 
-def nvfp4_scale_constants(amax: jax.Array, *, divide=jnp.divide
+def nvfp4_scale_constants(amax: jax.Array, *, divide=div_rn
                           ) -> tuple[jax.Array, jax.Array]:
   """The two per-tensor FP32 constants the block math needs.
 
@@ -109,7 +149,7 @@ def nvfp4_block_decode_scale(block_amax: jax.Array,
 
 
 def nvfp4_block_encode_scale(d_f32: jax.Array, inv_s_enc: jax.Array, *,
-                             divide=jnp.divide) -> jax.Array:
+                             divide=div_rn) -> jax.Array:
   """`e = min(1 / (f32(d) * (1 / S_enc)), FLT_MAX)` from the decoded E4M3 scale.
 
   A zero `d` gives `e = FLT_MAX`; NaN stays NaN.
@@ -117,10 +157,11 @@ def nvfp4_block_encode_scale(d_f32: jax.Array, inv_s_enc: jax.Array, *,
   Args:
     d_f32: the E4M3 block decode scales, widened to FP32.
     inv_s_enc: `1 / S_enc` (see `nvfp4_scale_constants`).
-    divide: the FP32 division, correctly rounded. XLA:CPU's is. XLA:GPU and
-      Pallas-Triton lower `/` to the approximate `div.full.f32` (XLA:GPU
-      unless `XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2`),
-      so the GPU kernels pass an IEEE `div.rn.f32` here.
+    divide: the FP32 division, correctly rounded. The default, `div_rn`, is
+      exact on every backend. XLA:GPU and Pallas-Triton lower `/` to the
+      approximate `div.full.f32` (XLA:GPU unless
+      `XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2`), so GPU
+      kernels may pass an IEEE `div.rn.f32` here instead.
   """
   denom = ftz(d_f32 * inv_s_enc)
   e = divide(jnp.float32(1.0), denom)
