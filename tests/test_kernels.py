@@ -12,7 +12,6 @@ the same file runs them compiled, plus the GPU-only GEMM routes.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -106,12 +105,12 @@ def bf16_bits(a):
 KEY = jax.random.key(42)
 
 # (shape, dtype, block_2d, rounding): partial row/column tiles and several
-# grid steps with the default tile sizes (<= 64 rows x 256 columns).
+# grid steps with the default tile sizes (16 rows x 256 columns).
 QUANTIZE_CASES = [
-    ((72, 400), jnp.bfloat16, False, "nearest"),
-    ((72, 400), jnp.bfloat16, False, "stochastic"),
+    ((40, 272), jnp.bfloat16, False, "nearest"),
+    ((40, 272), jnp.bfloat16, False, "stochastic"),
     ((3, 40, 48), jnp.float32, False, "nearest"),
-    ((96, 288), jnp.float32, True, "nearest"),
+    ((48, 288), jnp.float32, True, "nearest"),
     ((80, 48), jnp.bfloat16, True, "stochastic"),
     ((16, 16), jnp.float16, False, "nearest"),
 ]
@@ -204,18 +203,6 @@ class QuantizeBase:
     assert_same(jax.jit(lambda q: q.T)(q), qt)
 
 
-# XLA:GPU lowers FP32 division to the approximate `div.full.f32` unless told
-# otherwise, so the pure-jnp reference is bit-exact on GPU only with this flag
-# (the kernels use an IEEE division and need none).
-XLA_GPU_EXACT = not ON_GPU or "-nvptx-prec-divf32=2" in os.environ.get(
-    "XLA_FLAGS", "")
-XLA_REF = pytest.mark.skipif(
-    not XLA_GPU_EXACT,
-    reason="XLA:GPU FP32 division is div.full.f32; set XLA_FLAGS="
-           "--xla_backend_extra_options=-nvptx-prec-divf32=2")
-
-
-@XLA_REF
 class TestQuantizeXla(QuantizeBase):
   impl = "xla"
 
@@ -232,7 +219,7 @@ RHT_CASES = [  # (tokens, features), dtype, rounding
     ((80, 48), jnp.bfloat16, "nearest"),
     ((80, 40), jnp.bfloat16, "stochastic"),
     ((64, 96), jnp.float32, "nearest"),
-    ((128, 80), jnp.bfloat16, "stochastic"),
+    ((96, 80), jnp.bfloat16, "stochastic"),
 ]
 
 
@@ -322,7 +309,6 @@ class FusedBase:
                   jit_xla(fused.quantize_rht_t)(x[i]))
 
 
-@XLA_REF
 class TestFusedXla(FusedBase):
   impl = "xla"
 
@@ -454,7 +440,7 @@ def test_dispatch_errors_and_fallback():
 @pytest.mark.parametrize("block_2d,rounding", [(False, "stochastic"),
                                                (True, "nearest")])
 def test_quantize_small_tiles_many_grid_steps(block_2d, rounding):
-  x = heavy((80, 208), jnp.bfloat16, seed=21)
+  x = heavy((48, 144), jnp.bfloat16, seed=21)
   key = KEY if rounding == "stochastic" else None
   cfg = pallas_quantize.QuantizeConfig(block_rows=16, block_cols=32)
   got, vals = jax.jit(lambda x: pallas_quantize.quantize(
