@@ -1,5 +1,6 @@
 """train/: the jitted step, NaN skipping, schedules, diagnostics, outputs."""
 
+import io
 import json
 import re
 
@@ -13,6 +14,7 @@ from models import preset
 from train import data
 from train.config import TrainConfig
 from train.diagnostics import tensor_stats
+from train import metrics
 from train.loop import Trainer
 from train.metrics import read_metrics, select
 from train.optim import wsd_schedule
@@ -96,18 +98,18 @@ def test_train_step_quantizes_per_rules_and_switches_without_recompiling():
 
 def test_late_switch_moves_quantized_layers_to_bf16_from_its_step(tmp_path):
   corpus = small_corpus()
-  kw = dict(steps=6, eval_every=2, ckpt_every=6)
+  kw = dict(steps=6, eval_every=3, ckpt_every=6)
   plain = Trainer(config(diagnostics=False, **kw), corpus, MODEL).run(
       tmp_path / "a", progress=False)
-  switch = Trainer(config(late_switch_step=3, **kw), corpus, MODEL).run(
+  switch = Trainer(config(late_switch_step=4, **kw), corpus, MODEL).run(
       tmp_path / "b", progress=False)
   loss = lambda r: [x["loss"] for x in select(r.records, "train")]
-  # Steps 0-2 run NVFP4 in both runs; from step 3 on the switched one is BF16.
-  assert loss(switch)[:3] == loss(plain)[:3]
-  assert all(a != b for a, b in zip(loss(switch)[3:], loss(plain)[3:]))
+  # Steps 0-3 run NVFP4 in both runs; from step 4 on the switched one is BF16.
+  assert loss(switch)[:4] == loss(plain)[:4]
+  assert all(a != b for a, b in zip(loss(switch)[4:], loss(plain)[4:]))
   flags = {d["step"]: d["layers"]["block_2/mlp/up"]["quantized"]
            for d in select(switch.records, "diag")}
-  assert flags == {2: True, 4: False, 6: False}
+  assert flags == {3: True, 6: False}
   assert not select(plain.records, "diag")
 
 
@@ -183,3 +185,30 @@ def test_tensor_stats_flushed_and_saturated():
   assert 0 < s["rel_err"] < 0.01
   w = jax.device_get(tensor_stats(jnp.asarray(x), block_2d=True))
   assert w["saturated"] == 0.0  # One tile holds 1000: no subnormal scales.
+
+
+def test_progress_bar_shows_loss_tokens_per_second_and_eta(monkeypatch):
+  clock = iter(range(0, 1000))
+  monkeypatch.setattr(metrics.time, "perf_counter", lambda: float(next(clock)))
+
+  class Terminal(io.StringIO):
+    def isatty(self):
+      return True
+
+  log, tty = io.StringIO(), Terminal()
+  for stream in (log, tty):
+    bar = metrics.Progress(20, stream=stream, label="nvfp4 ")
+    for step in range(1, 21):
+      bar.update(step, 3.0 - 0.1 * step, 2048)  # One second per step.
+    bar.close()
+  lines = log.getvalue().splitlines()
+  assert 10 <= len(lines) <= 12  # About every 10% when not a terminal.
+  assert lines[5].startswith("nvfp4 [")
+  assert "10/20 loss 2.0000 2.0k tok/s ETA 0:10" in lines[5]
+  assert lines[-1].endswith("20/20 loss 1.0000 2.0k tok/s ETA 0:00")
+  assert tty.getvalue().count("\r") == 20 and tty.getvalue().endswith("\n")
+  quiet = io.StringIO()
+  bar = metrics.Progress(20, stream=quiet, enabled=False)
+  bar.update(1, 1.0, 10)
+  bar.close()
+  assert quiet.getvalue() == ""

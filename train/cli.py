@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="sequences per step (preset default)")
   p.add_argument("--seq-len", type=_positive,
                  help="tokens per sequence (preset default)")
-  p.add_argument("--grad-accum", type=_positive, default=1,
-                 help="micro-batches per step (default 1)")
+  p.add_argument("--grad-accum", type=_positive,
+                 help="micro-batches per step (preset default)")
   p.add_argument("--lr", type=float, help="peak learning rate (preset "
                  "default)")
   p.add_argument("--seed", type=int, default=0)
@@ -93,10 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="what the late switch moves to BF16: all GEMMs "
                  "(default) or only the forward GEMM")
   p.add_argument("--eval-every", type=_positive,
-                 help="steps between validation evaluations (default "
-                 "steps/6)")
+                 help="steps between validation evaluations and diagnostics "
+                 "(default steps/5, at most 1000)")
   p.add_argument("--ckpt-every", type=_positive,
-                 help="steps between checkpoints (default steps/6)")
+                 help="steps between checkpoints (default steps/5, at most "
+                 "1000)")
   p.add_argument("--no-diagnostics", action="store_true",
                  help="skip the per-layer quantization diagnostics")
   p.add_argument("--data", metavar="PATH",

@@ -11,14 +11,18 @@ from models import MLP_KINDS
 PRECISIONS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
 SWITCH_MODES = ("all", "forward")
 
-# Steps, global batch, sequence length and peak learning rate per model size.
-# `tiny` is sized for two CPU cores (both precisions of the default comparison
-# in under five minutes); the rest are starting points for a GPU.
+# Steps, global batch, sequence length, micro-batches and peak learning rate
+# per model size. `tiny` is sized for two CPU cores (both precisions of the
+# default comparison in under five minutes); the rest are starting points for
+# one 80 GB GPU, with gradient accumulation keeping the attention scores of a
+# micro-batch (FP32, `micro x heads x seq^2`) within memory.
 PRESET_TRAINING: dict[str, dict[str, Any]] = {
     "tiny": dict(steps=200, batch_size=16, seq_len=128, lr=3e-3),
     "small": dict(steps=5000, batch_size=64, seq_len=512, lr=1.5e-3),
-    "base": dict(steps=20000, batch_size=128, seq_len=1024, lr=6e-4),
-    "large": dict(steps=40000, batch_size=256, seq_len=1024, lr=3e-4),
+    "base": dict(steps=20000, batch_size=128, seq_len=1024, grad_accum=8,
+                 lr=6e-4),
+    "large": dict(steps=40000, batch_size=256, seq_len=1024, grad_accum=32,
+                  lr=3e-4),
 }
 
 
@@ -148,8 +152,9 @@ class TrainConfig:
     fields = dict(PRESET_TRAINING[preset])
     fields.update({k: v for k, v in overrides.items() if v is not None})
     steps = fields["steps"]
-    # Evaluate (with diagnostics) and checkpoint ~6 times per run by default.
-    interval = max(1, steps // 6)
+    # Evaluate (with diagnostics) and checkpoint 5 times per run by default, at
+    # least every 1000 steps.
+    interval = max(1, min(steps // 5, 1000))
     for name in ("eval_every", "ckpt_every"):
       fields.setdefault(name, interval)
     return cls(preset=preset, **fields)

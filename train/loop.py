@@ -97,6 +97,9 @@ class RunResult:
   params: Any
 
 
+_HIGH_PRECISION = nvfp4_jax.PrecisionRules(default=nvfp4_jax.Recipe.bf16())
+
+
 def default_dtype() -> str:
   """bfloat16 on accelerators; float32 on CPU (bf16 is emulated there)."""
   return "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -187,8 +190,7 @@ class Trainer:
   def init_state(self) -> TrainState:
     """The state before step 0 (same parameters for every precision)."""
     tokens = jnp.zeros((1, self.cfg.seq_len), jnp.int32)
-    hp = nvfp4_jax.PrecisionRules(default=nvfp4_jax.Recipe.bf16())
-    with nvfp4_jax.precision_rules(hp):
+    with nvfp4_jax.precision_rules(_HIGH_PRECISION):
       params = self.model.init(self._init_key, tokens)["params"]
     # Copies: for FP32 params the master would alias them, and the train
     # step donates the whole state.
@@ -259,8 +261,10 @@ class Trainer:
 
   def layer_paths(self) -> list[str]:
     """Module paths of the model's NVFP4Dense projections."""
-    return nvfp4_jax.nvfp4_layer_paths(
-        self.model, jnp.zeros((1, self.cfg.seq_len), jnp.int32))
+    # High-precision rules while tracing: the paths do not depend on them.
+    with nvfp4_jax.precision_rules(_HIGH_PRECISION):
+      return nvfp4_jax.nvfp4_layer_paths(
+          self.model, jnp.zeros((1, self.cfg.seq_len), jnp.int32))
 
   def describe(self) -> str:
     """One line: model size, precision, which layers are quantized."""
