@@ -74,7 +74,10 @@ def master_weights(inner: optax.GradientTransformation
     def param_update(new, p):
       # In the parameter's dtype (optax wrappers like apply_if_finite need the
       # updates' dtype to match the gradients').
-      delta = new.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32)
+      # The barrier keeps XLA:GPU from eliding the rounding to p.dtype
+      # ("excess precision"), which would make the sum miss the cast master.
+      rounded = jax.lax.optimization_barrier(new.astype(p.dtype))
+      delta = rounded.astype(jnp.float32) - p.astype(jnp.float32)
       return delta.astype(p.dtype)
     out = jax.tree_util.tree_map(param_update, master, params)
     return out, MasterWeightsState(master=master, inner_state=inner_state)

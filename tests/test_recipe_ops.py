@@ -53,6 +53,11 @@ def _deq(q):
   return nv.dequantize(q, jnp.float32)
 
 
+def _mm(a, b):
+  # FP32 matmuls default to TF32 on GPU: the reference needs true FP32.
+  return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
 def _close(a, b):
   a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
   np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * np.abs(b).max())
@@ -72,16 +77,16 @@ def test_matches_hand_composed_recipe_without_sr(two_d):
   # Fprop: X 1x16, W (= kernel^T) 16x16 (or 1x16), both RTNE.
   qx = nv.quantize(x)
   qw = nv.quantize(kern.T, block_2d=two_d)
-  _close(y, _deq(qx) @ _deq(qw).T)
+  _close(y, _mm(_deq(qx), _deq(qw).T))
   # Dgrad: dY 1x16 along out; W along out: the same 16x16 quantized weight.
   qwd = nv.quantize(kern, block_2d=two_d)
   if two_d:
     np.testing.assert_array_equal(_deq(qwd), _deq(qw).T)
-  _close(dx, _deq(nv.quantize(dy)) @ _deq(qwd).T)
+  _close(dx, _mm(_deq(nv.quantize(dy)), _deq(qwd).T))
   # Wgrad: RHT along tokens on both operands, 1x16 along tokens.
   qxt = nv.quantize(nv.rht(x.T))
   qdyt = nv.quantize(nv.rht(dy.T))
-  _close(dk, _deq(qxt) @ _deq(qdyt).T)
+  _close(dk, _mm(_deq(qxt), _deq(qdyt).T))
   assert dk.dtype == jnp.float32
 
 
@@ -92,9 +97,10 @@ def test_wgrad_without_rht_differs_and_matches_plain_reference():
   dy = heavy(jax.random.key(6), (T, N))
   layer = nv.NVFP4Dense(N, use_bias=False, recipe=recipe)
   _, dk, _ = _vjp_layer(layer, {"params": {"kernel": kern}}, x, dy)
-  plain = _deq(nv.quantize(x.T)) @ _deq(nv.quantize(dy.T)).T
+  plain = _mm(_deq(nv.quantize(x.T)), _deq(nv.quantize(dy.T)).T)
   _close(dk, plain)
-  with_rht = _deq(nv.quantize(nv.rht(x.T))) @ _deq(nv.quantize(nv.rht(dy.T))).T
+  with_rht = _mm(_deq(nv.quantize(nv.rht(x.T))),
+                 _deq(nv.quantize(nv.rht(dy.T))).T)
   assert np.abs(np.asarray(dk - with_rht)).max() > 1e-3
 
 
