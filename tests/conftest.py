@@ -1,0 +1,104 @@
+"""Shared test configuration: hypothesis profile and heavy-tailed test data.
+
+Tests compare against `tests/te_reference.py`, an independent NumPy model of
+TransformerEngine's arithmetic; they import it as a top-level module (pytest
+puts this directory on `sys.path`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+try:
+  import hypothesis
+except ImportError:  # e.g. on the GPU machine; test_properties skips itself.
+  hypothesis = None
+
+if hypothesis is not None:
+  # Derandomized so CI is reproducible; HYPOTHESIS_PROFILE=thorough digs deeper.
+  _SUPPRESS = [hypothesis.HealthCheck.too_slow,
+               hypothesis.HealthCheck.data_too_large]
+  hypothesis.settings.register_profile(
+      "ci", max_examples=30, deadline=None, derandomize=True,
+      suppress_health_check=_SUPPRESS)
+  hypothesis.settings.register_profile(
+      "thorough", max_examples=1000, deadline=None,
+      suppress_health_check=_SUPPRESS)
+  hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _default_implementation():
+  """NVFP4_TEST_IMPLEMENTATION=xla|pallas|... runs the whole suite with that
+  implementation as the default of every op (`nvfp4_jax.dispatch`), so the
+  same tests check the reference and each kernel (e.g. on the GPU machine)."""
+  name = os.environ.get("NVFP4_TEST_IMPLEMENTATION")
+  if not name:
+    yield
+    return
+  from nvfp4_jax import dispatch  # pylint: disable=g-import-not-at-top
+  with dispatch.default_implementation(name):
+    yield
+
+NP_DTYPES = {
+    "float32": np.float32,
+    "bfloat16": ml_dtypes.bfloat16,
+    "float16": np.float16,
+}
+JNP_DTYPES = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+}
+
+
+def make_heavy_tailed(shape, dtype="float32", seed=0, *, sigma=1.5,
+                      outlier_frac=0.003, peak=1000.0) -> np.ndarray:
+  """Gaussian values times lognormal row and column scales, plus outliers.
+
+  This is the input that exercises the scale logic: block amaxes spread over
+  many binades (so the E4M3 scales take many values, a few blocks underflow),
+  and a few outliers 5-50x larger than everything else set the tensor amax.
+  With uniform inputs nearly every block scale would saturate at 448 and tile
+  indexing bugs would go unseen (NVFP4_SPEC section 3).
+
+  Args:
+    shape: at least 2-D; the last two axes get the row/column scales.
+    dtype: "float32", "bfloat16" or "float16" (values fit float16's range).
+    seed: numpy seed.
+    sigma: log-std of the row and column scales.
+    outlier_frac: fraction of elements turned into outliers.
+    peak: the largest non-outlier magnitude.
+
+  Returns:
+    numpy array of `dtype` (ml_dtypes.bfloat16 for bfloat16).
+  """
+  rng = np.random.default_rng(seed)
+  *lead, m, k = shape
+  x = rng.standard_normal(shape)
+  x *= np.exp(sigma * rng.standard_normal((*lead, m, 1)))
+  x *= np.exp(sigma * rng.standard_normal((*lead, 1, k)))
+  x *= peak / np.max(np.abs(x))
+  n_out = max(1, int(outlier_frac * x.size))
+  idx = rng.choice(x.size, n_out, replace=False)
+  flat = x.reshape(-1)
+  flat[idx] = rng.choice([-1.0, 1.0], n_out) * rng.uniform(5, 50, n_out) * peak
+  return x.astype(NP_DTYPES[dtype])
+
+
+@pytest.fixture
+def heavy_tailed():
+  return make_heavy_tailed
+
+
+def assert_scales_diverse(scales) -> None:
+  """Guards the guards: the data must produce many distinct block scales."""
+  b = np.asarray(scales).view(np.uint8).reshape(-1)
+  frac_max = np.mean(b == 0x7E)  # 448 in E4M3
+  assert frac_max < 0.25, f"{frac_max:.0%} of scales saturate at 448"
+  assert np.unique(b).size >= min(12, b.size // 4), np.unique(b).size
