@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="micro-batches per step (preset default)")
   p.add_argument("--lr", type=float, help="peak learning rate (preset "
                  "default)")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0,
+                 help="seeds the initialization, the data order and the "
+                 "stochastic rounding (default 0)")
   p.add_argument("--mlp", choices=("swiglu", "relu2"),
                  help="MLP type (default swiglu)")
   p.add_argument("--late-switch-step", type=_nonnegative, metavar="STEP",

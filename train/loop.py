@@ -135,6 +135,12 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
       logits.astype(jnp.float32), targets).mean()
 
 
+def _flatten(config: dict[str, dict[str, Any]]) -> dict[str, Any]:
+  """`{"train": {"lr": ...}}` -> `{"train.lr": ...}`."""
+  return {f"{group}.{k}": v for group, fields in config.items()
+          for k, v in fields.items()}
+
+
 def _all_finite(tree) -> jax.Array:
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
   return jnp.stack(leaves).all()
@@ -342,8 +348,7 @@ class Trainer:
           f"to start this run.")
     like = jax.eval_shape(self.init_state)
     state, saved = ckpt.restore(step, like)
-    flat = lambda c: {f"{g}.{k}": v for g, d in c.items() for k, v in d.items()}
-    saved, current = flat(saved), flat(config)
+    saved, current = _flatten(saved), _flatten(config)
     diff = sorted(k for k in set(saved) | set(current)
                   if saved.get(k) != current.get(k))
     if diff:
