@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax import numerics as nm
-from nvfp4_jax import prng
-from nvfp4_jax.nvfp4 import check_input, check_rounding
+from nvfp4_jax.nvfp4 import check_input, check_rounding, encode_e2m1_packed
 
 MX_FORMATS = ("mxfp4", "mxfp8")
 _ELEM_MAX = {"mxfp4": nm.E2M1_MAX, "mxfp8": nm.E4M3_MAX}
@@ -87,12 +86,7 @@ def quantize_mx(x: jax.Array, fmt: str = "mxfp4", *,
     data = jax.lax.optimization_barrier(
         y.reshape(x.shape).astype(jnp.float8_e4m3fn))
   else:
-    if rounding == "nearest":
-      codes = nm.e2m1_encode_nearest(y)
-    else:
-      rbits = prng.random_bytes(prng.seeds_from_key(key), y.shape)
-      codes = nm.e2m1_encode_stochastic(y, rbits)
-    data = nm.pack_e2m1(codes.reshape(x.shape))
+    data = encode_e2m1_packed(y.reshape(x.shape), rounding, key)
   return MXArray(data=data, scales=scales, fmt=fmt)
 
 

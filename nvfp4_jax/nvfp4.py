@@ -115,6 +115,21 @@ def check_rounding(rounding: str, key: Any) -> None:
         "random bits are a deterministic function of it.")
 
 
+def encode_e2m1_packed(y: jax.Array, rounding: str,
+                       key: jax.Array | None) -> jax.Array:
+  """Scaled FP32 values `[..., K]` to packed E2M1 bytes `[..., K//2]`.
+
+  Stochastic rounding draws the `nvfp4_jax.prng` stream over `y`'s row-major
+  element order.
+  """
+  if rounding == "nearest":
+    codes = nm.e2m1_encode_nearest(y)
+  else:
+    rbits = prng.random_bytes(prng.seeds_from_key(key), y.shape)
+    codes = nm.e2m1_encode_stochastic(y, rbits)
+  return nm.pack_e2m1(codes)
+
+
 def tensor_amax(xf: jax.Array) -> jax.Array:
   """`max |x|` in FP32; NaN anywhere gives NaN."""
   return jnp.max(jnp.abs(xf)).astype(jnp.float32)
@@ -195,12 +210,7 @@ def quantize_reference(x: jax.Array, *, block_2d: bool = False,
   enc = nm.nvfp4_block_encode_scale(scales.astype(jnp.float32), inv_s_enc)
   b = nm.NVFP4_BLOCK
   y = xf.reshape(*xf.shape[:-1], -1, b) * enc[..., None]
-  if rounding == "nearest":
-    codes = nm.e2m1_encode_nearest(y)
-  else:
-    rbits = prng.random_bytes(prng.seeds_from_key(key), y.shape)
-    codes = nm.e2m1_encode_stochastic(y, rbits)
-  codes = nm.pack_e2m1(codes.reshape(x.shape))
+  codes = encode_e2m1_packed(y.reshape(x.shape), rounding, key)
   return NVFP4Array(codes=codes, scales=scales, amax=amax, block_2d=block_2d)
 
 
