@@ -47,8 +47,8 @@ def test_killed_and_resumed_run_is_bit_identical(tmp_path):
 
 def test_resume_refuses_other_settings_and_missing_checkpoints(tmp_path):
   corpus = small_corpus()
-  cfg = config(steps=2, ckpt_every=2, eval_every=2, warmup_steps=1,
-               diagnostics=False)
+  cfg = config(precision="bf16", steps=2, ckpt_every=2, eval_every=2,
+               warmup_steps=1, diagnostics=False)
   Trainer(cfg, corpus, MODEL).run(tmp_path / "run", progress=False)
   with pytest.raises(ValueError, match=r"train\.lr: 0\.003 -> 0\.001"):
     Trainer(cfg.replace(lr=1e-3), corpus, MODEL).run(
