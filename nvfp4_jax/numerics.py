@@ -89,12 +89,24 @@ def div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
   return jnp.where(regular, exact, a / b)
 
 
+def divide(a: jax.Array, b: jax.Array) -> jax.Array:
+  """FP32 `a / b` correctly rounded, at the lowest cost on each backend.
+
+  XLA:CPU's division by a non-constant is IEEE `divss` already, and `div_rn`
+  costs ~100 integer operations that XLA:CPU duplicates into every consumer
+  element; so CPU takes the plain division and other backends `div_rn`. Same
+  bits everywhere. (A division by a constant must call `div_rn` directly:
+  XLA rewrites it into a multiplication by the rounded reciprocal.)
+  """
+  return jax.lax.platform_dependent(a, b, cpu=jnp.divide, default=div_rn)
+
+
 # ----------------------------------------------------------------------------
 # NVFP4 scale factors (NVFP4_SPEC section 2, steps 1-3 and 5).
 # ----------------------------------------------------------------------------
 
 
-def global_encode_scale(amax: jax.Array, *, divide=div_rn) -> jax.Array:
+def global_encode_scale(amax: jax.Array, *, divide=divide) -> jax.Array:
   """`S_enc = min(2688 / amax, FLT_MAX)`, and 1 where amax or S_enc is 0.
 
   A NaN amax gives a NaN scale, so NaN inputs poison every scale of the tensor
@@ -118,7 +130,7 @@ def global_decode_scale(amax: jax.Array) -> jax.Array:
   return div_rn(amax, jnp.float32(E4M3_MAX_X_E2M1_MAX))
 
 
-def nvfp4_scale_constants(amax: jax.Array, *, divide=div_rn
+def nvfp4_scale_constants(amax: jax.Array, *, divide=divide
                           ) -> tuple[jax.Array, jax.Array]:
   """The two per-tensor FP32 constants the block math needs.
 
@@ -150,7 +162,7 @@ def nvfp4_block_decode_scale(block_amax: jax.Array,
 
 
 def nvfp4_block_encode_scale(d_f32: jax.Array, inv_s_enc: jax.Array, *,
-                             divide=div_rn) -> jax.Array:
+                             divide=divide) -> jax.Array:
   """`e = min(1 / (f32(d) * (1 / S_enc)), FLT_MAX)` from the decoded E4M3 scale.
 
   A zero `d` gives `e = FLT_MAX`; NaN stays NaN.
@@ -158,7 +170,7 @@ def nvfp4_block_encode_scale(d_f32: jax.Array, inv_s_enc: jax.Array, *,
   Args:
     d_f32: the E4M3 block decode scales, widened to FP32.
     inv_s_enc: `1 / S_enc` (see `nvfp4_scale_constants`).
-    divide: the FP32 division, correctly rounded. The default, `div_rn`, is
+    divide: the FP32 division, correctly rounded. The default, `divide`, is
       exact on every backend. XLA:GPU and Pallas-Triton lower `/` to the
       approximate `div.full.f32` (XLA:GPU unless
       `XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2`), so GPU
