@@ -20,6 +20,10 @@ def _kill_at(step):
   return on_step
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="bit-identical resumption is promised on CPU; GPU reductions are "
+    "not deterministic across compilations")
 def test_killed_and_resumed_run_is_bit_identical(tmp_path):
   corpus = small_corpus()
   # NVFP4 with stochastic rounding: the SR keys must continue correctly too.
