@@ -86,7 +86,7 @@ def quantize_mx(x: jax.Array, fmt: str = "mxfp4", *,
     data = jax.lax.optimization_barrier(
         y.reshape(x.shape).astype(jnp.float8_e4m3fn))
   else:
-    data = encode_e2m1_packed(y.reshape(x.shape), rounding, key)
+    data = encode_e2m1_packed(y, x.shape, rounding, key)
   return MXArray(data=data, scales=scales, fmt=fmt)
 
 

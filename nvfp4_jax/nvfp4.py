@@ -115,19 +115,21 @@ def check_rounding(rounding: str, key: Any) -> None:
         "random bits are a deterministic function of it.")
 
 
-def encode_e2m1_packed(y: jax.Array, rounding: str,
+def encode_e2m1_packed(y: jax.Array, shape: tuple[int, ...], rounding: str,
                        key: jax.Array | None) -> jax.Array:
-  """Scaled FP32 values `[..., K]` to packed E2M1 bytes `[..., K//2]`.
+  """Scaled FP32 values (in blocks, `[..., K/b, b]`) to packed E2M1 bytes of
+  the tensor of `shape` `[..., K]`: `[..., K//2]`.
 
-  Stochastic rounding draws the `nvfp4_jax.prng` stream over `y`'s row-major
-  element order.
+  Stochastic rounding draws the `nvfp4_jax.prng` stream over the row-major
+  element order. (Encoding before the reshape to `shape`, not after, keeps
+  XLA:CPU's fusion ~20x faster.)
   """
   if rounding == "nearest":
     codes = nm.e2m1_encode_nearest(y)
   else:
     rbits = prng.random_bytes(prng.seeds_from_key(key), y.shape)
     codes = nm.e2m1_encode_stochastic(y, rbits)
-  return nm.pack_e2m1(codes)
+  return nm.pack_e2m1(codes.reshape(shape))
 
 
 def tensor_amax(xf: jax.Array) -> jax.Array:
@@ -210,7 +212,7 @@ def quantize_reference(x: jax.Array, *, block_2d: bool = False,
   enc = nm.nvfp4_block_encode_scale(scales.astype(jnp.float32), inv_s_enc)
   b = nm.NVFP4_BLOCK
   y = xf.reshape(*xf.shape[:-1], -1, b) * enc[..., None]
-  codes = encode_e2m1_packed(y.reshape(x.shape), rounding, key)
+  codes = encode_e2m1_packed(y, x.shape, rounding, key)
   return NVFP4Array(codes=codes, scales=scales, amax=amax, block_2d=block_2d)
 
 

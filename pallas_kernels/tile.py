@@ -76,7 +76,7 @@ def encode_blocks(xf: jax.Array, block_amax: jax.Array,
   values = None
   if with_values:
     values = (nm.e2m1_decode(codes) * d[..., None]).astype(jnp.bfloat16)
-  return nm.pack_e2m1(codes), scales, values
+  return nm.pack_e2m1(codes, split=True), scales, values
 
 
 def block_values(packed: jax.Array, scales: jax.Array) -> jax.Array:
