@@ -24,7 +24,6 @@ import numpy as np
 from benchmarks import timing
 from nvfp4_jax import fused
 from nvfp4_jax import gemm
-from nvfp4_jax import nvfp4
 
 TRANSFORMER_DIMS = (2048, 4096, 8192, 14336)
 

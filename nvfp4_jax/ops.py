@@ -71,13 +71,13 @@ def quantize_both(x: jax.Array, row_op: Operand, wgrad_op: Operand,
   """
   if "stochastic" not in (row_op.rounding, wgrad_op.rounding):
     key = None
-  keys = jax.random.split(key) if key is not None else (None, None)
   fusable = (row_op.format == wgrad_op.format == "nvfp4" and wgrad_op.rht
              and not row_op.block_2d and row_op.rounding == wgrad_op.rounding
              and (row_op.rounding == "nearest") == (key is None))
   if fusable:
     return quantize_x_and_rht_t(x, key=key, sign_vector=recipe.rht_sign_vector,
                                 size=recipe.rht_size)
+  keys = jax.random.split(key) if key is not None else (None, None)
   q_row = quantize_operand(x, row_op, keys[0]) if row_op.quantized else None
   q_t = (quantize_wgrad_operand(x, wgrad_op, recipe, keys[1])
          if wgrad_op.quantized else None)
