@@ -44,7 +44,7 @@ def param_count(cfg: GPTConfig) -> int:
   """Number of parameters of `GPT(cfg)`, from shapes only (nothing allocated)."""
   # Traced with every layer in high precision: the same parameters, without
   # tracing the quantizers (much faster for the large presets).
-  hp = nvfp4_jax.PrecisionRules(default=nvfp4_jax.Recipe.bf16())
+  hp = nvfp4_jax.PrecisionRules.high_precision()
 
   def init():
     with nvfp4_jax.precision_rules(hp):

@@ -1,6 +1,7 @@
 """nvfp4-jax: training with NVIDIA's NVFP4 recipe in JAX and Flax."""
 
 from nvfp4_jax.dispatch import default_implementation
+from nvfp4_jax.fused import quantize_pair
 from nvfp4_jax.fused import quantize_rht_t
 from nvfp4_jax.fused import quantize_with_values
 from nvfp4_jax.fused import quantize_x_and_rht_t

@@ -1,23 +1,34 @@
 """`implementation=` dispatch between the pure-jnp reference and the kernels.
 
-Every op with kernels takes `implementation=`: "xla" is the pure-jnp
-reference (the truth, and the CPU default); the other names select kernels
-(see each op's docstring). `None` picks per platform: the first entry of the
-op's preference list for that platform that supports the call, falling back
-when a kernel raises `NotImplementedError` (unsupported backend, shape or
-dtype). An explicit name never falls back: its `NotImplementedError` reaches
-the caller.
+Every op with kernels is an `Op`: its implementations by name, registered in
+one place (the op's module), and one platform preference for all of them
+(`PREFERRED`). "xla" is the pure-jnp reference (the truth, and the CPU
+default); the other names select kernels, imported lazily (the GPU extras need
+not be installed to use the reference). `implementation=None` picks per
+platform: the first preferred implementation that supports the call, falling
+back when a kernel raises `NotImplementedError` (unsupported backend, size or
+combination). An explicit name never falls back: its `NotImplementedError`
+reaches the caller.
+
+The public ops validate their arguments before calling `Op.__call__`, so every
+implementation may trust its inputs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import importlib
 import threading
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 
 _OVERRIDE = threading.local()
+
+# Platform -> implementation names tried in order before the reference. The
+# one preference of every op: kernels on GPUs, the reference elsewhere.
+PREFERRED: Mapping[str, tuple[str, ...]] = {"gpu": ("pallas",)}
 
 
 def platform() -> str:
@@ -42,36 +53,64 @@ def default_implementation(name: str) -> Iterator[None]:
     _OVERRIDE.stack = stack
 
 
-def dispatch(op: str, implementations: Mapping[str, Callable[..., Any]],
-             implementation: str | None,
-             preferred: Mapping[str, Sequence[str]], *args, **kwargs) -> Any:
-  """Runs `implementations[implementation](*args, **kwargs)`.
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """An op's implementations, dispatched by name.
 
-  Args:
-    op: the op's name, for error messages.
-    implementations: name -> callable; must contain "xla".
-    implementation: a name, or None for the platform's preference.
-    preferred: platform -> names to try in order when `implementation` is
-      None; platforms not listed use ("xla",).
-
-  Raises:
-    ValueError: unknown implementation name.
-    NotImplementedError: the named implementation does not support the call.
+  Attributes:
+    name: the op's public name, for error messages.
+    implementations: implementation name -> the callable, or a
+      "module:function" string imported on first use. Must hold "xla".
+    preferred: a callable `platform -> names` overriding `PREFERRED` for this
+      op (e.g. a GEMM that prefers native FP4 on some GPUs); None uses
+      `PREFERRED`.
   """
-  if implementation is None:
+
+  name: str
+  implementations: Mapping[str, Callable[..., Any] | str]
+  preferred: Callable[[str], tuple[str, ...]] | None = None
+
+  def __post_init__(self):
+    if "xla" not in self.implementations:
+      raise ValueError(f"{self.name}: the reference 'xla' is missing.")
+
+  def resolve(self, name: str) -> Callable[..., Any]:
+    impl = self.implementations[name]
+    if isinstance(impl, str):
+      module, fn = impl.split(":")
+      impl = getattr(importlib.import_module(module), fn)
+    return impl
+
+  def order(self) -> tuple[str, ...]:
+    """The names `implementation=None` tries here, the reference last."""
     stack = getattr(_OVERRIDE, "stack", [])
-    order = (tuple(stack[-1:]) if stack else
-             tuple(preferred.get(platform(), ()))) + ("xla",)
-    for name in order[:-1]:
-      if name not in implementations:
-        continue
-      try:
-        return implementations[name](*args, **kwargs)
-      except NotImplementedError:
-        continue
-    return implementations["xla"](*args, **kwargs)
-  if implementation not in implementations:
-    raise ValueError(
-        f"{op}: unknown implementation {implementation!r}; use one of "
-        f"{tuple(implementations)} or None (the platform's default).")
-  return implementations[implementation](*args, **kwargs)
+    if stack:
+      names = tuple(stack[-1:])
+    elif self.preferred is not None:
+      names = tuple(self.preferred(platform()))
+    else:
+      names = tuple(PREFERRED.get(platform(), ()))
+    return tuple(n for n in names if n in self.implementations
+                 and n != "xla") + ("xla",)
+
+  def __call__(self, implementation: str | None, *args, **kwargs) -> Any:
+    """Runs `implementation` (None: the platform's preference) on the args.
+
+    Raises:
+      ValueError: unknown implementation name.
+      NotImplementedError: the named implementation does not support the call.
+    """
+    if implementation is None:
+      *kernels, _ = self.order()
+      for name in kernels:
+        try:
+          return self.resolve(name)(*args, **kwargs)
+        except NotImplementedError:
+          continue
+      return self.resolve("xla")(*args, **kwargs)
+    if implementation not in self.implementations:
+      raise ValueError(
+          f"{self.name}: unknown implementation {implementation!r}; use one "
+          f"of {tuple(self.implementations)} or None (the platform's "
+          f"default).")
+    return self.resolve(implementation)(*args, **kwargs)

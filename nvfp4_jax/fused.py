@@ -1,16 +1,18 @@
-"""Fused quantizers of the recipe's operands: reference and dispatch.
+"""The recipe's operand quantizers: one tensor, its GEMM operands, one dispatch each.
 
-The recipe quantizes X twice per step: 1x16 along `in` for Fprop and, for
-Wgrad, `rht(X.T)` along tokens (and dY likewise, with stochastic rounding).
-The references here are plain compositions of `nvfp4_jax.hadamard.rht` and
-`nvfp4_jax.nvfp4.quantize`; the Pallas kernels (`pallas_kernels.rht`) compute
-the same bytes while reading X once per pass (an amax pass, then an encode
-pass that writes both operands), as TransformerEngine's fused
+The recipe quantizes X twice per step: along `in` for Fprop and, for Wgrad,
+`rht(X.T)` along tokens (and dY likewise, along `out` for Dgrad, with
+stochastic rounding). The references here are compositions of
+`nvfp4_jax.quantize` and `nvfp4_jax.rht`; the Pallas kernels
+(`pallas_kernels.quantize_rht_t`, `pallas_kernels.quantize_pair`) compute the
+same bytes while reading the tensor once per pass (an amax pass, then an
+encode pass that writes both operands), as TransformerEngine's fused
 cast-transpose-RHT does.
 
-Each function takes `implementation=`: "xla" (the reference), "pallas" (the
-kernels; interpreted on CPU) or None ("pallas" on GPU, "xla" elsewhere;
-unsupported calls fall back to "xla").
+Each op validates its arguments, then dispatches on `implementation=`: "xla"
+(the reference), "pallas" (the kernels; interpreted on CPU) or None (the
+kernels on GPU, the reference elsewhere; combinations a kernel cannot run
+raise `NotImplementedError` there and fall back to the reference).
 """
 
 from __future__ import annotations
@@ -20,18 +22,50 @@ from typing import Sequence
 import jax
 
 from nvfp4_jax import dispatch
+from nvfp4_jax import numerics as nm
+from nvfp4_jax import prng
 from nvfp4_jax.hadamard import rht
-from nvfp4_jax.nvfp4 import NVFP4Array
-from nvfp4_jax.nvfp4 import block_dequantize_nvfp4
+from nvfp4_jax.hadamard import rht_matrix
+from nvfp4_jax.mx import quantize_mx
+from nvfp4_jax.nvfp4 import quantize
 from nvfp4_jax.nvfp4 import quantize_reference
+from nvfp4_jax.qarray import NVFP4Array
+from nvfp4_jax.qarray import check_amax
+from nvfp4_jax.qarray import check_input
+from nvfp4_jax.qarray import check_rounding
+from nvfp4_jax.quant import QArray
+from nvfp4_jax.recipe import Operand
 
-_PREFERRED = {"gpu": ("pallas",)}
+B = nm.NVFP4_BLOCK
 
 
-def split_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The keys of the two operands of `quantize_x_and_rht_t`: `(k_x, k_rht)`."""
-  k_x, k_t = jax.random.split(key)
-  return k_x, k_t
+def block_size(fmt: str) -> int:
+  """Elements per scale block of a quantized format."""
+  return nm.NVFP4_BLOCK if fmt == "nvfp4" else nm.MX_BLOCK
+
+
+def _check_tokens_x(x, what: str) -> jax.Array:
+  x = check_input(x, block=1, block_2d=False, what=what)
+  if x.ndim != 2:
+    raise ValueError(f"{what} takes x as [tokens, features]; got shape "
+                     f"{x.shape}. Flatten the leading axes first.")
+  return x
+
+
+def _check_wgrad_tokens(tokens: int, op: Operand, size: int, what: str):
+  need = max(block_size(op.format), size if op.rht else 1)
+  if tokens % need:
+    raise ValueError(
+        f"{what}: the token count {tokens} must be a multiple of {need} (the "
+        f"Wgrad operand is quantized along tokens in blocks of "
+        f"{block_size(op.format)}{f' after a {size}-point RHT' if op.rht else ''}"
+        f"); pad the tokens to {-(-tokens // need) * need} (zero rows change "
+        f"neither the amax nor the product).")
+
+
+# ----------------------------------------------------------------------------
+# quantize_rht_t: the Wgrad operand q(rht(x^T)).
+# ----------------------------------------------------------------------------
 
 
 def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
@@ -57,10 +91,14 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
   Returns:
     NVFP4Array of logical shape `[features, tokens]`.
   """
-  return dispatch.dispatch(
-      "quantize_rht_t", _RHT_T, implementation, _PREFERRED, x,
-      rounding=rounding, key=key, amax=amax, sign_vector=sign_vector,
-      size=size)
+  what = "quantize_rht_t"
+  x = _check_tokens_x(x, what)
+  rht_matrix(sign_vector, size)  # Validates both.
+  _check_wgrad_tokens(x.shape[0], Operand(rht=True), size, what)
+  check_rounding(rounding, key, size=x.size, what=what)
+  return QUANTIZE_RHT_T(implementation, x, rounding=rounding, key=key,
+                        amax=check_amax(amax, what), sign_vector=sign_vector,
+                        size=size)
 
 
 def _quantize_rht_t_xla(x, *, rounding, key, amax, sign_vector, size):
@@ -68,19 +106,103 @@ def _quantize_rht_t_xla(x, *, rounding, key, amax, sign_vector, size):
                             rounding=rounding, key=key, amax=amax)
 
 
-def _quantize_rht_t_pallas(x, **kwargs):
-  from pallas_kernels import rht as pallas_rht  # pylint: disable=g-import-not-at-top
-  return pallas_rht.quantize_rht_t(x, **kwargs)
+QUANTIZE_RHT_T = dispatch.Op("quantize_rht_t", {
+    "xla": _quantize_rht_t_xla,
+    "pallas": "pallas_kernels.quantize_rht_t:quantize_rht_t",
+})
+
+
+# ----------------------------------------------------------------------------
+# quantize_pair: both GEMM operands of one tensor (X or dY).
+# ----------------------------------------------------------------------------
+
+
+def quantize_operand(x: jax.Array, op: Operand, key: jax.Array | None, *,
+                     implementation: str | None = None) -> QArray:
+  """Quantizes `x` along its last axis as `op` says (no RHT)."""
+  if op.format == "nvfp4":
+    return quantize(x, block_2d=op.block_2d, rounding=op.rounding, key=key,
+                    implementation=implementation)
+  return quantize_mx(x, op.format, rounding=op.rounding, key=key)
+
+
+def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
+                  key_row: jax.Array | None = None,
+                  key_t: jax.Array | None = None,
+                  rht_size: int = 16,
+                  sign_vector: Sequence[int] | None = None,
+                  implementation: str | None = None
+                  ) -> tuple[QArray | None, QArray | None]:
+  """Both quantized operands of a tensor `x: [tokens, features]`.
+
+  `row` quantizes `x` along features (Fprop's X, Dgrad's dY); `wgrad`
+  quantizes `x.T` along tokens, after the RHT if `wgrad.rht` (Wgrad's X^T and
+  dY^T). An operand in "bf16" is not quantized and comes back as None. Each
+  has its own amax, rounding and key.
+
+  Args:
+    x: `[tokens, features]`.
+    row, wgrad: the two `Operand`s.
+    key_row, key_t: their stochastic-rounding keys (see
+      `Recipe.operand_keys`); required where they round stochastically.
+    rht_size, sign_vector: the RHT of the Wgrad operand.
+    implementation: "xla", "pallas" or None. The Pallas kernel fuses the
+      recipe's NVFP4 pairs (1x16 rows + RHT'd tokens) into one read of `x`
+      per pass; it raises `NotImplementedError` for other pairs.
+
+  Returns:
+    `(q_row [tokens, features] or None, q_t [features, tokens] or None)`.
+  """
+  what = "quantize_pair"
+  x = _check_tokens_x(x, what)
+  for op, key, name in ((row, key_row, "row"), (wgrad, key_t, "wgrad")):
+    if not isinstance(op, Operand):
+      raise TypeError(f"{what}: {name} must be an Operand, got {op!r}.")
+    if op.quantized:
+      check_rounding(op.rounding, key, size=x.size, what=f"{what} ({name})")
+  if row.quantized:
+    check_input(x, block=block_size(row.format), block_2d=row.block_2d,
+                what=f"{what} (row operand)")
+  if wgrad.quantized:
+    if wgrad.block_2d:
+      raise ValueError(f"{what}: the Wgrad operand takes 1x16 blocks, not "
+                       f"block_2d.")
+    if wgrad.rht:
+      rht_matrix(sign_vector, rht_size)
+    _check_wgrad_tokens(x.shape[0], wgrad, rht_size, what)
+  return QUANTIZE_PAIR(implementation, x, row, wgrad, key_row=key_row,
+                       key_t=key_t, rht_size=rht_size, sign_vector=sign_vector)
+
+
+def _quantize_pair_xla(x, row, wgrad, *, key_row, key_t, rht_size,
+                       sign_vector):
+  q_row = q_t = None
+  if row.quantized:
+    q_row = quantize_operand(x, row, key_row, implementation="xla")
+  if wgrad.quantized:
+    xt = x.T
+    if wgrad.rht:
+      xt = rht(xt, sign_vector=sign_vector, size=rht_size)
+    q_t = quantize_operand(xt, wgrad, key_t, implementation="xla")
+  return q_row, q_t
+
+
+QUANTIZE_PAIR = dispatch.Op("quantize_pair", {
+    "xla": _quantize_pair_xla,
+    "pallas": "pallas_kernels.quantize_pair:quantize_pair",
+})
+
+
+def split_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The keys `quantize_x_and_rht_t(x, key=key)` uses: `(k_x, k_rht)`."""
+  return prng.pair_keys(key)
 
 
 def quantize_x_and_rht_t(x: jax.Array, *, key: jax.Array | None = None,
                          sign_vector: Sequence[int] | None = None,
                          size: int = 16, implementation: str | None = None
                          ) -> tuple[NVFP4Array, NVFP4Array]:
-  """Both operands of one activation from one read: `(q(x), q(rht(x.T)))`.
-
-  `q(x)` is 1x16 along `features` (the Fprop operand of X, or the Dgrad
-  operand of dY); `q(rht(x.T))` is the Wgrad operand. Each has its own amax.
+  """The recipe's NVFP4 pair: `(q(x), q(rht(x.T)))` (see `quantize_pair`).
 
   Args:
     x: `[tokens, features]`; both axes multiples of 16 (tokens of `size`).
@@ -92,24 +214,18 @@ def quantize_x_and_rht_t(x: jax.Array, *, key: jax.Array | None = None,
   Returns:
     `(q_x [tokens, features], q_rht_xt [features, tokens])`.
   """
-  return dispatch.dispatch(
-      "quantize_x_and_rht_t", _X_AND_RHT_T, implementation, _PREFERRED, x,
-      key=key, sign_vector=sign_vector, size=size)
-
-
-def _quantize_x_and_rht_t_xla(x, *, key, sign_vector, size):
   rounding = "nearest" if key is None else "stochastic"
   k_x, k_t = (None, None) if key is None else split_key(key)
-  return (quantize_reference(x, rounding=rounding, key=k_x),
-          _quantize_rht_t_xla(x, rounding=rounding, key=k_t, amax=None,
-                              sign_vector=sign_vector, size=size))
+  return quantize_pair(
+      x, Operand(format="nvfp4", rounding=rounding),
+      Operand(format="nvfp4", rounding=rounding, rht=True), key_row=k_x,
+      key_t=k_t, rht_size=size, sign_vector=sign_vector,
+      implementation=implementation)
 
 
-def _quantize_x_and_rht_t_pallas(x, *, key, sign_vector, size):
-  from pallas_kernels import rht as pallas_rht  # pylint: disable=g-import-not-at-top
-  k_x, k_t = (None, None) if key is None else split_key(key)
-  return pallas_rht.quantize_x_and_rht_t(
-      x, key_x=k_x, key_t=k_t, sign_vector=sign_vector, size=size)
+# ----------------------------------------------------------------------------
+# quantize_with_values: codes plus the exact bf16 block values.
+# ----------------------------------------------------------------------------
 
 
 def quantize_with_values(x: jax.Array, *, block_2d: bool = False,
@@ -128,23 +244,15 @@ def quantize_with_values(x: jax.Array, *, block_2d: bool = False,
   Returns:
     `(NVFP4Array, bf16 values of x's shape)`.
   """
-  return dispatch.dispatch(
-      "quantize_with_values", _WITH_VALUES, implementation, _PREFERRED, x,
-      block_2d=block_2d, rounding=rounding, key=key, amax=amax)
+  what = "quantize_with_values"
+  x = check_input(x, block=B, block_2d=block_2d, what=what)
+  check_rounding(rounding, key, size=x.size, what=what)
+  return QUANTIZE_WITH_VALUES(implementation, x, block_2d=block_2d,
+                              rounding=rounding, key=key,
+                              amax=check_amax(amax, what), with_values=True)
 
 
-def _quantize_with_values_xla(x, **kwargs):
-  q = quantize_reference(x, **kwargs)
-  return q, block_dequantize_nvfp4(q)[0]
-
-
-def _quantize_with_values_pallas(x, **kwargs):
-  from pallas_kernels import quantize as pallas_quantize  # pylint: disable=g-import-not-at-top
-  return pallas_quantize.quantize(x, with_values=True, **kwargs)
-
-
-_RHT_T = {"xla": _quantize_rht_t_xla, "pallas": _quantize_rht_t_pallas}
-_X_AND_RHT_T = {"xla": _quantize_x_and_rht_t_xla,
-                "pallas": _quantize_x_and_rht_t_pallas}
-_WITH_VALUES = {"xla": _quantize_with_values_xla,
-                "pallas": _quantize_with_values_pallas}
+QUANTIZE_WITH_VALUES = dispatch.Op("quantize_with_values", {
+    "xla": quantize_reference,
+    "pallas": "pallas_kernels.quantize:quantize",
+})

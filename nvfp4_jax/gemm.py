@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from nvfp4_jax import dispatch
 from nvfp4_jax import numerics as nm
 from nvfp4_jax.mx import MXArray
-from nvfp4_jax.nvfp4 import NVFP4Array
+from nvfp4_jax.qarray import NVFP4Array
 from nvfp4_jax.quant import QArray, block_dequantize
 
 
@@ -52,8 +52,8 @@ def block_scaled_matmul(a: QArray, b: QArray, *, out_dtype=jnp.float32,
       - "xla": the reference: block-dequantize in jnp, `lax.dot_general`.
       - "pallas": the Pallas block-dequantize kernel, then a bf16 GEMM with
         FP32 accumulation (cuBLAS on GPU). NVFP4 only.
-      - "triton": a jax-triton kernel with `tl.dot_scaled` (FP4 tensor cores
-        on Blackwell; decomposed on Hopper). NVFP4 on GPU only.
+      - "triton": a jax-triton kernel with `tl.dot_scaled` (FP4 tensor cores;
+        compute capability >= 10 only). NVFP4 only.
       - "scaled_matmul": `jax.nn.scaled_matmul` on float4_e2m1fn operands
         (cuDNN on Blackwell; XLA decomposes it elsewhere). NVFP4 on GPU only.
       - None: "pallas" on GPU, "xla" elsewhere.
@@ -74,9 +74,7 @@ def block_scaled_matmul(a: QArray, b: QArray, *, out_dtype=jnp.float32,
     raise ValueError(
         f"block_scaled_matmul: contraction sizes differ, a {a.shape} vs b "
         f"{b.shape} (both are quantized along their last axis: a @ b.T).")
-  return dispatch.dispatch(
-      "block_scaled_matmul", _GEMM_IMPLEMENTATIONS, implementation,
-      {"gpu": ("pallas",)}, a, b, out_dtype=out_dtype)
+  return BLOCK_SCALED_MATMUL(implementation, a, b, out_dtype=out_dtype)
 
 
 def block_values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
@@ -106,16 +104,17 @@ def _require_nvfp4(a, b, what):
 
 def _matmul_pallas(a, b, *, out_dtype):
   _require_nvfp4(a, b, "pallas")
-  from pallas_kernels import quantize as pq  # pylint: disable=g-import-not-at-top
-  return block_values_matmul(pq.block_values(a), pq.block_values(b),
+  from pallas_kernels import block_dequantize  # pylint: disable=g-import-not-at-top
+  return block_values_matmul(block_dequantize.block_values(a),
+                             block_dequantize.block_values(b),
                              gemm_alpha(a, b), out_dtype=out_dtype)
 
 
 def _matmul_triton(a, b, *, out_dtype):
   _require_nvfp4(a, b, "triton")
-  from pallas_kernels import triton_gemm  # pylint: disable=g-import-not-at-top
-  return triton_gemm.block_scaled_matmul(a, b, gemm_alpha(a, b),
-                                         out_dtype=out_dtype)
+  from pallas_kernels import block_scaled_matmul as kernel  # pylint: disable=g-import-not-at-top
+  return kernel.block_scaled_matmul(a, b, gemm_alpha(a, b),
+                                    out_dtype=out_dtype)
 
 
 def _matmul_scaled_matmul(a, b, *, out_dtype):
@@ -133,9 +132,9 @@ def _matmul_scaled_matmul(a, b, *, out_dtype):
   return (acc * gemm_alpha(a, b)).astype(out_dtype)
 
 
-_GEMM_IMPLEMENTATIONS = {
+BLOCK_SCALED_MATMUL = dispatch.Op("block_scaled_matmul", {
     "xla": _matmul_xla,
     "pallas": _matmul_pallas,
     "triton": _matmul_triton,
     "scaled_matmul": _matmul_scaled_matmul,
-}
+})

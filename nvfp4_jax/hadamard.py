@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_jax.numerics import ftz
+from nvfp4_jax.tile import hadamard_rows
 
 # TransformerEngine's default sign vector for 16x16 RHT, shared by all layers.
 TE_SIGN_VECTOR_16 = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
@@ -85,10 +85,8 @@ def rht(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
     raise ValueError(
         f"rht transforms the last axis in tiles of {size}; got shape "
         f"{x.shape}. Pad that axis to a multiple of {size}.")
-  # Explicit flushes: XLA:CPU's dot treats subnormal inputs as zero and flushes
-  # subnormal results, XLA:GPU does not; flushing here makes both agree.
-  tiles = ftz(x.astype(jnp.float32)).reshape(*x.shape[:-1], -1, size)
-  y = jnp.einsum("...ti,ij->...tj", tiles, jnp.asarray(h),
-                 precision=jax.lax.Precision.HIGHEST,
-                 preferred_element_type=jnp.float32)
-  return ftz(y).reshape(x.shape).astype(jnp.bfloat16)
+  # `hadamard_rows` flushes explicitly: XLA:CPU's dot treats subnormal inputs
+  # as zero and flushes subnormal results, XLA:GPU does not.
+  tiles = x.reshape(-1, size)
+  y = hadamard_rows(tiles, jnp.asarray(h), bf16_operands=False)
+  return y.reshape(x.shape).astype(jnp.bfloat16)

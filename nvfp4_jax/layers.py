@@ -26,11 +26,15 @@ from flax.linen.dtypes import promote_dtype
 
 from nvfp4_jax import ops
 from nvfp4_jax.recipe import Recipe
+from nvfp4_jax.rules import PrecisionRules
 from nvfp4_jax.rules import current_scope
 
 RNG_STREAM = "nvfp4"
 
 default_kernel_init = nn.initializers.lecun_normal()
+
+# Outside any `precision_rules` block every layer runs the paper's recipe.
+_DEFAULT_RULES = PrecisionRules()
 
 
 def _step_key(path: str, step: Any) -> jax.Array:
@@ -48,31 +52,29 @@ def layer_dot_general(lhs, rhs, dimension_numbers, *, recipe: Recipe | None,
   switch does not recompile.
   """
   scope = current_scope()
-  if recipe is None:
-    recipe = scope.rules.recipe_for(path) if scope else Recipe.nvfp4()
-  if key is None and scope is not None and scope.step is not None:
-    key = _step_key(path, scope.step)
+  rules = scope.rules if scope is not None else _DEFAULT_RULES
+  step = scope.step if scope is not None else None
+  if key is None and step is not None:
+    key = _step_key(path, step)
 
   def run(r: Recipe):
-    try:
-      return ops.dot_general(lhs, rhs, dimension_numbers, recipe=r, key=key,
-                             precision=precision,
-                             preferred_element_type=preferred_element_type)
-    except ValueError as e:
-      raise ValueError(f"layer {path or '<root>'!r}: {e}") from None
+    return ops.dot_general(lhs, rhs, dimension_numbers, precision,
+                           preferred_element_type, recipe=r, key=key,
+                           name=path or "<root>")
 
-  switch = scope.rules.late_switch if scope else None
-  if switch is None or not recipe.quantized:
-    return run(recipe)
-  if scope.step is None:
+  switch = rules.late_switch
+  before = rules.recipe_at(path, recipe=recipe)
+  if switch is None or not before.quantized:
+    return run(before)
+  if step is None:
     raise ValueError(
         f"layer {path!r}: the precision rules have a late switch at step "
         f"{switch.step}; pass step= to nvfp4_jax.precision_rules.")
-  after = switch.apply(recipe)
-  if isinstance(scope.step, int):
-    return run(after if scope.step >= switch.step else recipe)
-  return jax.lax.cond(scope.step >= switch.step, lambda: run(after),
-                      lambda: run(recipe))
+  if isinstance(step, int):
+    return run(rules.recipe_at(path, step, recipe=recipe))
+  after = rules.recipe_at(path, switch.step, recipe=recipe)
+  return jax.lax.cond(step >= switch.step, lambda: run(after),
+                      lambda: run(before))
 
 
 def _linen_path(module: nn.Module) -> str:

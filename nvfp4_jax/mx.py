@@ -16,7 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax import numerics as nm
-from nvfp4_jax.nvfp4 import check_input, check_rounding, encode_e2m1_packed
+from nvfp4_jax import prng
+from nvfp4_jax import tile
+from nvfp4_jax.qarray import check_input
+from nvfp4_jax.qarray import check_rounding
 
 MX_FORMATS = ("mxfp4", "mxfp8")
 _ELEM_MAX = {"mxfp4": nm.E2M1_MAX, "mxfp8": nm.E4M3_MAX}
@@ -68,15 +71,16 @@ def quantize_mx(x: jax.Array, fmt: str = "mxfp4", *,
   """
   if fmt not in MX_FORMATS:
     raise ValueError(f"unknown MX format {fmt!r}; use one of {MX_FORMATS}.")
-  x = check_input(x, block=nm.MX_BLOCK, block_2d=False, what=f"quantize_mx({fmt})")
-  check_rounding(rounding, key)
+  what = f"quantize_mx({fmt})"
+  x = check_input(x, block=nm.MX_BLOCK, block_2d=False, what=what)
+  check_rounding(rounding, key, size=x.size, what=what)
   if rounding == "stochastic" and fmt != "mxfp4":
     raise ValueError(
         "stochastic rounding is implemented for E2M1 elements (mxfp4, nvfp4) "
         f"only; use rounding='nearest' for {fmt}.")
   xf = nm.ftz(x.astype(jnp.float32))
   blocks = xf.reshape(*xf.shape[:-1], -1, nm.MX_BLOCK)
-  biased = nm.e8m0_scale_exponent(jnp.max(jnp.abs(blocks), axis=-1),
+  biased = nm.e8m0_scale_exponent(tile.abs_max(blocks, axis=-1),
                                   _ELEM_MAX[fmt])
   y = nm.ftz(blocks * nm.e8m0_inverse_to_f32(biased)[..., None])
   scales = jax.lax.bitcast_convert_type(biased.astype(jnp.uint8),
@@ -85,8 +89,17 @@ def quantize_mx(x: jax.Array, fmt: str = "mxfp4", *,
     y = jnp.clip(y, -nm.E4M3_MAX, nm.E4M3_MAX)  # NaN passes through clip.
     data = jax.lax.optimization_barrier(
         y.reshape(x.shape).astype(jnp.float8_e4m3fn))
+  elif rounding == "nearest":
+    data = nm.pack_e2m1(nm.e2m1_encode_nearest(y)).reshape(
+        *x.shape[:-1], -1)
   else:
-    data = encode_e2m1_packed(y, x.shape, rounding, key)
+    seeds = prng.seeds_from_key(key)
+    nb = y.shape[-2]
+    yb = y.reshape(-1, nb, nm.MX_BLOCK)
+    rbits = prng.tile_bytes(0, yb.shape[0], 0, nb, x.shape[-1] // 4,
+                            seeds[0], seeds[1], block=nm.MX_BLOCK)
+    data = nm.pack_e2m1(nm.e2m1_encode_stochastic(yb, rbits)).reshape(
+        *x.shape[:-1], -1)
   return MXArray(data=data, scales=scales, fmt=fmt)
 
 

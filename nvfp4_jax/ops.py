@@ -24,64 +24,11 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax import numerics as nm
-from nvfp4_jax.fused import quantize_rht_t, quantize_x_and_rht_t
+from nvfp4_jax.fused import block_size
+from nvfp4_jax.fused import quantize_operand
+from nvfp4_jax.fused import quantize_pair
 from nvfp4_jax.gemm import block_scaled_matmul
-from nvfp4_jax.hadamard import rht
-from nvfp4_jax.mx import quantize_mx
-from nvfp4_jax.nvfp4 import quantize
-from nvfp4_jax.quant import QArray
-from nvfp4_jax.recipe import Operand, Recipe
-
-
-def _block(fmt: str) -> int:
-  return nm.NVFP4_BLOCK if fmt == "nvfp4" else nm.MX_BLOCK
-
-
-def quantize_operand(x: jax.Array, op: Operand, key: jax.Array | None
-                     ) -> QArray:
-  """Quantizes `x` along its last axis as `op` says (no RHT)."""
-  if op.format == "nvfp4":
-    return quantize(x, block_2d=op.block_2d, rounding=op.rounding, key=key)
-  return quantize_mx(x, op.format, rounding=op.rounding, key=key)
-
-
-def quantize_wgrad_operand(x: jax.Array, op: Operand, recipe: Recipe,
-                           key: jax.Array | None) -> QArray:
-  """`q(rht(x^T))` (or `q(x^T)` without RHT): quantized along the token axis."""
-  if op.format == "nvfp4" and op.rht:
-    return quantize_rht_t(x, rounding=op.rounding, key=key,
-                          sign_vector=recipe.rht_sign_vector,
-                          size=recipe.rht_size)
-  xt = x.T
-  if op.rht:
-    xt = rht(xt, sign_vector=recipe.rht_sign_vector, size=recipe.rht_size)
-  return quantize_operand(xt, op, key)
-
-
-def quantize_both(x: jax.Array, row_op: Operand, wgrad_op: Operand,
-                  recipe: Recipe, key: jax.Array | None
-                  ) -> tuple[QArray | None, QArray | None]:
-  """`(q(x), q(rht(x^T)))` of an activation (X) or gradient (dY).
-
-  `row_op` quantizes `x` along its last axis (Fprop's X, Dgrad's dY) and
-  `wgrad_op` its transpose for Wgrad; either may be high precision (None is
-  returned for it). When both are the recipe's NVFP4 1x16 + RHT pair, one fused
-  quantizer reads `x` once for both (the Pallas kernel on GPU). With a key,
-  the two operands round with `jax.random.split(key)`.
-  """
-  if "stochastic" not in (row_op.rounding, wgrad_op.rounding):
-    key = None
-  fusable = (row_op.format == wgrad_op.format == "nvfp4" and wgrad_op.rht
-             and not row_op.block_2d and row_op.rounding == wgrad_op.rounding
-             and (row_op.rounding == "nearest") == (key is None))
-  if fusable:
-    return quantize_x_and_rht_t(x, key=key, sign_vector=recipe.rht_sign_vector,
-                                size=recipe.rht_size)
-  keys = jax.random.split(key) if key is not None else (None, None)
-  q_row = quantize_operand(x, row_op, keys[0]) if row_op.quantized else None
-  q_t = (quantize_wgrad_operand(x, wgrad_op, recipe, keys[1])
-         if wgrad_op.quantized else None)
-  return q_row, q_t
+from nvfp4_jax.recipe import Recipe
 
 
 def _named(name: str, fn: Callable) -> Callable:
@@ -95,31 +42,65 @@ def _hp_matmul(a, b, dtype, precision):
                              (((1,), (0,)), ((), ())), precision=precision)
 
 
-def check_shapes(recipe: Recipe, tokens: int, k: int, n: int) -> None:
-  """Raises a ValueError naming any dimension a quantized GEMM cannot block."""
-  checks = (("fprop", ((k, "contraction (in) dim K"),)),
-            ("dgrad", ((n, "output dim N"),)),
-            ("wgrad", ((tokens, "token count"),)))
-  for gemm, dims in checks:
-    fmt = recipe.gemm_format(gemm)
-    if fmt == "bf16":
-      continue
-    b = _block(fmt)
-    for size, what in dims:
-      if size % b:
-        raise ValueError(
-            f"{gemm} GEMM in {fmt}: the {what} is {size}, not a multiple of "
-            f"{b}; pad it to {-(-size // b) * b} or keep this layer in bf16 "
-            f"with a precision rule.")
-  if recipe.fprop_w.block_2d and n % nm.NVFP4_BLOCK:
+def _check_dims(recipe: Recipe, gemm: str, dims, name: str) -> None:
+  """Raises a ValueError naming a dimension the quantized `gemm` cannot block."""
+  fmt = recipe.gemm_format(gemm)
+  if fmt == "bf16":
+    return
+  b = block_size(fmt)
+  for size, what in dims:
+    if size % b:
+      raise ValueError(
+          f"{name}{gemm} GEMM in {fmt}: the {what} is {size}, not a multiple "
+          f"of {b}; pad it to {-(-size // b) * b} or keep this layer in bf16 "
+          f"with a precision rule.")
+
+
+def _weight_dims(recipe: Recipe, op: str, k: int, n: int, name: str) -> None:
+  if getattr(recipe, op).block_2d and (k % nm.NVFP4_BLOCK or n % nm.NVFP4_BLOCK):
     raise ValueError(
-        f"16x16 weight scaling needs the output dim N={n} to be a multiple of "
-        f"16; pad it or disable two_d_weights.")
+        f"{name}16x16 weight scaling needs both weight dims to be multiples "
+        f"of 16, got in={k}, out={n}; pad them or disable two_d_weights.")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _linear(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype):
-  y, _ = _linear_fwd(x, w, key, recipe, precision, out_dtype, x_dtype)
+def _pad_tokens(x: jax.Array, recipe: Recipe) -> jax.Array:
+  """Zero rows up to the Wgrad operands' token blocking (a no-op if aligned).
+
+  The Wgrad operands are quantized along tokens; zero tokens change neither
+  their amax nor the product, and the row operand of the same tensor keeps its
+  bytes (its rows are quantized independently and the SR stream's row-major
+  index of every real element is unchanged), so callers slice it back.
+  """
+  fmt = recipe.gemm_format("wgrad")
+  if fmt == "bf16":
+    return x
+  need = block_size(fmt)
+  if recipe.wgrad_x.rht:
+    need = max(need, recipe.rht_size)
+  pad = -x.shape[0] % need
+  return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+
+
+def _rows(q, n: int):
+  """The first `n` rows of a quantized `[rows, K]` operand (1x16 blocks)."""
+  if q is None or q.shape[0] == n:
+    return q
+  return jax.tree.map(lambda a: a[:n] if a.ndim else a, q)
+
+
+def _pair(x, row_op, wgrad_op, recipe: Recipe, key_row, key_t):
+  """Both quantized operands of `x` (see `fused.quantize_pair`), any token
+  count."""
+  q_row, q_t = quantize_pair(
+      _pad_tokens(x, recipe), row_op, wgrad_op, key_row=key_row, key_t=key_t,
+      rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector)
+  return _rows(q_row, x.shape[0]), q_t
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _linear(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype,
+            name: str):
+  y, _ = _linear_fwd(x, w, key, recipe, precision, out_dtype, x_dtype, name)
   return y
 
 
@@ -129,15 +110,21 @@ def _gemm(name: str, out_dtype):
                                                        out_dtype=out_dtype))
 
 
-def _linear_fwd(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype):
+def _linear_fwd(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype,
+                name):
   del x_dtype
-  fprop_q = recipe.gemm_format("fprop") != "bf16"
+  k, n = w.shape
+  _check_dims(recipe, "fprop", ((k, "contraction (in) dim K"),), name)
+  if recipe.gemm_format("fprop") != "bf16":
+    _weight_dims(recipe, "fprop_w", k, n, name)
+  keys = recipe.operand_keys(key)
   wgrad_q = recipe.gemm_format("wgrad") != "bf16"
-  qx, qxt = _named("nvfp4_quantize_x", lambda x: quantize_both(
-      x, recipe.fprop_x, recipe.wgrad_x, recipe, None))(x)
-  if fprop_q:
-    qw = _named("nvfp4_quantize_w", lambda w: quantize_operand(
-        w.T, recipe.fprop_w, None))(w)
+  qx, qxt = _named("nvfp4_quantize_x", lambda x, kr, kt: _pair(
+      x, recipe.fprop_x, recipe.wgrad_x, recipe, kr, kt))(
+          x, keys["fprop_x"], keys["wgrad_x"])
+  if recipe.fprop_x.quantized:
+    qw = _named("nvfp4_quantize_w", lambda w, k: quantize_operand(
+        w.T, recipe.fprop_w, k))(w, keys["fprop_w"])
     y = _gemm("nvfp4_fprop", out_dtype)(qx, qw)
   else:
     y = _named("bf16_fprop", functools.partial(
@@ -151,22 +138,29 @@ def _linear_fwd(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype):
   return y, (qxt if wgrad_q else x, w, qw if reuse_w else None, key)
 
 
-def _linear_bwd(recipe: Recipe, precision, out_dtype, x_dtype, res, dy):
+def _linear_bwd(recipe: Recipe, precision, out_dtype, x_dtype, name, res, dy):
   x_saved, w, qw_fprop, key = res
+  k, n = w.shape
   dgrad_q = recipe.gemm_format("dgrad") != "bf16"
   wgrad_q = recipe.gemm_format("wgrad") != "bf16"
+  _check_dims(recipe, "dgrad", ((n, "output dim N"),), name)
+  if dgrad_q and qw_fprop is None:
+    _weight_dims(recipe, "dgrad_w", k, n, name)
   if recipe.needs_key and key is None:
     raise ValueError(
-        "this recipe uses stochastic rounding in the backward pass but no key "
-        "was given: pass key= to nvfp4_jax.dot_general, or rngs={'nvfp4': "
-        "key} to the NVFP4 layer's apply (a new key every step).")
-  qdy, qdyt = _named("nvfp4_quantize_dy", lambda dy, key: quantize_both(
-      dy, recipe.dgrad_dy, recipe.wgrad_dy, recipe, key))(dy, key)
+        f"{name}this recipe uses stochastic rounding in the backward pass but "
+        f"no key was given: pass key= to nvfp4_jax.dot_general, or "
+        f"rngs={{'nvfp4': key}} to the NVFP4 layer's apply (a new key every "
+        f"step).")
+  keys = recipe.operand_keys(key)
+  qdy, qdyt = _named("nvfp4_quantize_dy", lambda dy, kr, kt: _pair(
+      dy, recipe.dgrad_dy, recipe.wgrad_dy, recipe, kr, kt))(
+          dy, keys["dgrad_dy"], keys["wgrad_dy"])
 
   if dgrad_q:
     qw = (qw_fprop.T if qw_fprop is not None else _named(
-        "nvfp4_quantize_w", lambda w: quantize_operand(
-            w, recipe.dgrad_w, None))(w))
+        "nvfp4_quantize_w", lambda w, k: quantize_operand(
+            w, recipe.dgrad_w, k))(w, keys["dgrad_w"]))
     dx = _gemm("nvfp4_dgrad", jnp.float32)(qdy, qw)
   else:
     dx = _named("bf16_dgrad", lambda dy, w: _hp_matmul(
@@ -182,9 +176,10 @@ def _linear_bwd(recipe: Recipe, precision, out_dtype, x_dtype, res, dy):
 _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
-def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
+def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
+                precision=None, preferred_element_type=None, *,
                 recipe: Recipe, key: jax.Array | None = None,
-                precision=None, preferred_element_type=None) -> jax.Array:
+                out_sharding=None, name: str | None = None) -> jax.Array:
   """`jax.lax.dot_general` whose three GEMMs follow `recipe`.
 
   Supports the contractions of linear layers (`nn.Dense`, `nn.DenseGeneral`,
@@ -198,15 +193,21 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
     dimension_numbers: as for `jax.lax.dot_general`.
     recipe: the `Recipe`. With every GEMM in bf16 this is exactly
       `jax.lax.dot_general` (same outputs and gradients).
-    key: PRNG key for stochastic rounding; needed when the recipe uses it and
-      gradients are taken. Split internally for Dgrad and Wgrad; pass a new key
-      every step and layer.
     precision: precision of the high-precision GEMMs.
     preferred_element_type: output dtype; default the promoted input dtype.
+    recipe: the `Recipe` (keyword).
+    key: PRNG key for stochastic rounding; needed where the recipe uses it
+      (the backward pass, for the paper's recipe). Split per operand by
+      `Recipe.operand_keys`; pass a new key every step and layer.
+    out_sharding: as `jax.lax.dot_general` (flax passes it): the result's
+      sharding, applied as a sharding constraint.
+    name: the layer's name, for error messages.
 
   Returns:
     The result, with `jax.lax.dot_general`'s shape.
   """
+  if not isinstance(recipe, Recipe):
+    raise TypeError(f"dot_general: recipe must be a Recipe, got {recipe!r}.")
   (lc, rc), (lb, rb) = dimension_numbers
   lc, rc = tuple(lc), tuple(rc)
   if not recipe.quantized:
@@ -214,15 +215,26 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
       lhs = lhs.astype(preferred_element_type)
       rhs = rhs.astype(preferred_element_type)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type)
+                               preferred_element_type=preferred_element_type,
+                               out_sharding=out_sharding)
+  prefix = f"layer {name!r}: " if name else "dot_general: "
   if lb or rb:
     raise NotImplementedError(
-        "nvfp4_jax.dot_general quantizes linear-layer GEMMs; batched GEMMs "
-        "(attention scores and values) stay in high precision by the recipe. "
-        "Use jax.lax.dot_general for them.")
-  for name, a in (("lhs", lhs), ("rhs", rhs)):
+        f"{prefix}nvfp4_jax.dot_general quantizes linear-layer GEMMs; batched "
+        f"GEMMs (attention scores and values) stay in high precision by the "
+        f"recipe. Use jax.lax.dot_general for them.")
+  for arg, a in (("lhs", lhs), ("rhs", rhs)):
     if not jnp.issubdtype(a.dtype, jnp.floating):
-      raise TypeError(f"dot_general: {name} must be floating, got {a.dtype}.")
+      raise TypeError(f"{prefix}{arg} must be floating, got {a.dtype}.")
+  if len(lc) != len(rc) or any(lhs.shape[i] != rhs.shape[j]
+                               for i, j in zip(lc, rc)):
+    raise ValueError(
+        f"{prefix}contracting dims do not match: lhs {lhs.shape} on axes "
+        f"{lc} vs rhs {rhs.shape} on axes {rc}.")
+  if recipe.forward_needs_key and key is None:
+    raise ValueError(
+        f"{prefix}the recipe rounds a forward operand stochastically but no "
+        f"key was given: pass key= (a new one every step and layer).")
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
   lhs_free = [d for d in range(lhs.ndim) if d not in lc]
   rhs_free = [d for d in range(rhs.ndim) if d not in rc]
@@ -233,6 +245,9 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
                 + [rhs.shape[d] for d in rhs_free])
   x = jnp.transpose(lhs, lhs_free + list(lc)).reshape(-1, k)
   w = jnp.transpose(rhs, list(rc) + rhs_free).reshape(k, -1)
-  check_shapes(recipe, x.shape[0], k, w.shape[1])
-  y = _linear(x, w, key, recipe, precision, out_dtype, x.dtype)
-  return y.reshape(free_shape)
+  y = _linear(x, w, key, recipe, precision, out_dtype, x.dtype,
+              f"layer {name!r}: " if name else "")
+  y = y.reshape(free_shape)
+  if out_sharding is not None:
+    y = jax.lax.with_sharding_constraint(y, out_sharding)
+  return y

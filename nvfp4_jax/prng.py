@@ -42,6 +42,17 @@ def sr_hash(word: jax.Array, seed0: jax.Array, seed1: jax.Array) -> jax.Array:
   return mix32(mix32(word ^ seed0) + seed1)
 
 
+def pair_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The keys of a tensor's two quantized operands, `(k_row, k_rht_t)`.
+
+  A tensor quantized twice (dY: along its rows for Dgrad and, after the RHT,
+  along tokens for Wgrad) rounds each copy with its own stream. The only place
+  a key is split for a pair; `Recipe.operand_keys` builds on it.
+  """
+  k_row, k_t = jax.random.split(key)
+  return k_row, k_t
+
+
 def seeds_from_key(key: jax.Array) -> jax.Array:
   """The two uint32 seeds of the stream, `jax.random.bits(key, (2,), uint32)`.
 
@@ -50,12 +61,37 @@ def seeds_from_key(key: jax.Array) -> jax.Array:
   return jax.random.bits(key, (2,), jnp.uint32)
 
 
+def tile_bytes(row0: jax.Array | int, rows: int, blk0: jax.Array | int,
+               nb: int, words_per_row: int, seed0: jax.Array,
+               seed1: jax.Array, *, block: int = 16) -> jax.Array:
+  """The stream's bytes for a `[rows, nb, block]` tile of the quantized tensor.
+
+  The one definition of which byte each element gets; the reference applies it
+  to the whole tensor, the kernels to their tiles. The tile starts at row
+  `row0` and block `blk0` of a tensor with `4 * words_per_row` elements per
+  row: element `(r, c)` has the row-major index `n = r * 4 * words_per_row +
+  c` and rounds with byte `n % 4` of hash word `n // 4`.
+
+  Returns:
+    uint8 `[rows, nb, block]`.
+  """
+  shape = (rows, nb, block // 4)
+  r = (row0 + jax.lax.broadcasted_iota(jnp.int32, shape, 0)).astype(jnp.uint32)
+  blk = (blk0 + jax.lax.broadcasted_iota(jnp.int32, shape, 1)).astype(
+      jnp.uint32)
+  lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 2)
+  words = (r * jnp.uint32(words_per_row) + blk * jnp.uint32(block // 4)
+           + lane)
+  return word_bytes(sr_hash(words, seed0, seed1))
+
+
 def random_bytes(seeds: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """The stream's bytes for a tensor of `shape` (row-major), as uint8.
+  """The stream's bytes for a whole tensor of `shape` (row-major), as uint8.
 
   Args:
     seeds: uint32[2] from `seeds_from_key`.
-    shape: the quantized tensor's shape; its size must be a multiple of 4.
+    shape: the quantized tensor's shape; its size a multiple of 4, at most
+      2^34.
 
   Returns:
     uint8 array of `shape`.
@@ -69,12 +105,13 @@ def random_bytes(seeds: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     raise ValueError(
         f"stochastic rounding supports tensors of at most 2^34 elements; got "
         f"{n}. Split the tensor.")
-  words = sr_hash(jnp.arange(n // 4, dtype=jnp.uint32), seeds[0], seeds[1])
-  return word_bytes(words).reshape(shape)
+  return tile_bytes(0, 1, 0, 1, n // 4, seeds[0], seeds[1],
+                    block=n).reshape(shape)
 
 
 def word_bytes(words: jax.Array) -> jax.Array:
   """Splits uint32 words `[..., W]` into their bytes `[..., 4W]`, low byte first."""
-  shifts = jnp.arange(4, dtype=jnp.uint32) * 8
+  shifts = jax.lax.broadcasted_iota(jnp.uint32, (*words.shape, 4),
+                                    words.ndim) * 8
   b = (words[..., None] >> shifts) & 0xFF
   return b.astype(jnp.uint8).reshape(*words.shape[:-1], -1)

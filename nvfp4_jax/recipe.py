@@ -20,6 +20,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import jax
+
+from nvfp4_jax import prng
 from nvfp4_jax.hadamard import rht_matrix
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "bf16")
@@ -147,6 +150,33 @@ class Recipe:
   def needs_key(self) -> bool:
     """Whether any operand uses stochastic rounding."""
     return any(getattr(self, op).rounding == "stochastic" for op in OPERANDS)
+
+  @property
+  def forward_needs_key(self) -> bool:
+    """Whether an operand quantized in the forward pass rounds stochastically
+    (X or the weight: then the forward pass itself needs a key)."""
+    return any(getattr(self, op).rounding == "stochastic"
+               for op in ("fprop_x", "fprop_w", "wgrad_x"))
+
+  def operand_keys(self, key: jax.Array | None
+                   ) -> dict[str, jax.Array | None]:
+    """The stochastic-rounding key of every operand; None where it rounds to
+    nearest (or no key is given). The one place a layer's key is split.
+
+    dY's pair takes `prng.pair_keys(key)`, X's pair `pair_keys(fold_in(key,
+    1))`, the weight `fold_in(key, 2)` (Fprop, and Dgrad where it reuses
+    Fprop's quantized weight) and `fold_in(key, 3)` (a Dgrad weight quantized
+    on its own).
+    """
+    if key is None or not self.needs_key:
+      return dict.fromkeys(OPERANDS)
+    keys = {}
+    keys["dgrad_dy"], keys["wgrad_dy"] = prng.pair_keys(key)
+    keys["fprop_x"], keys["wgrad_x"] = prng.pair_keys(jax.random.fold_in(key, 1))
+    keys["fprop_w"] = jax.random.fold_in(key, 2)
+    keys["dgrad_w"] = jax.random.fold_in(key, 3)
+    return {op: keys[op] if getattr(self, op).rounding == "stochastic"
+            else None for op in OPERANDS}
 
   def replace(self, **changes) -> "Recipe":
     return dataclasses.replace(self, **changes)

@@ -100,6 +100,11 @@ class PrecisionRules:
                       f"{self.late_switch!r}.")
     object.__setattr__(self, "rules", rules)
 
+  @classmethod
+  def high_precision(cls) -> "PrecisionRules":
+    """Every NVFP4 layer in high precision (each is then exactly `nn.Dense`)."""
+    return cls(default=Recipe.bf16())
+
   def match(self, path: str) -> int | None:
     """Index of the first rule matching `path`, or None."""
     for i, (pattern, _) in enumerate(self.rules):
@@ -111,6 +116,28 @@ class PrecisionRules:
     """The recipe (before any late switch) of the layer at `path`."""
     i = self.match(path)
     return self.default if i is None else self.rules[i][1]
+
+  def recipe_at(self, path: str, step: int | None = None, *,
+                recipe: Recipe | None = None) -> Recipe:
+    """The recipe the layer at `path` runs at a concrete training `step`.
+
+    The one place that combines the rules with the late switch: layers (which
+    select between `recipe_at(path)` and `recipe_at(path, switch.step)` with a
+    `lax.cond` on the traced step), the trainer's diagnostics and reports all
+    call it.
+
+    Args:
+      path: the layer's module path.
+      step: the step; None means "before any late switch".
+      recipe: the layer's own recipe, overriding the rules' choice for it (the
+        late switch still applies).
+    """
+    if recipe is None:
+      recipe = self.recipe_for(path)
+    switch = self.late_switch
+    if switch is None or step is None or step < switch.step:
+      return recipe
+    return switch.apply(recipe)
 
   def unused_rules(self, paths: Iterable[str]) -> list[str]:
     """Patterns that decide no layer among `paths` (shadowed ones included)."""
@@ -210,9 +237,8 @@ def paper_rules(num_blocks: int, *, first: int = 2, last_fraction: float = 0.15,
   if hp:
     names = "|".join(re.escape(block_name.format(i)) for i in hp)
     rules.append((f"(^|/)({names})(/|$)", Recipe.bf16()))
-  return PrecisionRules(rules=tuple(rules),
-                        default=recipe if recipe is not None else Recipe.nvfp4(),
-                        late_switch=late_switch)
+  default = {} if recipe is None else {"default": recipe}
+  return PrecisionRules(rules=tuple(rules), late_switch=late_switch, **default)
 
 
 # ----------------------------------------------------------------------------

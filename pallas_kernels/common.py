@@ -12,10 +12,8 @@ lower to Triton with the same results:
   loads read other rows' (or other buffers') memory and out-of-bounds stores
   corrupt them. `bounds_mask` + `load`/`store` mask partial tiles explicitly
   (interpret mode pads instead, which hid this on CPU).
-- Triton lowers float `max` to `maxnumf`, which drops NaN. `abs_max` reduces
-  the magnitudes' bit patterns as unsigned integers instead: for non-negative
-  floats the order is the same, and every NaN sorts above +Inf, so a NaN
-  anywhere gives a NaN amax (as `jnp.max(jnp.abs(x))` does under XLA).
+- Per-program partial amaxes travel as uint32 bit patterns (the form
+  `nvfp4_jax.tile.abs_max` reduces, NaN-propagating in Triton too).
 """
 
 from __future__ import annotations
@@ -26,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+
+from nvfp4_jax import tile
 
 
 def backend() -> str:
@@ -81,21 +81,23 @@ def exact_divide(interpret: bool) -> Callable[[jax.Array, jax.Array],
   return div_rn
 
 
-def abs_max(x: jax.Array, axis) -> jax.Array:
-  """`max |x|` over `axis` of FP32 `x`, NaN-propagating in Triton too."""
-  bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0x7FFFFFFF)
-  return jax.lax.bitcast_convert_type(jnp.max(bits, axis=axis), jnp.float32)
-
-
 def abs_max_bits(x: jax.Array) -> jax.Array:
-  """`max |x|` over all of FP32 `x`, as its uint32 bit pattern (for partials)."""
-  bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0x7FFFFFFF)
-  return jnp.max(bits)
+  """`tile.abs_max` of all of FP32 `x`, as its uint32 bit pattern (a partial)."""
+  return jax.lax.bitcast_convert_type(tile.abs_max(x), jnp.uint32)
 
 
 def combine_partial_amax(bits: jax.Array) -> jax.Array:
   """Reduces per-program amax bit patterns (uint32) to the FP32 tensor amax."""
   return jax.lax.bitcast_convert_type(jnp.max(bits), jnp.float32)
+
+
+def check_powers_of_two(config: Any, fields: tuple[str, ...]) -> None:
+  """Raises a ValueError naming a tile-config field that is no power of two."""
+  for name in fields:
+    v = getattr(config, name)
+    if not isinstance(v, int) or v < 1 or v & (v - 1):
+      raise ValueError(f"{type(config).__name__}.{name}={v!r} must be a power "
+                       f"of two (Triton block shapes are).")
 
 
 def next_pow2(n: int) -> int:

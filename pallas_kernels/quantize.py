@@ -1,4 +1,4 @@
-"""Pallas-Triton NVFP4 quantize and block-dequantize kernels (1x16 and 16x16).
+"""Pallas-Triton kernel of `nvfp4_jax.quantize` (1x16 and 16x16 blocks).
 
 Data flow of `quantize`: the tensor amax is one XLA reduction (a global max
 must be complete before any block can be encoded); then one kernel reads each
@@ -7,9 +7,11 @@ exact bf16 block-dequantized values that a Hopper GEMM consumes. Pass `amax=`
 (e.g. a `pmax` across shards, or an amax fused into the producer) to skip the
 reduction.
 
-The tile math is `pallas_kernels.tile.encode_blocks`, i.e. the functions of
-`nvfp4_jax.numerics` in the reference's order: codes, scales and amax are
-bit-identical to `nvfp4_jax.nvfp4.quantize` (tests/test_kernels.py).
+The tile math is `nvfp4_jax.tile` (`block_amax`, `encode_blocks`) and
+`nvfp4_jax.prng.tile_bytes`, the functions the reference applies to the whole
+tensor: codes, scales and amax are the reference's by construction, and
+tests/test_kernels.py checks the plumbing. Arguments are validated by
+`nvfp4_jax.quantize` before dispatch.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from jax.experimental import pallas as pl
 
 from nvfp4_jax import numerics as nm
 from nvfp4_jax import prng
-from nvfp4_jax.nvfp4 import NVFP4Array, check_input, check_rounding, tensor_amax
+from nvfp4_jax import tile
+from nvfp4_jax.qarray import NVFP4Array
 from pallas_kernels import common
-from pallas_kernels import tile
 
 B = nm.NVFP4_BLOCK
 
@@ -46,10 +48,7 @@ class QuantizeConfig:
   num_warps: int = 4
 
   def __post_init__(self):
-    for name in ("block_rows", "block_cols", "num_warps"):
-      v = getattr(self, name)
-      if v < 1 or v & (v - 1):
-        raise ValueError(f"QuantizeConfig.{name}={v} must be a power of two.")
+    common.check_powers_of_two(self, ("block_rows", "block_cols", "num_warps"))
     if self.block_cols < B:
       raise ValueError(
           f"QuantizeConfig.block_cols={self.block_cols} must be >= {B}.")
@@ -67,7 +66,7 @@ def default_config(rows: int, cols: int, block_2d: bool = False
   return QuantizeConfig(block_rows=br, block_cols=bc, num_warps=4)
 
 
-def _masks(rows: int, nb: int, m: int, nb_total: int):
+def tile_masks(rows: int, nb: int, m: int, nb_total: int):
   """Bounds masks of a `[rows, nb, ...]` tile (None where no tile is partial)."""
   row0, blk0 = pl.program_id(0) * rows, pl.program_id(1) * nb
   dims = ((0, row0, m, rows), (1, blk0, nb_total, nb))
@@ -88,20 +87,17 @@ def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
                                                      divide=divide)
   values_ref = refs[3] if with_values else None
   rows, nb, _ = x_ref.shape
-  mask = _masks(rows, nb, m, nb_total)
+  mask = tile_masks(rows, nb, m, nb_total)
 
   xf = nm.ftz(common.load(x_ref, mask[B]).astype(jnp.float32))
-  bamax = common.abs_max(xf, axis=-1)
-  if block_2d:
-    bamax = tile.block_amax_2d(bamax)
   rbits = None
   if stochastic:
-    rbits = tile.sr_bytes(pl.program_id(0) * rows, rows,
-                          pl.program_id(1) * nb, nb, nb_total * B // 4,
-                          seeds_ref[0], seeds_ref[1])
+    rbits = prng.tile_bytes(pl.program_id(0) * rows, rows,
+                            pl.program_id(1) * nb, nb, nb_total * B // 4,
+                            seeds_ref[0], seeds_ref[1])
   packed, scales, values = tile.encode_blocks(
-      xf, bamax, s_enc_over_6, inv_s_enc, divide=divide, rbits=rbits,
-      with_values=with_values)
+      xf, tile.block_amax(xf, block_2d), s_enc_over_6, inv_s_enc,
+      divide=divide, rbits=rbits, with_values=with_values, split_pack=True)
   common.store(codes_ref, packed, mask[B // 2])
   common.store(scales_ref, scales, mask[0])
   if with_values:
@@ -115,7 +111,7 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   """`nvfp4_jax.quantize` as a Pallas-Triton kernel (interpreted on CPU).
 
   Args:
-    x: float array `[..., K]` (see `nvfp4_jax.quantize`).
+    x: float array `[..., K]`, validated by `nvfp4_jax.quantize`.
     block_2d, rounding, key, amax: as `nvfp4_jax.quantize`.
     with_values: also return the exact bf16 block-dequantized values
       `[..., K]` (`fp4 * f32(scale)`, the Hopper GEMM's operand).
@@ -127,25 +123,13 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   Raises:
     NotImplementedError: on a backend the kernels do not support.
   """
-  x = check_input(x, block=B, block_2d=block_2d, what="quantize")
-  check_rounding(rounding, key)
   interpret = common.check_backend("quantize")
-  if x.dtype == jnp.float64:
-    x = x.astype(jnp.float32)
   shape = x.shape
   k = shape[-1]
   m = x.size // k
   if amax is None:
-    amax = tensor_amax(nm.ftz(x.astype(jnp.float32)))
-  else:
-    amax = jnp.asarray(amax, jnp.float32)
-    if amax.shape != ():
-      raise ValueError(f"amax must be a scalar, got shape {amax.shape}.")
+    amax = tile.abs_max(nm.ftz(x.astype(jnp.float32)))
   stochastic = rounding == "stochastic"
-  if stochastic and x.size > prng.MAX_ELEMENTS:
-    raise ValueError(
-        f"stochastic rounding supports tensors of at most 2^34 elements; got "
-        f"{x.size}. Split the tensor.")
   cfg = config or default_config(m, k, block_2d)
   if block_2d and cfg.block_rows % B:
     raise ValueError(
@@ -187,42 +171,3 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   if with_values:
     return q, outs[2].reshape(shape)
   return q
-
-
-def _dequantize_kernel(codes_ref, scales_ref, values_ref, *, m: int,
-                       nb_total: int):
-  rows, nb, _ = codes_ref.shape
-  mask = _masks(rows, nb, m, nb_total)
-  values = tile.block_values(common.load(codes_ref, mask[B // 2]),
-                             common.load(scales_ref, mask[0]))
-  common.store(values_ref, values, mask[B])
-
-
-def block_values(q: NVFP4Array, *, config: QuantizeConfig | None = None
-                 ) -> jax.Array:
-  """The exact bf16 block-dequantized values of `q` (`fp4 * f32(scale)`).
-
-  Equals `nvfp4_jax.nvfp4.block_dequantize_nvfp4(q)[0]`: one read of the
-  packed codes and scales, one write of bf16.
-  """
-  if not isinstance(q, NVFP4Array):
-    raise NotImplementedError(
-        f"the Pallas dequantize kernel takes NVFP4Arrays, got {type(q)}.")
-  interpret = common.check_backend("block_values")
-  shape = q.shape
-  k = shape[-1]
-  m = q.codes.size * 2 // k
-  nb_total = k // B
-  cfg = config or default_config(m, k)
-  br, bnb = cfg.block_rows, max(1, cfg.block_cols // B)
-  grid = (common.cdiv(m, br), common.cdiv(nb_total, bnb))
-  out = common.pallas_call(
-      functools.partial(_dequantize_kernel, m=m, nb_total=nb_total),
-      interpret=interpret, num_warps=cfg.num_warps,
-      num_stages=1, name="nvfp4_block_values", grid=grid,
-      in_specs=[pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)),
-                pl.BlockSpec((br, bnb), lambda i, j: (i, j))],
-      out_specs=pl.BlockSpec((br, bnb, B), lambda i, j: (i, j, 0)),
-      out_shape=jax.ShapeDtypeStruct((m, nb_total, B), jnp.bfloat16),
-  )(q.codes.reshape(m, nb_total, B // 2), q.scales.reshape(m, nb_total))
-  return out.reshape(shape)

@@ -22,9 +22,13 @@ import nvfp4_jax as nf
 from nvfp4_jax import fused
 from nvfp4_jax import gemm
 from nvfp4_jax import nvfp4
+from pallas_kernels import block_dequantize as pallas_block_dequantize
+from pallas_kernels import block_scaled_matmul as pallas_gemm
 from pallas_kernels import common
 from pallas_kernels import quantize as pallas_quantize
-from pallas_kernels import rht as pallas_rht
+from pallas_kernels import quantize_pair as pallas_pair
+from pallas_kernels import quantize_rht_t as pallas_rht
+from nvfp4_jax.recipe import Operand
 
 ON_GPU = jax.default_backend() == "gpu"
 GPU_ONLY = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
@@ -388,6 +392,8 @@ class TestGemmPallas(GemmBase):
 
 @GPU_ONLY
 @pytest.mark.skipif(not _has_jax_triton(), reason="needs jax-triton")
+@pytest.mark.skipif(not pallas_gemm.has_fp4_mma(),
+                    reason="tl.dot_scaled needs FP4 tensor cores (cc >= 10)")
 class TestGemmTriton(GemmBase):
   impl = "triton"
 
@@ -447,7 +453,8 @@ def test_quantize_small_tiles_many_grid_steps(block_2d, rounding):
       x, block_2d=block_2d, rounding=rounding, key=key, with_values=True,
       config=cfg))(x)
   assert_same(got, jit_ref(block_2d=block_2d, rounding=rounding, key=key)(x))
-  back = jax.jit(lambda q: pallas_quantize.block_values(q, config=cfg))(got)
+  back = jax.jit(lambda q: pallas_block_dequantize.block_values(
+      q, config=cfg))(got)
   np.testing.assert_array_equal(bf16_bits(back), bf16_bits(vals))
   np.testing.assert_array_equal(bf16_bits(vals), bf16_bits(block_values(got)))
 
@@ -456,8 +463,10 @@ def test_rht_small_tiles_many_grid_steps():
   x = rht_input((96, 72), jnp.bfloat16, seed=22)
   cfg = pallas_rht.RHTConfig(block_tokens=32, block_features=16)
   kx, kt = fused.split_key(KEY)
-  gx, gt = jax.jit(lambda x: pallas_rht.quantize_x_and_rht_t(
-      x[:, :64], key_x=kx, key_t=kt, config=cfg))(x)
+  gx, gt = jax.jit(lambda x: pallas_pair.quantize_pair(
+      x[:, :64], Operand(rounding="stochastic"),
+      Operand(rounding="stochastic", rht=True), key_row=kx, key_t=kt,
+      config=cfg))(x)
   wx, wt = jit_xla(fused.quantize_x_and_rht_t, key=KEY)(x[:, :64])
   assert_same(gx, wx)
   assert_same(gt, wt)
@@ -475,10 +484,13 @@ def test_kernels_lower_to_triton(monkeypatch):
       lambda x: pallas_quantize.quantize(x, with_values=True),
       lambda x: pallas_quantize.quantize(x, block_2d=True,
                                          rounding="stochastic", key=KEY),
-      lambda x: pallas_quantize.block_values(pallas_quantize.quantize(x)),
+      lambda x: pallas_block_dequantize.block_values(
+          pallas_quantize.quantize(x)),
       lambda x: pallas_rht.quantize_rht_t(x.astype(jnp.float32)),
-      lambda x: pallas_rht.quantize_x_and_rht_t(
-          x, key_x=KEY, key_t=jax.random.key(1)),
+      lambda x: pallas_pair.quantize_pair(
+          x, Operand(rounding="stochastic"),
+          Operand(rounding="stochastic", rht=True), key_row=KEY,
+          key_t=jax.random.key(1)),
   ]
   for fn in fns:
     text = jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text()

@@ -1,4 +1,4 @@
-"""Pallas-Triton kernels for the Wgrad operand `quantize(rht(x.T))`.
+"""Pallas-Triton kernels of `nvfp4_jax.fused.quantize_rht_t`, the Wgrad operand.
 
 Two passes over `x: [tokens, features]`, as the data flow needs (the amax of
 the transformed tensor must be complete before any block is encoded):
@@ -12,9 +12,14 @@ the transformed tensor must be complete before any block is encoded):
    produces the Fprop operand, `x` quantized 1x16 along `features` (TE's fused
    cast + transpose).
 
-The RHT matrix is an input (closed-over constants do not lower) and the tile
-math is `pallas_kernels.tile`, i.e. `nvfp4_jax.hadamard.rht` + the reference
-quantizer's numerics.
+The RHT matrix is an input (closed-over constants do not lower). The tile math
+is the reference's: `nvfp4_jax.tile.hadamard_rows` (the RHT step of
+`nvfp4_jax.rht`), `tile.encode_blocks` and `prng.tile_bytes`. The kernels
+support the Hadamard sizes whose matrix is exact in bf16 and fills a tensor-core
+dot (16 and 64): with them every product is exact, so the FP32 sums are the
+reference's wherever they are exact. Other sizes raise `NotImplementedError`
+(dispatch falls back to the reference). Arguments are validated by the public
+ops before dispatch.
 """
 
 from __future__ import annotations
@@ -29,13 +34,15 @@ from jax.experimental import pallas as pl
 
 from nvfp4_jax import numerics as nm
 from nvfp4_jax import prng
+from nvfp4_jax import tile
 from nvfp4_jax.hadamard import rht_matrix
-from nvfp4_jax.nvfp4 import NVFP4Array, check_rounding
+from nvfp4_jax.qarray import NVFP4Array
 from pallas_kernels import common
-from pallas_kernels import tile
 
 B = nm.NVFP4_BLOCK
-SUPPORTED_SIZES = (16, 32, 64, 128)
+# Hadamard sizes with exact bf16 entries (+-1/4, +-1/8) that fill a tensor-core
+# dot (Triton's dots need all dimensions >= 16).
+SUPPORTED_SIZES = (16, 64)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,10 +60,7 @@ class RHTConfig:
   num_warps: int = 4
 
   def __post_init__(self):
-    for name in ("block_tokens", "block_features", "num_warps"):
-      v = getattr(self, name)
-      if v < 1 or v & (v - 1):
-        raise ValueError(f"RHTConfig.{name}={v} must be a power of two.")
+    common.check_powers_of_two(self, ("block_tokens", "block_features", "num_warps"))
     if self.block_tokens < B or self.block_features < B:
       raise ValueError(f"RHTConfig tiles must be at least {B}x{B}; got {self}.")
 
@@ -67,28 +71,24 @@ def default_config(tokens: int, features: int, size: int = 16) -> RHTConfig:
   return RHTConfig(block_tokens=bt, block_features=bf, num_warps=4)
 
 
-def _check(x: jax.Array, size: int, fused_x: bool, what: str) -> jax.Array:
-  x = jnp.asarray(x)
-  if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64):
-    raise TypeError(f"{what} needs a float32/bfloat16/float16 array, got "
-                    f"{x.dtype}.")
-  if x.ndim != 2:
-    raise ValueError(f"{what} takes x as [tokens, features]; got shape "
-                     f"{x.shape}. Flatten the leading axes first.")
+def check_size(size: int, what: str) -> None:
+  """Raises NotImplementedError for Hadamard sizes the kernels do not run."""
   if size not in SUPPORTED_SIZES:
     raise NotImplementedError(
-        f"{what}: the Pallas RHT kernel supports Hadamard sizes "
-        f"{SUPPORTED_SIZES}, got {size}; use implementation='xla'.")
+        f"{what}: the Pallas RHT kernels support Hadamard sizes "
+        f"{SUPPORTED_SIZES} (exact in bf16, >= 16 for the tensor-core dot), "
+        f"got {size}; use implementation='xla'.")
+
+
+def rht_transposed(x: jax.Array, h: jax.Array, size: int) -> jax.Array:
+  """`rht(x.T)` of a `[tokens, features]` tile, as FP32 `[features, tokens]`.
+
+  bf16 tiles multiply on bf16 operands (exact: see `check_size`).
+  """
   t, f = x.shape
-  if t % size or t % B:
-    raise ValueError(
-        f"{what}: the token count {t} must be a multiple of {max(size, B)} "
-        f"(RHT tiles and 16-element blocks run along tokens); pad it.")
-  if fused_x and f % B:
-    raise ValueError(
-        f"{what}: the feature count {f} must be a multiple of {B} to quantize "
-        f"x along it; pad it.")
-  return x.astype(jnp.float32) if x.dtype == jnp.float64 else x
+  xt = x.T.reshape(f * t // size, size)
+  y = tile.hadamard_rows(xt, h, bf16_operands=x.dtype == jnp.bfloat16)
+  return y.reshape(f, t)
 
 
 def _amax_kernel(h_ref, x_ref, *out_refs, size: int, with_x: bool,
@@ -97,7 +97,7 @@ def _amax_kernel(h_ref, x_ref, *out_refs, size: int, with_x: bool,
   mask = common.bounds_mask((bt, bf), (0, pl.program_id(0) * bt, tokens, bt),
                             (1, pl.program_id(1) * bf, features, bf))
   x = common.load(x_ref, mask)  # Out-of-bounds elements read as 0.
-  z = tile.rht_transposed(x, h_ref[...], size)
+  z = rht_transposed(x, h_ref[...], size)
   out_refs[0][...] = jnp.full((1, 1), common.abs_max_bits(z), jnp.uint32)
   if with_x:
     xf = nm.ftz(x.astype(jnp.float32))
@@ -112,7 +112,7 @@ def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
   Returns:
     FP32 scalar amax of `rht(x.T)`, or `(amax_x, amax_rht)` with `with_x`.
   """
-  x = _check(x, size, False, "rht_amax")
+  check_size(size, "rht_amax")
   interpret = common.check_backend("rht_amax")
   t, f = x.shape
   cfg = config or default_config(t, f, size)
@@ -136,11 +136,11 @@ def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
   return amax_t
 
 
-def _quantize_kernel(*refs, size: int, fused_x: bool, stochastic: bool,
+def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
                      interpret: bool, tokens: int, features: int):
   refs = list(refs)
   amax_ref = refs.pop(0)
-  seeds_ref = refs.pop(0) if stochastic else None
+  seeds_ref = refs.pop(0) if (sr_t or sr_x) else None
   h_ref, x_ref = refs.pop(0), refs.pop(0)
   divide = common.exact_divide(interpret)
   # Shape (1,), not scalars: the inline-asm division needs tensor operands.
@@ -154,33 +154,39 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, stochastic: bool,
                                             feat(1, bf)))
 
   # Wgrad operand: rht(x.T), [features, tokens], blocks along tokens.
-  z = nm.ftz(tile.rht_transposed(x, h_ref[...], size)).reshape(bf, bt // B, B)
+  z = rht_transposed(x, h_ref[...], size).reshape(bf, bt // B, B)
   rbits = None
-  if stochastic:
-    rbits = tile.sr_bytes(j * bf, bf, i * (bt // B), bt // B, tokens // 4,
-                          seeds_ref[0], seeds_ref[1])
+  if sr_t:
+    rbits = prng.tile_bytes(j * bf, bf, i * (bt // B), bt // B, tokens // 4,
+                            seeds_ref[0], seeds_ref[1])
   packed, scales, _ = tile.encode_blocks(
-      z, common.abs_max(z, axis=-1), *consts(0), divide=divide, rbits=rbits)
+      z, tile.block_amax(z, False), *consts(0), divide=divide, rbits=rbits,
+      split_pack=True)
   dims = (feat(0, bf), tok(1, bt // B))
   common.store(refs[0], packed, common.bounds_mask(packed.shape, *dims))
   common.store(refs[1], scales, common.bounds_mask(scales.shape, *dims))
 
-  if fused_x:  # Fprop operand: x, [tokens, features], blocks along features.
+  if fused_x:  # Row operand: x, [tokens, features], blocks along features.
     xf = nm.ftz(x.astype(jnp.float32)).reshape(bt, bf // B, B)
     rbits = None
-    if stochastic:
-      rbits = tile.sr_bytes(i * bt, bt, j * (bf // B), bf // B, features // 4,
-                            seeds_ref[2], seeds_ref[3])
+    if sr_x:
+      rbits = prng.tile_bytes(i * bt, bt, j * (bf // B), bf // B,
+                              features // 4, seeds_ref[2], seeds_ref[3])
     packed, scales, _ = tile.encode_blocks(
-        xf, common.abs_max(xf, axis=-1), *consts(1), divide=divide,
-        rbits=rbits)
+        xf, tile.block_amax(xf, False), *consts(1), divide=divide,
+        rbits=rbits, split_pack=True)
     dims = (tok(0, bt), feat(1, bf // B))
     common.store(refs[2], packed, common.bounds_mask(packed.shape, *dims))
     common.store(refs[3], scales, common.bounds_mask(scales.shape, *dims))
 
 
-def _quantize_call(x, amax_t, key_t, amax_x, key_x, *, size, sign_vector,
-                   fused_x, stochastic, config):
+def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
+                  sign_vector, fused_x: bool, config: RHTConfig | None):
+  """Launches the encode pass: `q(rht(x.T))` and, with `fused_x`, `q(x)`.
+
+  A key (`key_t`, `key_x`) means that operand rounds stochastically.
+  """
+  check_size(size, "quantize_rht_t")
   interpret = common.check_backend("quantize_rht_t")
   t, f = x.shape
   cfg = config or default_config(t, f, size)
@@ -188,19 +194,19 @@ def _quantize_call(x, amax_t, key_t, amax_x, key_x, *, size, sign_vector,
   if bt % size:
     raise ValueError(f"block_tokens={bt} must be a multiple of the Hadamard "
                      f"size {size}.")
+  sr_t, sr_x = key_t is not None, fused_x and key_x is not None
   # The per-tensor constants are computed in the kernel, with its exact
-  # division (XLA:GPU's FP32 division is not correctly rounded).
-  amaxes = [amax_t]
-  seeds = [prng.seeds_from_key(key_t)] if stochastic else []
-  if fused_x:
-    amaxes.append(amax_x)
-    if stochastic:
-      seeds.append(prng.seeds_from_key(key_x))
+  # division (XLA:GPU's FP32 division is not correctly rounded). Unused seeds
+  # are zeros, so the seed layout is fixed: [t0, t1, x0, x1].
+  amaxes = [amax_t] + ([amax_x] if fused_x else [])
+  zeros = jnp.zeros((2,), jnp.uint32)
+  seeds = [prng.seeds_from_key(key_t) if sr_t else zeros,
+           prng.seeds_from_key(key_x) if sr_x else zeros]
   args = [jnp.stack(amaxes).astype(jnp.float32)]
   in_specs = [common.scalar_spec(len(amaxes))]
-  if stochastic:
+  if sr_t or sr_x:
     args.append(jnp.concatenate(seeds))
-    in_specs.append(common.scalar_spec(2 * len(seeds)))
+    in_specs.append(common.scalar_spec(4))
   args += [jnp.asarray(rht_matrix(sign_vector, size)), x]
   in_specs += [pl.BlockSpec((size, size), lambda i, j: (0, 0)),
                pl.BlockSpec((bt, bf), lambda i, j: (i, j))]
@@ -214,7 +220,7 @@ def _quantize_call(x, amax_t, key_t, amax_x, key_x, *, size, sign_vector,
     out_specs += [pl.BlockSpec((bt, bf // B, B // 2), lambda i, j: (i, j, 0)),
                   pl.BlockSpec((bt, bf // B), lambda i, j: (i, j))]
   kernel = functools.partial(
-      _quantize_kernel, size=size, fused_x=fused_x, stochastic=stochastic,
+      _quantize_kernel, size=size, fused_x=fused_x, sr_t=sr_t, sr_x=sr_x,
       interpret=interpret, tokens=t, features=f)
   outs = common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
@@ -237,7 +243,7 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
   """`quantize(rht(x.T))` for `x: [tokens, features]`: the Wgrad operand.
 
   Args:
-    x: `[tokens, features]`, tokens a multiple of 16 and of `size`.
+    x: `[tokens, features]`, validated by `nvfp4_jax.fused.quantize_rht_t`.
     rounding, key: as `nvfp4_jax.quantize` (the SR stream runs over the
       `[features, tokens]` result).
     amax: the already reduced amax of `rht(x.T)`; computed by a kernel pass
@@ -247,32 +253,13 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
 
   Returns:
     NVFP4Array of logical shape `[features, tokens]`.
+
+  Raises:
+    NotImplementedError: an unsupported Hadamard size or backend.
   """
-  x = _check(x, size, False, "quantize_rht_t")
-  check_rounding(rounding, key)
+  check_size(size, "quantize_rht_t")
   if amax is None:
     amax = rht_amax(x, sign_vector=sign_vector, size=size, config=config)
-  amax = jnp.asarray(amax, jnp.float32)
-  return _quantize_call(x, amax, key, None, None, size=size,
-                        sign_vector=sign_vector, fused_x=False,
-                        stochastic=rounding == "stochastic", config=config)
-
-
-def quantize_x_and_rht_t(x: jax.Array, *, key_x: jax.Array | None = None,
-                         key_t: jax.Array | None = None,
-                         sign_vector: Sequence[int] | None = None,
-                         size: int = 16, config: RHTConfig | None = None
-                         ) -> tuple[NVFP4Array, NVFP4Array]:
-  """`(quantize(x), quantize(rht(x.T)))` from two reads of `x` (amax, encode).
-
-  With `key_x`/`key_t` both operands round stochastically with those keys
-  (e.g. for dY); without, both round to nearest (X).
-  """
-  x = _check(x, size, True, "quantize_x_and_rht_t")
-  if (key_x is None) != (key_t is None):
-    raise ValueError("pass both key_x and key_t, or neither.")
-  amax_x, amax_t = rht_amax(x, sign_vector=sign_vector, size=size,
-                            with_x=True, config=config)
-  return _quantize_call(x, amax_t, key_t, amax_x, key_x, size=size,
-                        sign_vector=sign_vector, fused_x=True,
-                        stochastic=key_x is not None, config=config)
+  return quantize_call(
+      x, amax_t=amax, key_t=key if rounding == "stochastic" else None,
+      size=size, sign_vector=sign_vector, fused_x=False, config=config)

@@ -1,0 +1,136 @@
+"""The NVFP4 array type and the validation every quantizer runs once.
+
+A leaf module: the reference quantizers (`nvfp4_jax.nvfp4`, `nvfp4_jax.fused`)
+and the kernels (`pallas_kernels`) both import it, and nothing here imports
+them. The public ops validate their arguments with these functions *before*
+dispatching (the tokamax pattern), so every implementation trusts its inputs
+and the error a user sees does not depend on which implementation runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from nvfp4_jax import numerics as nm
+from nvfp4_jax import prng
+
+ROUNDING_MODES = ("nearest", "stochastic")
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Array:
+  """An NVFP4-quantized tensor of logical shape `[..., K]`.
+
+  Attributes:
+    codes: uint8 `[..., K // 2]`, two E2M1 codes per byte, element `2k` in the
+      low nibble.
+    scales: float8_e4m3fn `[..., K // 16]`, the block decode scales. With
+      `block_2d`, one scale per 16x16 tile, replicated over the tile's 16 rows.
+    amax: float32 scalar, the tensor amax the scales were derived from.
+    block_2d: static; whether the scales are per 16x16 tile.
+  """
+
+  codes: jax.Array
+  scales: jax.Array
+  amax: jax.Array
+  block_2d: bool = False
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return (*self.codes.shape[:-1], 2 * self.codes.shape[-1])
+
+  @property
+  def ndim(self) -> int:
+    return self.codes.ndim
+
+  @property
+  def tensor_scale(self) -> jax.Array:
+    """The FP32 tensor factor `amax / 2688` applied after the block scales."""
+    return nm.global_decode_scale(self.amax)
+
+  @property
+  def T(self) -> "NVFP4Array":  # noqa: N802 - numpy's name.
+    """The transpose of a 2D-scaled matrix, without requantizing.
+
+    With 16x16 tiles, quantizing `W.T` gives exactly the transpose of `W`'s codes
+    and tile scales; this builds that array from `W`'s bytes.
+    """
+    if not self.block_2d:
+      raise ValueError(
+          "only 16x16 (block_2d) NVFP4 arrays can be transposed without "
+          "requantizing; quantize x.T instead.")
+    codes = nm.unpack_e2m1(self.codes)
+    codes_t = nm.pack_e2m1(jnp.swapaxes(codes, -1, -2))
+    tiles = self.scales[..., :: nm.NVFP4_BLOCK, :]
+    scales_t = jnp.repeat(jnp.swapaxes(tiles, -1, -2), nm.NVFP4_BLOCK, axis=-2)
+    return NVFP4Array(codes_t, scales_t, self.amax, block_2d=True)
+
+
+jax.tree_util.register_dataclass(
+    NVFP4Array, data_fields=["codes", "scales", "amax"],
+    meta_fields=["block_2d"])
+
+
+def check_input(x: Any, *, block: int, block_2d: bool, what: str) -> jax.Array:
+  """Validates a tensor to be block-quantized along its last axis.
+
+  Returns:
+    `x` as a jax array; float64 is cast to float32 (all arithmetic is FP32).
+  """
+  x = jnp.asarray(x)
+  if not any(x.dtype == d for d in _FLOAT_DTYPES):
+    raise TypeError(
+        f"{what} needs a float32, bfloat16 or float16 array; got dtype "
+        f"{x.dtype}. Cast it first, e.g. x.astype(jnp.float32).")
+  if x.ndim == 0 or x.size == 0:
+    raise ValueError(
+        f"{what} needs a non-empty array with at least one axis; got shape "
+        f"{x.shape}.")
+  k = x.shape[-1]
+  if k % block:
+    pad = -(-k // block) * block
+    raise ValueError(
+        f"{what}: the quantized (last) axis has size {k}, not a multiple of "
+        f"{block}; pad it to {pad} or keep this tensor in high precision.")
+  if block_2d:
+    if x.ndim < 2 or x.shape[-2] % block:
+      raise ValueError(
+          f"{what}: 16x16 (block_2d) scaling needs the last two axes to be "
+          f"multiples of {block}; got shape {x.shape}. Pad the rows or use "
+          f"1x{block} scaling.")
+  return x.astype(jnp.float32) if x.dtype == jnp.float64 else x
+
+
+def check_rounding(rounding: str, key: Any, *, size: int = 0,
+                   what: str = "quantize") -> None:
+  """Validates `rounding` and its key (and the SR stream's element limit)."""
+  if rounding not in ROUNDING_MODES:
+    raise ValueError(
+        f"{what}: unknown rounding {rounding!r}; use one of {ROUNDING_MODES}.")
+  if rounding == "stochastic":
+    if key is None:
+      raise ValueError(
+          f"{what}: rounding='stochastic' needs a key, e.g. "
+          f"key=jax.random.key(0); the random bits are a deterministic "
+          f"function of it.")
+    if size > prng.MAX_ELEMENTS:
+      raise ValueError(
+          f"{what}: stochastic rounding supports tensors of at most 2^34 "
+          f"elements; got {size}. Split the tensor.")
+
+
+def check_amax(amax: Any, what: str = "quantize") -> jax.Array | None:
+  """Validates a caller-given tensor amax: None, or an FP32 scalar."""
+  if amax is None:
+    return None
+  amax = jnp.asarray(amax, jnp.float32)
+  if amax.shape != ():
+    raise ValueError(
+        f"{what}: amax must be a scalar, got shape {amax.shape}; pass the "
+        f"tensor's max |x| as an FP32 scalar (e.g. a pmax over shards).")
+  return amax

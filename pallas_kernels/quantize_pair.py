@@ -1,0 +1,63 @@
+"""Pallas-Triton kernels of `nvfp4_jax.fused.quantize_pair`.
+
+The recipe's NVFP4 pair of a tensor `x: [tokens, features]` — `q(x)` 1x16
+along features and `q(rht(x.T))` along tokens — comes from two passes over `x`
+(`pallas_kernels.quantize_rht_t`: the amaxes of both from one read, then both
+encodes from one read). A pair with only one quantized operand runs that
+operand's kernel. Pairs with an operand no kernel computes (MX formats, 16x16
+rows, a Wgrad operand without RHT, an unsupported Hadamard size) raise
+`NotImplementedError`, and dispatch falls back to the reference. Arguments are
+validated by `quantize_pair` before dispatch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+
+from nvfp4_jax.recipe import Operand
+from pallas_kernels import quantize as pallas_quantize
+from pallas_kernels import quantize_rht_t as pallas_rht
+from pallas_kernels.quantize_rht_t import RHTConfig
+
+
+def _key(op: Operand, key):
+  return key if op.rounding == "stochastic" else None
+
+
+def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
+                  key_row: jax.Array | None, key_t: jax.Array | None,
+                  rht_size: int = 16,
+                  sign_vector: Sequence[int] | None = None,
+                  config: RHTConfig | None = None):
+  """`(q_row or None, q_t or None)`, as `nvfp4_jax.fused.quantize_pair`.
+
+  Raises:
+    NotImplementedError: a quantized operand that no kernel computes.
+  """
+  row_ok = row.format == "nvfp4" and not row.block_2d
+  t_ok = wgrad.format == "nvfp4" and wgrad.rht
+  if (row.quantized and not row_ok) or (wgrad.quantized and not t_ok):
+    raise NotImplementedError(
+        f"the Pallas pair kernels quantize NVFP4 1x16 rows and RHT'd NVFP4 "
+        f"Wgrad operands; got row={row}, wgrad={wgrad}. Use "
+        f"implementation='xla'.")
+  if wgrad.quantized:
+    pallas_rht.check_size(rht_size, "quantize_pair")
+  if not wgrad.quantized:
+    q_row = (pallas_quantize.quantize(x, rounding=row.rounding,
+                                      key=_key(row, key_row))
+             if row.quantized else None)
+    return q_row, None
+  if not row.quantized:
+    return None, pallas_rht.quantize_rht_t(
+        x, rounding=wgrad.rounding, key=_key(wgrad, key_t),
+        sign_vector=sign_vector, size=rht_size, config=config)
+  amax_x, amax_t = pallas_rht.rht_amax(x, sign_vector=sign_vector,
+                                       size=rht_size, with_x=True,
+                                       config=config)
+  return pallas_rht.quantize_call(
+      x, amax_t=amax_t, key_t=_key(wgrad, key_t), amax_x=amax_x,
+      key_x=_key(row, key_row), size=rht_size, sign_vector=sign_vector,
+      fused_x=True, config=config)

@@ -1,0 +1,262 @@
+"""One definition of every numeric step (issue 15): the bugs the drift caused,
+validation before dispatch, the pair op, keys, and the late switch in one place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nvfp4_jax as nv
+from nvfp4_jax import dispatch
+from nvfp4_jax import fused
+from nvfp4_jax import nvfp4
+from nvfp4_jax import prng
+from nvfp4_jax.recipe import Operand
+from pallas_kernels import quantize_rht_t as pallas_rht
+from test_kernels import KEY, assert_same, heavy, jit_xla, rht_input
+
+T, K, N = 48, 64, 32
+SR = Operand(format="nvfp4", rounding="stochastic")
+SR_RHT = Operand(format="nvfp4", rounding="stochastic", rht=True)
+RTNE = Operand(format="nvfp4")
+RTNE_RHT = Operand(format="nvfp4", rht=True)
+
+
+# -- Bug 1: the RHT kernel at sizes whose matrix is not exact in bf16. -------
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("size", [16, 64])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_every_kernel_rht_size_matches_reference(impl, size, rounding):
+  x = rht_input((128, 48), jnp.bfloat16, seed=size)
+  key = KEY if rounding == "stochastic" else None
+  f = functools.partial(fused.quantize_rht_t, rounding=rounding, key=key,
+                        size=size)
+  got = jax.jit(functools.partial(f, implementation=impl))(x)
+  assert_same(got, jit_xla(f)(x), f"size {size}")
+  # And the reference is quantize(rht(x.T)) of that size.
+  want = nvfp4.quantize_reference(nv.rht(x.T, size=size), rounding=rounding,
+                                  key=key)
+  assert_same(jit_xla(f)(x), want)
+
+
+@pytest.mark.parametrize("size", [4, 32, 128])
+def test_kernel_refuses_inexact_rht_sizes_and_default_falls_back(size):
+  x = rht_input((128, 48), jnp.bfloat16, seed=size)
+  assert size not in pallas_rht.SUPPORTED_SIZES
+  with pytest.raises(NotImplementedError, match="Hadamard sizes"):
+    fused.quantize_rht_t(x, size=size, implementation="pallas")
+  with dispatch.default_implementation("pallas"):
+    got = jax.jit(functools.partial(fused.quantize_rht_t, size=size))(x)
+  assert_same(got, jit_xla(fused.quantize_rht_t, size=size)(x))
+
+
+# -- Bug 2: a Recipe that validates runs: SR on any E2M1 operand. -----------
+
+
+@pytest.mark.parametrize("operand", ["fprop_x", "fprop_w", "wgrad_x",
+                                     "dgrad_w"])
+def test_stochastic_rounding_on_any_operand_runs_with_its_key(operand):
+  base = nv.Recipe.nvfp4(two_d_weights=operand != "dgrad_w")
+  op = getattr(base, operand)
+  recipe = base.replace(**{operand: Operand(
+      format="nvfp4", block_2d=op.block_2d, rounding="stochastic",
+      rht=op.rht)})
+  x = heavy((T, K), seed=1)
+  w = heavy((K, N), seed=2) * 0.05
+  dy = heavy((T, N), seed=3)
+  dn = (((1,), (0,)), ((), ()))
+
+  def vjp(key):
+    y, f = jax.vjp(lambda x, w: nv.dot_general(x, w, dn, recipe=recipe,
+                                               key=key), x, w)
+    return (y, *f(dy))
+  a, b, c = (jax.jit(vjp)(jax.random.key(i)) for i in (1, 1, 2))
+  for u, v in zip(a, b):
+    np.testing.assert_array_equal(u, v)  # A function of the key.
+  # The stochastic operand changes with the key, and only where it is used.
+  changed = [bool(np.any(np.asarray(u != v))) for u, v in zip(a, c)]
+  uses = {"fprop_x": (True, True, True), "fprop_w": (True, False, True),
+          "wgrad_x": (False, True, True), "dgrad_w": (False, True, True)}
+  # dY is stochastic in all of them: dX and dW always change with the key.
+  assert changed == [uses[operand][0], True, True], changed
+  # Fprop with an SR operand quantizes with exactly that operand's key.
+  keys = recipe.operand_keys(jax.random.key(1))
+  qx = nv.quantize(x, rounding=recipe.fprop_x.rounding, key=keys["fprop_x"])
+  qw = nv.quantize(w.T, block_2d=recipe.fprop_w.block_2d,
+                   rounding=recipe.fprop_w.rounding, key=keys["fprop_w"])
+  np.testing.assert_array_equal(
+      a[0], nv.block_scaled_matmul(qx, qw, implementation="xla"))
+
+
+def test_forward_sr_without_key_is_a_clear_error():
+  recipe = nv.Recipe.nvfp4().replace(fprop_x=SR)
+  with pytest.raises(ValueError, match="forward operand stochastically"):
+    nv.dot_general(jnp.ones((16, 32)), jnp.ones((32, 16)),
+                   (((1,), (0,)), ((), ())), recipe=recipe)
+
+
+def test_operand_keys_are_distinct_and_none_for_nearest():
+  recipe = nv.Recipe.nvfp4()
+  keys = recipe.operand_keys(jax.random.key(0))
+  assert {op for op, k in keys.items() if k is not None} == {
+      "dgrad_dy", "wgrad_dy"}
+  every = nv.Recipe(**{op: SR for op in ("fprop_x", "fprop_w", "dgrad_dy",
+                                         "dgrad_w", "wgrad_dy")},
+                    wgrad_x=SR)
+  data = [tuple(np.asarray(jax.random.key_data(k)))
+          for k in every.operand_keys(jax.random.key(0)).values()]
+  assert len(set(data)) == 6
+  # dY's pair keys are the pair-split of the layer key (the fused kernel's).
+  k_row, k_t = prng.pair_keys(jax.random.key(0))
+  assert np.array_equal(jax.random.key_data(keys["dgrad_dy"]),
+                        jax.random.key_data(k_row))
+  assert np.array_equal(jax.random.key_data(keys["wgrad_dy"]),
+                        jax.random.key_data(k_t))
+
+
+# -- The pair op: one dispatch, the kernel refuses what it cannot fuse. ------
+
+
+PAIRS = [
+    (RTNE, RTNE_RHT),                               # X
+    (SR, SR_RHT),                                   # dY
+    (Operand(format="bf16"), RTNE_RHT),             # X, BF16 Fprop
+    (SR, Operand(format="bf16")),                   # dY, BF16 Wgrad
+    (SR, RTNE_RHT),                                 # mixed rounding
+]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("pair", range(len(PAIRS)))
+def test_quantize_pair_matches_single_operand_references(impl, pair):
+  row, wgrad = PAIRS[pair]
+  x = rht_input((64, 48), jnp.bfloat16, seed=pair)
+  kr, kt = prng.pair_keys(KEY)
+  f = functools.partial(fused.quantize_pair, row=row, wgrad=wgrad,
+                        key_row=kr, key_t=kt)
+  q_row, q_t = jax.jit(functools.partial(f, implementation=impl))(x)
+  if row.quantized:
+    assert_same(q_row, nvfp4.quantize_reference(
+        x, rounding=row.rounding, key=kr if row.rounding == "stochastic"
+        else None))
+  else:
+    assert q_row is None
+  if wgrad.quantized:
+    assert_same(q_t, fused.quantize_rht_t(
+        x, rounding=wgrad.rounding, key=kt if wgrad.rounding == "stochastic"
+        else None, implementation="xla"))
+  else:
+    assert q_t is None
+
+
+@pytest.mark.parametrize("row,wgrad", [
+    (Operand(format="mxfp4"), Operand(format="mxfp4")),
+    (RTNE, Operand(format="nvfp4")),                 # Wgrad without RHT.
+])
+def test_pair_kernel_refuses_unfusable_pairs_and_default_falls_back(row, wgrad):
+  x = heavy((64, 64), jnp.bfloat16, seed=4)
+  with pytest.raises(NotImplementedError, match="pair kernels"):
+    fused.quantize_pair(x, row, wgrad, implementation="pallas")
+  with dispatch.default_implementation("pallas"):
+    got = fused.quantize_pair(x, row, wgrad)
+  want = fused.quantize_pair(x, row, wgrad, implementation="xla")
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g).reshape(-1).view(np.uint8),
+                                  np.asarray(w).reshape(-1).view(np.uint8))
+
+
+# -- Validation once, before dispatch: the same error from every impl. -------
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("call,match", [
+    (lambda impl: fused.quantize_rht_t(jnp.ones((32, 32)), amax=jnp.ones(2),
+                                       implementation=impl), "amax must be"),
+    (lambda impl: fused.quantize_rht_t(jnp.ones((40, 32)),
+                                       implementation=impl), "token count 40"),
+    (lambda impl: fused.quantize_rht_t(jnp.ones((32, 32)), rounding="sr",
+                                       implementation=impl), "unknown rounding"),
+    (lambda impl: fused.quantize_pair(jnp.ones((32, 32)), SR, SR_RHT,
+                                      implementation=impl), "needs a key"),
+    (lambda impl: fused.quantize_with_values(jnp.ones((32, 40)),
+                                             implementation=impl),
+     "not a multiple of 16"),
+    (lambda impl: nv.quantize(jnp.ones((32, 32)), amax=jnp.ones(3),
+                              implementation=impl), "amax must be"),
+])
+def test_validation_is_the_same_for_every_implementation(impl, call, match):
+  with pytest.raises(ValueError, match=match):
+    call(impl)
+
+
+def test_one_platform_preference_for_every_op():
+  from nvfp4_jax import gemm  # pylint: disable=g-import-not-at-top
+  ops = [nvfp4.QUANTIZE, fused.QUANTIZE_RHT_T, fused.QUANTIZE_PAIR,
+         fused.QUANTIZE_WITH_VALUES, gemm.BLOCK_SCALED_MATMUL]
+  for op in ops:
+    assert op.preferred is None, op.name  # All read dispatch.PREFERRED.
+    assert "xla" in op.implementations and "pallas" in op.implementations
+
+
+# -- Forward-only use at any token count; Wgrad operands padded inside. ------
+
+
+@pytest.mark.parametrize("tokens", [1, 40, 47])
+def test_any_token_count_forward_and_backward(tokens):
+  recipe = nv.Recipe.nvfp4()
+  x = heavy((tokens, K), seed=tokens)
+  w = heavy((K, N), seed=5) * 0.05
+  dy = heavy((tokens, N), seed=6)
+  dn = (((1,), (0,)), ((), ()))
+  key = jax.random.key(0)
+  y = nv.dot_general(x, w, dn, recipe=recipe)  # Forward needs no key.
+  qx = nv.quantize(x)
+  qw = nv.quantize(w.T, block_2d=True)
+  np.testing.assert_array_equal(y, nv.block_scaled_matmul(qx, qw))
+  # Backward: the Wgrad operands are padded with zero tokens, which change
+  # neither their amax nor the product: dW equals the GEMM of the padded
+  # operands, and dX the Dgrad of the unpadded dY.
+  _, f = jax.vjp(lambda x, w: nv.dot_general(x, w, dn, recipe=recipe,
+                                             key=key), x, w)
+  dx, dw = f(dy)
+  pad = -tokens % 16
+  xp, dyp = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, dy))
+  keys = recipe.operand_keys(key)
+  qxt = fused.quantize_rht_t(xp)
+  qdyt = fused.quantize_rht_t(dyp, rounding="stochastic",
+                              key=keys["wgrad_dy"])
+  np.testing.assert_array_equal(dw, nv.block_scaled_matmul(qxt, qdyt))
+  qdy = nv.quantize(dyp, rounding="stochastic", key=keys["dgrad_dy"])
+  want_dx = nv.block_scaled_matmul(qdy, qw.T)[:tokens]
+  np.testing.assert_array_equal(dx, want_dx)
+
+
+def test_mismatched_contraction_is_a_clear_error():
+  with pytest.raises(ValueError, match=r"contracting dims do not match.*"
+                     r"\(16, 32\).*\(48, 16\)"):
+    nv.dot_general(jnp.ones((16, 32)), jnp.ones((48, 16)),
+                   (((1,), (0,)), ((), ())), recipe=nv.Recipe.nvfp4())
+
+
+# -- One place decides a layer's recipe at a step. ----------------------------
+
+
+def test_recipe_at_applies_rules_and_late_switch():
+  rules = nv.PrecisionRules(
+      rules=((r"^head", nv.Recipe.bf16()),),
+      late_switch=nv.LateSwitch(step=10, mode="forward"))
+  assert rules.recipe_at("block/up") == nv.Recipe.nvfp4()
+  assert rules.recipe_at("block/up", 9) == nv.Recipe.nvfp4()
+  assert rules.recipe_at("block/up", 10) == nv.Recipe.bf16_forward()
+  assert rules.recipe_at("head", 10) == nv.Recipe.bf16()
+  own = nv.Recipe.mxfp4()
+  assert rules.recipe_at("head", 3, recipe=own) == own
+  assert rules.recipe_at("head", 12, recipe=own) == own.with_bf16_forward()
+  assert nv.PrecisionRules.high_precision().recipe_at("x", 5) == nv.Recipe.bf16()
