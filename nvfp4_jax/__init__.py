@@ -24,6 +24,9 @@ from nvfp4_jax.optim import MasterWeightsState
 from nvfp4_jax.optim import master_params
 from nvfp4_jax.optim import master_weights
 from nvfp4_jax.recipe import Operand
+from nvfp4_jax.report import Gemm
+from nvfp4_jax.report import Report
+from nvfp4_jax.report import report
 from nvfp4_jax.recipe import Recipe
 from nvfp4_jax.rules import LateSwitch
 from nvfp4_jax.rules import PrecisionRules

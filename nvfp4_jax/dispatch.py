@@ -53,6 +53,26 @@ def default_implementation(name: str) -> Iterator[None]:
     _OVERRIDE.stack = stack
 
 
+def current_default() -> str | None:
+  """The innermost `default_implementation` name in force, or None.
+
+  Code that traces later (a custom_vjp's backward pass, a cached trace) passes
+  it along, so the block's choice holds for everything it started.
+  """
+  stack = getattr(_OVERRIDE, "stack", [])
+  return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def maybe_default_implementation(name: str | None) -> Iterator[None]:
+  """`default_implementation(name)`, or nothing when `name` is None."""
+  if name is None:
+    yield
+  else:
+    with default_implementation(name):
+      yield
+
+
 @dataclasses.dataclass(frozen=True)
 class Op:
   """An op's implementations, dispatched by name.

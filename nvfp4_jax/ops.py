@@ -23,6 +23,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from nvfp4_jax import dispatch
 from nvfp4_jax import numerics as nm
 from nvfp4_jax.fused import block_size
 from nvfp4_jax.fused import quantize_operand
@@ -97,10 +98,14 @@ def _pair(x, row_op, wgrad_op, recipe: Recipe, key_row, key_t):
   return _rows(q_row, x.shape[0]), q_t
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+# `impl` (the `default_implementation` in force when the layer was called) is
+# a static argument: JAX caches custom_vjp traces by their static arguments,
+# and the backward pass is traced later, maybe outside that block.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
 def _linear(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype,
-            name: str):
-  y, _ = _linear_fwd(x, w, key, recipe, precision, out_dtype, x_dtype, name)
+            name: str, impl: str | None):
+  y, _ = _linear_fwd(x, w, key, recipe, precision, out_dtype, x_dtype, name,
+                     impl)
   return y
 
 
@@ -111,7 +116,12 @@ def _gemm(name: str, out_dtype):
 
 
 def _linear_fwd(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype,
-                name):
+                name, impl):
+  with dispatch.maybe_default_implementation(impl):
+    return _fprop(x, w, key, recipe, precision, out_dtype, x_dtype, name)
+
+
+def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype, name):
   del x_dtype
   k, n = w.shape
   _check_dims(recipe, "fprop", ((k, "contraction (in) dim K"),), name)
@@ -138,7 +148,13 @@ def _linear_fwd(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype,
   return y, (qxt if wgrad_q else x, w, qw if reuse_w else None, key)
 
 
-def _linear_bwd(recipe: Recipe, precision, out_dtype, x_dtype, name, res, dy):
+def _linear_bwd(recipe: Recipe, precision, out_dtype, x_dtype, name, impl,
+                res, dy):
+  with dispatch.maybe_default_implementation(impl):
+    return _backward(recipe, precision, out_dtype, x_dtype, name, res, dy)
+
+
+def _backward(recipe: Recipe, precision, out_dtype, x_dtype, name, res, dy):
   x_saved, w, qw_fprop, key = res
   k, n = w.shape
   dgrad_q = recipe.gemm_format("dgrad") != "bf16"
@@ -208,6 +224,25 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   """
   if not isinstance(recipe, Recipe):
     raise TypeError(f"dot_general: recipe must be a Recipe, got {recipe!r}.")
+  # The traced program names every NVFP4 layer's GEMMs, for
+  # `nvfp4_jax.report`: the scope holds the layer and the recipe it traced.
+  with jax.named_scope(layer_scope(name, recipe)):
+    return _dot_general(lhs, rhs, dimension_numbers, precision,
+                        preferred_element_type, recipe, key, out_sharding,
+                        name)
+
+
+LAYER_SCOPE = "nvfp4_layer"
+
+
+def layer_scope(name: str | None, recipe: Recipe) -> str:
+  """`nvfp4_layer[<layer path>|<recipe tag>]`, the name scope of a layer's
+  GEMMs (parsed back by `nvfp4_jax.report`)."""
+  return f"{LAYER_SCOPE}[{name or '?'}|{recipe.tag}]"
+
+
+def _dot_general(lhs, rhs, dimension_numbers, precision,
+                 preferred_element_type, recipe, key, out_sharding, name):
   (lc, rc), (lb, rb) = dimension_numbers
   lc, rc = tuple(lc), tuple(rc)
   if not recipe.quantized:
@@ -246,7 +281,7 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   x = jnp.transpose(lhs, lhs_free + list(lc)).reshape(-1, k)
   w = jnp.transpose(rhs, list(rc) + rhs_free).reshape(k, -1)
   y = _linear(x, w, key, recipe, precision, out_dtype, x.dtype,
-              f"layer {name!r}: " if name else "")
+              f"layer {name!r}: " if name else "", dispatch.current_default())
   y = y.reshape(free_shape)
   if out_sharding is not None:
     y = jax.lax.with_sharding_constraint(y, out_sharding)

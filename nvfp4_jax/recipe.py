@@ -123,6 +123,13 @@ class Recipe:
     rht_matrix(self.rht_sign_vector, self.rht_size)  # Validates both.
 
   def __repr__(self) -> str:
+    gemms = ", ".join(t.replace(",", "/") for t in self.tag.split(" "))
+    return f"Recipe({self.name!r}: {gemms})"
+
+  @property
+  def tag(self) -> str:
+    """Per-GEMM operand formats in one line without "/" (for name scopes):
+    "fprop=nvfp4,nvfp4-16x16 dgrad=nvfp4-sr,nvfp4-16x16 wgrad=..."."""
     def fmt(op: Operand) -> str:
       tags = [op.format]
       if op.block_2d:
@@ -132,10 +139,8 @@ class Recipe:
       if op.rht:
         tags.append(f"rht{self.rht_size}")
       return "-".join(tags)
-    gemms = ", ".join(
-        f"{g}={fmt(getattr(self, a))}/{fmt(getattr(self, b))}"
-        for g, (a, b) in _GEMMS.items())
-    return f"Recipe({self.name!r}: {gemms})"
+    return " ".join(f"{g}={fmt(getattr(self, a))},{fmt(getattr(self, b))}"
+                    for g, (a, b) in _GEMMS.items())
 
   def gemm_format(self, gemm: str) -> str:
     """The format of "fprop", "dgrad" or "wgrad"."""
