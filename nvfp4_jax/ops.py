@@ -245,6 +245,14 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
                  preferred_element_type, recipe, key, out_sharding, name):
   (lc, rc), (lb, rb) = dimension_numbers
   lc, rc = tuple(lc), tuple(rc)
+  prefix = f"layer {name!r}: " if name else "dot_general: "
+  if len(lc) != len(rc) or any(lhs.shape[i] != rhs.shape[j]
+                               for i, j in zip(lc, rc)):
+    raise ValueError(
+        f"{prefix}contracting dims do not match: lhs {lhs.shape} on axes "
+        f"{lc} vs rhs {rhs.shape} on axes {rc}; pass an input whose "
+        f"contracted axes have the kernel's sizes "
+        f"{tuple(rhs.shape[j] for j in rc)}.")
   if not recipe.quantized:
     if preferred_element_type is not None:
       lhs = lhs.astype(preferred_element_type)
@@ -252,7 +260,6 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type,
                                out_sharding=out_sharding)
-  prefix = f"layer {name!r}: " if name else "dot_general: "
   if lb or rb:
     raise NotImplementedError(
         f"{prefix}nvfp4_jax.dot_general quantizes linear-layer GEMMs; batched "
@@ -261,11 +268,6 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
   for arg, a in (("lhs", lhs), ("rhs", rhs)):
     if not jnp.issubdtype(a.dtype, jnp.floating):
       raise TypeError(f"{prefix}{arg} must be floating, got {a.dtype}.")
-  if len(lc) != len(rc) or any(lhs.shape[i] != rhs.shape[j]
-                               for i, j in zip(lc, rc)):
-    raise ValueError(
-        f"{prefix}contracting dims do not match: lhs {lhs.shape} on axes "
-        f"{lc} vs rhs {rhs.shape} on axes {rc}.")
   if recipe.forward_needs_key and key is None:
     raise ValueError(
         f"{prefix}the recipe rounds a forward operand stochastically but no "

@@ -90,7 +90,8 @@ def check_input(x: Any, *, block: int, block_2d: bool, what: str) -> jax.Array:
   if x.ndim == 0 or x.size == 0:
     raise ValueError(
         f"{what} needs a non-empty array with at least one axis; got shape "
-        f"{x.shape}.")
+        f"{x.shape}. Pass the tensor itself (e.g. x.reshape(1, -1) for a "
+        f"vector of 16k elements).")
   k = x.shape[-1]
   if k % block:
     pad = -(-k // block) * block
