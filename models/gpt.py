@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import nvfp4_jax
 
 MLP_KINDS = ("swiglu", "relu2")
+ATTENTION_KINDS = ("fused", "reference")
+REMAT_KINDS = ("none", "quantized")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -51,6 +53,13 @@ class GPTConfig:
     dtype: compute dtype of activations and parameters, "float32" or
       "bfloat16" (the optimizer keeps FP32 master weights either way).
     norm_eps: RMSNorm epsilon.
+    attention: "fused" (`jax.nn.dot_product_attention`: cuDNN flash attention
+      on GPU, XLA elsewhere) or "reference" (`causal_attention`: explicit
+      FP32 scores; slower, materializes `[batch, heads, seq, seq]`).
+    remat: "none" (autodiff saves what it needs) or "quantized": each block
+      is rematerialized and saves only the quantized residuals of its NVFP4
+      layers (`nvfp4_jax.remat_policy`), recomputing the rest in the
+      backward pass. Layers kept in high precision save nothing.
   """
 
   vocab_size: int = 256
@@ -62,6 +71,8 @@ class GPTConfig:
   rope_base: float = 10000.0
   dtype: str = "float32"
   norm_eps: float = 1e-6
+  attention: str = "fused"
+  remat: str = "none"
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -80,6 +91,12 @@ class GPTConfig:
           f"heads of even size (rotary rotates pairs of features).")
     if self.mlp not in MLP_KINDS:
       raise ValueError(f"unknown mlp {self.mlp!r}; use one of {MLP_KINDS}.")
+    if self.attention not in ATTENTION_KINDS:
+      raise ValueError(f"unknown attention {self.attention!r}; use one of "
+                       f"{ATTENTION_KINDS}.")
+    if self.remat not in REMAT_KINDS:
+      raise ValueError(f"unknown remat {self.remat!r}; use one of "
+                       f"{REMAT_KINDS}.")
     if self.dtype not in _DTYPES:
       raise ValueError(f"unknown dtype {self.dtype!r}; use one of "
                        f"{tuple(_DTYPES)}.")
@@ -157,7 +174,13 @@ class Attention(nn.Module):
     q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.num_heads, cfg.head_dim), 3,
                         axis=2)
     q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
-    y = causal_attention(q, k, v, cfg.jnp_dtype).astype(cfg.jnp_dtype)
+    if cfg.attention == "fused":
+      dt = cfg.jnp_dtype
+      y = jax.nn.dot_product_attention(q.astype(dt), k.astype(dt),
+                                       v.astype(dt), is_causal=True)
+    else:
+      y = causal_attention(q, k, v, cfg.jnp_dtype)
+    y = y.astype(cfg.jnp_dtype)
     out_std = std / math.sqrt(2 * cfg.num_layers)
     return _dense(cfg, cfg.d_model, "out", out_std)(y.reshape(b, t, -1))
 
@@ -215,8 +238,11 @@ class GPT(nn.Module):
                  param_dtype=cfg.jnp_dtype,
                  embedding_init=nn.initializers.normal(1.0), name="embed")(
                      tokens)
+    block = Block
+    if cfg.remat == "quantized":
+      block = nn.remat(Block, policy=nvfp4_jax.remat_policy())
     for i in range(cfg.num_layers):
-      x = Block(cfg, name=f"block_{i}")(x)
+      x = block(cfg, name=f"block_{i}")(x)
     x = _norm(cfg, "final_norm")(x)
     # The untied output head: high precision (plain nn.Dense), FP32 logits.
     return nn.Dense(cfg.vocab_size, use_bias=False, dtype=jnp.float32,

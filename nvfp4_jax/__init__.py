@@ -20,6 +20,7 @@ from nvfp4_jax.layers import RNG_STREAM
 from nvfp4_jax.layers import apply_rules
 from nvfp4_jax.layers import nvfp4_layer_paths
 from nvfp4_jax.ops import dot_general
+from nvfp4_jax.ops import remat_policy
 from nvfp4_jax.optim import MasterWeightsState
 from nvfp4_jax.optim import master_params
 from nvfp4_jax.optim import master_weights

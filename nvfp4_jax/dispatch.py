@@ -36,6 +36,16 @@ def platform() -> str:
   return jax.default_backend()
 
 
+def compute_capability() -> tuple[int, int] | None:
+  """`(major, minor)` of the first GPU, or None if unknown (or no GPU)."""
+  try:
+    cc = jax.devices("gpu")[0].compute_capability
+  except (RuntimeError, AttributeError, IndexError):
+    return None
+  major, minor = str(cc).split(".")[:2]
+  return int(major), int(minor)
+
+
 @contextlib.contextmanager
 def default_implementation(name: str) -> Iterator[None]:
   """Within the block, `implementation=None` tries `name` first.

@@ -56,7 +56,9 @@ def block_scaled_matmul(a: QArray, b: QArray, *, out_dtype=jnp.float32,
         compute capability >= 10 only). NVFP4 only.
       - "scaled_matmul": `jax.nn.scaled_matmul` on float4_e2m1fn operands
         (cuDNN on Blackwell; XLA decomposes it elsewhere). NVFP4 on GPU only.
-      - None: "pallas" on GPU, "xla" elsewhere.
+      - None: a native FP4 path on Blackwell (compute capability >= 10;
+        see `gemm_preference`), "pallas" on other GPUs, "xla" elsewhere;
+        a path that cannot run the call falls back to the next.
 
   Returns:
     `[M, N]` in `out_dtype`.
@@ -132,9 +134,28 @@ def _matmul_scaled_matmul(a, b, *, out_dtype):
   return (acc * gemm_alpha(a, b)).astype(out_dtype)
 
 
+def gemm_preference(platform: str, cc: tuple[int, int] | None
+                    ) -> tuple[str, ...]:
+  """The implementations `block_scaled_matmul` tries first on a device.
+
+  Blackwell (compute capability 10.x data-center, 12.x consumer) has
+  block-scaled FP4 tensor cores: a native path first, the exact emulation
+  ("pallas") as the fallback. Data-center parts take cuDNN through
+  `jax.nn.scaled_matmul` first (JAX's own route to them), consumer parts
+  Triton's `tl.dot_scaled` first. Other GPUs (Hopper has no FP4 tensor cores)
+  take `dispatch.PREFERRED` (the emulation).
+  """
+  if platform == "gpu" and cc is not None and cc >= (10, 0):
+    native = (("triton", "scaled_matmul") if cc[0] >= 12
+              else ("scaled_matmul", "triton"))
+    return native + ("pallas",)
+  return tuple(dispatch.PREFERRED.get(platform, ()))
+
+
 BLOCK_SCALED_MATMUL = dispatch.Op("block_scaled_matmul", {
     "xla": _matmul_xla,
     "pallas": _matmul_pallas,
     "triton": _matmul_triton,
     "scaled_matmul": _matmul_scaled_matmul,
-})
+}, preferred=lambda platform: gemm_preference(
+    platform, dispatch.compute_capability()))

@@ -21,6 +21,7 @@ import functools
 from typing import Callable
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from nvfp4_jax import dispatch
@@ -30,6 +31,25 @@ from nvfp4_jax.fused import quantize_operand
 from nvfp4_jax.fused import quantize_pair
 from nvfp4_jax.gemm import block_scaled_matmul
 from nvfp4_jax.recipe import Recipe
+
+
+RESIDUAL_NAME = "nvfp4_residual"
+
+
+def remat_policy():
+  """A `jax.checkpoint` policy that saves only the quantized residuals.
+
+  Inside a rematerialized block (`jax.checkpoint(..., policy=remat_policy())`
+  or `nn.remat(Block, policy=...)`) the backward pass keeps the NVFP4
+  layers' quantized Wgrad operands and weights (4.5 bits per element) and
+  recomputes everything else from the block's input.
+  """
+  return jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME)
+
+
+def _residual(tree):
+  """Names the leaves of a quantized residual for `remat_policy`."""
+  return jax.tree.map(lambda a: checkpoint_name(a, RESIDUAL_NAME), tree)
 
 
 def _named(name: str, fn: Callable) -> Callable:
@@ -145,7 +165,8 @@ def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype, name):
   # otherwise it is quantized in the backward pass from `w`, alive anyway.
   reuse_w = (qw is not None and recipe.dgrad_w == recipe.fprop_w
              and recipe.fprop_w.block_2d)
-  return y, (qxt if wgrad_q else x, w, qw if reuse_w else None, key)
+  return y, (_residual(qxt) if wgrad_q else x, w,
+             _residual(qw) if reuse_w else None, key)
 
 
 def _linear_bwd(recipe: Recipe, precision, out_dtype, x_dtype, name, impl,

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from nvfp4_jax import dispatch
 from nvfp4_jax import tile
 
 
@@ -56,13 +57,8 @@ def check_backend(what: str) -> bool:
 
 
 def compute_capability() -> tuple[int, int] | None:
-  """`(major, minor)` of the first GPU, or None if unknown."""
-  try:
-    cc = jax.devices("gpu")[0].compute_capability
-  except (RuntimeError, AttributeError, IndexError):
-    return None
-  major, minor = str(cc).split(".")[:2]
-  return int(major), int(minor)
+  """`(major, minor)` of the first GPU, or None (`dispatch.compute_capability`)."""
+  return dispatch.compute_capability()
 
 
 def exact_divide(interpret: bool) -> Callable[[jax.Array, jax.Array],

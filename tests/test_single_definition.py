@@ -199,10 +199,49 @@ def test_validation_is_the_same_for_every_implementation(impl, call, match):
 def test_one_platform_preference_for_every_op():
   from nvfp4_jax import gemm  # pylint: disable=g-import-not-at-top
   ops = [nvfp4.QUANTIZE, fused.QUANTIZE_RHT_T, fused.QUANTIZE_PAIR,
-         fused.QUANTIZE_WITH_VALUES, gemm.BLOCK_SCALED_MATMUL]
+         fused.QUANTIZE_WITH_VALUES]
   for op in ops:
     assert op.preferred is None, op.name  # All read dispatch.PREFERRED.
     assert "xla" in op.implementations and "pallas" in op.implementations
+  # The GEMM adds native FP4 on Blackwell and otherwise reads PREFERRED too.
+  assert gemm.gemm_preference("gpu", (9, 0)) == dispatch.PREFERRED["gpu"]
+  assert gemm.gemm_preference("cpu", None) == ()
+
+
+@pytest.mark.parametrize("cc,order", [
+    ((9, 0), ("pallas", "xla")),
+    ((10, 0), ("scaled_matmul", "triton", "pallas", "xla")),
+    ((12, 0), ("triton", "scaled_matmul", "pallas", "xla")),
+    (None, ("pallas", "xla")),
+])
+def test_gemm_default_is_native_fp4_on_blackwell(monkeypatch, cc, order):
+  from nvfp4_jax import gemm  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(dispatch, "platform", lambda: "gpu")
+  monkeypatch.setattr(dispatch, "compute_capability", lambda: cc)
+  assert gemm.BLOCK_SCALED_MATMUL.order() == order
+  # Quantizers keep the Pallas kernels on every GPU.
+  assert nvfp4.QUANTIZE.order() == ("pallas", "xla")
+
+
+def test_native_paths_fall_back_where_they_cannot_run(monkeypatch):
+  """On a (mocked) Blackwell without jax-triton or cuDNN lowering, the
+  default GEMM falls back to the emulation: same result as the reference."""
+  from nvfp4_jax import gemm  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(dispatch, "compute_capability", lambda: (10, 0))
+  monkeypatch.setattr(dispatch, "platform", lambda: "gpu")
+
+  def refuse(*args, **kwargs):
+    raise NotImplementedError("not here")
+  impls = dict(gemm.BLOCK_SCALED_MATMUL.implementations,
+               scaled_matmul=refuse, triton=refuse)
+  op = dispatch.Op("block_scaled_matmul", impls,
+                   gemm.BLOCK_SCALED_MATMUL.preferred)
+  a = nv.quantize(heavy((32, 64), seed=1))
+  b = nv.quantize(heavy((16, 64), seed=2))
+  assert op.order()[:2] == ("scaled_matmul", "triton")
+  got = op(None, a, b, out_dtype=jnp.float32)  # "pallas", interpreted.
+  np.testing.assert_array_equal(
+      got, gemm.block_scaled_matmul(a, b, implementation="xla"))
 
 
 # -- Forward-only use at any token count; Wgrad operands padded inside. ------
