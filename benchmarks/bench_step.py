@@ -1,0 +1,154 @@
+"""GPT train-step time and memory, each configuration in its own process.
+
+    python -m benchmarks.bench_step --preset small --batch 64 --seq 512 \\
+        --precisions bf16,nvfp4 --repeats 3
+
+The lent GPUs swing by up to +-30% between steps and runs, and a configuration
+timed in a process after other configurations ran up to 1.6x slower. So each
+configuration runs in a fresh process (`--child`), the configurations are
+interleaved, the whole round is repeated, and the table reports the median
+step time over all rounds with the spread of the per-round medians, the ratio
+to the first configuration, tokens/s, TFLOP/s by the 6N rule (N = parameters
+of the projections, embeddings and head) and the compiled step's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+# Dense bf16 peak TFLOP/s by device kind (for MFU); unknown devices get none.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0,
+                    "GB200": 2500.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  preset: str
+  precision: str
+  batch: int
+  seq: int
+  attention: str = "fused"
+  remat: str = "none"
+  steps: int = 15
+
+  @property
+  def label(self) -> str:
+    extra = "" if self.remat == "none" else f" remat={self.remat}"
+    return (f"{self.preset} {self.precision} {self.batch}x{self.seq} "
+            f"{self.attention}{extra}")
+
+
+def _child(cfg: StepConfig) -> dict:
+  """Times `cfg.steps` train steps in this process; returns the figures."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from models import param_count  # pylint: disable=g-import-not-at-top
+  from train import data  # pylint: disable=g-import-not-at-top
+  from train.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  from train.loop import Trainer  # pylint: disable=g-import-not-at-top
+  from train.loop import model_config  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(0)
+  n = cfg.batch * (cfg.seq + 1) * 4
+  corpus = data.Corpus(train=rng.integers(0, 256, n).astype(np.uint8),
+                       val=rng.integers(0, 256, n // 4).astype(np.uint8),
+                       vocab_size=256, source="random")
+  tc = TrainConfig(preset=cfg.preset, precision=cfg.precision,
+                   steps=1000, batch_size=cfg.batch, seq_len=cfg.seq,
+                   diagnostics=False)
+  mc = model_config(tc, 256).replace(attention=cfg.attention,
+                                     remat=cfg.remat)
+  trainer = Trainer(tc, corpus, mc)
+  state = trainer.init_state()
+  batch = trainer.batcher.batch(0).reshape(1, cfg.batch, cfg.seq + 1)
+  compiled = trainer.train_step.lower(state, batch).compile()
+  mem = compiled.memory_analysis()
+  state, m = compiled(state, batch)  # Warm-up (the state is donated).
+  jax.block_until_ready(m)
+  times = []
+  for _ in range(cfg.steps):
+    t0 = time.perf_counter()
+    state, m = compiled(state, batch)
+    jax.block_until_ready(m)
+    times.append(time.perf_counter() - t0)
+  dev = jax.devices()[0]
+  return {"times": times, "params": param_count(mc),
+          "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
+          "device": dev.device_kind, "jax": jax.__version__}
+
+
+def run(configs: list[StepConfig], repeats: int = 3) -> list[dict]:
+  """Times every configuration in a fresh process, interleaved, `repeats`
+  rounds; returns one row per configuration."""
+  results: dict[str, list[dict]] = {c.label: [] for c in configs}
+  for _ in range(repeats):
+    for c in configs:
+      out = subprocess.run(
+          [sys.executable, "-m", "benchmarks.bench_step", "--child",
+           json.dumps(dataclasses.asdict(c))],
+          capture_output=True, text=True, check=False)
+      if out.returncode:
+        raise RuntimeError(f"{c.label} failed:\n{out.stderr[-2000:]}")
+      results[c.label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+  rows, base = [], None
+  for c in configs:
+    runs = results[c.label]
+    times = [t for r in runs for t in r["times"]]
+    medians = [statistics.median(r["times"]) for r in runs]
+    t = statistics.median(times)
+    base = base or t
+    tokens = c.batch * c.seq
+    tflops = 6 * runs[0]["params"] * tokens / t / 1e12
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items()
+                 if k in runs[0]["device"]), None)
+    rows.append({
+        "config": c.label, "ms": t * 1e3,
+        "spread_ms": f"{min(medians) * 1e3:.1f}-{max(medians) * 1e3:.1f}",
+        "vs_first": t / base, "tokens_per_s": tokens / t,
+        "tflops_6n": tflops,
+        "mfu": tflops / peak if peak else float("nan"),
+        "temp_mib": (runs[0]["temp_bytes"] or float("nan")) / 2**20,
+        "device": runs[0]["device"], "jax": runs[0]["jax"]})
+  return rows
+
+
+COLS = ("config", "ms", "spread_ms", "vs_first", "tokens_per_s", "tflops_6n",
+        "mfu", "temp_mib")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--child", help=argparse.SUPPRESS)
+  p.add_argument("--preset", default="small")
+  p.add_argument("--batch", type=int, default=64)
+  p.add_argument("--seq", type=int, default=512)
+  p.add_argument("--precisions", default="bf16,nvfp4")
+  p.add_argument("--attention", default="fused",
+                 help="comma list of fused,reference")
+  p.add_argument("--remat", default="none", help="comma list of none,quantized")
+  p.add_argument("--steps", type=int, default=15)
+  p.add_argument("--repeats", type=int, default=3)
+  a = p.parse_args(argv)
+  if a.child:
+    print(json.dumps(_child(StepConfig(**json.loads(a.child)))))
+    return
+  configs = [StepConfig(a.preset, prec, a.batch, a.seq, att, remat, a.steps)
+             for att in a.attention.split(",")
+             for remat in a.remat.split(",")
+             for prec in a.precisions.split(",")]
+  from benchmarks import timing  # pylint: disable=g-import-not-at-top
+  rows = run(configs, a.repeats)
+  print(f"device: {rows[0]['device']}; jax {rows[0]['jax']}; {a.repeats} "
+        f"rounds x {a.steps} steps, a fresh process per configuration")
+  print(timing.table(rows, COLS))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,13 @@
+"""`python -m benchmarks.check_device` runs (small, on CPU) and reports."""
+
+from benchmarks import check_device
+
+
+def test_check_device_smoke(capsys):
+  check_device.main(["--small", "--no-step"])
+  out = capsys.readouterr().out
+  for section in ("block_scaled_matmul", "## Exactness", "## GEMM vs cuBLAS",
+                  "## Layer"):
+    assert section in out
+  assert "DIFFERS" not in out and "OUTSIDE" not in out
+  assert "quantize_pair (dY: SR + RHT) | exact" in out
