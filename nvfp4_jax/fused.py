@@ -122,6 +122,7 @@ def quantize_operand(x: jax.Array, op: Operand, key: jax.Array | None, *,
   """Quantizes `x` along its last axis as `op` says (no RHT)."""
   if op.format == "nvfp4":
     return quantize(x, block_2d=op.block_2d, rounding=op.rounding, key=key,
+                    four_over_six=op.four_over_six,
                     implementation=implementation)
   return quantize_mx(x, op.format, rounding=op.rounding, key=key)
 
@@ -232,6 +233,7 @@ def quantize_with_values(x: jax.Array, *, block_2d: bool = False,
                          rounding: str = "nearest",
                          key: jax.Array | None = None,
                          amax: jax.Array | None = None,
+                         four_over_six: bool = False,
                          implementation: str | None = None
                          ) -> tuple[NVFP4Array, jax.Array]:
   """`quantize(x)` plus its exact bf16 block values, for a Hopper GEMM.
@@ -249,7 +251,8 @@ def quantize_with_values(x: jax.Array, *, block_2d: bool = False,
   check_rounding(rounding, key, size=x.size, what=what)
   return QUANTIZE_WITH_VALUES(implementation, x, block_2d=block_2d,
                               rounding=rounding, key=key,
-                              amax=check_amax(amax, what), with_values=True)
+                              amax=check_amax(amax, what), with_values=True,
+                              four_over_six=bool(four_over_six))
 
 
 QUANTIZE_WITH_VALUES = dispatch.Op("quantize_with_values", {

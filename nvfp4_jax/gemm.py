@@ -23,7 +23,8 @@ from nvfp4_jax.quant import QArray, block_dequantize
 def gemm_alpha(a: QArray, b: QArray) -> jax.Array:
   """The FP32 output factor of `a @ b.T`.
 
-  NVFP4 x NVFP4: `amax_a * amax_b / 2688^2`, computed as TE's
+  NVFP4 x NVFP4: `amax_a * amax_b / 2688^2` (1536 for a Four-over-Six
+  operand), computed as TE's
   `compute_nvfp4_per_tensor_scale_kernel` does: `(amax_a * amax_b) *
   f32(1 / 2688^2)`. (Written as a division, XLA would silently make the same
   rewrite; writing it out keeps it when that rewrite changes.) MX operands have
@@ -31,7 +32,7 @@ def gemm_alpha(a: QArray, b: QArray) -> jax.Array:
   """
   def amax_over(q):
     if isinstance(q, NVFP4Array):
-      return q.amax, nm.E4M3_MAX_X_E2M1_MAX
+      return q.amax, q.tensor_denominator
     return jnp.float32(1.0), 1.0
   amax_a, den_a = amax_over(a)
   amax_b, den_b = amax_over(b)

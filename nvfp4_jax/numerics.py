@@ -23,6 +23,11 @@ import numpy as np
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E4M3_MAX_X_E2M1_MAX = 2688.0  # 448 * 6: the global encode numerator.
+# Four-over-Six (Cook et al. 2025) bounds the 6-candidate's block scales by
+# 256, so that the 4-candidate's (x 1.5, <= 384) stays inside E4M3: the global
+# encode numerator is 256 * 6.
+FOUR_OVER_SIX_E4M3_MAX = 256.0
+FOUR_OVER_SIX_NUMERATOR = 1536.0  # 256 * 6.
 F32_MAX = float(np.finfo(np.float32).max)
 F32_TINY = float(np.finfo(np.float32).tiny)  # Smallest normal FP32.
 NVFP4_BLOCK = 16
@@ -106,21 +111,25 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------
 
 
-def global_encode_scale(amax: jax.Array, *, divide=divide) -> jax.Array:
+def global_encode_scale(amax: jax.Array, *, divide=divide,
+                        numerator: float = E4M3_MAX_X_E2M1_MAX) -> jax.Array:
   """`S_enc = min(2688 / amax, FLT_MAX)`, and 1 where amax or S_enc is 0.
 
   A NaN amax gives a NaN scale, so NaN inputs poison every scale of the tensor
   instead of being rounded to finite codes. `divide`: see
-  `nvfp4_block_encode_scale`.
+  `nvfp4_block_encode_scale`. `numerator`: 2688 (448 * 6), or 1536 for
+  Four-over-Six.
   """
   amax = amax.astype(jnp.float32)
-  s = divide(jnp.float32(E4M3_MAX_X_E2M1_MAX), amax)
+  s = divide(jnp.float32(numerator), amax)
   s = jnp.where(s > F32_MAX, jnp.float32(F32_MAX), s)
   return jnp.where((amax == 0.0) | (s == 0.0), jnp.float32(1.0), s)
 
 
-def global_decode_scale(amax: jax.Array) -> jax.Array:
-  """The FP32 tensor factor of dequantization: `amax / 2688`, correctly rounded.
+def global_decode_scale(amax: jax.Array, *,
+                        denominator: float = E4M3_MAX_X_E2M1_MAX) -> jax.Array:
+  """The FP32 tensor factor of dequantization: `amax / 2688`, correctly rounded
+  (`amax / 1536` for Four-over-Six).
 
   A plain `amax / 2688` is not: XLA's algebraic simplifier rewrites a division
   by a constant into `amax * fl(1/2688)` (one ulp off for about one amax in
@@ -131,7 +140,7 @@ def global_decode_scale(amax: jax.Array) -> jax.Array:
   which XLA does not fold for floats) and IEEE `divss` divides.
   """
   amax = amax.astype(jnp.float32)
-  c = jnp.float32(E4M3_MAX_X_E2M1_MAX)
+  c = jnp.float32(denominator)
 
   def cpu(amax):
     q = ftz(amax / (c + 0.0 * amax))
@@ -140,31 +149,43 @@ def global_decode_scale(amax: jax.Array) -> jax.Array:
                                     default=lambda amax: div_rn(amax, c))
 
 
-def nvfp4_scale_constants(amax: jax.Array, *, divide=divide
+def nvfp4_scale_constants(amax: jax.Array, *, divide=divide,
+                          four_over_six: bool = False
                           ) -> tuple[jax.Array, jax.Array]:
   """The two per-tensor FP32 constants the block math needs.
+
+  With `four_over_six` the global scale is `1536 / amax` (block scales of the
+  6-candidate bounded by 256).
 
   Returns:
     `(s_enc_over_6, inv_s_enc)`: `S_enc * (1/6)` (folded once, as TE does) and
     `1 / S_enc`. Kernels receive these as inputs so that no division by a
     per-tensor value happens inside a kernel.
   """
-  s_enc = global_encode_scale(amax, divide=divide)
+  s_enc = global_encode_scale(
+      amax, divide=divide, numerator=FOUR_OVER_SIX_NUMERATOR if four_over_six
+      else E4M3_MAX_X_E2M1_MAX)
   s_enc_over_6 = s_enc * jnp.float32(1.0 / E2M1_MAX)
   inv_s_enc = ftz(divide(jnp.float32(1.0), s_enc))
   return s_enc_over_6, inv_s_enc
 
 
 def nvfp4_block_decode_scale(block_amax: jax.Array,
-                             s_enc_over_6: jax.Array) -> jax.Array:
+                             s_enc_over_6: jax.Array, *,
+                             expansion: float | None = None) -> jax.Array:
   """`d = block_amax * (S_enc * (1/6))`, clamped to 448, cast to E4M3 (RTNE).
 
   There is no lower clamp: a block whose scale underflows E4M3 gets scale 0.
   Under XLA, callers put `jax.lax.optimization_barrier` on the result: it keeps
   XLA:GPU from fusing the FP32->E4M3->FP32 round trip away ("excess
   precision"). Kernels need no barrier (the barrier does not lower there).
+
+  `expansion`: Four-over-Six's 4-candidate multiplies the FP32 scale by 1.5
+  (= 6/4, mapping the block max to 4) before the clamp and the cast.
   """
   d = block_amax.astype(jnp.float32) * s_enc_over_6
+  if expansion is not None:
+    d = d * jnp.float32(expansion)
   # A select rather than jnp.minimum: Pallas-Triton lowers min to `minnumf`,
   # which would turn a NaN block amax into a finite 448.
   d = jnp.where(d > E4M3_MAX, jnp.float32(E4M3_MAX), d)

@@ -37,7 +37,7 @@ def tensor_amax(xf: jax.Array) -> jax.Array:
 
 def quantize(x: jax.Array, *, block_2d: bool = False,
              rounding: str = "nearest", key: jax.Array | None = None,
-             amax: jax.Array | None = None,
+             amax: jax.Array | None = None, four_over_six: bool = False,
              implementation: str | None = None) -> NVFP4Array:
   """Quantizes `x` to NVFP4 along its last axis (blocks of 16).
 
@@ -50,6 +50,11 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
       the stream of `nvfp4_jax.prng` on `x`'s row-major element order.
     amax: an already reduced tensor amax (FP32 scalar), e.g. a `pmax` over the
       shards of a sharded tensor. Defaults to `max |x|`.
+    four_over_six: Four-over-Six adaptive block scaling (Cook et al. 2025):
+      each block (16x16 tile) is encoded with its max mapped to 6 and to 4,
+      and keeps the candidate with the smaller squared error; the global scale
+      bounds the block scales by 256 (tensor factor `amax / 1536`). See
+      `nvfp4_jax.tile.encode_blocks`.
     implementation: "xla" (the pure-jnp reference below), "pallas" (the
       Pallas-Triton kernel, `pallas_kernels.quantize`; interpreted on CPU), or
       None: "pallas" on GPU, "xla" elsewhere. All give identical bytes.
@@ -66,14 +71,15 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   check_rounding(rounding, key, size=x.size)
   amax = check_amax(amax)
   return QUANTIZE(implementation, x, block_2d=block_2d, rounding=rounding,
-                  key=key, amax=amax)
+                  key=key, amax=amax, four_over_six=bool(four_over_six))
 
 
 def quantize_reference(x: jax.Array, *, block_2d: bool = False,
                        rounding: str = "nearest",
                        key: jax.Array | None = None,
                        amax: jax.Array | None = None,
-                       with_values: bool = False):
+                       with_values: bool = False,
+                       four_over_six: bool = False):
   """The pure-jnp reference of `quantize` (its `implementation="xla"`).
 
   Trusts its arguments (`quantize` validates them). With `with_values` it
@@ -89,7 +95,7 @@ def quantize_reference(x: jax.Array, *, block_2d: bool = False,
   if amax is None:
     amax = tensor_amax(xf)
   s_enc_over_6, inv_s_enc = jax.lax.optimization_barrier(
-      nm.nvfp4_scale_constants(amax))
+      nm.nvfp4_scale_constants(amax, four_over_six=four_over_six))
   rbits = None
   if rounding == "stochastic":
     seeds = prng.seeds_from_key(key)
@@ -98,10 +104,11 @@ def quantize_reference(x: jax.Array, *, block_2d: bool = False,
   packed, scales, values = tile.encode_blocks(
       xf, tile.block_amax(xf, block_2d), s_enc_over_6, inv_s_enc,
       rbits=rbits, with_values=with_values,
-      barrier=jax.lax.optimization_barrier)
+      barrier=jax.lax.optimization_barrier, four_over_six=four_over_six,
+      block_2d=block_2d)
   q = NVFP4Array(codes=packed.reshape(*shape[:-1], k // 2),
                  scales=scales.reshape(*shape[:-1], k // B), amax=amax,
-                 block_2d=block_2d)
+                 block_2d=block_2d, four_over_six=four_over_six)
   return (q, values.reshape(shape)) if with_values else q
 
 
@@ -133,5 +140,6 @@ def block_dequantize_nvfp4(q: NVFP4Array) -> tuple[jax.Array, jax.Array]:
 
 
 def dequantize_nvfp4(q: NVFP4Array, dtype=jnp.float32) -> jax.Array:
-  """`fp4 * f32(d) * (amax / 2688)` in FP32 (TE's form), cast to `dtype`."""
+  """`fp4 * f32(d) * (amax / 2688)` in FP32 (TE's form), cast to `dtype`
+  (`amax / 1536` for Four-over-Six)."""
   return nm.ftz(_blocks(q, jnp.float32) * q.tensor_scale).astype(dtype)

@@ -33,12 +33,15 @@ class NVFP4Array:
       `block_2d`, one scale per 16x16 tile, replicated over the tile's 16 rows.
     amax: float32 scalar, the tensor amax the scales were derived from.
     block_2d: static; whether the scales are per 16x16 tile.
+    four_over_six: static; quantized with Four-over-Six (block scales of the
+      6-candidate bounded by 256: the tensor factor is `amax / 1536`).
   """
 
   codes: jax.Array
   scales: jax.Array
   amax: jax.Array
   block_2d: bool = False
+  four_over_six: bool = False
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -49,9 +52,17 @@ class NVFP4Array:
     return self.codes.ndim
 
   @property
+  def tensor_denominator(self) -> float:
+    """2688 (448 * 6), or 1536 (256 * 6) for Four-over-Six."""
+    return (nm.FOUR_OVER_SIX_NUMERATOR if self.four_over_six
+            else nm.E4M3_MAX_X_E2M1_MAX)
+
+  @property
   def tensor_scale(self) -> jax.Array:
-    """The FP32 tensor factor `amax / 2688` applied after the block scales."""
-    return nm.global_decode_scale(self.amax)
+    """The FP32 tensor factor `amax / 2688` (Four-over-Six: `amax / 1536`)
+    applied after the block scales."""
+    return nm.global_decode_scale(self.amax,
+                                  denominator=self.tensor_denominator)
 
   @property
   def T(self) -> "NVFP4Array":  # noqa: N802 - numpy's name.
@@ -68,12 +79,13 @@ class NVFP4Array:
     codes_t = nm.pack_e2m1(jnp.swapaxes(codes, -1, -2))
     tiles = self.scales[..., :: nm.NVFP4_BLOCK, :]
     scales_t = jnp.repeat(jnp.swapaxes(tiles, -1, -2), nm.NVFP4_BLOCK, axis=-2)
-    return NVFP4Array(codes_t, scales_t, self.amax, block_2d=True)
+    return NVFP4Array(codes_t, scales_t, self.amax, block_2d=True,
+                      four_over_six=self.four_over_six)
 
 
 jax.tree_util.register_dataclass(
     NVFP4Array, data_fields=["codes", "scales", "amax"],
-    meta_fields=["block_2d"])
+    meta_fields=["block_2d", "four_over_six"])
 
 
 def check_input(x: Any, *, block: int, block_2d: bool, what: str) -> jax.Array:

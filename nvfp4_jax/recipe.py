@@ -26,6 +26,7 @@ from nvfp4_jax import prng
 from nvfp4_jax.hadamard import rht_matrix
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "bf16")
+FOUR_OVER_SIX_MODES = ("none", "weights", "activations", "all")
 OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
 _GEMMS = {"fprop": ("fprop_x", "fprop_w"), "dgrad": ("dgrad_dy", "dgrad_w"),
           "wgrad": ("wgrad_dy", "wgrad_x")}
@@ -40,12 +41,15 @@ class Operand:
     block_2d: 16x16 tile scales (NVFP4 weights only).
     rounding: "nearest" (RTNE) or "stochastic" (E2M1 formats only).
     rht: apply the Random Hadamard Transform first (Wgrad operands only).
+    four_over_six: Four-over-Six adaptive block scaling (NVFP4 only; see
+      `nvfp4_jax.quantize`).
   """
 
   format: str = "nvfp4"
   block_2d: bool = False
   rounding: str = "nearest"
   rht: bool = False
+  four_over_six: bool = False
 
   def __post_init__(self):
     if self.format not in FORMATS:
@@ -61,6 +65,10 @@ class Operand:
       raise ValueError(
           f"stochastic rounding is defined for E2M1 formats (nvfp4, mxfp4), "
           f"not {self.format!r}.")
+    if self.four_over_six and self.format != "nvfp4":
+      raise ValueError(
+          f"four_over_six is an NVFP4 block scaling, not defined for "
+          f"{self.format!r}; set four_over_six=False.")
     if self.rht and self.format == "bf16":
       raise ValueError("rht on a bf16 (unquantized) operand has no effect; "
                        "set rht=False.")
@@ -138,6 +146,8 @@ class Recipe:
         tags.append("sr")
       if op.rht:
         tags.append(f"rht{self.rht_size}")
+      if op.four_over_six:
+        tags.append("4o6")
       return "-".join(tags)
     return " ".join(f"{g}={fmt(getattr(self, a))},{fmt(getattr(self, b))}"
                     for g, (a, b) in _GEMMS.items())
@@ -196,7 +206,8 @@ class Recipe:
   @classmethod
   def nvfp4(cls, *, rht: bool = True, stochastic_rounding: bool = True,
             two_d_weights: bool = True, rht_size: int = 16,
-            rht_sign_vector: Sequence[int] | None = None) -> "Recipe":
+            rht_sign_vector: Sequence[int] | None = None,
+            four_over_six: str | bool = "none") -> "Recipe":
     """The paper's NVFP4 recipe (NVFP4_SPEC section 5).
 
     Args:
@@ -206,15 +217,25 @@ class Recipe:
       two_d_weights: 16x16 weight scales (TE: `not disable_2d_quantization`).
       rht_size: Hadamard size (16 in the paper).
       rht_sign_vector: RHT signs; default TE's vector.
+      four_over_six: Four-over-Six block scaling on "none", "weights",
+        "activations" (X and dY) or "all" operands (True: "all").
     """
+    fos = {True: "all", False: "none"}.get(four_over_six, four_over_six)
+    if fos not in FOUR_OVER_SIX_MODES:
+      raise ValueError(f"four_over_six={four_over_six!r}; use one of "
+                       f"{FOUR_OVER_SIX_MODES} (or True/False).")
+    on_w, on_a = fos in ("weights", "all"), fos in ("activations", "all")
     grad_round = "stochastic" if stochastic_rounding else "nearest"
-    w = Operand(format="nvfp4", block_2d=two_d_weights)
+    w = Operand(format="nvfp4", block_2d=two_d_weights, four_over_six=on_w)
     return cls(
-        fprop_x=Operand(format="nvfp4"), fprop_w=w,
-        dgrad_dy=Operand(format="nvfp4", rounding=grad_round), dgrad_w=w,
-        wgrad_dy=Operand(format="nvfp4", rounding=grad_round, rht=rht),
-        wgrad_x=Operand(format="nvfp4", rht=rht),
-        rht_size=rht_size, rht_sign_vector=rht_sign_vector, name="nvfp4")
+        fprop_x=Operand(format="nvfp4", four_over_six=on_a), fprop_w=w,
+        dgrad_dy=Operand(format="nvfp4", rounding=grad_round,
+                         four_over_six=on_a), dgrad_w=w,
+        wgrad_dy=Operand(format="nvfp4", rounding=grad_round, rht=rht,
+                         four_over_six=on_a),
+        wgrad_x=Operand(format="nvfp4", rht=rht, four_over_six=on_a),
+        rht_size=rht_size, rht_sign_vector=rht_sign_vector,
+        name="nvfp4" if fos == "none" else f"nvfp4-4o6-{fos}")
 
   @classmethod
   def bf16(cls) -> "Recipe":

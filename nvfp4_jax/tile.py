@@ -57,10 +57,93 @@ def block_amax(xf: jax.Array, block_2d: bool) -> jax.Array:
   return jnp.broadcast_to(t[:, None, :], (rows // B, B, nb)).reshape(rows, nb)
 
 
+def _round_significant(v: jax.Array, bits: int) -> jax.Array:
+  """Non-negative FP32 `v` rounded to `bits` significant bits (RTNE), on its
+  bit pattern (integer operations: no compiler contracts them)."""
+  drop = 24 - bits
+  b = jax.lax.bitcast_convert_type(v, jnp.uint32)
+  b = (b + jnp.uint32((1 << (drop - 1)) - 1) + ((b >> drop) & 1)) & jnp.uint32(
+      ~((1 << drop) - 1) & 0xFFFFFFFF)
+  return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+
+def error_terms(y: jax.Array, codes: jax.Array, d: jax.Array) -> jax.Array:
+  """Four-over-Six's per-element error term: `(R8(|q - y|) * d)^2`, exact.
+
+  `y` are the scaled values the encoder rounded to `codes`, `q` their E2M1
+  values and `d` the block's decoded E4M3 scale (FP32, `[..., nb]`): `|q - y|
+  * d` is the element's quantization error in units of the tensor factor.
+  Every step is exact and free of multiply-adds, so all backends give the
+  same bits whatever they fuse:
+
+  - `|q - y|` comes from the bit patterns: `q` lies in `y`'s binade or is the
+    next power of two (for `|y| < 8`, except stochastic rounding's lift of
+    `|y| < 0.25` to 0.5, split at that power of two), so it is the difference
+    of the two patterns times `y`'s ulp; where `q` is 0 it is `|y|`; for
+    `|y| >= 8` (a saturated or underflowed block scale) it is taken as `|y|`;
+  - rounding it to 8 significant bits (`R8`) keeps `R8 * d` (E4M3: 4
+    significant bits) and its square within FP32's 24 bits.
+  """
+  a = jnp.abs(y)
+  b = jax.lax.bitcast_convert_type(a, jnp.uint32).astype(jnp.int32)
+  qv = nm.e2m1_decode(codes & 7)
+  bq = jax.lax.bitcast_convert_type(qv, jnp.uint32).astype(jnp.int32)
+  e = (b >> 23) & 0xFF
+  as_f32 = lambda bits: jax.lax.bitcast_convert_type(
+      jnp.clip(bits, 1, 254).astype(jnp.uint32) << 23, jnp.float32)
+  ulp = as_f32(e - 23)
+  near = jnp.abs(bq - b).astype(jnp.float32) * ulp
+  # Stochastic rounding may lift |y| < 0.25 to 0.5, past the next power of
+  # two p: |q - y| = (0.5 - p) + (p - |y|), both parts exact.
+  p = as_f32(e + 1)
+  lifted = (0.5 - p) + ((((e + 1) << 23) - b).astype(jnp.float32) * ulp)
+  r = jnp.where(qv == 0.0, a, jnp.where(
+      a >= 8.0, a, jnp.where((qv == 0.5) & (a < 0.25), lifted, near)))
+  m = nm.ftz(_round_significant(nm.ftz(r), 8) * d[..., None])
+  return nm.ftz(m * m)
+
+
+def _tile_sum(t: jax.Array, block_2d: bool) -> jax.Array:
+  """uint32 sums `[rows, nb]` of `[rows, nb, 16]` per block, or per 16x16
+  tile (replicated over its rows). Integer sums: any order, same result."""
+  s = jnp.sum(t, axis=-1, dtype=jnp.uint32)
+  if not block_2d:
+    return s
+  rows, nb = s.shape
+  s = jnp.sum(s.reshape(rows // B, B, nb), axis=1, dtype=jnp.uint32)
+  return jnp.broadcast_to(s[:, None, :], (rows // B, B, nb)).reshape(rows, nb)
+
+
+def choose_four(sq6: jax.Array, sq4: jax.Array, block_2d: bool) -> jax.Array:
+  """Whether each block (tile) takes the 4-candidate: its summed error terms
+  are smaller than the 6-candidate's (ties keep 6).
+
+  The terms are summed exactly as integers in a unit common to both
+  candidates, 2^-22 of the block's largest term (smaller parts of terms are
+  dropped, the same way on every backend): the choice depends on no
+  summation order, and a 16x16 tile of `W` and of `W.T` choose alike.
+  Blocks with a non-finite term keep 6.
+  """
+  mx = jnp.maximum(block_amax(sq6, block_2d), block_amax(sq4, block_2d))
+  finite = mx < jnp.inf  # False for inf and NaN.
+  e = ((jax.lax.bitcast_convert_type(mx, jnp.uint32) >> 23) & 0xFF).astype(
+      jnp.int32)
+  unit = jax.lax.bitcast_convert_type(
+      ((jnp.minimum(149 - e, 127) + 127) << 23).astype(jnp.uint32),
+      jnp.float32)  # 2^(22 - exponent of the largest term).
+
+  def units(sq):
+    v = sq * unit[..., None]  # A power of two: exact, at most 2^24.
+    return jnp.where(v < jnp.inf, jnp.floor(v), 0.0).astype(jnp.uint32)
+  return finite & (_tile_sum(units(sq4), block_2d)
+                   < _tile_sum(units(sq6), block_2d))
+
+
 def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
                   inv_s_enc: jax.Array, *, divide: Callable = nm.divide,
                   rbits: jax.Array | None = None, with_values: bool = False,
-                  barrier: Callable = _identity, split_pack: bool = False):
+                  barrier: Callable = _identity, split_pack: bool = False,
+                  four_over_six: bool = False, block_2d: bool = False):
   """NVFP4_SPEC section 2, steps 2-4, on blocks `[rows, nb, 16]`.
 
   Args:
@@ -77,18 +160,36 @@ def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
       FP32->E4M3->FP32 round trip away. (It does not lower in kernels, which
       need none.)
     split_pack: the packing's lowering (see `numerics.pack_e2m1`).
+    four_over_six: Four-over-Six: encode every block (16x16 tile with
+      `block_2d`) twice, with its max mapped to 6 and to 4 (scale x 1.5), and
+      keep the candidate with the smaller error (`error_terms`,
+      `choose_four`). The constants must come from
+      `nvfp4_scale_constants(..., four_over_six=True)`.
+    block_2d: the blocks' rows form 16x16 tiles (for `four_over_six`).
 
   Returns:
     `(packed uint8 [rows, nb, 8], scales e4m3 [rows, nb], values or None)`.
   """
-  scales = barrier(nm.nvfp4_block_decode_scale(bamax, s_enc_over_6))
-  d = scales.astype(jnp.float32)
-  enc = nm.nvfp4_block_encode_scale(d, inv_s_enc, divide=divide)
-  y = xf * enc[..., None]
-  if rbits is None:
-    codes = nm.e2m1_encode_nearest(y)
-  else:
-    codes = nm.e2m1_encode_stochastic(y, rbits)
+  def encode(expansion):
+    scales = barrier(nm.nvfp4_block_decode_scale(bamax, s_enc_over_6,
+                                                 expansion=expansion))
+    d = scales.astype(jnp.float32)
+    enc = nm.nvfp4_block_encode_scale(d, inv_s_enc, divide=divide)
+    y = xf * enc[..., None]
+    if rbits is None:
+      codes = nm.e2m1_encode_nearest(y)
+    else:
+      codes = nm.e2m1_encode_stochastic(y, rbits)
+    return scales, d, y, codes
+
+  scales, d, y, codes = encode(None)
+  if four_over_six:
+    scales4, d4, y4, codes4 = encode(1.5)
+    four = choose_four(error_terms(y, codes, d), error_terms(y4, codes4, d4),
+                       block_2d)
+    codes = jnp.where(four[..., None], codes4, codes)
+    d = jnp.where(four, d4, d)
+    scales = d.astype(jnp.float8_e4m3fn)  # Exact: both are E4M3 values.
   values = None
   if with_values:
     values = (nm.e2m1_decode(codes) * d[..., None]).astype(jnp.bfloat16)

@@ -76,15 +76,15 @@ def tile_masks(rows: int, nb: int, m: int, nb_total: int):
 
 def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
                      with_values: bool, interpret: bool, m: int,
-                     nb_total: int):
+                     nb_total: int, four_over_six: bool):
   refs = list(refs)
   amax_ref = refs.pop(0)
   seeds_ref = refs.pop(0) if stochastic else None
   x_ref, codes_ref, scales_ref = refs[:3]
   divide = common.exact_divide(interpret)
   # Shape (1,), not scalars: the inline-asm division needs tensor operands.
-  s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(amax_ref[...],
-                                                     divide=divide)
+  s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
+      amax_ref[...], divide=divide, four_over_six=four_over_six)
   values_ref = refs[3] if with_values else None
   rows, nb, _ = x_ref.shape
   mask = tile_masks(rows, nb, m, nb_total)
@@ -97,7 +97,8 @@ def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
                             seeds_ref[0], seeds_ref[1])
   packed, scales, values = tile.encode_blocks(
       xf, tile.block_amax(xf, block_2d), s_enc_over_6, inv_s_enc,
-      divide=divide, rbits=rbits, with_values=with_values, split_pack=True)
+      divide=divide, rbits=rbits, with_values=with_values, split_pack=True,
+      four_over_six=four_over_six, block_2d=block_2d)
   common.store(codes_ref, packed, mask[B // 2])
   common.store(scales_ref, scales, mask[0])
   if with_values:
@@ -107,12 +108,13 @@ def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
 def quantize(x: jax.Array, *, block_2d: bool = False,
              rounding: str = "nearest", key: jax.Array | None = None,
              amax: jax.Array | None = None, with_values: bool = False,
+             four_over_six: bool = False,
              config: QuantizeConfig | None = None):
   """`nvfp4_jax.quantize` as a Pallas-Triton kernel (interpreted on CPU).
 
   Args:
     x: float array `[..., K]`, validated by `nvfp4_jax.quantize`.
-    block_2d, rounding, key, amax: as `nvfp4_jax.quantize`.
+    block_2d, rounding, key, amax, four_over_six: as `nvfp4_jax.quantize`.
     with_values: also return the exact bf16 block-dequantized values
       `[..., K]` (`fp4 * f32(scale)`, the Hopper GEMM's operand).
     config: tile sizes; defaults to `default_config`.
@@ -158,7 +160,8 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
 
   kernel = functools.partial(
       _quantize_kernel, block_2d=block_2d, stochastic=stochastic,
-      with_values=with_values, interpret=interpret, m=m, nb_total=nb_total)
+      with_values=with_values, interpret=interpret, m=m, nb_total=nb_total,
+      four_over_six=four_over_six)
   outs = common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
       name="nvfp4_quantize_2d" if block_2d else "nvfp4_quantize",
@@ -167,7 +170,7 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   lead = shape[:-1]
   q = NVFP4Array(codes=outs[0].reshape(*lead, k // 2),
                  scales=outs[1].reshape(*lead, nb_total), amax=amax,
-                 block_2d=block_2d)
+                 block_2d=block_2d, four_over_six=four_over_six)
   if with_values:
     return q, outs[2].reshape(shape)
   return q

@@ -36,8 +36,9 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
   Raises:
     NotImplementedError: a quantized operand that no kernel computes.
   """
-  row_ok = row.format == "nvfp4" and not row.block_2d
-  t_ok = wgrad.format == "nvfp4" and wgrad.rht
+  row_ok = (row.format == "nvfp4" and not row.block_2d
+            and not row.four_over_six)
+  t_ok = wgrad.format == "nvfp4" and wgrad.rht and not wgrad.four_over_six
   if (row.quantized and not row_ok) or (wgrad.quantized and not t_ok):
     raise NotImplementedError(
         f"the Pallas pair kernels quantize NVFP4 1x16 rows and RHT'd NVFP4 "
