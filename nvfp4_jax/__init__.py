@@ -1,5 +1,6 @@
 """nvfp4-jax: training with NVIDIA's NVFP4 recipe in JAX and Flax."""
 
+from nvfp4_jax import export
 from nvfp4_jax.dispatch import default_implementation
 from nvfp4_jax.fused import quantize_pair
 from nvfp4_jax.fused import quantize_rht_t
@@ -8,6 +9,7 @@ from nvfp4_jax.fused import quantize_x_and_rht_t
 from nvfp4_jax.gemm import block_scaled_matmul
 from nvfp4_jax.gemm import block_values_matmul
 from nvfp4_jax.gemm import gemm_alpha
+from nvfp4_jax.gemm import weight_only_matmul
 from nvfp4_jax.hadamard import default_sign_vector
 from nvfp4_jax.hadamard import rht
 from nvfp4_jax.hadamard import rht_matrix

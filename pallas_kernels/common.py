@@ -151,6 +151,11 @@ def load(ref, mask: jax.Array | None) -> jax.Array:
   return plt.load(ref, mask=mask, other=other)
 
 
+def load_at(ref, idx, mask: jax.Array | None) -> jax.Array:
+  """`ref[idx]` (a static or `pl.ds` index), masked as `load`."""
+  return load(ref.at[idx], mask) if mask is not None else ref[idx]
+
+
 def store(ref, value: jax.Array, mask: jax.Array | None) -> None:
   """`ref[...] = value`, skipping elements where `mask` is False."""
   if mask is None:

@@ -1,0 +1,119 @@
+"""Pallas-Triton kernel of `nvfp4_jax.weight_only_matmul` (decode shapes).
+
+`x @ dequantize(w).T` for activations `x: [M, K]` (M small: decoding) and a
+packed NVFP4 weight `w: [N, K]`, reading the packed codes and E4M3 scales
+(0.5625 bytes per weight) and never a bf16 copy of the weight: each program
+owns `block_n` output features, walks K in chunks of `block_k`, decodes the
+chunk to its exact bf16 block values in registers (`nvfp4_jax.tile.
+block_values`, the reference's decode), and accumulates `x @ values.T` in FP32
+on the tensor cores; the tensor factor is applied to the FP32 result. M is
+padded to the tensor cores' 16 rows with masked loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from nvfp4_jax import numerics as nm
+from nvfp4_jax import tile
+from nvfp4_jax.qarray import NVFP4Array
+from pallas_kernels import common
+
+B = nm.NVFP4_BLOCK
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightOnlyConfig:
+  """Tile sizes (powers of two).
+
+  Attributes:
+    block_m: activation rows per program (>= 16, the dot's minimum).
+    block_n: output features per program.
+    block_k: contraction elements per loop step (a multiple of 16).
+    num_warps: Triton warps per program.
+    num_stages: software pipelining depth of the K loop.
+  """
+
+  block_m: int = 16
+  block_n: int = 64
+  block_k: int = 256
+  num_warps: int = 4
+  num_stages: int = 3
+
+  def __post_init__(self):
+    common.check_powers_of_two(
+        self, ("block_m", "block_n", "block_k", "num_warps"))
+    if self.block_m < 16 or self.block_k < B:
+      raise ValueError(f"WeightOnlyConfig needs block_m >= 16 and block_k >= "
+                       f"{B}; got {self}.")
+
+
+def default_config(m: int, n: int, k: int) -> WeightOnlyConfig:
+  bk = min(256, common.next_pow2(k))
+  while k % bk:
+    bk //= 2
+  return WeightOnlyConfig(block_m=max(16, min(64, common.next_pow2(m))),
+                          block_n=min(64, max(16, common.next_pow2(n))),
+                          block_k=max(B, bk))
+
+
+def _kernel(x_ref, codes_ref, scales_ref, o_ref, *, k: int, bk: int, m: int,
+            n: int):
+  bm, bn = o_ref.shape
+  i, j = pl.program_id(0), pl.program_id(1)
+  xmask = common.bounds_mask((bm, bk), (0, i * bm, m, bm))
+  wdims = (0, j * bn, n, bn)
+
+  def body(step, acc):
+    xs = x_ref[:, pl.ds(step * bk, bk)] if xmask is None else common.load_at(
+        x_ref, (slice(None), pl.ds(step * bk, bk)), xmask)
+    cmask = common.bounds_mask((bn, bk // B, B // 2), wdims)
+    smask = common.bounds_mask((bn, bk // B), wdims)
+    codes = common.load_at(codes_ref, (slice(None), pl.ds(step * (bk // B),
+                                                          bk // B),
+                                       slice(None)), cmask)
+    scales = common.load_at(scales_ref, (slice(None),
+                                         pl.ds(step * (bk // B), bk // B)),
+                            smask)
+    vals = tile.block_values(codes, scales).reshape(bn, bk)
+    return acc + jax.lax.dot_general(
+        xs.astype(jnp.bfloat16), vals, (((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.float32)
+
+  acc = jax.lax.fori_loop(0, k // bk, body, jnp.zeros((bm, bn), jnp.float32))
+  common.store(o_ref, acc, common.bounds_mask(
+      (bm, bn), (0, i * bm, m, bm), (1, j * bn, n, bn)))
+
+
+def weight_only_matmul(x: jax.Array, w: NVFP4Array, *,
+                       config: WeightOnlyConfig | None = None) -> jax.Array:
+  """FP32 `x @ values(w).T` (before the tensor factor), `x: [M, K]`.
+
+  Raises:
+    NotImplementedError: 16x16 scales replicated per row are fine; a backend
+      without Pallas-Triton is not.
+  """
+  interpret = common.check_backend("weight_only_matmul")
+  m, k = x.shape
+  n = w.shape[0]
+  cfg = config or default_config(m, n, k)
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  if k % bk:
+    raise ValueError(f"block_k={bk} must divide K={k}.")
+  nb = k // B
+  return common.pallas_call(
+      functools.partial(_kernel, k=k, bk=bk, m=m, n=n),
+      interpret=interpret, num_warps=cfg.num_warps,
+      num_stages=cfg.num_stages, name="nvfp4_weight_only_matmul",
+      grid=(common.cdiv(m, bm), common.cdiv(n, bn)),
+      in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
+                pl.BlockSpec((bn, nb, B // 2), lambda i, j: (j, 0, 0)),
+                pl.BlockSpec((bn, nb), lambda i, j: (j, 0))],
+      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+      out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+  )(x, w.codes.reshape(n, nb, B // 2), w.scales)
