@@ -34,36 +34,7 @@ import jax
 import jax.numpy as jnp
 
 import nvfp4_jax
-
-_BLOCK = 16
-# Scaled magnitudes above this were clipped by more than RTNE would move them.
-_CLIP = 7.0
-
-
-def tensor_stats(x: jax.Array, *, block_2d: bool) -> dict[str, jax.Array]:
-  """Flushed-to-zero fraction, saturated-block fraction and relative error.
-
-  Args:
-    x: `[M, K]`, K (and M for `block_2d`) a multiple of 16.
-    block_2d: 16x16 tile scales (weights) instead of 1x16 blocks.
-  """
-  xf = x.astype(jnp.float32)
-  q = nvfp4_jax.quantize(xf, block_2d=block_2d)
-  dq = nvfp4_jax.dequantize(q)
-  nonzero = xf != 0
-  flushed = jnp.sum(nonzero & (dq == 0)) / jnp.maximum(jnp.sum(nonzero), 1)
-  m, k = xf.shape
-  # The largest unclipped magnitude of each block, `7 * d * amax / 2688`.
-  cap = _CLIP * q.scales.astype(jnp.float32) * (q.amax / 2688.0)  # [M, K/16]
-  # A block whose scale underflowed to 0 dequantizes to zeros: flushed, not
-  # saturated.
-  over = (jnp.abs(xf).reshape(m, k // _BLOCK, _BLOCK) > cap[..., None]) & (
-      cap > 0)[..., None]
-  sat = jnp.any(over, axis=-1)                                    # [M, K/16]
-  if block_2d:
-    sat = jnp.any(sat.reshape(m // _BLOCK, _BLOCK, k // _BLOCK), axis=1)
-  err = jnp.linalg.norm(xf - dq) / jnp.maximum(jnp.linalg.norm(xf), 1e-30)
-  return {"flushed": flushed, "saturated": jnp.mean(sat), "rel_err": err}
+from nvfp4_jax.sensitivity import tensor_stats
 
 
 def _get(tree: Any, path: str) -> Any:
