@@ -1,0 +1,133 @@
+"""What a run tells people: its one-line description, diagnostics, result.
+
+- `describe`: model size, precision and how many projections are quantized;
+- `diag_record`: the per-layer quantization statistics of one evaluation,
+  each layer flagged by what its forward GEMM runs at that step;
+- `finish`: the `RunResult` of a finished run, with its loss and diagnostics
+  plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+from typing import Any, Iterable, Mapping
+
+import jax
+import numpy as np
+
+import nvfp4_jax
+from models import GPTConfig
+from models import format_count
+from models import param_count
+from train.config import TrainConfig
+from train.metrics import read_metrics
+from train.metrics import select
+from train.plots import plot_diagnostics
+from train.plots import plot_losses
+
+
+@dataclasses.dataclass
+class RunResult:
+  """What a finished run reports.
+
+  Attributes:
+    config: the run's `TrainConfig`.
+    out_dir: the run directory.
+    metrics_path: its JSONL metrics.
+    loss_plot: PNG of its loss curves.
+    diag_plot: PNG of its quantization diagnostics (None if off).
+    final_train_loss: mean training loss over the last 10% of steps.
+    final_val_loss: validation loss at the last step.
+    skipped: number of skipped (non-finite) steps.
+    records: all metric records.
+    params: the final FP32 master parameters.
+  """
+
+  config: TrainConfig
+  out_dir: pathlib.Path
+  metrics_path: pathlib.Path
+  loss_plot: str
+  diag_plot: str | None
+  final_train_loss: float
+  final_val_loss: float
+  skipped: int
+  records: list[dict[str, Any]]
+  params: Any
+
+
+def describe(cfg: TrainConfig, model_cfg: GPTConfig,
+             rules: nvfp4_jax.PrecisionRules, layer_paths: Iterable[str]
+             ) -> str:
+  """One line: model size, precision, which layers are quantized.
+
+  Args:
+    cfg: the run's `TrainConfig`.
+    model_cfg: its model's `GPTConfig`.
+    rules: its precision rules.
+    layer_paths: the module paths of the model's NVFP4 layers.
+  """
+  paths = list(layer_paths)
+  # At the start of the run, before any late switch.
+  quantized = sum(rules.recipe_at(p).quantized for p in paths)
+  m = model_cfg
+  return (f"GPT {cfg.preset}: {format_count(param_count(m))} params "
+          f"(d_model {m.d_model}, {m.num_layers} layers, {m.mlp}, "
+          f"{m.dtype}); {cfg.precision}: {quantized}/{len(paths)} "
+          f"projections quantized")
+
+
+def diag_record(rules: nvfp4_jax.PrecisionRules,
+                stats: Mapping[str, Mapping[str, Any]], step: int
+                ) -> dict[str, dict[str, Any]]:
+  """The `layers` field of a "diag" metrics record.
+
+  Args:
+    rules: the run's precision rules.
+    stats: `{layer path: {stat name: scalar}}` from the evaluation.
+    step: the number of completed steps when they were measured.
+
+  Returns:
+    `{layer path: {stat name: float, "quantized": bool}}`, where `quantized`
+    says whether the layer's forward GEMM runs in a low-precision format at
+    `step` (the late switch included).
+  """
+  return {path: {**{k: float(v) for k, v in s.items()},
+                 "quantized": rules.recipe_at(path, step).gemm_format(
+                     "fprop") != "bf16"}
+          for path, s in stats.items()}
+
+
+def finish(cfg: TrainConfig, out: pathlib.Path, metrics_path: pathlib.Path,
+           *, skipped: int, master_params: Any) -> RunResult:
+  """Reads back a finished run's metrics, plots them and sums them up.
+
+  Args:
+    cfg: the run's `TrainConfig`.
+    out: the run directory (the plots go there).
+    metrics_path: its JSONL metrics.
+    skipped: the final state's count of skipped steps.
+    master_params: the final FP32 master parameters (on the host).
+
+  Returns:
+    The `RunResult`.
+  """
+  records = read_metrics(metrics_path)
+  train = [r["loss"] for r in select(records, "train") if r["finite"]]
+  tail = train[-max(1, len(train) // 10):]
+  evals = select(records, "eval")
+  title = (f"GPT {cfg.preset}, {cfg.precision}, {cfg.steps} steps x "
+           f"{cfg.batch_size} x {cfg.seq_len} tokens")
+  loss_plot = plot_losses({cfg.precision: records}, out / "loss.png",
+                          title=title)
+  diag_plot = plot_diagnostics(
+      records, out / "diagnostics.png",
+      title=f"NVFP4 quantization diagnostics — {cfg.preset}, "
+            f"{cfg.precision} run")
+  return RunResult(
+      config=cfg, out_dir=out, metrics_path=metrics_path,
+      loss_plot=loss_plot, diag_plot=diag_plot,
+      final_train_loss=float(np.mean(tail)) if tail else math.nan,
+      final_val_loss=evals[-1]["val_loss"] if evals else math.nan,
+      skipped=skipped, records=records, params=jax.device_get(master_params))
