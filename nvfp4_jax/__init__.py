@@ -35,6 +35,10 @@ from nvfp4_jax.rules import LateSwitch
 from nvfp4_jax.rules import PrecisionRules
 from nvfp4_jax.rules import paper_rules
 from nvfp4_jax.rules import precision_rules
+from nvfp4_jax import sharding
+from nvfp4_jax.sharding import LinearSharding
+from nvfp4_jax.sharding import MeshRules
+from nvfp4_jax.sharding import mesh_rules
 from nvfp4_jax.mx import MXArray
 from nvfp4_jax.mx import quantize_mx
 from nvfp4_jax.numerics import E2M1_MAX

@@ -20,15 +20,18 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from nvfp4_jax import dispatch
 from nvfp4_jax import numerics as nm
 from nvfp4_jax import prng
+from nvfp4_jax import spmd
 from nvfp4_jax.hadamard import rht
 from nvfp4_jax.hadamard import rht_matrix
 from nvfp4_jax.mx import quantize_mx
 from nvfp4_jax.nvfp4 import quantize
 from nvfp4_jax.nvfp4 import quantize_reference
+from nvfp4_jax.nvfp4 import tensor_amax
 from nvfp4_jax.qarray import NVFP4Array
 from nvfp4_jax.qarray import check_amax
 from nvfp4_jax.qarray import check_input
@@ -72,6 +75,8 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
                    key: jax.Array | None = None,
                    amax: jax.Array | None = None,
                    sign_vector: Sequence[int] | None = None, size: int = 16,
+                   placement: prng.Placement | None = None,
+                   amax_axes: Sequence[str] = (),
                    implementation: str | None = None) -> NVFP4Array:
   """The Wgrad operand: `quantize(rht(x.T))` for `x: [tokens, features]`.
 
@@ -86,6 +91,11 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
     amax: the amax of `rht(x.T)` if already reduced (e.g. a `pmax` across
       shards); computed otherwise.
     sign_vector, size: the RHT's signs and size (see `nvfp4_jax.rht`).
+    placement: for a shard of a sharded tensor (inside `shard_map`), where
+      `x` sits in the whole `[tokens, features]` tensor; the result is then
+      the shard of the whole tensor's operand (`nvfp4_jax.sharding`).
+    amax_axes: the mesh axes that split the tensor; the amax (when not given)
+      is max-reduced across them.
     implementation: "xla", "pallas" or None.
 
   Returns:
@@ -98,12 +108,29 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
   check_rounding(rounding, key, size=x.size, what=what)
   return QUANTIZE_RHT_T(implementation, x, rounding=rounding, key=key,
                         amax=check_amax(amax, what), sign_vector=sign_vector,
-                        size=size)
+                        size=size, placement=placement,
+                        amax_axes=tuple(amax_axes))
 
 
-def _quantize_rht_t_xla(x, *, rounding, key, amax, sign_vector, size):
-  return quantize_reference(rht(x.T, sign_vector=sign_vector, size=size),
-                            rounding=rounding, key=key, amax=amax)
+def _transposed(placement: prng.Placement | None) -> prng.Placement | None:
+  return None if placement is None else placement.T
+
+
+def _reduced_amax(x: jax.Array, axes: Sequence[str]) -> jax.Array | None:
+  """The whole tensor's amax from a shard `x` (None without axes: the
+  quantizer takes `max |x|` itself)."""
+  if not axes:
+    return None
+  return spmd.reduce_amax(tensor_amax(nm.ftz(x.astype(jnp.float32))), axes)
+
+
+def _quantize_rht_t_xla(x, *, rounding, key, amax, sign_vector, size,
+                        placement=None, amax_axes=()):
+  z = rht(x.T, sign_vector=sign_vector, size=size)
+  if amax is None:
+    amax = _reduced_amax(z, amax_axes)
+  return quantize_reference(z, rounding=rounding, key=key, amax=amax,
+                            placement=_transposed(placement))
 
 
 QUANTIZE_RHT_T = dispatch.Op("quantize_rht_t", {
@@ -118,13 +145,20 @@ QUANTIZE_RHT_T = dispatch.Op("quantize_rht_t", {
 
 
 def quantize_operand(x: jax.Array, op: Operand, key: jax.Array | None, *,
+                     placement: prng.Placement | None = None,
+                     amax_axes: Sequence[str] = (),
                      implementation: str | None = None) -> QArray:
-  """Quantizes `x` along its last axis as `op` says (no RHT)."""
+  """Quantizes `x` along its last axis as `op` says (no RHT).
+
+  `placement` and `amax_axes`: for a shard (see `quantize_rht_t`).
+  """
   if op.format == "nvfp4":
     return quantize(x, block_2d=op.block_2d, rounding=op.rounding, key=key,
                     four_over_six=op.four_over_six,
+                    amax=_reduced_amax(x, amax_axes), placement=placement,
                     implementation=implementation)
-  return quantize_mx(x, op.format, rounding=op.rounding, key=key)
+  return quantize_mx(x, op.format, rounding=op.rounding, key=key,
+                    placement=placement)
 
 
 def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
@@ -132,6 +166,8 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
                   key_t: jax.Array | None = None,
                   rht_size: int = 16,
                   sign_vector: Sequence[int] | None = None,
+                  placement: prng.Placement | None = None,
+                  amax_axes: Sequence[str] = (),
                   implementation: str | None = None
                   ) -> tuple[QArray | None, QArray | None]:
   """Both quantized operands of a tensor `x: [tokens, features]`.
@@ -147,6 +183,9 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
     key_row, key_t: their stochastic-rounding keys (see
       `Recipe.operand_keys`); required where they round stochastically.
     rht_size, sign_vector: the RHT of the Wgrad operand.
+    placement, amax_axes: for a shard of a sharded tensor (inside
+      `shard_map`): `x`'s place in the whole tensor and the mesh axes that
+      split it. Both operands are then the shards of the whole tensor's.
     implementation: "xla", "pallas" or None. The Pallas kernel fuses the
       recipe's NVFP4 pairs (1x16 rows + RHT'd tokens) into one read of `x`
       per pass; it raises `NotImplementedError` for other pairs.
@@ -172,19 +211,22 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
       rht_matrix(sign_vector, rht_size)
     _check_wgrad_tokens(x.shape[0], wgrad, rht_size, what)
   return QUANTIZE_PAIR(implementation, x, row, wgrad, key_row=key_row,
-                       key_t=key_t, rht_size=rht_size, sign_vector=sign_vector)
+                       key_t=key_t, rht_size=rht_size, sign_vector=sign_vector,
+                       placement=placement, amax_axes=tuple(amax_axes))
 
 
 def _quantize_pair_xla(x, row, wgrad, *, key_row, key_t, rht_size,
-                       sign_vector):
+                       sign_vector, placement=None, amax_axes=()):
   q_row = q_t = None
   if row.quantized:
-    q_row = quantize_operand(x, row, key_row, implementation="xla")
+    q_row = quantize_operand(x, row, key_row, placement=placement,
+                             amax_axes=amax_axes, implementation="xla")
   if wgrad.quantized:
     xt = x.T
     if wgrad.rht:
       xt = rht(xt, sign_vector=sign_vector, size=rht_size)
-    q_t = quantize_operand(xt, wgrad, key_t, implementation="xla")
+    q_t = quantize_operand(xt, wgrad, key_t, placement=_transposed(placement),
+                           amax_axes=amax_axes, implementation="xla")
   return q_row, q_t
 
 

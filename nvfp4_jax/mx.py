@@ -56,7 +56,8 @@ jax.tree_util.register_dataclass(
 
 def quantize_mx(x: jax.Array, fmt: str = "mxfp4", *,
                 rounding: str = "nearest",
-                key: jax.Array | None = None) -> MXArray:
+                key: jax.Array | None = None,
+                placement: prng.Placement | None = None) -> MXArray:
   """Quantizes `x` to MXFP4 or MXFP8 along its last axis (blocks of 32).
 
   Args:
@@ -65,6 +66,8 @@ def quantize_mx(x: jax.Array, fmt: str = "mxfp4", *,
     rounding: "nearest", or "stochastic" (MXFP4 only; same random stream as
       NVFP4, see `nvfp4_jax.prng`).
     key: PRNG key for stochastic rounding.
+    placement: where a 2-D `x` sits when it is one shard of a larger tensor
+      (see `nvfp4_jax.quantize`).
 
   Returns:
     An `MXArray`.
@@ -96,8 +99,11 @@ def quantize_mx(x: jax.Array, fmt: str = "mxfp4", *,
     seeds = prng.seeds_from_key(key)
     nb = y.shape[-2]
     yb = y.reshape(-1, nb, nm.MX_BLOCK)
-    rbits = prng.tile_bytes(0, yb.shape[0], 0, nb, x.shape[-1] // 4,
-                            seeds[0], seeds[1], block=nm.MX_BLOCK)
+    origin, words_per_row = prng.stream_origin(placement, x.shape[-1],
+                                               block=nm.MX_BLOCK)
+    rbits = prng.tile_bytes(origin[0], yb.shape[0], origin[1], nb,
+                            words_per_row, seeds[0], seeds[1],
+                            block=nm.MX_BLOCK)
     data = nm.pack_e2m1(nm.e2m1_encode_stochastic(yb, rbits)).reshape(
         *x.shape[:-1], -1)
   return MXArray(data=data, scales=scales, fmt=fmt)

@@ -38,6 +38,7 @@ def tensor_amax(xf: jax.Array) -> jax.Array:
 def quantize(x: jax.Array, *, block_2d: bool = False,
              rounding: str = "nearest", key: jax.Array | None = None,
              amax: jax.Array | None = None, four_over_six: bool = False,
+             placement: prng.Placement | None = None,
              implementation: str | None = None) -> NVFP4Array:
   """Quantizes `x` to NVFP4 along its last axis (blocks of 16).
 
@@ -55,6 +56,9 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
       and keeps the candidate with the smaller squared error; the global scale
       bounds the block scales by 256 (tensor factor `amax / 1536`). See
       `nvfp4_jax.tile.encode_blocks`.
+    placement: where a 2-D `x` sits when it is one shard of a larger tensor
+      (`nvfp4_jax.sharding`): stochastic rounding then draws the whole
+      tensor's random bytes for its elements. None: `x` is the whole tensor.
     implementation: "xla" (the pure-jnp reference below), "pallas" (the
       Pallas-Triton kernel, `pallas_kernels.quantize`; interpreted on CPU), or
       None: "pallas" on GPU, "xla" elsewhere. All give identical bytes.
@@ -71,7 +75,8 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   check_rounding(rounding, key, size=x.size)
   amax = check_amax(amax)
   return QUANTIZE(implementation, x, block_2d=block_2d, rounding=rounding,
-                  key=key, amax=amax, four_over_six=bool(four_over_six))
+                  key=key, amax=amax, four_over_six=bool(four_over_six),
+                  placement=placement)
 
 
 def quantize_reference(x: jax.Array, *, block_2d: bool = False,
@@ -79,7 +84,8 @@ def quantize_reference(x: jax.Array, *, block_2d: bool = False,
                        key: jax.Array | None = None,
                        amax: jax.Array | None = None,
                        with_values: bool = False,
-                       four_over_six: bool = False):
+                       four_over_six: bool = False,
+                       placement: prng.Placement | None = None):
   """The pure-jnp reference of `quantize` (its `implementation="xla"`).
 
   Trusts its arguments (`quantize` validates them). With `with_values` it
@@ -99,8 +105,9 @@ def quantize_reference(x: jax.Array, *, block_2d: bool = False,
   rbits = None
   if rounding == "stochastic":
     seeds = prng.seeds_from_key(key)
-    rbits = prng.tile_bytes(0, xf.shape[0], 0, k // B, k // 4, seeds[0],
-                            seeds[1])
+    origin, words_per_row = prng.stream_origin(placement, k)
+    rbits = prng.tile_bytes(origin[0], xf.shape[0], origin[1], k // B,
+                            words_per_row, seeds[0], seeds[1])
   packed, scales, values = tile.encode_blocks(
       xf, tile.block_amax(xf, block_2d), s_enc_over_6, inv_s_enc,
       rbits=rbits, with_values=with_values,

@@ -13,6 +13,15 @@ Layout. The kernel is flax's `[in, out]`; in TE's terms `W = kernel^T`:
 Fprop `Y = X @ W^T = bsm(q(X), q(kernel^T))`, Dgrad `dX = dY @ W =
 bsm(q(dY), q(kernel))`, Wgrad `dkernel = X^T @ dY = bsm(q(rht(X^T)),
 q(rht(dY^T)))`, where `bsm(a, b) = a @ b^T` over the quantized axis.
+
+On a device mesh (`nvfp4_jax.sharding`: a `LinearSharding` per layer) the
+forward and backward passes each run per shard inside `jax.shard_map`, the
+same code with explicit collectives: quantizers reduce their amax across the
+axes that split their tensor and take the shard's stochastic-rounding bytes
+at its global offset (the whole tensor's bytes), the FSDP weight is gathered
+quantized, row-parallel outputs and column-parallel input gradients are
+summed across `model` in FP32, and the weight gradient is reduce-scattered
+across `fsdp` and summed across the other batch axes.
 """
 
 from __future__ import annotations
@@ -24,13 +33,18 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from nvfp4_jax import dispatch
 from nvfp4_jax import numerics as nm
+from nvfp4_jax import sharding as sharding_lib
+from nvfp4_jax import spmd
 from nvfp4_jax.fused import block_size
 from nvfp4_jax.fused import quantize_operand
 from nvfp4_jax.fused import quantize_pair
 from nvfp4_jax.gemm import block_scaled_matmul
 from nvfp4_jax.recipe import Recipe
+from nvfp4_jax.sharding import LinearSharding
 
 
 RESIDUAL_NAME = "nvfp4_residual"
@@ -109,23 +123,138 @@ def _rows(q, n: int):
   return jax.tree.map(lambda a: a[:n] if a.ndim else a, q)
 
 
-def _pair(x, row_op, wgrad_op, recipe: Recipe, key_row, key_t):
+def _pair(x, row_op, wgrad_op, recipe: Recipe, key_row, key_t,
+          placement=None, amax_axes=()):
   """Both quantized operands of `x` (see `fused.quantize_pair`), any token
-  count."""
+  count (a shard's tokens are aligned: `_check_shards`)."""
   q_row, q_t = quantize_pair(
       _pad_tokens(x, recipe), row_op, wgrad_op, key_row=key_row, key_t=key_t,
-      rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector)
+      rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector,
+      placement=placement, amax_axes=amax_axes)
   return _rows(q_row, x.shape[0]), q_t
 
 
-# `impl` (the `default_implementation` in force when the layer was called) is
-# a static argument: JAX caches custom_vjp traces by their static arguments,
-# and the backward pass is traced later, maybe outside that block.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+class _Whole:
+  """The unsharded layer: whole tensors, no collectives."""
+
+  x_axes = y_axes = w_axes = ()
+  reduces_y = reduces_dx = False
+
+  def place_x(self, x):
+    del x
+
+  place_y = place_w = place_x
+
+  def gather_w(self, q, transposed: bool):
+    del transposed
+    return q
+
+  def sum_y(self, y):
+    return y
+
+  sum_dx = sum_dw = sum_y
+
+
+_WHOLE = _Whole()
+
+
+class _Shard(_Whole):
+  """One device's part of a sharded layer, inside `shard_map`: where its
+  shards sit, the mesh axes that split each tensor, and the collectives."""
+
+  def __init__(self, s: LinearSharding):
+    self.s = s
+    self.x_axes = spmd.spec_axes(s.x_spec)
+    self.y_axes = spmd.spec_axes(s.y_spec)
+    self.w_axes = spmd.spec_axes(s.kernel_spec)
+    self.reduces_y = bool(s.k_axes)
+    self.reduces_dx = bool(s.n_axes)
+
+  def place_x(self, x):
+    return spmd.placement(self.s.x_spec, x.shape)
+
+  def place_y(self, y):
+    return spmd.placement(self.s.y_spec, y.shape)
+
+  def place_w(self, w):
+    return spmd.placement(self.s.kernel_spec, w.shape)
+
+  def gather_w(self, q, transposed: bool):
+    """The weight in use from its stored shard (quantized or not), along
+    the dimension `fsdp` splits; `transposed`: `q` is `[out, in]`."""
+    axis = 1 - self.s.fsdp_dim if transposed else self.s.fsdp_dim
+    return spmd.all_gather(q, self.s.fsdp, axis)
+
+  def sum_y(self, y):  # Row-parallel: partial sums over `in`.
+    return jax.lax.psum(y, self.s.k_axes) if self.s.k_axes else y
+
+  def sum_dx(self, dx):  # Column-parallel: partial sums over `out`.
+    return jax.lax.psum(dx, self.s.n_axes) if self.s.n_axes else dx
+
+  def sum_dw(self, dw):
+    """Sums the weight gradient over the token shards: reduce-scatter into
+    the stored shard across `fsdp`, all-reduce across the other axes."""
+    s = self.s
+    if s.fsdp is not None:
+      dw = jax.lax.psum_scatter(dw, s.fsdp, scatter_dimension=s.fsdp_dim,
+                                tiled=True)
+    rest = tuple(a for a in s.tokens if a != s.fsdp)
+    return jax.lax.psum(dw, rest) if rest else dw
+
+
+
+def _residual_specs(shard: LinearSharding, recipe: Recipe):
+  """shard_map specs of `_fprop`'s residuals: `(q(rht(X^T)) or X, the
+  stored weight, its quantized transpose or None, key)`."""
+  wgrad_q = recipe.gemm_format("wgrad") != "bf16"
+  return (spmd.transposed(shard.x_spec) if wgrad_q else shard.x_spec,
+          shard.kernel_spec, spmd.transposed(shard.kernel_spec), P())
+
+
+def _check_shards(recipe: Recipe, shard: LinearSharding, t: int, k: int,
+                  n: int, name: str) -> None:
+  """Raises a ValueError naming the dimension and the mesh axes where
+  `shard` would split a scale block of one of the three GEMMs' operands."""
+  fmt = recipe.gemm_format
+
+  def blk(gemm):
+    return 1 if fmt(gemm) == "bf16" else block_size(fmt(gemm))
+  tok = 1
+  if fmt("wgrad") != "bf16":
+    tok = max(blk("wgrad"), recipe.rht_size if recipe.wgrad_x.rht else 1)
+  kb = nb = 1
+  for op, gemm in (("fprop_w", "fprop"), ("dgrad_w", "dgrad")):
+    if fmt(gemm) == "bf16":
+      continue
+    b = blk(gemm)
+    if getattr(recipe, op).block_2d:
+      kb, nb = max(kb, b), max(nb, b)
+    elif gemm == "fprop":
+      kb = max(kb, b)  # Fprop's weight is blocked along `in`...
+    else:
+      nb = max(nb, b)  # ... Dgrad's along `out`.
+  sizes = shard.sizes
+  for spec, shape, blocks, what, dims in (
+      (shard.x_spec, (t, k), (tok, blk("fprop")), "the input X",
+       ("tokens", "in (K)")),
+      (shard.y_spec, (t, n), (tok, blk("dgrad")), "the output gradient dY",
+       ("tokens", "out (N)")),
+      (shard.kernel_spec, (k, n), (kb, nb), "the weight",
+       ("in (K)", "out (N)"))):
+    spmd.check_blocks(sizes, spec, shape, blocks,
+                      what=f"{name or 'dot_general: '}{what}",
+                      dim_names=dims)
+
+
+# `impl` (the `default_implementation` in force when the layer was called)
+# and `shard` are static arguments: JAX caches custom_vjp traces by their
+# static arguments, and the backward pass is traced later, maybe outside
+# that block.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
 def _linear(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype,
-            name: str, impl: str | None):
+            name: str, impl: str | None, shard: LinearSharding | None):
   y, _ = _linear_fwd(x, w, key, recipe, precision, out_dtype, x_dtype, name,
-                     impl)
+                     impl, shard)
   return y
 
 
@@ -136,30 +265,45 @@ def _gemm(name: str, out_dtype):
 
 
 def _linear_fwd(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype,
-                name, impl):
-  with dispatch.maybe_default_implementation(impl):
-    return _fprop(x, w, key, recipe, precision, out_dtype, x_dtype, name)
-
-
-def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype, name):
+                name, impl, shard):
   del x_dtype
   k, n = w.shape
   _check_dims(recipe, "fprop", ((k, "contraction (in) dim K"),), name)
   if recipe.gemm_format("fprop") != "bf16":
     _weight_dims(recipe, "fprop_w", k, n, name)
+  with dispatch.maybe_default_implementation(impl):
+    if shard is None:
+      return _fprop(x, w, key, recipe, precision, out_dtype, _WHOLE)
+    _check_shards(recipe, shard, x.shape[0], k, n, name)
+    ctx = _Shard(shard)
+    return spmd.shard_map(
+        lambda x, w, key: _fprop(x, w, key, recipe, precision, out_dtype,
+                                 ctx),
+        mesh=shard.mesh, in_specs=(shard.x_spec, shard.kernel_spec, P()),
+        out_specs=(shard.y_spec, _residual_specs(shard, recipe)))(x, w, key)
+
+
+def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, ctx: _Whole):
   keys = recipe.operand_keys(key)
   wgrad_q = recipe.gemm_format("wgrad") != "bf16"
+  # A sum across shards runs in FP32 and rounds once, as the whole GEMM.
+  acc_dtype = jnp.float32 if ctx.reduces_y else out_dtype
   qx, qxt = _named("nvfp4_quantize_x", lambda x, kr, kt: _pair(
-      x, recipe.fprop_x, recipe.wgrad_x, recipe, kr, kt))(
-          x, keys["fprop_x"], keys["wgrad_x"])
+      x, recipe.fprop_x, recipe.wgrad_x, recipe, kr, kt, ctx.place_x(x),
+      ctx.x_axes))(x, keys["fprop_x"], keys["wgrad_x"])
   if recipe.fprop_x.quantized:
+    # The stored weight shard is quantized (amax across its shards) and the
+    # quantized bytes are gathered.
     qw = _named("nvfp4_quantize_w", lambda w, k: quantize_operand(
-        w.T, recipe.fprop_w, k))(w, keys["fprop_w"])
-    y = _gemm("nvfp4_fprop", out_dtype)(qx, qw)
+        w.T, recipe.fprop_w, k, placement=_t(ctx.place_w(w)),
+        amax_axes=ctx.w_axes))(w, keys["fprop_w"])
+    y = _gemm("nvfp4_fprop", acc_dtype)(qx, ctx.gather_w(qw, True))
   else:
     y = _named("bf16_fprop", functools.partial(
-        _hp_matmul, dtype=out_dtype, precision=precision))(x, w)
+        _hp_matmul, dtype=acc_dtype, precision=precision))(
+            x, ctx.gather_w(w, False))
     qw = None
+  y = ctx.sum_y(y).astype(out_dtype)
   # Dgrad's weight: with identical 16x16 settings it is Fprop's quantized W,
   # transposed (exactly what quantizing the kernel along `out` gives);
   # otherwise it is quantized in the backward pass from `w`, alive anyway.
@@ -169,17 +313,15 @@ def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype, name):
              _residual(qw) if reuse_w else None, key)
 
 
+def _t(placement):
+  return None if placement is None else placement.T
+
+
 def _linear_bwd(recipe: Recipe, precision, out_dtype, x_dtype, name, impl,
-                res, dy):
-  with dispatch.maybe_default_implementation(impl):
-    return _backward(recipe, precision, out_dtype, x_dtype, name, res, dy)
-
-
-def _backward(recipe: Recipe, precision, out_dtype, x_dtype, name, res, dy):
-  x_saved, w, qw_fprop, key = res
+                shard, res, dy):
+  _, w, qw_fprop, key = res
   k, n = w.shape
   dgrad_q = recipe.gemm_format("dgrad") != "bf16"
-  wgrad_q = recipe.gemm_format("wgrad") != "bf16"
   _check_dims(recipe, "dgrad", ((n, "output dim N"),), name)
   if dgrad_q and qw_fprop is None:
     _weight_dims(recipe, "dgrad_w", k, n, name)
@@ -189,25 +331,48 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, name, res, dy):
         f"no key was given: pass key= to nvfp4_jax.dot_general, or "
         f"rngs={{'nvfp4': key}} to the NVFP4 layer's apply (a new key every "
         f"step).")
+  with dispatch.maybe_default_implementation(impl):
+    if shard is None:
+      dx, dw = _backward(recipe, precision, out_dtype, res, dy, _WHOLE)
+    else:
+      ctx = _Shard(shard)
+      dx, dw = spmd.shard_map(
+          lambda res, dy: _backward(recipe, precision, out_dtype, res, dy,
+                                    ctx),
+          mesh=shard.mesh,
+          in_specs=(_residual_specs(shard, recipe), shard.y_spec),
+          out_specs=(shard.x_spec, shard.kernel_spec))(res, dy)
+  return dx.astype(x_dtype), dw.astype(w.dtype), None
+
+
+def _backward(recipe: Recipe, precision, out_dtype, res, dy, ctx: _Whole):
+  x_saved, w, qw_fprop, key = res
+  dgrad_q = recipe.gemm_format("dgrad") != "bf16"
+  wgrad_q = recipe.gemm_format("wgrad") != "bf16"
   keys = recipe.operand_keys(key)
   qdy, qdyt = _named("nvfp4_quantize_dy", lambda dy, kr, kt: _pair(
-      dy, recipe.dgrad_dy, recipe.wgrad_dy, recipe, kr, kt))(
-          dy, keys["dgrad_dy"], keys["wgrad_dy"])
+      dy, recipe.dgrad_dy, recipe.wgrad_dy, recipe, kr, kt, ctx.place_y(dy),
+      ctx.y_axes))(dy, keys["dgrad_dy"], keys["wgrad_dy"])
 
   if dgrad_q:
-    qw = (qw_fprop.T if qw_fprop is not None else _named(
-        "nvfp4_quantize_w", lambda w, k: quantize_operand(
-            w, recipe.dgrad_w, k))(w, keys["dgrad_w"]))
+    if qw_fprop is not None:
+      qw = ctx.gather_w(qw_fprop, True).T
+    else:
+      qw = _named("nvfp4_quantize_w", lambda w, k: quantize_operand(
+          w, recipe.dgrad_w, k, placement=ctx.place_w(w),
+          amax_axes=ctx.w_axes))(w, keys["dgrad_w"])
+      qw = ctx.gather_w(qw, False)
     dx = _gemm("nvfp4_dgrad", jnp.float32)(qdy, qw)
   else:
+    acc_dtype = jnp.float32 if ctx.reduces_dx else out_dtype
     dx = _named("bf16_dgrad", lambda dy, w: _hp_matmul(
-        dy, w.T, out_dtype, precision))(dy, w)
+        dy, w.T, acc_dtype, precision))(dy, ctx.gather_w(w, False))
   if wgrad_q:
     dw = _gemm("nvfp4_wgrad", jnp.float32)(x_saved, qdyt)
   else:
     dw = _named("bf16_wgrad", lambda x, dy: _hp_matmul(
         x.T, dy, jnp.float32, precision))(x_saved, dy)
-  return dx.astype(x_dtype), dw.astype(w.dtype), None
+  return ctx.sum_dx(dx), ctx.sum_dw(dw)
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
@@ -216,7 +381,8 @@ _linear.defvjp(_linear_fwd, _linear_bwd)
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                 precision=None, preferred_element_type=None, *,
                 recipe: Recipe, key: jax.Array | None = None,
-                out_sharding=None, name: str | None = None) -> jax.Array:
+                out_sharding=None, name: str | None = None,
+                sharding: LinearSharding | None = None) -> jax.Array:
   """`jax.lax.dot_general` whose three GEMMs follow `recipe`.
 
   Supports the contractions of linear layers (`nn.Dense`, `nn.DenseGeneral`,
@@ -238,7 +404,13 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
       `Recipe.operand_keys`; pass a new key every step and layer.
     out_sharding: as `jax.lax.dot_general` (flax passes it): the result's
       sharding, applied as a sharding constraint.
-    name: the layer's name, for error messages.
+    name: the layer's name (its module path), for error messages and the
+      active `nvfp4_jax.sharding.mesh_rules`.
+    sharding: how to split the layer over a device mesh (see
+      `nvfp4_jax.sharding.LinearSharding`); default: what the active
+      `mesh_rules` give `name`, else unsharded. The sharded layer computes
+      the unsharded one's quantized operands bit for bit; results differ
+      only by the order of FP32 sums across shards.
 
   Returns:
     The result, with `jax.lax.dot_general`'s shape.
@@ -248,9 +420,11 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   # The traced program names every NVFP4 layer's GEMMs, for
   # `nvfp4_jax.report`: the scope holds the layer and the recipe it traced.
   with jax.named_scope(layer_scope(name, recipe)):
+    if sharding is None and (rules := sharding_lib.current_rules()):
+      sharding = rules.linear(name or "")
     return _dot_general(lhs, rhs, dimension_numbers, precision,
                         preferred_element_type, recipe, key, out_sharding,
-                        name)
+                        name, sharding)
 
 
 LAYER_SCOPE = "nvfp4_layer"
@@ -263,7 +437,8 @@ def layer_scope(name: str | None, recipe: Recipe) -> str:
 
 
 def _dot_general(lhs, rhs, dimension_numbers, precision,
-                 preferred_element_type, recipe, key, out_sharding, name):
+                 preferred_element_type, recipe, key, out_sharding, name,
+                 shard):
   (lc, rc), (lb, rb) = dimension_numbers
   lc, rc = tuple(lc), tuple(rc)
   prefix = f"layer {name!r}: " if name else "dot_general: "
@@ -304,7 +479,8 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
   x = jnp.transpose(lhs, lhs_free + list(lc)).reshape(-1, k)
   w = jnp.transpose(rhs, list(rc) + rhs_free).reshape(k, -1)
   y = _linear(x, w, key, recipe, precision, out_dtype, x.dtype,
-              f"layer {name!r}: " if name else "", dispatch.current_default())
+              f"layer {name!r}: " if name else "", dispatch.current_default(),
+              shard)
   y = y.reshape(free_shape)
   if out_sharding is not None:
     y = jax.lax.with_sharding_constraint(y, out_sharding)

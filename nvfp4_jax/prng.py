@@ -19,6 +19,8 @@ tensor share a hash input; tensors must hold fewer than 2^34 elements.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -83,6 +85,58 @@ def tile_bytes(row0: jax.Array | int, rows: int, blk0: jax.Array | int,
   words = (r * jnp.uint32(words_per_row) + blk * jnp.uint32(block // 4)
            + lane)
   return word_bytes(sr_hash(words, seed0, seed1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where a shard sits in the whole 2-D tensor it is a block of.
+
+  A tensor split over a device mesh is quantized shard by shard; with this,
+  each shard draws the whole tensor's stream bytes for its elements (its
+  element `(r, c)` is the tensor's `(row0 + r, col0 + c)`), so the shards'
+  codes are the whole tensor's, bit for bit.
+
+  Attributes:
+    row0, col0: the global row and column of the shard's first element (ints,
+      or int32 scalars traced from `jax.lax.axis_index`).
+    rows, cols: static; the whole tensor's shape.
+  """
+
+  row0: jax.Array | int
+  col0: jax.Array | int
+  rows: int
+  cols: int
+
+  @property
+  def T(self) -> "Placement":  # noqa: N802 - numpy's name.
+    """The same shard's placement in the transposed tensor."""
+    return Placement(self.col0, self.row0, self.cols, self.rows)
+
+
+jax.tree_util.register_dataclass(
+    Placement, data_fields=["row0", "col0"], meta_fields=["rows", "cols"])
+
+
+def stream_origin(placement: Placement | None, cols: int, *,
+                  block: int = 16) -> tuple[jax.Array, int]:
+  """The `tile_bytes` origin of a `[rows, cols]` shard at `placement`.
+
+  Args:
+    placement: the shard's `Placement`; None for a whole tensor.
+    cols: the shard's row length (elements).
+    block: elements per scale block (the stream is addressed by blocks).
+
+  Returns:
+    `(origin, words_per_row)`: int32 `[2]` holding the shard's first global
+    row and block (`tile_bytes`' `row0` and `blk0` for its first tile; a
+    kernel adds its tile's own offset), and the whole tensor's 32-bit words
+    per row.
+  """
+  if placement is None:
+    return jnp.zeros((2,), jnp.int32), cols // 4
+  origin = jnp.stack([jnp.asarray(placement.row0, jnp.int32),
+                      jnp.asarray(placement.col0, jnp.int32) // block])
+  return origin, placement.cols // 4
 
 
 def random_bytes(seeds: jax.Array, shape: tuple[int, ...]) -> jax.Array:

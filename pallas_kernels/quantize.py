@@ -76,10 +76,12 @@ def tile_masks(rows: int, nb: int, m: int, nb_total: int):
 
 def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
                      with_values: bool, interpret: bool, m: int,
-                     nb_total: int, four_over_six: bool):
+                     nb_total: int, four_over_six: bool,
+                     words_per_row: int):
   refs = list(refs)
   amax_ref = refs.pop(0)
   seeds_ref = refs.pop(0) if stochastic else None
+  origin_ref = refs.pop(0) if stochastic else None
   x_ref, codes_ref, scales_ref = refs[:3]
   divide = common.exact_divide(interpret)
   # Shape (1,), not scalars: the inline-asm division needs tensor operands.
@@ -92,9 +94,10 @@ def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
   xf = nm.ftz(common.load(x_ref, mask[B]).astype(jnp.float32))
   rbits = None
   if stochastic:
-    rbits = prng.tile_bytes(pl.program_id(0) * rows, rows,
-                            pl.program_id(1) * nb, nb, nb_total * B // 4,
-                            seeds_ref[0], seeds_ref[1])
+    # The tile's place in the (whole, maybe sharded) tensor's stream.
+    rbits = prng.tile_bytes(origin_ref[0] + pl.program_id(0) * rows, rows,
+                            origin_ref[1] + pl.program_id(1) * nb, nb,
+                            words_per_row, seeds_ref[0], seeds_ref[1])
   packed, scales, values = tile.encode_blocks(
       xf, tile.block_amax(xf, block_2d), s_enc_over_6, inv_s_enc,
       divide=divide, rbits=rbits, with_values=with_values, split_pack=True,
@@ -109,12 +112,14 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
              rounding: str = "nearest", key: jax.Array | None = None,
              amax: jax.Array | None = None, with_values: bool = False,
              four_over_six: bool = False,
+             placement: prng.Placement | None = None,
              config: QuantizeConfig | None = None):
   """`nvfp4_jax.quantize` as a Pallas-Triton kernel (interpreted on CPU).
 
   Args:
     x: float array `[..., K]`, validated by `nvfp4_jax.quantize`.
-    block_2d, rounding, key, amax, four_over_six: as `nvfp4_jax.quantize`.
+    block_2d, rounding, key, amax, four_over_six, placement: as
+      `nvfp4_jax.quantize`.
     with_values: also return the exact bf16 block-dequantized values
       `[..., K]` (`fp4 * f32(scale)`, the Hopper GEMM's operand).
     config: tile sizes; defaults to `default_config`.
@@ -145,9 +150,10 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   # division (XLA:GPU's FP32 division is not correctly rounded).
   in_specs = [common.scalar_spec(1)]
   args = [amax.reshape(1)]
+  origin, words_per_row = prng.stream_origin(placement, k)
   if stochastic:
-    in_specs.append(common.scalar_spec(2))
-    args.append(prng.seeds_from_key(key))
+    in_specs += [common.scalar_spec(2), common.scalar_spec(2)]
+    args += [prng.seeds_from_key(key), origin]
   in_specs.append(pl.BlockSpec((br, bnb, B), lambda i, j: (i, j, 0)))
   args.append(x.reshape(m, nb_total, B))
   out_shape = [jax.ShapeDtypeStruct((m, nb_total, B // 2), jnp.uint8),
@@ -161,7 +167,7 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   kernel = functools.partial(
       _quantize_kernel, block_2d=block_2d, stochastic=stochastic,
       with_values=with_values, interpret=interpret, m=m, nb_total=nb_total,
-      four_over_six=four_over_six)
+      four_over_six=four_over_six, words_per_row=words_per_row)
   outs = common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
       name="nvfp4_quantize_2d" if block_2d else "nvfp4_quantize",

@@ -15,7 +15,12 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 
+from nvfp4_jax import numerics as nm
+from nvfp4_jax import prng
+from nvfp4_jax import spmd
+from nvfp4_jax import tile
 from nvfp4_jax.recipe import Operand
 from pallas_kernels import quantize as pallas_quantize
 from pallas_kernels import quantize_rht_t as pallas_rht
@@ -30,6 +35,8 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
                   key_row: jax.Array | None, key_t: jax.Array | None,
                   rht_size: int = 16,
                   sign_vector: Sequence[int] | None = None,
+                  placement: prng.Placement | None = None,
+                  amax_axes: Sequence[str] = (),
                   config: RHTConfig | None = None):
   """`(q_row or None, q_t or None)`, as `nvfp4_jax.fused.quantize_pair`.
 
@@ -47,18 +54,22 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
   if wgrad.quantized:
     pallas_rht.check_size(rht_size, "quantize_pair")
   if not wgrad.quantized:
-    q_row = (pallas_quantize.quantize(x, rounding=row.rounding,
-                                      key=_key(row, key_row))
-             if row.quantized else None)
-    return q_row, None
+    if not row.quantized:
+      return None, None
+    amax = spmd.reduce_amax(tile.abs_max(nm.ftz(x.astype(jnp.float32))),
+                            amax_axes)
+    return pallas_quantize.quantize(
+        x, rounding=row.rounding, key=_key(row, key_row), amax=amax,
+        placement=placement), None
   if not row.quantized:
     return None, pallas_rht.quantize_rht_t(
         x, rounding=wgrad.rounding, key=_key(wgrad, key_t),
-        sign_vector=sign_vector, size=rht_size, config=config)
-  amax_x, amax_t = pallas_rht.rht_amax(x, sign_vector=sign_vector,
-                                       size=rht_size, with_x=True,
-                                       config=config)
+        sign_vector=sign_vector, size=rht_size, placement=placement,
+        amax_axes=amax_axes, config=config)
+  amaxes = spmd.reduce_amax(jnp.stack(pallas_rht.rht_amax(
+      x, sign_vector=sign_vector, size=rht_size, with_x=True,
+      config=config)), amax_axes)
   return pallas_rht.quantize_call(
-      x, amax_t=amax_t, key_t=_key(wgrad, key_t), amax_x=amax_x,
+      x, amax_t=amaxes[1], key_t=_key(wgrad, key_t), amax_x=amaxes[0],
       key_x=_key(row, key_row), size=rht_size, sign_vector=sign_vector,
-      fused_x=True, config=config)
+      fused_x=True, config=config, placement=placement)

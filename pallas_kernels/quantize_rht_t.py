@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 
 from nvfp4_jax import numerics as nm
 from nvfp4_jax import prng
+from nvfp4_jax import spmd
 from nvfp4_jax import tile
 from nvfp4_jax.hadamard import rht_matrix
 from nvfp4_jax.qarray import NVFP4Array
@@ -137,10 +138,14 @@ def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
 
 
 def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
-                     interpret: bool, tokens: int, features: int):
+                     interpret: bool, tokens: int, features: int,
+                     words_t: int, words_x: int):
   refs = list(refs)
   amax_ref = refs.pop(0)
   seeds_ref = refs.pop(0) if (sr_t or sr_x) else None
+  # The stream origins of this shard's operands (see `prng.stream_origin`):
+  # [row, block] of q(rht(x.T)), then of q(x).
+  origin_ref = refs.pop(0) if (sr_t or sr_x) else None
   h_ref, x_ref = refs.pop(0), refs.pop(0)
   divide = common.exact_divide(interpret)
   # Shape (1,), not scalars: the inline-asm division needs tensor operands.
@@ -157,7 +162,8 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
   z = rht_transposed(x, h_ref[...], size).reshape(bf, bt // B, B)
   rbits = None
   if sr_t:
-    rbits = prng.tile_bytes(j * bf, bf, i * (bt // B), bt // B, tokens // 4,
+    rbits = prng.tile_bytes(origin_ref[0] + j * bf, bf,
+                            origin_ref[1] + i * (bt // B), bt // B, words_t,
                             seeds_ref[0], seeds_ref[1])
   packed, scales, _ = tile.encode_blocks(
       z, tile.block_amax(z, False), *consts(0), divide=divide, rbits=rbits,
@@ -170,8 +176,9 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
     xf = nm.ftz(x.astype(jnp.float32)).reshape(bt, bf // B, B)
     rbits = None
     if sr_x:
-      rbits = prng.tile_bytes(i * bt, bt, j * (bf // B), bf // B,
-                              features // 4, seeds_ref[2], seeds_ref[3])
+      rbits = prng.tile_bytes(origin_ref[2] + i * bt, bt,
+                              origin_ref[3] + j * (bf // B), bf // B, words_x,
+                              seeds_ref[2], seeds_ref[3])
     packed, scales, _ = tile.encode_blocks(
         xf, tile.block_amax(xf, False), *consts(1), divide=divide,
         rbits=rbits, split_pack=True)
@@ -181,10 +188,12 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
 
 
 def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
-                  sign_vector, fused_x: bool, config: RHTConfig | None):
+                  sign_vector, fused_x: bool, config: RHTConfig | None,
+                  placement: prng.Placement | None = None):
   """Launches the encode pass: `q(rht(x.T))` and, with `fused_x`, `q(x)`.
 
-  A key (`key_t`, `key_x`) means that operand rounds stochastically.
+  A key (`key_t`, `key_x`) means that operand rounds stochastically;
+  `placement` is `x`'s in the whole tensor when `x` is a shard.
   """
   check_size(size, "quantize_rht_t")
   interpret = common.check_backend("quantize_rht_t")
@@ -204,9 +213,12 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
            prng.seeds_from_key(key_x) if sr_x else zeros]
   args = [jnp.stack(amaxes).astype(jnp.float32)]
   in_specs = [common.scalar_spec(len(amaxes))]
+  origin_t, words_t = prng.stream_origin(
+      None if placement is None else placement.T, t)
+  origin_x, words_x = prng.stream_origin(placement, f)
   if sr_t or sr_x:
-    args.append(jnp.concatenate(seeds))
-    in_specs.append(common.scalar_spec(4))
+    args += [jnp.concatenate(seeds), jnp.concatenate([origin_t, origin_x])]
+    in_specs += [common.scalar_spec(4), common.scalar_spec(4)]
   args += [jnp.asarray(rht_matrix(sign_vector, size)), x]
   in_specs += [pl.BlockSpec((size, size), lambda i, j: (0, 0)),
                pl.BlockSpec((bt, bf), lambda i, j: (i, j))]
@@ -221,7 +233,8 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
                   pl.BlockSpec((bt, bf // B), lambda i, j: (i, j))]
   kernel = functools.partial(
       _quantize_kernel, size=size, fused_x=fused_x, sr_t=sr_t, sr_x=sr_x,
-      interpret=interpret, tokens=t, features=f)
+      interpret=interpret, tokens=t, features=f, words_t=words_t,
+      words_x=words_x)
   outs = common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
       name="nvfp4_quantize_x_and_rht_t" if fused_x else "nvfp4_quantize_rht_t",
@@ -239,6 +252,8 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
 def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
                    key: jax.Array | None = None, amax: jax.Array | None = None,
                    sign_vector: Sequence[int] | None = None, size: int = 16,
+                   placement: prng.Placement | None = None,
+                   amax_axes: Sequence[str] = (),
                    config: RHTConfig | None = None) -> NVFP4Array:
   """`quantize(rht(x.T))` for `x: [tokens, features]`: the Wgrad operand.
 
@@ -247,8 +262,10 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
     rounding, key: as `nvfp4_jax.quantize` (the SR stream runs over the
       `[features, tokens]` result).
     amax: the already reduced amax of `rht(x.T)`; computed by a kernel pass
-      over `x` when None.
+      over `x` (max-reduced across the mesh axes `amax_axes`) when None.
     sign_vector, size: as `nvfp4_jax.rht`.
+    placement: `x`'s place in the whole tensor, for a shard (see
+      `nvfp4_jax.fused.quantize_rht_t`).
     config: tile sizes.
 
   Returns:
@@ -259,7 +276,9 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
   """
   check_size(size, "quantize_rht_t")
   if amax is None:
-    amax = rht_amax(x, sign_vector=sign_vector, size=size, config=config)
+    amax = spmd.reduce_amax(rht_amax(x, sign_vector=sign_vector, size=size,
+                                     config=config), amax_axes)
   return quantize_call(
       x, amax_t=amax, key_t=key if rounding == "stochastic" else None,
-      size=size, sign_vector=sign_vector, fused_x=False, config=config)
+      size=size, sign_vector=sign_vector, fused_x=False, config=config,
+      placement=placement)
