@@ -19,6 +19,9 @@ import time
 from typing import Sequence
 
 from models import PRESETS
+from models.gpt import ATTENTION_KINDS
+from models.gpt import REMAT_KINDS
+from nvfp4_jax.recipe import FOUR_OVER_SIX_MODES
 from train.config import PRECISIONS
 from train.config import SWITCH_MODES
 from train.config import TrainConfig
@@ -102,6 +105,25 @@ def build_parser() -> argparse.ArgumentParser:
                  "1000)")
   p.add_argument("--no-diagnostics", action="store_true",
                  help="skip the per-layer quantization diagnostics")
+  ab = p.add_argument_group(
+      "recipe ablations (applied to the precisions they concern)")
+  ab.add_argument("--no-sr", action="store_true",
+                  help="round gradients to nearest (nvfp4, mxfp4)")
+  ab.add_argument("--no-rht", action="store_true",
+                  help="no Random Hadamard Transform on the Wgrad operands")
+  ab.add_argument("--no-2d", action="store_true",
+                  help="1x16 weight scales instead of 16x16 tiles")
+  ab.add_argument("--four-over-six", choices=FOUR_OVER_SIX_MODES[1:],
+                  metavar="{weights,activations,all}",
+                  help="Four-over-Six block scaling on these NVFP4 operands")
+  ab.add_argument("--all-quantized", action="store_true",
+                  help="quantize every projection (no BF16 blocks)")
+  p.add_argument("--attention", choices=ATTENTION_KINDS, default="fused",
+                 help="fused: jax.nn.dot_product_attention (cuDNN on GPU); "
+                 "reference: explicit FP32 scores")
+  p.add_argument("--remat", choices=REMAT_KINDS, default="none",
+                 help="quantized: blocks keep only the FP4 residuals of "
+                 "their NVFP4 layers and recompute the rest (less memory)")
   p.add_argument("--data", metavar="PATH",
                  help="text file, directory of text files, or uint16 .bin "
                  "token file (default: the Python standard library's source)")
@@ -131,7 +153,35 @@ def parse_precisions(args) -> list[str]:
   return names
 
 
+_ABLATIONS = {  # flag -> (TrainConfig field, value, precisions it concerns)
+    "no_sr": ("sr", False, ("nvfp4", "mxfp4")),
+    "no_rht": ("rht", False, ("nvfp4",)),
+    "no_2d": ("two_d", False, ("nvfp4",)),
+    "four_over_six": ("four_over_six", None, ("nvfp4",)),
+    "all_quantized": ("all_quantized", True, ("nvfp4", "mxfp4", "mxfp8")),
+}
+
+
+def _ablations(args, precisions: list[str]) -> dict[str, dict]:
+  """Per precision, the ablation fields its config takes from the flags."""
+  out = {p: {} for p in precisions}
+  for flag, (field, value, formats) in _ABLATIONS.items():
+    given = getattr(args, flag)
+    if not given:
+      continue
+    if not set(precisions) & set(formats):
+      raise UsageError(
+          f"--{flag.replace('_', '-')} has no effect with --precision/"
+          f"--compare {','.join(precisions)}; it applies to "
+          f"{' or '.join(formats)}.")
+    for p in precisions:
+      if p in formats:
+        out[p][field] = given if value is None else value
+  return out
+
+
 def make_configs(args, precisions: list[str]) -> list[TrainConfig]:
+  ablations = _ablations(args, precisions)
   try:
     return [TrainConfig.for_preset(
         args.preset, precision=p, steps=args.steps,
@@ -140,7 +190,8 @@ def make_configs(args, precisions: list[str]) -> list[TrainConfig]:
         late_switch_step=args.late_switch_step,
         late_switch_mode=args.late_switch_mode, eval_every=args.eval_every,
         ckpt_every=args.ckpt_every,
-        diagnostics=not args.no_diagnostics) for p in precisions]
+        diagnostics=not args.no_diagnostics, attention=args.attention,
+        remat=args.remat, **ablations[p]) for p in precisions]
   except ValueError as e:
     raise UsageError(str(e)) from None
 
@@ -193,6 +244,7 @@ def run(argv: Sequence[str] | None = None) -> int:
   from train.loop import Trainer
   from train.loop import model_config
   from train.plots import plot_losses
+  from train.report import gemm_report
 
   t_start = time.perf_counter()
   try:
@@ -217,6 +269,12 @@ def run(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
       raise UsageError(str(e)) from None
     print(f"\n[{cfg.precision}] {trainer.describe()} -> {out}")
+    # From the traced step, not the configuration: what really runs.
+    batch = jax.ShapeDtypeStruct(
+        (cfg.grad_accum, cfg.micro_batch, cfg.seq_len + 1), jax.numpy.int32)
+    print(f"[{cfg.precision}] " + gemm_report(
+        trainer.fns.train_step, jax.eval_shape(trainer.fns.init_state),
+        batch).summary())
     t0 = time.perf_counter()
     result = trainer.run(out, resume=args.resume, progress=not args.no_progress,
                          label=f"{cfg.precision:>5} ")

@@ -7,6 +7,9 @@ from typing import Any
 
 from models import PRESETS
 from models import MLP_KINDS
+from models.gpt import ATTENTION_KINDS
+from models.gpt import REMAT_KINDS
+from nvfp4_jax.recipe import FOUR_OVER_SIX_MODES
 
 PRECISIONS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
 SWITCH_MODES = ("all", "forward")
@@ -57,6 +60,17 @@ class TrainConfig:
     mlp: "swiglu" or "relu2"; None = the preset's.
     dtype: compute dtype "float32"/"bfloat16"; None = bfloat16 on GPU/TPU,
       float32 on CPU (where bf16 arithmetic is emulated and slow).
+    sr, rht, two_d: the recipe's stochastic rounding of gradients, Random
+      Hadamard Transform of the Wgrad operands, 16x16 weight scales (the
+      ablations: TE's disable_* flags). `sr` applies to mxfp4 too.
+    four_over_six: Four-over-Six block scaling on "none", "weights",
+      "activations" or "all" NVFP4 operands.
+    all_quantized: quantize every projection (no BF16 blocks): the paper's
+      "everything in FP4" ablation, instead of its selective-precision preset.
+    attention: "fused" (`jax.nn.dot_product_attention`, cuDNN on GPU) or
+      "reference" (explicit FP32 scores).
+    remat: "none" or "quantized" (blocks save only the quantized residuals of
+      their NVFP4 layers and recompute the rest; `nvfp4_jax.remat_policy`).
   """
 
   preset: str = "tiny"
@@ -81,6 +95,13 @@ class TrainConfig:
   late_switch_mode: str = "all"
   mlp: str | None = None
   dtype: str | None = None
+  sr: bool = True
+  rht: bool = True
+  two_d: bool = True
+  four_over_six: str = "none"
+  all_quantized: bool = False
+  attention: str = "fused"
+  remat: str = "none"
 
   def __post_init__(self):
     if self.preset not in PRESETS:
@@ -99,12 +120,6 @@ class TrainConfig:
           f"batch_size={self.batch_size} is not divisible by grad_accum="
           f"{self.grad_accum}; each micro-batch must hold the same number of "
           f"sequences.")
-    tokens = self.micro_batch * self.seq_len
-    if self.precision != "bf16" and tokens % 32:
-      raise ValueError(
-          f"a micro-batch holds {self.micro_batch} x {self.seq_len} = {tokens} "
-          f"tokens, not a multiple of 32: the quantized weight-gradient GEMM "
-          f"blocks the token axis. Change --batch-size or --seq-len.")
     if self.lr <= 0 or self.clip_norm <= 0:
       raise ValueError("lr and clip_norm must be positive.")
     if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
@@ -126,6 +141,25 @@ class TrainConfig:
     if self.dtype not in (None, "float32", "bfloat16"):
       raise ValueError(f"unknown dtype {self.dtype!r}; use float32 or "
                        f"bfloat16.")
+    if self.four_over_six not in FOUR_OVER_SIX_MODES:
+      raise ValueError(f"unknown four_over_six {self.four_over_six!r}; use "
+                       f"one of {FOUR_OVER_SIX_MODES}.")
+    for name, flag, formats in (
+        ("--no-sr", not self.sr, ("nvfp4", "mxfp4")),
+        ("--no-rht", not self.rht, ("nvfp4",)),
+        ("--no-2d", not self.two_d, ("nvfp4",)),
+        ("--four-over-six", self.four_over_six != "none", ("nvfp4",)),
+        ("--all-quantized", self.all_quantized, ("nvfp4", "mxfp4", "mxfp8"))):
+      if flag and self.precision not in formats:
+        raise ValueError(
+            f"{name} has no effect with precision {self.precision!r}; use it "
+            f"with {' or '.join(formats)}.")
+    if self.attention not in ATTENTION_KINDS:
+      raise ValueError(f"unknown attention {self.attention!r}; use one of "
+                       f"{ATTENTION_KINDS}.")
+    if self.remat not in REMAT_KINDS:
+      raise ValueError(f"unknown remat {self.remat!r}; use one of "
+                       f"{REMAT_KINDS}.")
 
   @property
   def micro_batch(self) -> int:

@@ -52,7 +52,8 @@ def default_dtype() -> str:
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
   """The `GPTConfig` of `cfg.preset` for a corpus of `vocab_size` ids."""
-  overrides = dict(vocab_size=vocab_size, dtype=cfg.dtype or default_dtype())
+  overrides = dict(vocab_size=vocab_size, dtype=cfg.dtype or default_dtype(),
+                   attention=cfg.attention, remat=cfg.remat)
   if cfg.mlp is not None:
     overrides["mlp"] = cfg.mlp
   return model_preset(cfg.preset, **overrides)
@@ -62,8 +63,9 @@ def make_rules(cfg: TrainConfig, num_layers: int) -> nvfp4_jax.PrecisionRules:
   """The precision rules of `cfg.precision`.
 
   "bf16": every projection in high precision. Otherwise the paper's preset
-  (first 2 and last ~15% of blocks in BF16) with that format elsewhere, and
-  the late switch if configured.
+  (first 2 and last ~15% of blocks in BF16; every block with
+  `all_quantized`) with that format elsewhere, its ablations applied, and the
+  late switch if configured.
   """
   if cfg.precision == "bf16":
     return nvfp4_jax.PrecisionRules.high_precision()
@@ -71,9 +73,21 @@ def make_rules(cfg: TrainConfig, num_layers: int) -> nvfp4_jax.PrecisionRules:
   if cfg.late_switch_step is not None:
     switch = nvfp4_jax.LateSwitch(step=cfg.late_switch_step,
                                   mode=cfg.late_switch_mode)
-  return nvfp4_jax.paper_rules(
-      num_layers, recipe=nvfp4_jax.Recipe.from_name(cfg.precision),
-      late_switch=switch)
+  recipe = run_recipe(cfg)
+  if cfg.all_quantized:
+    return nvfp4_jax.PrecisionRules(default=recipe, late_switch=switch)
+  return nvfp4_jax.paper_rules(num_layers, recipe=recipe, late_switch=switch)
+
+
+def run_recipe(cfg: TrainConfig) -> nvfp4_jax.Recipe:
+  """The quantized layers' recipe: the precision with the run's ablations."""
+  if cfg.precision == "nvfp4":
+    return nvfp4_jax.Recipe.nvfp4(rht=cfg.rht, stochastic_rounding=cfg.sr,
+                                  two_d_weights=cfg.two_d,
+                                  four_over_six=cfg.four_over_six)
+  if cfg.precision == "mxfp4":
+    return nvfp4_jax.Recipe.mxfp4(stochastic_rounding=cfg.sr)
+  return nvfp4_jax.Recipe.from_name(cfg.precision)
 
 
 def _flatten(config: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -78,6 +78,17 @@ def describe(cfg: TrainConfig, model_cfg: GPTConfig,
           f"projections quantized")
 
 
+def gemm_report(train_step, state_like: Any, batch_like: Any
+                ) -> nvfp4_jax.Report:
+  """`nvfp4_jax.report` of one train step, traced abstractly (no FLOPs).
+
+  Args:
+    train_step: the pure step `(state, batch) -> (state, metrics)`.
+    state_like, batch_like: arrays or `jax.ShapeDtypeStruct`s of its inputs.
+  """
+  return nvfp4_jax.report(train_step, state_like, batch_like)
+
+
 def diag_record(rules: nvfp4_jax.PrecisionRules,
                 stats: Mapping[str, Mapping[str, Any]], step: int
                 ) -> dict[str, dict[str, Any]]:

@@ -1,0 +1,87 @@
+"""Ablation and model switches of the trainer (--no-sr, --no-rht, --no-2d,
+--four-over-six, --all-quantized, --attention, --remat) reach the traced step."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from models import preset
+from train import cli
+from train.config import TrainConfig
+from train.loop import Trainer
+from train.report import gemm_report
+from test_train import small_corpus
+
+MODEL = preset("tiny", d_model=64, num_layers=4, num_heads=2, d_ff=128)
+
+
+def _report(**kw):
+  cfg = TrainConfig(preset="tiny", steps=4, batch_size=4, seq_len=32,
+                    diagnostics=False, **kw)
+  trainer = Trainer(cfg, small_corpus(), MODEL.replace(
+      attention=cfg.attention, remat=cfg.remat))
+  batch = jax.ShapeDtypeStruct((1, 4, 33), jnp.int32)
+  return gemm_report(trainer.fns.train_step,
+                     jax.eval_shape(trainer.fns.init_state), batch)
+
+
+def _formats(report, gemm):
+  return {g.precision for g in report.quantized if g.gemm == gemm}
+
+
+@pytest.mark.parametrize("flags,fprop,dgrad,wgrad", [
+    ({}, "nvfp4,nvfp4-16x16", "nvfp4-sr,nvfp4-16x16",
+     "nvfp4-sr-rht16,nvfp4-rht16"),
+    (dict(sr=False), "nvfp4,nvfp4-16x16", "nvfp4,nvfp4-16x16",
+     "nvfp4-rht16,nvfp4-rht16"),
+    (dict(rht=False), "nvfp4,nvfp4-16x16", "nvfp4-sr,nvfp4-16x16",
+     "nvfp4-sr,nvfp4"),
+    (dict(two_d=False), "nvfp4,nvfp4", "nvfp4-sr,nvfp4",
+     "nvfp4-sr-rht16,nvfp4-rht16"),
+    (dict(four_over_six="weights"), "nvfp4,nvfp4-16x16-4o6",
+     "nvfp4-sr,nvfp4-16x16-4o6", "nvfp4-sr-rht16,nvfp4-rht16"),
+])
+def test_ablation_flags_change_the_traced_recipe(flags, fprop, dgrad, wgrad):
+  r = _report(**flags)
+  assert _formats(r, "fprop") == {fprop}
+  assert _formats(r, "dgrad") == {dgrad}
+  assert _formats(r, "wgrad") == {wgrad}
+  assert r.count("fprop") == 4  # The paper preset: block_2 of 4.
+
+
+def test_all_quantized_quantizes_every_projection():
+  assert _report(all_quantized=True).count("fprop") == 16
+  assert _report(precision="mxfp4", all_quantized=True,
+                 sr=False).count("wgrad") == 16
+
+
+def test_cli_applies_ablations_to_the_precisions_they_concern():
+  args = cli.build_parser().parse_args(
+      ["--compare", "bf16,nvfp4,mxfp4", "--no-rht", "--no-sr",
+       "--remat", "quantized", "--attention", "reference"])
+  cfgs = {c.precision: c for c in cli.make_configs(
+      args, ["bf16", "nvfp4", "mxfp4"])}
+  assert cfgs["bf16"].rht and cfgs["bf16"].sr
+  assert not cfgs["nvfp4"].rht and not cfgs["nvfp4"].sr
+  assert cfgs["mxfp4"].rht and not cfgs["mxfp4"].sr
+  assert all(c.remat == "quantized" and c.attention == "reference"
+             for c in cfgs.values())
+  with pytest.raises(cli.UsageError, match="--no-2d has no effect"):
+    cli.make_configs(cli.build_parser().parse_args(
+        ["--precision", "mxfp4", "--no-2d"]), ["mxfp4"])
+  with pytest.raises(ValueError, match="--four-over-six has no effect"):
+    TrainConfig(precision="bf16", four_over_six="all")
+
+
+def test_remat_and_attention_reach_the_model_and_train():
+  cfg = TrainConfig(preset="tiny", steps=2, batch_size=4, seq_len=32,
+                    remat="quantized", attention="reference",
+                    diagnostics=False)
+  trainer = Trainer(cfg, small_corpus(), MODEL.replace(
+      remat="quantized", attention="reference"))
+  text = str(jax.make_jaxpr(trainer.fns.train_step)(
+      trainer.init_state(), trainer.batcher.batch(0).reshape(1, 4, 33)))
+  assert "checkpoint" in text or "remat" in text
+  state, m = trainer.train_step(trainer.init_state(),
+                                trainer.batcher.batch(0).reshape(1, 4, 33))
+  assert bool(m["finite"])
