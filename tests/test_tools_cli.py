@@ -1,0 +1,40 @@
+"""`python -m train.export` (a run -> packed NVFP4 file -> samples) and
+`python -m train.sensitivity` (table, suggested rules, plot)."""
+
+from nvfp4_jax import safetensors
+from train import export as export_cli
+from train import sensitivity as sensitivity_cli
+from train.loop import Trainer
+from test_train import MODEL, config, small_corpus
+
+
+def test_export_a_run_and_generate(tmp_path, capsys):
+  run = tmp_path / "run"
+  Trainer(config(steps=4, eval_every=4, ckpt_every=4, diagnostics=False),
+          small_corpus(), MODEL).run(run, progress=False)
+  out = tmp_path / "tiny.safetensors"
+  assert export_cli.main([str(run), str(out), "--generate", "2",
+                          "--mode", "weight_only"]) == 0
+  text = capsys.readouterr().out
+  assert "4 layers packed at 4.50 bits per weight" in text
+  assert "equal the trained forward: True" in text
+  assert "--- sample (weight_only) ---" in text
+  tensors, meta = safetensors.load(out)
+  assert "block_2.mlp.up.weight" in tensors and "head.kernel" in tensors
+  assert "block_0.mlp.up.kernel" in tensors  # A BF16 block, unchanged.
+
+
+def test_export_errors(tmp_path, capsys):
+  assert export_cli.main([str(tmp_path), str(tmp_path / "x.st")]) == 2
+  assert "holds no config.json" in capsys.readouterr().err
+
+
+def test_sensitivity_cli(tmp_path, capsys):
+  plot = tmp_path / "s.png"
+  assert sensitivity_cli.main(["--batches", "1", "--batch-size", "2",
+                               "--seq-len", "32", "--budget", "0.25",
+                               "--out", str(plot)]) == 0
+  text = capsys.readouterr().out
+  assert "fprop_err" in text and "suggested BF16 layers (6/24)" in text
+  assert "PrecisionRules(rules=(" in text
+  assert plot.read_bytes()[:4] == b"\x89PNG"
