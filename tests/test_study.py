@@ -1,0 +1,32 @@
+"""`python -m train.study`: the set, the commands, resumability, the table."""
+
+from train import study
+
+
+def test_list_and_dry_run(tmp_path, capsys):
+  assert study.main(["--preset", "tiny", "--steps", "10", "--out",
+                     str(tmp_path), "--dry-run"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  labels = [l.split()[0] for l in lines]
+  # BF16 and the full recipe on three seeds; each ablation on one.
+  assert labels[:6] == ["bf16-s0", "bf16-s1", "bf16-s2", "nvfp4-s0",
+                        "nvfp4-s1", "nvfp4-s2"]
+  for name in ("nvfp4-no-sr-s0", "nvfp4-no-rht-s0", "nvfp4-no-2d-s0",
+               "nvfp4-all-quantized-s0", "nvfp4-4over6-s0", "mxfp4-s0",
+               "nvfp4-switch-forward-s0", "nvfp4-switch-all-s0"):
+    assert name in labels
+  switch = next(l for l in lines if l.startswith("nvfp4-switch-forward"))
+  assert "--late-switch-step 8 --late-switch-mode forward" in switch
+
+
+def test_runs_skips_finished_and_writes_results(tmp_path, capsys):
+  argv = ["--preset", "tiny", "--steps", "3", "--batch-size", "4",
+          "--seq-len", "32", "--eval-every", "3", "--out", str(tmp_path),
+          "--only", "nvfp4-switch-forward-s0"]
+  assert study.main(argv) == 0
+  text = (tmp_path / "results.md").read_text()
+  assert "| nvfp4-switch-forward-s0 |" in text and "--late-switch-step 2" in text
+  assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+  capsys.readouterr()
+  assert study.main(argv) == 0  # Nothing left to run.
+  assert "finished earlier; skipped" in capsys.readouterr().out

@@ -1,0 +1,224 @@
+"""The convergence study: the paper's findings at small scale, reproducibly.
+
+    python -m train.study --list                    # the configurations
+    python -m train.study --dry-run                 # the commands it runs
+    python -m train.study --preset small --steps 2000 --out runs/study
+
+Runs a named set of configurations (same data, seeds, token budget and
+schedule) one after another on one device, each as `python -m train` in its
+own process. A killed study picks up where it stopped: finished runs (a final
+evaluation in their metrics) are not redone, and an interrupted run continues
+from its last checkpoint (`--resume`). Then it writes `results.md` (final
+validation loss per run, the gap to BF16 with the seed spread, tokens, step
+time, the exact commands) and the loss curves (`curves.png`, with a log-scale
+panel of the tail so small gaps are visible) into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import pathlib
+import statistics
+import subprocess
+import sys
+from typing import Sequence
+
+PROG = "python -m train.study"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One configuration of a study.
+
+  Attributes:
+    name: its label (and directory).
+    flags: its `python -m train` flags beyond the study's common ones.
+    seeds: the seeds it runs with (None: the study's `--seeds`).
+  """
+
+  name: str
+  flags: tuple[str, ...]
+  seeds: tuple[int, ...] | None = (0,)
+
+
+def _switch(fraction: float, mode: str):
+  """Flags of a late switch for the last `fraction` of the steps (filled in
+  when the step count is known)."""
+  return ("--late-switch-fraction", f"{fraction}", "--late-switch-mode", mode)
+
+
+STUDIES: dict[str, tuple[Run, ...]] = {
+    "paper": (
+        Run("bf16", ("--precision", "bf16"), seeds=None),
+        Run("nvfp4", ("--precision", "nvfp4"), seeds=None),
+        Run("nvfp4-no-sr", ("--precision", "nvfp4", "--no-sr")),
+        Run("nvfp4-no-rht", ("--precision", "nvfp4", "--no-rht")),
+        Run("nvfp4-no-2d", ("--precision", "nvfp4", "--no-2d")),
+        Run("nvfp4-all-quantized", ("--precision", "nvfp4",
+                                    "--all-quantized")),
+        Run("nvfp4-4over6", ("--precision", "nvfp4", "--four-over-six",
+                             "all")),
+        Run("mxfp4", ("--precision", "mxfp4")),
+        Run("nvfp4-switch-forward", ("--precision", "nvfp4")
+            + _switch(0.2, "forward")),
+        Run("nvfp4-switch-all", ("--precision", "nvfp4")
+            + _switch(0.2, "all")),
+    ),
+}
+
+
+def commands(study: str, args) -> list[tuple[str, pathlib.Path, list[str]]]:
+  """`(label, run dir, argv)` of every run of `study`."""
+  out = []
+  seeds = [int(s) for s in args.seeds.split(",")]
+  for run in STUDIES[study]:
+    for seed in (run.seeds if run.seeds is not None else seeds):
+      flags = list(run.flags)
+      if "--late-switch-fraction" in flags:
+        i = flags.index("--late-switch-fraction")
+        step = int(round(args.steps * (1 - float(flags[i + 1]))))
+        flags[i:i + 2] = ["--late-switch-step", str(step)]
+      label = f"{run.name}-s{seed}"
+      root = pathlib.Path(args.out) / label
+      argv = [*flags, "--preset", args.preset, "--steps", str(args.steps),
+              "--seed", str(seed), "--out", str(root), "--no-progress"]
+      for name in ("batch_size", "seq_len", "eval_every", "data"):
+        v = getattr(args, name)
+        if v is not None:
+          argv += [f"--{name.replace('_', '-')}", str(v)]
+      precision = flags[flags.index("--precision") + 1]
+      out.append((label, root / f"{args.preset}-{precision}", argv))
+  return out
+
+
+def _records(run_dir: pathlib.Path) -> list[dict]:
+  from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
+  path = run_dir / "metrics.jsonl"
+  return read_metrics(path) if path.exists() else []
+
+
+def finished(run_dir: pathlib.Path, steps: int) -> bool:
+  return any(r.get("kind") == "eval" and r["step"] == steps
+             for r in _records(run_dir))
+
+
+def summarize(runs, steps: int) -> tuple[str, dict[str, list[dict]]]:
+  """The results table (Markdown) and each run's records."""
+  records = {label: _records(d) for label, d, _ in runs}
+  groups: dict[str, list[float]] = {}
+  rows = []
+  for label, run_dir, argv in runs:
+    recs = records[label]
+    evals = [r for r in recs if r.get("kind") == "eval"]
+    train = [r for r in recs if r.get("kind") == "train"]
+    val = evals[-1]["val_loss"] if evals else math.nan
+    group = label.rsplit("-s", 1)[0]
+    groups.setdefault(group, []).append(val)
+    dt = [b["time"] - a["time"] for a, b in zip(train, train[1:])
+          if b["step"] == a["step"] + 1]
+    rows.append((label, group, val, train[-1]["tokens"] if train else 0,
+                 statistics.median(dt) * 1e3 if dt else math.nan,
+                 "python -m train " + " ".join(argv)))
+  base = statistics.mean(groups.get("bf16", [math.nan]))
+  lines = ["| run | final val loss | gap to BF16 (group mean ± sd) | tokens "
+           "| step ms | command |", "| --- | --- | --- | --- | --- | --- |"]
+  for label, group, val, tokens, ms, cmd in rows:
+    g = groups[group]
+    mean = statistics.mean(g)
+    sd = statistics.stdev(g) if len(g) > 1 else 0.0
+    gap = (f"{100 * (mean / base - 1):+.2f}% ± {100 * sd / base:.2f}%"
+           if math.isfinite(base) else "-")
+    lines.append(f"| {label} | {val:.4f} | {gap} | {tokens:,} | {ms:.1f} | "
+                 f"`{cmd}` |")
+  return "\n".join(lines), records
+
+
+def plot(records: dict[str, list[dict]], path: pathlib.Path, title: str):
+  """Validation curves of every run, and a log-scale panel of the tail."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, (ax, tail) = plt.subplots(1, 2, figsize=(11, 4))
+  for label, recs in records.items():
+    ev = [(r["step"], r["val_loss"]) for r in recs if r.get("kind") == "eval"]
+    if not ev:
+      continue
+    s, v = zip(*ev)
+    style = "-" if label.startswith(("bf16", "nvfp4-s")) else "--"
+    ax.plot(s, v, style, label=label, lw=1)
+    half = len(s) // 2
+    tail.plot(s[half:], v[half:], style, label=label, lw=1)
+  ax.set_xlabel("step")
+  ax.set_ylabel("validation loss")
+  ax.set_title(title, fontsize=9)
+  tail.set_yscale("log")
+  tail.set_xlabel("step (second half)")
+  tail.set_title("tail, log scale", fontsize=9)
+  tail.legend(fontsize=6, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return str(path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+  p.add_argument("--study", choices=list(STUDIES), default="paper")
+  p.add_argument("--preset", default="small")
+  p.add_argument("--steps", type=int, default=2000)
+  p.add_argument("--seeds", default="0,1,2",
+                 help="seeds of the BF16 and full-recipe runs")
+  p.add_argument("--batch-size", type=int)
+  p.add_argument("--seq-len", type=int)
+  p.add_argument("--eval-every", type=int)
+  p.add_argument("--data")
+  p.add_argument("--out", default="runs/study")
+  p.add_argument("--only", help="comma list of run labels to run")
+  p.add_argument("--list", action="store_true")
+  p.add_argument("--dry-run", action="store_true")
+  args = p.parse_args(argv)
+  runs = commands(args.study, args)
+  if args.only:
+    keep = set(args.only.split(","))
+    unknown = keep - {label for label, _, _ in runs}
+    if unknown:
+      p.error(f"--only: unknown run(s) {sorted(unknown)}; see --list")
+    runs = [r for r in runs if r[0] in keep]
+  if args.list or args.dry_run:
+    for label, run_dir, cmd in runs:
+      done = "done" if finished(run_dir, args.steps) else "to run"
+      print(f"{label:<28} {done:<7} "
+            + (f"python -m train {' '.join(cmd)}" if args.dry_run else ""))
+    return 0
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  for label, run_dir, cmd in runs:
+    if finished(run_dir, args.steps):
+      print(f"[{label}] finished earlier; skipped")
+      continue
+    resume = (run_dir / "checkpoints").is_dir() and any(
+        (run_dir / "checkpoints").iterdir())
+    full = [sys.executable, "-m", "train", *cmd] + (["--resume"] if resume
+                                                    else [])
+    print(f"[{label}] {'resuming' if resume else 'running'}: "
+          f"python -m train {' '.join(cmd)}", flush=True)
+    rc = subprocess.run(full, check=False).returncode
+    if rc:
+      print(f"{PROG}: {label} exited with {rc}; run the study again to "
+            f"resume it", file=sys.stderr)
+      return rc
+  table, records = summarize(runs, args.steps)
+  curves = plot(records, out / "curves.png",
+                f"{args.study} study: {args.preset}, {args.steps} steps")
+  (out / "results.md").write_text(
+      f"# {args.study} study: GPT {args.preset}, {args.steps} steps\n\n"
+      f"{table}\n\n![curves](curves.png)\n")
+  print(table)
+  print(f"results: {out / 'results.md'}; curves: {curves}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
