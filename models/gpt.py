@@ -36,6 +36,12 @@ REMAT_KINDS = ("none", "quantized")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+def check_choice(name: str, value, choices) -> None:
+  """Raises a ValueError naming `name`, its `value` and the `choices`."""
+  if value not in choices:
+    raise ValueError(f"unknown {name} {value!r}; use one of {tuple(choices)}.")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GPTConfig:
   """Shape and numerics of the decoder.
@@ -89,17 +95,9 @@ class GPTConfig:
       raise ValueError(
           f"d_model={self.d_model} must split into num_heads={self.num_heads} "
           f"heads of even size (rotary rotates pairs of features).")
-    if self.mlp not in MLP_KINDS:
-      raise ValueError(f"unknown mlp {self.mlp!r}; use one of {MLP_KINDS}.")
-    if self.attention not in ATTENTION_KINDS:
-      raise ValueError(f"unknown attention {self.attention!r}; use one of "
-                       f"{ATTENTION_KINDS}.")
-    if self.remat not in REMAT_KINDS:
-      raise ValueError(f"unknown remat {self.remat!r}; use one of "
-                       f"{REMAT_KINDS}.")
-    if self.dtype not in _DTYPES:
-      raise ValueError(f"unknown dtype {self.dtype!r}; use one of "
-                       f"{tuple(_DTYPES)}.")
+    for name, choices in (("mlp", MLP_KINDS), ("attention", ATTENTION_KINDS),
+                          ("remat", REMAT_KINDS), ("dtype", tuple(_DTYPES))):
+      check_choice(name, getattr(self, name), choices)
 
   @property
   def head_dim(self) -> int:

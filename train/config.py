@@ -9,6 +9,7 @@ from models import PRESETS
 from models import MLP_KINDS
 from models.gpt import ATTENTION_KINDS
 from models.gpt import REMAT_KINDS
+from models.gpt import check_choice
 from nvfp4_jax.recipe import FOUR_OVER_SIX_MODES
 
 PRECISIONS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
@@ -154,12 +155,8 @@ class TrainConfig:
         raise ValueError(
             f"{name} has no effect with precision {self.precision!r}; use it "
             f"with {' or '.join(formats)}.")
-    if self.attention not in ATTENTION_KINDS:
-      raise ValueError(f"unknown attention {self.attention!r}; use one of "
-                       f"{ATTENTION_KINDS}.")
-    if self.remat not in REMAT_KINDS:
-      raise ValueError(f"unknown remat {self.remat!r}; use one of "
-                       f"{REMAT_KINDS}.")
+    check_choice("attention", self.attention, ATTENTION_KINDS)
+    check_choice("remat", self.remat, REMAT_KINDS)
 
   @property
   def micro_batch(self) -> int:
