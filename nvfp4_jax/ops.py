@@ -126,7 +126,7 @@ def _rows(q, n: int):
 def _pair(x, row_op, wgrad_op, recipe: Recipe, key_row, key_t,
           placement=None, amax_axes=()):
   """Both quantized operands of `x` (see `fused.quantize_pair`), any token
-  count (a shard's tokens are aligned: `_check_shards`)."""
+  count (a shard's tokens are aligned: `LinearSharding.check`)."""
   q_row, q_t = quantize_pair(
       _pad_tokens(x, recipe), row_op, wgrad_op, key_row=key_row, key_t=key_t,
       rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector,
@@ -211,41 +211,6 @@ def _residual_specs(shard: LinearSharding, recipe: Recipe):
           shard.kernel_spec, spmd.transposed(shard.kernel_spec), P())
 
 
-def _check_shards(recipe: Recipe, shard: LinearSharding, t: int, k: int,
-                  n: int, name: str) -> None:
-  """Raises a ValueError naming the dimension and the mesh axes where
-  `shard` would split a scale block of one of the three GEMMs' operands."""
-  fmt = recipe.gemm_format
-
-  def blk(gemm):
-    return 1 if fmt(gemm) == "bf16" else block_size(fmt(gemm))
-  tok = 1
-  if fmt("wgrad") != "bf16":
-    tok = max(blk("wgrad"), recipe.rht_size if recipe.wgrad_x.rht else 1)
-  kb = nb = 1
-  for op, gemm in (("fprop_w", "fprop"), ("dgrad_w", "dgrad")):
-    if fmt(gemm) == "bf16":
-      continue
-    b = blk(gemm)
-    if getattr(recipe, op).block_2d:
-      kb, nb = max(kb, b), max(nb, b)
-    elif gemm == "fprop":
-      kb = max(kb, b)  # Fprop's weight is blocked along `in`...
-    else:
-      nb = max(nb, b)  # ... Dgrad's along `out`.
-  sizes = shard.sizes
-  for spec, shape, blocks, what, dims in (
-      (shard.x_spec, (t, k), (tok, blk("fprop")), "the input X",
-       ("tokens", "in (K)")),
-      (shard.y_spec, (t, n), (tok, blk("dgrad")), "the output gradient dY",
-       ("tokens", "out (N)")),
-      (shard.kernel_spec, (k, n), (kb, nb), "the weight",
-       ("in (K)", "out (N)"))):
-    spmd.check_blocks(sizes, spec, shape, blocks,
-                      what=f"{name or 'dot_general: '}{what}",
-                      dim_names=dims)
-
-
 # `impl` (the `default_implementation` in force when the layer was called)
 # and `shard` are static arguments: JAX caches custom_vjp traces by their
 # static arguments, and the backward pass is traced later, maybe outside
@@ -274,7 +239,7 @@ def _linear_fwd(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype,
   with dispatch.maybe_default_implementation(impl):
     if shard is None:
       return _fprop(x, w, key, recipe, precision, out_dtype, _WHOLE)
-    _check_shards(recipe, shard, x.shape[0], k, n, name)
+    shard.check(recipe, x.shape[0], k, n, name)
     ctx = _Shard(shard)
     return spmd.shard_map(
         lambda x, w, key: _fprop(x, w, key, recipe, precision, out_dtype,

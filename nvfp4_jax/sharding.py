@@ -55,6 +55,7 @@ from nvfp4_jax import numerics as nm
 from nvfp4_jax import spmd
 from nvfp4_jax.qarray import NVFP4Array
 from nvfp4_jax.recipe import Operand
+from nvfp4_jax.recipe import Recipe
 
 AXES = ("data", "fsdp", "model")
 TENSOR_STYLES = ("column", "row")
@@ -182,6 +183,46 @@ class LinearSharding:
   @property
   def x_spec(self) -> P:
     return P(spmd.entry(self.tokens), spmd.entry(self.k_axes))
+
+  def check(self, recipe: Recipe, tokens: int, k: int, n: int,
+            name: str = "") -> None:
+    """Raises a ValueError naming the dimension and the mesh axes where this
+    split would cut a scale block of an operand of the layer's GEMMs.
+
+    Args:
+      recipe: the layer's `Recipe`.
+      tokens, k, n: the layer's token count (all the batch's), `in` and
+        `out` sizes.
+      name: prefix of the message, e.g. "layer 'mlp/up': ".
+    """
+    fmt = recipe.gemm_format
+
+    def blk(gemm):
+      return 1 if fmt(gemm) == "bf16" else fused.block_size(fmt(gemm))
+    tok = 1
+    if fmt("wgrad") != "bf16":
+      tok = max(blk("wgrad"), recipe.rht_size if recipe.wgrad_x.rht else 1)
+    kb = nb = 1
+    for op, gemm in (("fprop_w", "fprop"), ("dgrad_w", "dgrad")):
+      if fmt(gemm) == "bf16":
+        continue
+      b = blk(gemm)
+      if getattr(recipe, op).block_2d:
+        kb, nb = max(kb, b), max(nb, b)
+      elif gemm == "fprop":
+        kb = max(kb, b)  # Fprop's weight is blocked along `in`...
+      else:
+        nb = max(nb, b)  # ... Dgrad's along `out`.
+    for spec, shape, blocks, what, dims in (
+        (self.x_spec, (tokens, k), (tok, blk("fprop")), "the input X",
+         ("tokens", "in (K)")),
+        (self.y_spec, (tokens, n), (tok, blk("dgrad")),
+         "the output gradient dY", ("tokens", "out (N)")),
+        (self.kernel_spec, (k, n), (kb, nb), "the weight",
+         ("in (K)", "out (N)"))):
+      spmd.check_blocks(self.sizes, spec, shape, blocks,
+                        what=f"{name or 'dot_general: '}{what}",
+                        dim_names=dims)
 
   @property
   def y_spec(self) -> P:

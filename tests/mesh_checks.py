@@ -291,6 +291,229 @@ def check_dot_general_pallas():
   check_dot_general("pallas", ("column+fsdp", "row+fsdp"))
 
 
+# ----------------------------------------------------------------------------
+# A GPT train step on DP, FSDP, TP and a mixed mesh.
+# ----------------------------------------------------------------------------
+
+# Block 0 in NVFP4, block 1 with a BF16 forward (the late switch's "forward"
+# mode): quantized and high-precision GEMMs both run sharded.
+GPT = dict(d_model=64, num_layers=2, num_heads=2, d_ff=64)
+GPT_RULES = ((r"block_1/", "bf16_forward"),)
+GPT_MESHES = {"dp": dict(data=8), "fsdp": dict(data=2, fsdp=4),
+              "tp": dict(data=4, model=2),
+              "mixed": dict(data=2, fsdp=2, model=2)}
+
+
+def _trainer(mesh_sizes):
+  import train.loop as loop  # pylint: disable=g-import-not-at-top
+  from models import preset  # pylint: disable=g-import-not-at-top
+  from test_train import small_corpus  # pylint: disable=g-import-not-at-top
+  from train.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  rules = nv.PrecisionRules(rules=tuple(
+      (p, nv.Recipe.from_name(r)) for p, r in GPT_RULES))
+  cfg = TrainConfig(preset="tiny", precision="nvfp4", steps=8, batch_size=8,
+                    seq_len=16, lr=3e-3, warmup_steps=1, eval_every=8,
+                    ckpt_every=8, eval_batches=1, diagnostics=False)
+  real = loop.make_rules
+  loop.make_rules = lambda cfg, n: rules
+  try:
+    return loop.Trainer(cfg, small_corpus(), preset("tiny", **GPT),
+                        mesh=None if mesh_sizes is None else
+                        mesh(**mesh_sizes))
+  finally:
+    loop.make_rules = real
+
+
+def _capture(trainer):
+  """A jitted `(params, batch, step) -> (loss, {layer: (input, output)},
+  {layer: output cotangent})` on one device, with flax interceptors (a zero
+  perturbation added to each output yields its cotangent)."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from train.step import cross_entropy  # pylint: disable=g-import-not-at-top
+  fns = trainer.fns
+  kinds = (nv.NVFP4Dense, nn.Dense, nn.Embed, nn.RMSNorm)
+
+  def run(perturb, params, mb, step):
+    key = jax.random.fold_in(jax.random.fold_in(fns._sr_key, step), 0)  # pylint: disable=protected-access
+    rec = {}
+
+    def icpt(next_fun, args, kwargs, ctx):
+      y = next_fun(*args, **kwargs)
+      if ctx.method_name == "__call__" and isinstance(ctx.module, kinds):
+        path = "/".join(ctx.module.scope.path)
+        rec[path] = (args[0], y)
+        if perturb is not None:
+          y = y + perturb[path]
+      return y
+    with nn.intercept_methods(icpt):
+      logits = fns.forward(params, mb[:, :-1], step, key)
+    return cross_entropy(logits, mb[:, 1:]), rec
+
+  @jax.jit
+  def capture(params, batch, step):
+    shapes = jax.eval_shape(lambda: run(None, params, batch[0], step)[1])
+    zeros = {p: jnp.zeros(y.shape, y.dtype) for p, (_, y) in shapes.items()}
+    (loss, rec), dys = jax.value_and_grad(run, has_aux=True)(
+        zeros, params, batch[0], step)
+    return loss, rec, dys
+  return capture
+
+
+def _term_sums(trainer, capture, params, batch, step):
+  """`S = sum_t |tau_t|` for every gradient entry, where `tau_t` is token
+  t's term of the sum over the batch's N tokens that the gradient is (for
+  an NVFP4 Wgrad, an upper bound: its terms are products of quantized
+  RHT'd operands, each at most 17/16 of its 16-token block's max, E4M3
+  scale rounding included), from each layer's captured input, output and
+  output cotangent (which holds the loss mean's 1/N)."""
+  loss, rec, dys = capture(params, batch, step)
+  sums = {}
+  for path, (x, y) in rec.items():
+    dy = np.abs(np.asarray(dys[path], np.float64).reshape(-1, y.shape[-1]))
+    if path == "embed":
+      table = np.zeros(_get(params, path)["embedding"].shape)
+      np.add.at(table, np.asarray(x).reshape(-1), dy)
+      sums[f"{path}/embedding"] = table
+      continue
+    xa = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+    if path.endswith("norm"):
+      scale = np.asarray(_get(params, path)["scale"], np.float64)
+      ya = np.asarray(y, np.float64).reshape(-1, y.shape[-1])
+      sums[f"{path}/scale"] = np.sum(np.abs(ya / scale) * dy, axis=0)
+      continue
+    recipe = trainer.rules.recipe_at(path)
+    if path.startswith("block") and recipe.gemm_format("wgrad") == "nvfp4":
+      def block_max(z):  # [features, tokens] -> max over 16-token blocks
+        z = np.abs(np.asarray(z, np.float64))
+        f, t = z.shape
+        return np.repeat(z.reshape(f, t // 16, 16).max(-1), 16, axis=1)
+      a = block_max(nv.rht(jnp.asarray(xa.T, jnp.float32)))
+      b = block_max(nv.rht(jnp.asarray(dy.T, jnp.float32)))
+      sums[f"{path}/kernel"] = (17 / 16) ** 2 * (1 + 2.0 ** -10) * (a @ b.T)
+    else:
+      sums[f"{path}/kernel"] = np.abs(xa).T @ dy
+  return float(loss), sums
+
+
+def _get(tree, path):
+  for part in path.split("/"):
+    tree = tree[part]
+  return tree
+
+
+def _flat(tree):
+  return {"/".join(str(k.key) for k in kp): np.asarray(g, np.float64)
+          for kp, g in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _within(what, loss, grads, ref, factor):
+  """|loss - ref loss| and every |g - ref g| within `factor` x their
+  per-token term sums; returns the worst ratio to the bound."""
+  loss0, grads0, sums = ref
+  dl = abs(float(loss) - loss0)
+  assert dl <= factor * loss0, (what, dl)  # S = N * loss, and loss is / N.
+  worst = dl / (factor * loss0)
+  for path, g in _flat(grads).items():
+    err = np.abs(g - grads0[path])
+    bound = factor * sums[path]  # The cotangents hold the mean's 1/N.
+    assert np.all(err <= bound), (what, path, float(np.max(err - bound)))
+    worst = max(worst, float(np.max(err / np.maximum(bound, 1e-45))))
+  return dl, worst
+
+
+def check_gpt_step():
+  """One train step from the same state and batch on each mesh kind, and a
+  mesh checkpoint resumed on one device and on another mesh.
+
+  Tolerance (first order in u = 2^-24). The sharded step reorders FP32 sums
+  of two kinds: over the N tokens of the batch (every gradient, the loss
+  mean) and over features inside each token's computation (a row-parallel
+  GEMM, a column-parallel Dgrad, and XLA:CPU's reductions, which it compiles
+  differently for fewer rows per device: RMSNorm's outputs move by 1-2 ulp).
+  A gradient entry is `g = sum_t tau_t`; reordering the token sum moves it by
+  at most `2 (N - 1) u S` with `S = sum_t |tau_t|` (captured, `_term_sums`).
+  Each term is a product of per-token values, each the result of a chain of
+  feature sums of at most `F` terms (F = the widest feature axis, the
+  vocabulary): to first order each sum moves a value by at most `2 F u`
+  times its magnitude (terms of one sign, the worst case), so `tau_t` moves
+  by at most `2 D F u |tau_t|` with D the number of such sums along a
+  token's path (6 per block, 3 for the embedding, final norm, head and loss;
+  twice for the backward pass). Hence `|g_mesh - g_one| <= 2 u ((N - 1) +
+  D F) S`, and the same for the loss (a mean of N non-negative
+  cross-entropies: `S = N * loss`). Quantized operands carry no error term:
+  they are bit for bit equal (tests of the quantizers and of dot_general)
+  unless a value crossed a rounding boundary, which this bound would not
+  cover and which does not happen here.
+  """
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from train.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+  one = _trainer(None)
+  state = one.init_state()
+  batches = [one.batcher.batch(s).reshape(1, one.cfg.micro_batch, -1)
+             for s in (0, 1)]
+  n = batches[0].shape[1] * (batches[0].shape[2] - 1)
+  depth = 2 * (6 * GPT["num_layers"] + 3)
+  factor = 2 * U * ((n - 1) + depth * 256)
+  capture = _capture(one)
+  grads_fn = jax.jit(one.fns.loss_and_grads)
+
+  def reference(st, step):
+    loss, grads = grads_fn(st.params, batches[step], step)
+    loss_c, sums = _term_sums(one, capture, st.params, batches[step], step)
+    assert loss_c == float(loss), (loss_c, float(loss))
+    return float(loss), _flat(grads), sums
+  t0 = time.perf_counter()
+  ref0 = reference(state, 0)
+  print(f"  one device: loss {ref0[0]:.7f} ({time.perf_counter() - t0:.1f}s"
+        f"); tolerance 2u((N-1) + D F) = {factor:.2e} x S with N={n}, "
+        f"D={depth}, F=256")
+  meshes = {}
+  for name, sizes in GPT_MESHES.items():
+    t0 = time.perf_counter()
+    tr = _trainer(sizes)
+    if name == "mixed":
+      st = tr.init_state()
+      for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(a, b)  # Every mesh starts alike.
+    else:
+      st = jax.device_put(state, tr.state_shardings)
+    fn = jax.jit(tr.fns.loss_and_grads)
+    meshes[name] = (tr, fn)
+    loss, grads = fn(st.params, tr.put_batch(batches[0]), st.step)
+    dl, worst = _within(name, loss, grads, ref0, factor)
+    print(f"  {name} {sizes}: |dloss| {dl:.2e}, within {100 * worst:.1f}% "
+          f"of the bound ({time.perf_counter() - t0:.1f}s)")
+
+  # A trained state, checkpointed on one device and resumed on two meshes:
+  # the restored state is bit for bit the saved one (resharded), and the
+  # next step agrees as above.
+  t0 = time.perf_counter()
+  trained, _ = jax.jit(one.fns.train_step)(state, batches[0])
+  saved = jax.device_get(trained)
+  with tempfile.TemporaryDirectory() as tmp:
+    ckpt = Checkpointer(tmp)
+    ckpt.save(1, trained, {"run": "one device"})
+    resumed = {name: ckpt.restore(1, meshes[name][0].abstract_state())[0]
+               for name in ("mixed", "dp")}
+    ckpt.close()
+  ref1 = reference(trained, 1)
+  for name, st in resumed.items():
+    for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(saved)):
+      np.testing.assert_array_equal(np.asarray(a), b)
+    tr, fn = meshes[name]
+    master = st.opt_state.master["block_0"]["mlp"]["up"]["kernel"]
+    assert master.sharding.is_equivalent_to(NamedSharding(
+        tr.mesh_rules.mesh, tr.mesh_rules.param_spec(
+            "block_0/mlp/up/kernel", master.shape)), 2), master.sharding
+    loss, grads = fn(st.params, tr.put_batch(batches[1]), st.step)
+    dl, worst = _within(f"resumed on {name}", loss, grads, ref1, factor)
+    print(f"  step 2 resumed on {name}: |dloss| {dl:.2e}, within "
+          f"{100 * worst:.1f}% of the bound; FP32 master of mlp/up split "
+          f"{master.sharding.spec}, {master.addressable_shards[0].data.shape}"
+          f" per device of {master.shape}")
+  print(f"  checkpoint resharded ({time.perf_counter() - t0:.1f}s)")
+
+
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()
           if name.startswith("check_") and callable(fn)
           and name not in ("check_within", "check_dot_general",

@@ -132,9 +132,64 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--resume", action="store_true",
                  help="continue from the latest checkpoint in the run "
                  "directory")
+  p.add_argument("--mesh", metavar="AXIS=N,...", type=_mesh_shape,
+                 help="device mesh, e.g. data=2,fsdp=2,model=2 (axes data: "
+                 "batch; fsdp: batch + parameters and optimizer state; "
+                 "model: tensor parallelism). Sizes multiply to the device "
+                 "count; default: all devices on data")
+  p.add_argument("--distributed", action="store_true",
+                 help="multi-host: call jax.distributed.initialize() first "
+                 "(one process per host, same flags); on SLURM or Open MPI "
+                 "it needs no more, elsewhere give --coordinator, "
+                 "--num-processes and --process-id")
+  p.add_argument("--coordinator", metavar="HOST:PORT",
+                 help="with --distributed: process 0's address")
+  p.add_argument("--num-processes", type=_positive,
+                 help="with --distributed: number of processes")
+  p.add_argument("--process-id", type=_nonnegative,
+                 help="with --distributed: this process's index")
   p.add_argument("--no-progress", action="store_true",
                  help="no progress bar")
   return p
+
+
+MESH_AXES = ("data", "fsdp", "model")
+
+
+def _mesh_shape(text: str) -> dict[str, int]:
+  """`data=2,fsdp=2,model=2` -> `{"data": 2, "fsdp": 2, "model": 2}`."""
+  sizes = {}
+  for part in text.split(","):
+    name, _, value = part.strip().partition("=")
+    if name not in MESH_AXES or not value.isdigit() or int(value) < 1:
+      raise argparse.ArgumentTypeError(
+          f"expected AXIS=N pairs with AXIS in {','.join(MESH_AXES)} and N "
+          f">= 1, e.g. data=2,fsdp=2,model=2; got {text!r}")
+    if name in sizes:
+      raise argparse.ArgumentTypeError(f"axis {name!r} given twice in "
+                                       f"{text!r}")
+    sizes[name] = int(value)
+  return sizes
+
+
+def make_mesh(args):
+  """The run's device mesh: `--mesh`, else all devices on `data`; None on a
+  single device without `--mesh` (the unsharded step)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax import sharding  # pylint: disable=g-import-not-at-top
+  if args.mesh is None and jax.device_count() == 1:
+    return None
+  try:
+    return sharding.make_mesh(**(args.mesh or {}))
+  except ValueError as e:
+    raise UsageError(f"--mesh: {e}") from None
+
+
+def describe_mesh(mesh) -> str:
+  if mesh is None:
+    return "1 device"
+  return (f"{mesh.devices.size} devices, mesh "
+          + " x ".join(f"{a}={n}" for a, n in mesh.shape.items()))
 
 
 def parse_precisions(args) -> list[str]:
@@ -238,6 +293,11 @@ def run(argv: Sequence[str] | None = None) -> int:
 
   # Heavy imports after the flags are known to be good: errors stay fast.
   import jax
+  if args.distributed:
+    jax.distributed.initialize(coordinator_address=args.coordinator,
+                               num_processes=args.num_processes,
+                               process_id=args.process_id)
+  mesh = make_mesh(args)
   from models import format_count
   from models import param_count
   from train import data as data_lib
@@ -257,7 +317,7 @@ def run(argv: Sequence[str] | None = None) -> int:
   print(f"model: GPT {cfg0.preset}, {format_count(param_count(mcfg))} "
         f"parameters (d_model {mcfg.d_model}, {mcfg.num_layers} layers, "
         f"{mcfg.num_heads} heads, {mcfg.mlp}, {mcfg.dtype} compute) on "
-        f"{jax.default_backend()}")
+        f"{jax.default_backend()} ({describe_mesh(mesh)})")
   print(f"training: {cfg0.steps} steps x {cfg0.batch_size} sequences x "
         f"{cfg0.seq_len} tokens, seed {cfg0.seed}; precisions "
         f"{', '.join(precisions)}")
@@ -265,7 +325,7 @@ def run(argv: Sequence[str] | None = None) -> int:
   results = []
   for cfg, out in zip(configs, run_dirs(args)):
     try:
-      trainer = Trainer(cfg, corpus)
+      trainer = Trainer(cfg, corpus, mesh=mesh)
     except ValueError as e:
       raise UsageError(str(e)) from None
     print(f"\n[{cfg.precision}] {trainer.describe()} -> {out}")

@@ -8,6 +8,15 @@ every `ckpt_every`, and `train.report` sums the run up at the end. Everything
 that varies between steps is a function of `(seed, step)` or of the state, so
 a run restored from a checkpoint continues bit-identically.
 
+With a device mesh (`Trainer(..., mesh=)`), the state is sharded as
+`nvfp4_jax.MeshRules` says (parameters, FP32 master weights and optimizer
+moments over `fsdp`; the linear layers over `model`), each batch is split
+over `data` x `fsdp`, and checkpoints hold the sharded state: a run resumed
+on another mesh (or on one device) reshards it and continues.
+
+`TrainState`, `RunResult` and `cross_entropy` are re-exported here, where
+they were defined before the step and the report got modules of their own.
+
 `TrainState`, `RunResult` and `cross_entropy` are re-exported here, where
 they were defined before the step and the report got modules of their own.
 """
@@ -23,6 +32,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import nvfp4_jax
 from models import GPT
@@ -110,10 +122,17 @@ class Trainer:
     corpus: the `data.Corpus` to train on.
     model_cfg: a custom `GPTConfig`; default the preset's (`model_config`).
       Its `vocab_size` must cover the corpus.
+    mesh: a `jax.sharding.Mesh` with axes `data`, `fsdp`, `model`
+      (`nvfp4_jax.sharding.make_mesh`) to train on; None: one device.
+
+  Raises:
+    ValueError: a batch or a layer that does not split over `mesh`.
   """
 
   def __init__(self, cfg: TrainConfig, corpus: data_lib.Corpus,
-               model_cfg: GPTConfig | None = None):
+               model_cfg: GPTConfig | None = None,
+               mesh: jax.sharding.Mesh | None = None):
+
     self.cfg = cfg
     self.corpus = corpus
     if model_cfg is None:
@@ -131,11 +150,87 @@ class Trainer:
     self.eval_data = data_lib.eval_batches(
         corpus.val, batch_size=cfg.micro_batch, seq_len=cfg.seq_len,
         num_batches=cfg.eval_batches * cfg.grad_accum)
+    self.mesh_rules = (None if mesh is None else
+                       nvfp4_jax.MeshRules(mesh=mesh))
     self.fns = StepFunctions(cfg, self.model, self.rules, self.optimizer,
-                             self.schedule)
-    self.init_state = self.fns.init_state
-    self.train_step = jax.jit(self.fns.train_step, donate_argnums=0)
-    self.evaluate = jax.jit(self.fns.evaluate)
+                             self.schedule, mesh_rules=self.mesh_rules)
+    if self.mesh_rules is None:
+      # Jitted as on a mesh: XLA's fused initializers can differ from the
+      # op-by-op ones in the last bit, and every mesh starts from the same
+      # parameters.
+      self.init_state = jax.jit(self.fns.init_state)
+      self.train_step = jax.jit(self.fns.train_step, donate_argnums=0)
+      self.evaluate = jax.jit(self.fns.evaluate)
+    else:
+      self._shard(self.mesh_rules)
+
+  def _shard(self, mr: nvfp4_jax.MeshRules) -> None:
+    """Checks that the run splits over the mesh and jits its functions
+    with the state, batch and evaluation shardings."""
+    cfg = self.cfg
+    dp = mr.data_parallel
+    if cfg.micro_batch % dp:
+      raise ValueError(
+          f"a micro-batch of {cfg.micro_batch} sequences does not split into "
+          f"the {dp} batch shards of mesh axes {mr.batch}; make --batch-size "
+          f"a multiple of {dp * cfg.grad_accum} (grad accumulation x shards) "
+          f"or put fewer devices on {mr.batch}.")
+    abstract = jax.eval_shape(self.fns.init_state)
+    self._check_layers(mr, abstract.params)
+    self.state_shardings = mr.shardings(
+        mr.state_specs(abstract, abstract.params))
+    self.batch_sharding = NamedSharding(mr.mesh, mr.batch_spec(3, axis=1))
+    replicated = NamedSharding(mr.mesh, P())
+    self.init_state = jax.jit(self.fns.init_state,
+                              out_shardings=self.state_shardings)
+    self.train_step = jax.jit(
+        self.fns.train_step, donate_argnums=0,
+        in_shardings=(self.state_shardings, self.batch_sharding),
+        out_shardings=(self.state_shardings, replicated))
+    self.evaluate = jax.jit(
+        self.fns.evaluate,
+        in_shardings=(mr.shardings(mr.param_specs(abstract.params)),
+                      self.batch_sharding, replicated))
+    self.eval_data = self.put_batch(self.eval_data)
+
+  def _check_layers(self, mr: nvfp4_jax.MeshRules, params) -> None:
+    """Raises a ValueError (naming the layer, the dimension and the mesh
+    axes) for a linear layer whose shards would split a scale block."""
+    cfg = self.cfg
+    tokens = cfg.micro_batch * cfg.seq_len
+    steps = [None]
+    if self.rules.late_switch is not None:
+      steps.append(self.rules.late_switch.step)
+    for path in self.layer_paths():
+      node = params
+      for part in path.split("/"):
+        node = node[part]
+      k, n = node["kernel"].shape
+      for step in steps:
+        mr.linear(path).check(self.rules.recipe_at(path, step), tokens, k, n,
+                              name=f"layer {path!r}: ")
+
+  def put_batch(self, batch: np.ndarray) -> jax.Array:
+    """A host batch `[n, sequences, seq_len + 1]` as a device array (split
+    over the mesh's batch axes: each process supplies its devices' shards
+    of the batch that every process computes alike)."""
+    if self.mesh_rules is None:
+      return batch
+    batch = np.asarray(batch)
+    sharding = NamedSharding(self.mesh_rules.mesh,
+                             self.mesh_rules.batch_spec(batch.ndim, axis=1))
+    return jax.make_array_from_callback(batch.shape, sharding,
+                                        lambda idx: batch[idx])
+
+  def abstract_state(self) -> TrainState:
+    """Shapes, dtypes (and, on a mesh, shardings) of the train state."""
+    like = jax.eval_shape(self.fns.init_state)
+    if self.mesh_rules is None:
+      return like
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        like, self.state_shardings)
+
 
   def layer_paths(self) -> list[str]:
     """Module paths of the model's NVFP4Dense projections."""
@@ -216,8 +311,7 @@ class Trainer:
       raise FileNotFoundError(
           f"--resume: no checkpoint in {ckpt.directory}; run without --resume "
           f"to start this run.")
-    like = jax.eval_shape(self.init_state)
-    state, saved = ckpt.restore(step, like)
+    state, saved = ckpt.restore(step, self.abstract_state())
     saved, current = _flatten(saved), _flatten(config)
     diff = sorted(k for k in set(saved) | set(current)
                   if saved.get(k) != current.get(k))
@@ -253,7 +347,7 @@ class Trainer:
     for step in range(start, cfg.steps):
       batch = self.batcher.batch(step).reshape(
           cfg.grad_accum, cfg.micro_batch, cfg.seq_len + 1)
-      state, m = self.train_step(state, batch)
+      state, m = self.train_step(state, self.put_batch(batch))
       done = step + 1
       pending.append((done, m))
       last = done == cfg.steps

@@ -15,10 +15,15 @@ One optimizer step (`StepFunctions.train_step`, jitted by the `Trainer`):
 
 Everything that varies between steps is a function of `(seed, step)` or of the
 state, so a run restored from a checkpoint continues bit-identically.
+
+On a device mesh (`mesh_rules`, a `nvfp4_jax.MeshRules`) the model runs
+under `nvfp4_jax.mesh_rules`: its NVFP4 layers run sharded, and the FP32
+gradient accumulators are kept sharded like the parameters.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -72,17 +77,20 @@ class StepFunctions:
     optimizer: an optimizer whose `update` needs the parameters (the
       `master_weights` wrapper).
     schedule: its learning-rate schedule, reported in the step's metrics.
+    mesh_rules: how to shard the run over a device mesh; None: one device.
   """
 
   def __init__(self, cfg: TrainConfig, model: nn.Module,
                rules: nvfp4_jax.PrecisionRules,
                optimizer: optax.GradientTransformation,
-               schedule: optax.Schedule):
+               schedule: optax.Schedule,
+               mesh_rules: nvfp4_jax.MeshRules | None = None):
     self.cfg = cfg
     self.model = model
     self.rules = rules
     self.optimizer = optimizer
     self.schedule = schedule
+    self.mesh_rules = mesh_rules
     base = jax.random.key(cfg.seed)
     self._init_key = jax.random.fold_in(base, 0)
     self._sr_key = jax.random.fold_in(base, 1)
@@ -90,9 +98,19 @@ class StepFunctions:
 
   def forward(self, params, tokens: jax.Array, step, key) -> jax.Array:
     """Logits of `tokens: int32 [batch, seq]` under the rules at `step`."""
-    with nvfp4_jax.precision_rules(self.rules, step=step):
+    with nvfp4_jax.precision_rules(self.rules, step=step), (
+        nvfp4_jax.mesh_rules(self.mesh_rules) if self.mesh_rules
+        else contextlib.nullcontext()):
       return self.model.apply({"params": params}, tokens,
                               rngs={"nvfp4": key})
+
+  def _like_params(self, tree):
+    """`tree` (shaped like the parameters) kept sharded like them."""
+    if self.mesh_rules is None:
+      return tree
+    specs = self.mesh_rules.param_specs(tree)
+    return jax.lax.with_sharding_constraint(
+        tree, self.mesh_rules.shardings(specs))
 
   def loss(self, params, batch: jax.Array, step, key) -> jax.Array:
     """Mean loss of `batch: int32 [batch, seq_len + 1]` (inputs, targets)."""
@@ -132,11 +150,12 @@ class StepFunctions:
     def micro(carry, xs):
       i, mb = xs
       loss, grads = grad_fn(params, mb, step, jax.random.fold_in(key, i))
-      grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+      grads = self._like_params(
+          jax.tree.map(lambda g: g.astype(jnp.float32), grads))
       return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
-    zeros = (jnp.zeros((), jnp.float32),
-             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    zeros = (jnp.zeros((), jnp.float32), self._like_params(
+        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))
     n = batch.shape[0]
     (loss, grads), _ = jax.lax.scan(micro, zeros, (jnp.arange(n), batch))
     return loss / n, jax.tree.map(lambda g: g / n, grads)
