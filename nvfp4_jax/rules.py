@@ -149,10 +149,14 @@ class PrecisionRules:
     """The recipe of every layer, as a pytree shaped like `params`.
 
     Args:
-      params: a model's parameters (a nested dict; a top-level "params"
-        collection is unwrapped).
-      layer_paths: the paths of the NVFP4 layers (see `nvfp4_layer_paths`).
-        By default every sub-dict holding a "kernel" counts as one.
+      params: a model's parameters (a nested dict, a top-level "params"
+        collection is unwrapped; or an NNX `nnx.State`).
+      layer_paths: the paths of the layers the library runs (from tracing:
+        `nvfp4_layer_paths`, or the keys `inject_nnx` returns). Without them
+        every sub-dict holding a 2-D "kernel" counts as one -- a guess that
+        never counts convolutions (their kernels have 3 or more dims) but
+        misses `DenseGeneral`/`Einsum` kernels and counts heads whose sizes
+        cannot be quantized.
       strict: raise if a rule matches no layer.
 
     Returns:
@@ -163,6 +167,8 @@ class PrecisionRules:
     Raises:
       ValueError: with `strict`, naming the rules that matched nothing.
     """
+    if hasattr(params, "to_pure_dict"):  # nnx.State
+      params = params.to_pure_dict()
     if isinstance(params, dict) and set(params) == {"params"}:
       params = params["params"]
     params = jax.tree_util.tree_map(lambda x: x, params)  # FrozenDict -> dict.
@@ -186,7 +192,11 @@ class PrecisionRules:
     return walk(params, "")
 
   def summary(self, params: Any, **kwargs) -> str:
-    """A printable table: layer path -> recipe name."""
+    """A printable table: layer path -> recipe name (before a late switch).
+
+    Takes `resolve`'s arguments; pass `layer_paths` from tracing to list
+    exactly the layers the library runs.
+    """
     resolved = self.resolve(params, **kwargs)
     rows = []
 
@@ -203,7 +213,7 @@ class PrecisionRules:
 
 def _kernel_paths(params: Any, path: str = "") -> Iterator[str]:
   if isinstance(params, dict):
-    if "kernel" in params and not isinstance(params["kernel"], dict):
+    if getattr(params.get("kernel"), "ndim", None) == 2:
       yield path
     for k, v in params.items():
       if isinstance(v, dict):
