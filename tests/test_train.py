@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import tqdm
 
 import nvfp4_jax as nv
 from models import preset
@@ -424,8 +425,8 @@ def test_tensor_stats_flushed_and_saturated():
 
 
 def test_progress_bar_shows_loss_tokens_per_second_and_eta(monkeypatch):
-  clock = iter(range(0, 1000))
-  monkeypatch.setattr(metrics.time, "perf_counter", lambda: float(next(clock)))
+  now = [0.0]
+  monkeypatch.setattr(tqdm.std, "time", lambda: now[0])  # tqdm's clock.
 
   class Terminal(io.StringIO):
     def isatty(self):
@@ -435,14 +436,19 @@ def test_progress_bar_shows_loss_tokens_per_second_and_eta(monkeypatch):
   for stream in (log, tty):
     bar = metrics.Progress(20, stream=stream, label="nvfp4 ")
     for step in range(1, 21):
-      bar.update(step, 3.0 - 0.1 * step, 2048)  # One second per step.
+      now[0] += 1.0 if step > 1 else 100.0  # Compiling, then 1 s per step.
+      bar.update(step, 3.0 - 0.1 * step, 2048)
     bar.close()
   lines = log.getvalue().splitlines()
   assert 10 <= len(lines) <= 12  # About every 10% when not a terminal.
-  assert lines[5].startswith("nvfp4 [")
-  assert "10/20 loss 2.0000 2.0k tok/s ETA 0:10" in lines[5]
-  assert lines[-1].endswith("20/20 loss 1.0000 2.0k tok/s ETA 0:00")
-  assert tty.getvalue().count("\r") == 20 and tty.getvalue().endswith("\n")
+  assert "\r" not in log.getvalue()
+  assert lines[0].startswith("nvfp4:   5%|")
+  # Rates and the ETA leave out the first step (compilation).
+  assert lines[5].endswith("11/20 [00:10<00:09, loss 1.9000, 2.05k tok/s]")
+  assert lines[-1].endswith("20/20 [00:19<00:00, loss 1.0000, 2.05k tok/s]")
+  out = tty.getvalue()
+  assert out.count("\r") >= 20 and out.endswith("\n")  # Redrawn in place.
+  assert out.rstrip().rsplit("\r", 1)[-1] == lines[-1]
   quiet = io.StringIO()
   bar = metrics.Progress(20, stream=quiet, enabled=False)
   bar.update(1, 1.0, 10)

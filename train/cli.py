@@ -22,6 +22,8 @@ from models import PRESETS
 from models.gpt import ATTENTION_KINDS
 from models.gpt import REMAT_KINDS
 from nvfp4_jax.recipe import FOUR_OVER_SIX_MODES
+from train.config import MAX_SEED
+from train.config import MAX_STEPS
 from train.config import PRECISIONS
 from train.config import SWITCH_MODES
 from train.config import TrainConfig
@@ -39,26 +41,38 @@ class _Parser(argparse.ArgumentParser):
     raise UsageError(message)
 
 
-def _positive(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got "
-                                     f"{text!r}") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got "
-                                     f"{text!r}")
-  return value
+def _int_in(low: int, high: int | None = None, what: str | None = None):
+  """An argparse type: an integer in `[low, high]` (no upper bound: None)."""
+  below = what or {0: "an integer >= 0", 1: "a positive integer"}[low]
+  above = what or f"an integer in [{low}, {high}]"
+
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      value = low - 1
+    if value < low:
+      raise argparse.ArgumentTypeError(f"expected {below}, got {text!r}")
+    if high is not None and value > high:
+      raise argparse.ArgumentTypeError(f"expected {above}, got {text!r}")
+    return value
+  return parse
 
 
-def _nonnegative(text: str) -> int:
+# Sizes and counts fit an int32 (the step counter is one): a larger value is
+# a typo, and would fail deep inside NumPy or XLA.
+_positive = _int_in(1, MAX_STEPS)
+_nonnegative = _int_in(0, MAX_STEPS)
+
+
+def _positive_float(text: str) -> float:
   try:
-    value = int(text)
+    value = float(text)
   except ValueError:
-    value = -1
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got "
-                                     f"{text!r}")
+    value = math.nan
+  if not (math.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(f"expected a positive finite number, "
+                                     f"got {text!r}")
   return value
 
 
@@ -77,17 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
   what.add_argument("--compare", metavar="P1,P2[,...]",
                     help="train one run per precision on the same data, "
                     "seed and steps (default bf16,nvfp4)")
-  p.add_argument("--steps", type=_positive, help="optimizer steps "
-                 "(preset default)")
+  p.add_argument("--steps", type=_positive,
+                 help="optimizer steps (preset default)")
   p.add_argument("--batch-size", type=_positive,
                  help="sequences per step (preset default)")
   p.add_argument("--seq-len", type=_positive,
                  help="tokens per sequence (preset default)")
   p.add_argument("--grad-accum", type=_positive,
                  help="micro-batches per step (preset default)")
-  p.add_argument("--lr", type=float, help="peak learning rate (preset "
-                 "default)")
-  p.add_argument("--seed", type=int, default=0,
+  p.add_argument("--lr", type=_positive_float, help="peak learning rate "
+                 "(preset default)")
+  p.add_argument("--seed", default=0, type=_int_in(
+      0, MAX_SEED, what=f"an integer in [0, {MAX_SEED}]"),
                  help="seeds the initialization, the data order and the "
                  "stochastic rounding (default 0)")
   p.add_argument("--mlp", choices=("swiglu", "relu2"),
@@ -252,11 +267,23 @@ def make_configs(args, precisions: list[str]) -> list[TrainConfig]:
 
 
 def check_paths(args) -> None:
+  if args.data is not None and not args.data.strip():
+    raise UsageError(f"--data {args.data!r} is an empty path; give a text "
+                     f"file, a directory or a .bin token file")
   if args.data is not None and not pathlib.Path(args.data).expanduser().exists():
     raise UsageError(f"--data {args.data}: no such file or directory")
+  if not args.out.strip():
+    raise UsageError(f"--out {args.out!r} is an empty path; use --out . for "
+                     f"the current directory")
   out = pathlib.Path(args.out)
   if out.exists() and not out.is_dir():
     raise UsageError(f"--out {args.out}: exists and is not a directory")
+  # The first existing ancestor must be a directory for the run to create
+  # its own below it.
+  parent = next(p for p in out.absolute().parents if p.exists())
+  if not parent.is_dir():
+    raise UsageError(f"--out {args.out}: {parent} is a file, not a "
+                     f"directory; choose another --out")
   if args.resume:
     for run in run_dirs(args):
       if not (run / "checkpoints").is_dir():
@@ -301,6 +328,8 @@ def run(argv: Sequence[str] | None = None) -> int:
   from models import format_count
   from models import param_count
   from train import data as data_lib
+  from train.checkpoint import ConfigMismatchError
+  from train.checkpoint import NoCheckpointError
   from train.loop import Trainer
   from train.loop import model_config
   from train.plots import plot_losses
@@ -309,6 +338,7 @@ def run(argv: Sequence[str] | None = None) -> int:
   t_start = time.perf_counter()
   try:
     corpus = data_lib.load_corpus(args.data)
+    corpus.check_seq_len(configs[0].seq_len)
   except (OSError, ValueError) as e:
     raise UsageError(str(e)) from None
   cfg0 = configs[0]
@@ -328,6 +358,10 @@ def run(argv: Sequence[str] | None = None) -> int:
       trainer = Trainer(cfg, corpus, mesh=mesh)
     except ValueError as e:
       raise UsageError(str(e)) from None
+    except MemoryError:
+      raise UsageError(
+          f"not enough memory for batches of --batch-size {cfg.batch_size} "
+          f"x --seq-len {cfg.seq_len} tokens; use smaller values") from None
     print(f"\n[{cfg.precision}] {trainer.describe()} -> {out}")
     # From the traced step, not the configuration: what really runs.
     batch = jax.ShapeDtypeStruct(
@@ -336,8 +370,12 @@ def run(argv: Sequence[str] | None = None) -> int:
         trainer.fns.train_step, jax.eval_shape(trainer.fns.init_state),
         batch).summary())
     t0 = time.perf_counter()
-    result = trainer.run(out, resume=args.resume, progress=not args.no_progress,
-                         label=f"{cfg.precision:>5} ")
+    try:
+      result = trainer.run(out, resume=args.resume,
+                           progress=not args.no_progress,
+                           label=f"{cfg.precision:>5} ")
+    except (NoCheckpointError, ConfigMismatchError) as e:
+      raise UsageError(str(e)) from None
     print(f"[{cfg.precision}] train loss {result.final_train_loss:.4f}, val "
           f"loss {result.final_val_loss:.4f}, {result.skipped} skipped steps, "
           f"{time.perf_counter() - t0:.0f}s; plots: {result.loss_plot}"
@@ -354,6 +392,10 @@ def run(argv: Sequence[str] | None = None) -> int:
     print(f"\ncomparison plot: {plot}")
   print(f"done in {time.perf_counter() - t_start:.0f}s")
   bad = [r for r in results if not math.isfinite(r.final_val_loss)]
+  for r in bad:
+    print(f"{PROG}: the {r.config.precision} run diverged (validation loss "
+          f"{r.final_val_loss}, {r.skipped} skipped steps); try a lower --lr",
+          file=sys.stderr)
   return 1 if bad else 0
 
 

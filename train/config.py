@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from models import PRESETS
@@ -13,6 +14,10 @@ from models.gpt import check_choice
 from nvfp4_jax.recipe import FOUR_OVER_SIX_MODES
 
 PRECISIONS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
+# The step counter is an int32 on the device; seeds feed NumPy's and JAX's
+# generators as uint32.
+MAX_STEPS = 2**31 - 1
+MAX_SEED = 2**32 - 1
 SWITCH_MODES = ("all", "forward")
 
 # Steps, global batch, sequence length, micro-batches and peak learning rate
@@ -121,8 +126,17 @@ class TrainConfig:
           f"batch_size={self.batch_size} is not divisible by grad_accum="
           f"{self.grad_accum}; each micro-batch must hold the same number of "
           f"sequences.")
-    if self.lr <= 0 or self.clip_norm <= 0:
-      raise ValueError("lr and clip_norm must be positive.")
+    if self.steps > MAX_STEPS:
+      raise ValueError(f"steps={self.steps} exceeds {MAX_STEPS}, the range of "
+                       f"the int32 step counter; train fewer steps.")
+    for name in ("lr", "clip_norm"):
+      v = getattr(self, name)
+      if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be a positive finite number, got "
+                         f"{v!r}.")
+    if not (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED):
+      raise ValueError(f"seed must be an integer in [0, {MAX_SEED}], got "
+                       f"{self.seed!r}.")
     if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
       raise ValueError(f"warmup_steps must be in [0, steps), got "
                        f"{self.warmup_steps}.")

@@ -70,6 +70,23 @@ class Corpus:
     return (f"{self.source}: {len(self.train):,} train / {len(self.val):,} "
             f"val tokens{files}, vocab {self.vocab_size}")
 
+  def check_seq_len(self, seq_len: int) -> None:
+    """Raises unless both streams hold a sequence of `seq_len` + 1 tokens.
+
+    Raises:
+      ValueError: naming the corpus, the sizes of its streams and the fix.
+    """
+    short = [name for name, stream in (("train", self.train),
+                                       ("val", self.val))
+             if num_windows(stream, seq_len) < 1]
+    if short:
+      raise ValueError(
+          f"{self.source}: {len(self.train):,} train / {len(self.val):,} val "
+          f"tokens: the {' and '.join(short)} "
+          f"{'streams hold' if len(short) > 1 else 'stream holds'} fewer than "
+          f"the {seq_len + 1} tokens of one sequence (--seq-len {seq_len} plus "
+          f"the next-token target); use a smaller --seq-len or more data.")
+
 
 def stdlib_root() -> pathlib.Path:
   """The directory of this interpreter's standard library."""
@@ -156,7 +173,8 @@ def read_bin(path: str | os.PathLike) -> np.ndarray:
   if size == 0 or size % 2:
     raise ValueError(
         f"{path}: a .bin token file holds uint16 ids (an even, nonzero number "
-        f"of bytes); it has {size} bytes.")
+        f"of bytes); it has {size} bytes. Write one with "
+        f"train.data.write_bin, or give a text file another suffix.")
   return np.memmap(path, dtype="<u2", mode="r")
 
 
@@ -181,12 +199,16 @@ def load_corpus(data: str | os.PathLike | None = None, *,
 
   Raises:
     FileNotFoundError: the path does not exist or the directory has no files.
-    ValueError: bad fraction, an empty or malformed file.
+    ValueError: bad fraction, an empty path, a file or directory without
+      text, a malformed `.bin` file.
   """
   if not 0.0 < val_fraction < 0.5:
     raise ValueError(f"val_fraction must be in (0, 0.5), got {val_fraction}.")
   if data is None:
     return stdlib_corpus(val_fraction)
+  if not os.fspath(data).strip():
+    raise ValueError(f"--data {os.fspath(data)!r} is an empty path; give a "
+                     f"text file, a directory or a .bin token file.")
   path = pathlib.Path(data).expanduser()
   if not path.exists():
     raise FileNotFoundError(f"--data {data}: no such file or directory.")
@@ -197,7 +219,11 @@ def load_corpus(data: str | os.PathLike | None = None, *,
         key=lambda p: p.relative_to(path).as_posix())
     if not paths:
       raise FileNotFoundError(f"--data {data}: the directory has no files.")
-    return _files_corpus(path, paths, val_fraction, f"directory {path}")
+    corpus = _files_corpus(path, paths, val_fraction, f"directory {path}")
+    if len(corpus.train) + len(corpus.val) == len(paths):  # EOS tokens only.
+      raise ValueError(f"--data {data}: the directory's {len(paths)} files "
+                       f"hold no text (empty, or NUL bytes only).")
+    return corpus
   if path.suffix == ".bin":
     tokens = read_bin(path)
     train, val = _position_split(tokens, val_fraction)
@@ -205,7 +231,8 @@ def load_corpus(data: str | os.PathLike | None = None, *,
                   source=f"token file {path}")
   tokens = _pack([path])
   if len(tokens) < 2:
-    raise ValueError(f"--data {data}: the file is empty.")
+    raise ValueError(f"--data {data}: the file holds no text (empty, or NUL "
+                     f"bytes only).")
   train, val = _position_split(tokens, val_fraction)
   return Corpus(train=train, val=val, vocab_size=BYTE_VOCAB,
                 source=f"text file {path}")

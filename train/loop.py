@@ -28,7 +28,7 @@ import json
 import pathlib
 import shutil
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,7 @@ from models import preset as model_preset
 from train import data as data_lib
 from train import report
 from train.checkpoint import Checkpointer
+from train.checkpoint import NoCheckpointError
 from train.config import TrainConfig
 from train.metrics import MetricsLog
 from train.metrics import Progress
@@ -100,12 +101,6 @@ def run_recipe(cfg: TrainConfig) -> nvfp4_jax.Recipe:
   if cfg.precision == "mxfp4":
     return nvfp4_jax.Recipe.mxfp4(stochastic_rounding=cfg.sr)
   return nvfp4_jax.Recipe.from_name(cfg.precision)
-
-
-def _flatten(config: dict[str, dict[str, Any]]) -> dict[str, Any]:
-  """`{"train": {"lr": ...}}` -> `{"train.lr": ...}`."""
-  return {f"{group}.{k}": v for group, fields in config.items()
-          for k, v in fields.items()}
 
 
 class Trainer:
@@ -265,8 +260,10 @@ class Trainer:
       A `RunResult`.
 
     Raises:
-      FileNotFoundError: `resume` without a checkpoint.
-      ValueError: `resume` with a different config.
+      train.checkpoint.NoCheckpointError: `resume` without a complete
+        checkpoint (a `FileNotFoundError`).
+      train.checkpoint.ConfigMismatchError: `resume` with a different config
+        (a `ValueError`).
     """
     cfg = self.cfg
     out = pathlib.Path(out_dir)
@@ -276,7 +273,7 @@ class Trainer:
               "model": dataclasses.asdict(self.model_cfg)}
     if resume:
       if not ckpt_dir.is_dir():
-        raise FileNotFoundError(
+        raise NoCheckpointError(
             f"--resume: no checkpoint in {ckpt_dir}; run without --resume to "
             f"start this run.")
     else:
@@ -308,20 +305,10 @@ class Trainer:
       return self.init_state()
     step = ckpt.latest_step()
     if step is None:
-      raise FileNotFoundError(
-          f"--resume: no checkpoint in {ckpt.directory}; run without --resume "
-          f"to start this run.")
-    state, saved = ckpt.restore(step, self.abstract_state())
-    saved, current = _flatten(saved), _flatten(config)
-    diff = sorted(k for k in set(saved) | set(current)
-                  if saved.get(k) != current.get(k))
-    if diff:
-      changes = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
-                          for k in diff)
-      raise ValueError(
-          f"--resume: the checkpoint in {ckpt.directory} was written by a "
-          f"different configuration ({changes}); use the same flags or a new "
-          f"--out.")
+      raise NoCheckpointError(
+          f"--resume: no complete checkpoint in {ckpt.directory}; run without "
+          f"--resume to start this run.")
+    state, _ = ckpt.restore(step, self.abstract_state(), config=config)
     return TrainState(*state)
 
   def _loop(self, state, start, log, ckpt, config, progress, label,

@@ -13,12 +13,12 @@ Every record is one JSON object per line with a `kind`:
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 import sys
-import time
 from typing import Any, Iterable, TextIO
+
+import tqdm
 
 
 class MetricsLog:
@@ -75,78 +75,77 @@ def select(records: Iterable[dict[str, Any]], kind: str) -> list[dict]:
   return [r for r in records if r.get("kind") == kind]
 
 
-def _fmt_time(seconds: float) -> str:
-  if not math.isfinite(seconds):
-    return "?"
-  seconds = int(round(seconds))
-  h, rem = divmod(seconds, 3600)
-  m, s = divmod(rem, 60)
-  return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+class _Lines:
+  """A stream for tqdm where the output is not a terminal (a log file, CI):
+  each redraw of the bar becomes a line of its own instead of a `\r`
+  overwrite."""
 
+  def __init__(self, stream: TextIO):
+    self._stream = stream
+    self._last = None
 
-def _fmt_rate(x: float) -> str:
-  for unit, scale in (("M", 1e6), ("k", 1e3)):
-    if x >= scale:
-      return f"{x / scale:.1f}{unit}"
-  return f"{x:.0f}"
+  def write(self, text: str) -> None:
+    line = text.replace("\r", "").rstrip()
+    if line and line != self._last:
+      self._last = line
+      self._stream.write(line + "\n")
+
+  def flush(self) -> None:
+    self._stream.flush()
 
 
 class Progress:
-  """A one-line progress bar: step, loss, tokens/s, ETA.
+  """A tqdm progress bar of the optimizer steps: step, loss, tokens/s, ETA.
 
-  On a terminal the line is redrawn in place; otherwise (logs, CI) a plain
+  On a terminal the bar is redrawn in place; otherwise (logs, CI) a plain
   line is printed about every 10% of the run. `enabled=False` prints nothing.
+  The bar starts at the first `update`, so the rates and the ETA leave out
+  the compilation that the first step includes.
+
+  Args:
+    total: the run's last step.
+    start: the step the run starts from (a resumed run's checkpoint).
+    label: shown before the bar (e.g. the precision).
+    enabled: False prints nothing.
+    stream: where the bar goes (default stderr).
   """
 
   def __init__(self, total: int, *, start: int = 0, label: str = "",
                enabled: bool = True, stream: TextIO | None = None):
     self.total = total
     self.start = start
-    self.label = label
+    self.label = label.strip()
     self.enabled = enabled and total > start
     self.stream = sys.stderr if stream is None else stream
     self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-    self._t0 = None
+    self._bar = None
     self._tokens = 0
-    self._last_print = -1
-    self._open = False
 
   def update(self, step: int, loss: float, tokens: int) -> None:
     """Reports that `step` is done; `tokens` processed since the last call."""
     if not self.enabled:
       return
-    now = time.perf_counter()
-    if self._t0 is None:
+    if self._bar is None:
       # The first update includes compilation: rates start after it.
-      self._t0, self._first = now, step
-      self._tokens = 0
-    else:
-      self._tokens += tokens
-    elapsed = now - self._t0
-    done = step - self._first
-    rate = self._tokens / elapsed if elapsed > 0 and done else float("nan")
-    eta = (self.total - step) * elapsed / done if done else float("nan")
-    width = 24
-    filled = int(width * step / self.total)
-    line = (f"{self.label}[{'#' * filled}{'.' * (width - filled)}] "
-            f"{step}/{self.total} loss {loss:.4f} "
-            f"{_fmt_rate(rate) if math.isfinite(rate) else '?'} tok/s "
-            f"ETA {_fmt_time(eta)}")
-    if self.tty:
-      self.stream.write("\r" + line + "\x1b[K")
-      self._open = step < self.total
-      if not self._open:
-        self.stream.write("\n")
-      self.stream.flush()
-    else:
-      tenth = (10 * (step - self.start)) // max(1, self.total - self.start)
-      if tenth != self._last_print or step >= self.total:
-        self._last_print = tenth
-        self.stream.write(line + "\n")
-        self.stream.flush()
+      tenth = -((step - self.total) // 10)  # Steps in 10% of the rest.
+      self._bar = tqdm.tqdm(
+          total=self.total, initial=step, desc=self.label or None,
+          unit="step", file=self.stream if self.tty else _Lines(self.stream),
+          dynamic_ncols=self.tty, smoothing=0, leave=True,
+          mininterval=0.1 if self.tty else 0,
+          miniters=None if self.tty else max(1, tenth),
+          bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} "
+          "[{elapsed}<{remaining}{postfix}]",
+          postfix=f"loss {loss:.4f}, ? tok/s")
+      return
+    self._tokens += tokens
+    elapsed = self._bar.format_dict["elapsed"]
+    rate = (f"{tqdm.tqdm.format_sizeof(self._tokens / elapsed)} tok/s"
+            if elapsed > 0 else "? tok/s")
+    self._bar.set_postfix_str(f"loss {loss:.4f}, {rate}", refresh=False)
+    self._bar.update(step - self._bar.n)
 
   def close(self) -> None:
-    if self._open:
-      self._open = False
-      self.stream.write("\n")
-      self.stream.flush()
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None
