@@ -54,7 +54,7 @@ def restore_run(run_dir: str | pathlib.Path):
   corpus = data_lib.Corpus(train=tokens, val=tokens,
                            vocab_size=mcfg.vocab_size, source="export")
   trainer = Trainer(cfg, corpus, mcfg)
-  ckpt = Checkpointer(run / "checkpoints")
+  ckpt = Checkpointer(run / "checkpoints", read_only=True)
   try:
     step = ckpt.latest_step()
     if step is None:
