@@ -31,6 +31,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import functools  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -222,7 +223,7 @@ def _operands(recipe, x, w, dy, key):
 def _check_collectives(compiled, sh, k, n):
   """Only quantized weights are all-gathered (uint8 codes and scale bytes,
   ~4 bits per element): no activation, and no high-precision weight."""
-  cs = shd.collectives(compiled)
+  cs = [c for c in shd.collectives(compiled) if not c.trivial]
   gathers = [c for c in cs if c.op == "all-gather"]
   assert all(set(c.dtypes) == {"u8"} for c in gathers), [
       c.line for c in gathers]
@@ -421,6 +422,39 @@ def _within(what, loss, grads, ref, factor):
   return dl, worst
 
 
+def _check_step_collectives(name, compiled):
+  """What the sharded step communicates. Inside the NVFP4 layers (their
+  `nvfp4_layer[...]` name scopes in the HLO metadata) every all-gather
+  moves quantized weight bytes (uint8), except the weight of a GEMM the
+  recipe keeps in BF16: no activation is gathered, and no weight travels
+  in high precision for a quantized GEMM; the other
+  collectives there are amax maxima (uint32) and FP32 sums (row-parallel
+  outputs, column-parallel input gradients, weight gradients). Outside
+  them XLA partitions the high-precision parts itself: it gathers the
+  head's weight, and the embedding's lookup and scatter over a
+  vocabulary-split table move token ids and the (small) output gradient;
+  with tensor parallelism it also reshards the attention's activations
+  (all-to-all, collective-permute), because the fused qkv kernel's columns
+  are split contiguously over `model`, not by heads."""
+  cs = [c for c in shd.collectives(compiled) if not c.trivial]
+  inside = [c for c in cs if "nvfp4_layer[" in c.line]
+  for c in inside:
+    if c.op == "all-gather":
+      # Only a GEMM the recipe keeps in BF16 gathers its weight unquantized.
+      tag = re.search(r"nvfp4_layer\[[^|]*\|([^\]]*)\]", c.line).group(1)
+      assert set(c.dtypes) == {"u8"} or "=bf16" in tag, (name, c.line)
+    else:
+      assert c.op in ("all-reduce", "reduce-scatter"), (name, c.line)
+      assert set(c.dtypes) <= {"u32", "f32"}, (name, c.line)
+  summary = {"NVFP4 layers": {}, "elsewhere": {}}
+  for c in cs:
+    where = summary["NVFP4 layers" if c in inside else "elsewhere"]
+    key = f"{c.op} {'/'.join(sorted(set(c.dtypes)))}"
+    where[key] = where.get(key, 0) + c.result_bytes
+  for where, d in summary.items():
+    print(f"    {where}, bytes per device: {d}")
+
+
 def check_gpt_step():
   """One train step from the same state and batch on each mesh kind, and a
   mesh checkpoint resumed on one device and on another mesh.
@@ -477,12 +511,14 @@ def check_gpt_step():
         np.testing.assert_array_equal(a, b)  # Every mesh starts alike.
     else:
       st = jax.device_put(state, tr.state_shardings)
-    fn = jax.jit(tr.fns.loss_and_grads)
+    fn = jax.jit(tr.fns.loss_and_grads).lower(
+        st.params, tr.put_batch(batches[0]), st.step).compile()
     meshes[name] = (tr, fn)
     loss, grads = fn(st.params, tr.put_batch(batches[0]), st.step)
     dl, worst = _within(name, loss, grads, ref0, factor)
     print(f"  {name} {sizes}: |dloss| {dl:.2e}, within {100 * worst:.1f}% "
           f"of the bound ({time.perf_counter() - t0:.1f}s)")
+    _check_step_collectives(name, fn)
 
   # A trained state, checkpointed on one device and resumed on two meshes:
   # the restored state is bit for bit the saved one (resharded), and the
