@@ -531,7 +531,12 @@ def check_gpt_step():
     ckpt.save(1, trained, {"run": "one device"})
     resumed = {name: ckpt.restore(1, meshes[name][0].abstract_state())[0]
                for name in ("mixed", "dp")}
+    # And back: the mixed mesh's (sharded) state onto one device.
+    ckpt.save(2, resumed["mixed"], {"run": "mesh"})
+    back, _ = ckpt.restore(2, one.abstract_state())
     ckpt.close()
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(saved)):
+    np.testing.assert_array_equal(np.asarray(a), b)
   ref1 = reference(trained, 1)
   for name, st in resumed.items():
     for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(saved)):

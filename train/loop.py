@@ -218,13 +218,17 @@ class Trainer:
                                         lambda idx: batch[idx])
 
   def abstract_state(self) -> TrainState:
-    """Shapes, dtypes (and, on a mesh, shardings) of the train state."""
+    """Shapes, dtypes and shardings of the train state (what a checkpoint
+    restores onto, whatever mesh wrote it)."""
     like = jax.eval_shape(self.fns.init_state)
     if self.mesh_rules is None:
-      return like
+      one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      shardings = jax.tree.map(lambda _: one, like)
+    else:
+      shardings = self.state_shardings
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        like, self.state_shardings)
+        like, shardings)
 
 
   def layer_paths(self) -> list[str]:
