@@ -16,9 +16,6 @@ on another mesh (or on one device) reshards it and continues.
 
 `TrainState`, `RunResult` and `cross_entropy` are re-exported here, where
 they were defined before the step and the report got modules of their own.
-
-`TrainState`, `RunResult` and `cross_entropy` are re-exported here, where
-they were defined before the step and the report got modules of their own.
 """
 
 from __future__ import annotations
@@ -127,7 +124,6 @@ class Trainer:
   def __init__(self, cfg: TrainConfig, corpus: data_lib.Corpus,
                model_cfg: GPTConfig | None = None,
                mesh: jax.sharding.Mesh | None = None):
-
     self.cfg = cfg
     self.corpus = corpus
     if model_cfg is None:
@@ -229,7 +225,6 @@ class Trainer:
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         like, shardings)
-
 
   def layer_paths(self) -> list[str]:
     """Module paths of the model's NVFP4Dense projections."""
