@@ -34,6 +34,7 @@ def restore_run(run_dir: str | pathlib.Path):
   from train.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
   from train.config import TrainConfig  # pylint: disable=g-import-not-at-top
   from train.loop import Trainer  # pylint: disable=g-import-not-at-top
+  from train.step import TrainState  # pylint: disable=g-import-not-at-top
 
   run = pathlib.Path(run_dir)
   config_path = run / "config.json"
@@ -63,7 +64,7 @@ def restore_run(run_dir: str | pathlib.Path):
     state, _ = ckpt.restore(step, jax.eval_shape(trainer.fns.init_state))
   finally:
     ckpt.close()
-  master = nvfp4_jax.master_params(state[2])  # TrainState.opt_state
+  master = nvfp4_jax.master_params(TrainState(*state).opt_state)
   return cfg, mcfg, step, master, trainer.rules
 
 
