@@ -18,6 +18,8 @@ lower to Triton with the same results:
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Callable
 
 import jax
@@ -106,12 +108,34 @@ def cdiv(a: int, b: int) -> int:
 
 def pallas_call(kernel, *, interpret: bool, num_warps: int, num_stages: int,
                 name: str, **kwargs) -> Any:
-  """`pl.pallas_call` with Triton compiler parameters (or interpret mode)."""
-  return pl.pallas_call(
+  """`pl.pallas_call` with Triton compiler parameters (or interpret mode).
+
+  Under `jax.set_mesh` with Explicit axes the kernel runs in `auto_axes`,
+  replicated: Pallas gives a kernel's blocks their operand's sharding, and
+  the Triton lowering of a reduction rejects an Explicit one ("Length of
+  sharding.spec (2) must be equal to aval's ndim (1)", jax 0.11). Sharded
+  training goes through `nvfp4_jax.sharding` (shard_map), not this path.
+  """
+  call = pl.pallas_call(
       kernel, interpret=interpret, name=name,
       compiler_params=plt.CompilerParams(num_warps=num_warps,
                                          num_stages=num_stages),
       **kwargs)
+  out_shape = kwargs["out_shape"]
+
+  @functools.wraps(call)
+  def run(*args):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not any(t == jax.sharding.AxisType.Explicit
+                             for t in mesh.axis_types):
+      return call(*args)
+    if isinstance(out_shape, (list, tuple)):
+      specs = tuple(jax.sharding.PartitionSpec() for _ in out_shape)
+      return type(out_shape)(jax.sharding.auto_axes(
+          lambda *a: tuple(call(*a)), out_sharding=specs)(*args))
+    return jax.sharding.auto_axes(
+        call, out_sharding=jax.sharding.PartitionSpec())(*args)
+  return run
 
 
 def scalar_spec(n: int) -> pl.BlockSpec:

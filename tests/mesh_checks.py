@@ -368,7 +368,7 @@ def _term_sums(trainer, capture, params, batch, step):
   scale rounding included), from each layer's captured input, output and
   output cotangent (which holds the loss mean's 1/N)."""
   loss, rec, dys = capture(params, batch, step)
-  sums = {}
+  sums, flips = {}, {}
   for path, (x, y) in rec.items():
     dy = np.abs(np.asarray(dys[path], np.float64).reshape(-1, y.shape[-1]))
     if path == "embed":
@@ -391,9 +391,15 @@ def _term_sums(trainer, capture, params, batch, step):
       a = block_max(nv.rht(jnp.asarray(xa.T, jnp.float32)))
       b = block_max(nv.rht(jnp.asarray(dy.T, jnp.float32)))
       sums[f"{path}/kernel"] = (17 / 16) ** 2 * (1 + 2.0 ** -10) * (a @ b.T)
+      # One operand code that crossed a rounding boundary (see
+      # `check_gpt_step`) moves one term by at most the gap between two
+      # neighbouring E2M1 values, 2 scales <= (17/16) x its block's max / 3,
+      # times its partner (<= 17/16 of the partner's block max).
+      flips[f"{path}/kernel"] = ((17 / 16) ** 2 * (1 + 2.0 ** -10) / 3 *
+                                 np.max(a[:, None, :] * b[None, :, :], -1))
     else:
       sums[f"{path}/kernel"] = np.abs(xa).T @ dy
-  return float(loss), sums
+  return float(loss), sums, flips
 
 
 def _get(tree, path):
@@ -409,17 +415,24 @@ def _flat(tree):
 
 def _within(what, loss, grads, ref, factor):
   """|loss - ref loss| and every |g - ref g| within `factor` x their
-  per-token term sums; returns the worst ratio to the bound."""
-  loss0, grads0, sums = ref
+  per-token term sums, plus, in an NVFP4 Wgrad, one flipped operand code
+  per entry (counted); returns the worst ratio to the bound and the number
+  of entries that needed the flip."""
+  loss0, grads0, sums, flips = ref
   dl = abs(float(loss) - loss0)
   assert dl <= factor * loss0, (what, dl)  # S = N * loss, and loss is / N.
-  worst = dl / (factor * loss0)
+  worst, flipped = dl / (factor * loss0), 0
   for path, g in _flat(grads).items():
     err = np.abs(g - grads0[path])
     bound = factor * sums[path]  # The cotangents hold the mean's 1/N.
+    over = err > bound
+    if path in flips:
+      flipped += int(np.sum(over))
+      bound = bound + np.where(over, flips[path], 0)
     assert np.all(err <= bound), (what, path, float(np.max(err - bound)))
-    worst = max(worst, float(np.max(err / np.maximum(bound, 1e-45))))
-  return dl, worst
+    worst = max(worst, float(np.max(
+        np.where(over, 0, err) / np.maximum(factor * sums[path], 1e-45))))
+  return dl, worst, flipped
 
 
 def _check_step_collectives(name, compiled):
@@ -476,8 +489,12 @@ def check_gpt_step():
   D F) S`, and the same for the loss (a mean of N non-negative
   cross-entropies: `S = N * loss`). Quantized operands carry no error term:
   they are bit for bit equal (tests of the quantizers and of dot_general)
-  unless a value crossed a rounding boundary, which this bound would not
-  cover and which does not happen here.
+  unless a value crossed a rounding boundary: an operand of a Wgrad's
+  stochastic rounding that moved by its few ulp above can land on the other
+  side of its random threshold. Such an entry of an NVFP4 Wgrad may exceed
+  the bound by one code's change (`_term_sums`); the check counts them
+  (seen: none on one x86 CPU, a few on another). Elsewhere a crossing would
+  fail the check: none happens here.
   """
   import tempfile  # pylint: disable=g-import-not-at-top
   from train.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
@@ -493,9 +510,10 @@ def check_gpt_step():
 
   def reference(st, step):
     loss, grads = grads_fn(st.params, batches[step], step)
-    loss_c, sums = _term_sums(one, capture, st.params, batches[step], step)
+    loss_c, sums, flips = _term_sums(one, capture, st.params, batches[step],
+                                     step)
     assert loss_c == float(loss), (loss_c, float(loss))
-    return float(loss), _flat(grads), sums
+    return float(loss), _flat(grads), sums, flips
   t0 = time.perf_counter()
   ref0 = reference(state, 0)
   print(f"  one device: loss {ref0[0]:.7f} ({time.perf_counter() - t0:.1f}s"
@@ -515,9 +533,10 @@ def check_gpt_step():
         st.params, tr.put_batch(batches[0]), st.step).compile()
     meshes[name] = (tr, fn)
     loss, grads = fn(st.params, tr.put_batch(batches[0]), st.step)
-    dl, worst = _within(name, loss, grads, ref0, factor)
+    dl, worst, flipped = _within(name, loss, grads, ref0, factor)
     print(f"  {name} {sizes}: |dloss| {dl:.2e}, within {100 * worst:.1f}% "
-          f"of the bound ({time.perf_counter() - t0:.1f}s)")
+          f"of the bound, {flipped} entries with a flipped code "
+          f"({time.perf_counter() - t0:.1f}s)")
     _check_step_collectives(name, fn)
 
   # A trained state, checkpointed on one device and resumed on two meshes:
@@ -547,9 +566,11 @@ def check_gpt_step():
         tr.mesh_rules.mesh, tr.mesh_rules.param_spec(
             "block_0/mlp/up/kernel", master.shape)), 2), master.sharding
     loss, grads = fn(st.params, tr.put_batch(batches[1]), st.step)
-    dl, worst = _within(f"resumed on {name}", loss, grads, ref1, factor)
+    dl, worst, flipped = _within(f"resumed on {name}", loss, grads, ref1,
+                                 factor)
     print(f"  step 2 resumed on {name}: |dloss| {dl:.2e}, within "
-          f"{100 * worst:.1f}% of the bound; FP32 master of mlp/up split "
+          f"{100 * worst:.1f}% of the bound, {flipped} entries with a flipped"
+          f" code; FP32 master of mlp/up split "
           f"{master.sharding.spec}, {master.addressable_shards[0].data.shape}"
           f" per device of {master.shape}")
   print(f"  checkpoint resharded ({time.perf_counter() - t0:.1f}s)")

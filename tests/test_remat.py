@@ -52,7 +52,11 @@ def _bytes(res):
 def _same_grads(rules):
   # FP32 model: recomputation changes XLA's fusions, and with bf16
   # activations XLA:CPU may keep a fused intermediate in FP32 in one program
-  # and round it in the other; in FP32 both compute the same bits.
+  # and round it in the other; in FP32 both compute the same bits. On a GPU
+  # XLA picks each program's GEMM algorithms and reduction tilings itself,
+  # so two programs sum in different orders: the claim is checked on CPU.
+  if jax.default_backend() != "cpu":
+    return
   loss0, params = _setup("none", rules, "float32")
   loss1, _ = _setup("quantized", rules, "float32")
   g0 = jax.jit(jax.grad(loss0))(params)
