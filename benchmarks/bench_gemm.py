@@ -102,6 +102,52 @@ def run(shapes=None) -> list[dict]:
 
 COLS = ("shape", "gemm", "ms", "tflops", "of_cublas", "rel_err", "note")
 
+# Decode shapes (tokens, out, in): a packed NVFP4 weight times bf16 activations.
+DECODE_SHAPES = ((1, 4096, 4096), (16, 4096, 4096), (16, 14336, 4096),
+                 (128, 4096, 14336))
+
+
+def run_weight_only(shapes=DECODE_SHAPES) -> list[dict]:
+  """`weight_only_matmul` (packed weight) against cuBLAS on the bf16 weight.
+
+  Decode is memory-bound: the columns give the time, the ratio to cuBLAS
+  bf16 (> 1: faster) and the weight bytes read per second (0.5625 bytes per
+  weight packed, 2 for bf16).
+  """
+  rows = []
+  for m, n, k in shapes:
+    kx, kw = jax.random.split(jax.random.key(m + n + k))
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (n, k), jnp.float32).astype(jnp.bfloat16)
+    qw = fused.quantize(w, block_2d=True)
+    shape = f"{m}x{n}x{k}"
+    t_cublas = timing.bench(jax.jit(lambda x, w: x @ w.T), [(x, w)], calls=10,
+                            reps=5)
+    ref = jax.jit(functools.partial(gemm.weight_only_matmul,
+                                    implementation="xla"))(x, qw)
+    rows.append(dict(shape=shape, gemm="cuBLAS bf16 weight",
+                     ms=t_cublas * 1e3, of_cublas=1.0,
+                     weight_tbps=2 * n * k / t_cublas / 1e12))
+    for impl in ("pallas", "xla"):
+      try:
+        f = jax.jit(functools.partial(gemm.weight_only_matmul,
+                                      implementation=impl))
+        out = f(x, qw)
+        t = timing.bench(f, [(x, qw)], calls=10, reps=5)
+      except Exception as e:  # pylint: disable=broad-except
+        rows.append(dict(shape=shape, gemm=f"weight-only {impl}",
+                         note=f"failed: {type(e).__name__}: {str(e)[:120]}"))
+        continue
+      rows.append(dict(shape=shape, gemm=f"weight-only {impl}", ms=t * 1e3,
+                       of_cublas=t_cublas / t,
+                       weight_tbps=0.5625 * n * k / t / 1e12,
+                       rel_err=_rel_err(out, ref)))
+  return rows
+
+
+WEIGHT_ONLY_COLS = ("shape", "gemm", "ms", "of_cublas", "weight_tbps",
+                    "rel_err", "note")
+
 if __name__ == "__main__":
   p = argparse.ArgumentParser()
   p.add_argument("--size", type=int, default=0,

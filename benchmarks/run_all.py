@@ -28,7 +28,7 @@ def main():
   p.add_argument("--sweep", action="store_true")
   p.add_argument("--quick", action="store_true",
                  help="GEMM at 8192^3 and 3 transformer shapes only")
-  p.add_argument("--skip", default="", help="comma list: quantize,gemm,dense")
+  p.add_argument("--skip", default="", help="comma list: quantize,gemm,weight_only,dense")
   p.add_argument("--out", default=os.environ.get("OUT", ""))
   a = p.parse_args()
   skip = set(filter(None, a.skip.split(",")))
@@ -62,6 +62,13 @@ def main():
     rows = bench_gemm.run(shapes)
     results["gemm"] = rows
     sections.append("## GEMM\n" + timing.table(rows, bench_gemm.COLS))
+    print(sections[-1], flush=True)
+  if "weight_only" not in skip:
+    rows = bench_gemm.run_weight_only(((4, 256, 256),) if a.small else
+                                      bench_gemm.DECODE_SHAPES)
+    results["weight_only"] = rows
+    sections.append("## Weight-only (packed NVFP4 weight, decode)\n" +
+                    timing.table(rows, bench_gemm.WEIGHT_ONLY_COLS))
     print(sections[-1], flush=True)
   if "dense" not in skip:
     rows = (bench_dense.run(256, 256, 256) if a.small else bench_dense.run())
