@@ -148,10 +148,52 @@ def run_weight_only(shapes=DECODE_SHAPES) -> list[dict]:
 WEIGHT_ONLY_COLS = ("shape", "gemm", "ms", "of_cublas", "weight_tbps",
                     "rel_err", "note")
 
+
+def sweep_weight_only(shapes=DECODE_SHAPES, top: int = 3) -> list[dict]:
+  """Tile configurations of the weight-only kernel per decode shape: the
+  default's row and the `top` fastest (for tuning `default_config`)."""
+  import itertools  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import weight_only_matmul as wo  # pylint: disable=g-import-not-at-top
+  rows = []
+  for m, n, k in shapes:
+    kx, kw = jax.random.split(jax.random.key(m + n + k))
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    qw = fused.quantize(jax.random.normal(kw, (n, k), jnp.float32),
+                        block_2d=True)
+    t_cublas = timing.bench(jax.jit(lambda x, w: x @ w.T), [(
+        x, jnp.zeros((n, k), jnp.bfloat16))], calls=10, reps=5)
+    default = wo.default_config(m, n, k)
+    found = []
+    for bn, split, bk, warps in itertools.product((32, 64, 128), (1, 4, 8, 16),
+                                                  (256, 512), (4,)):
+      cfg = wo.WeightOnlyConfig(block_m=default.block_m, block_n=bn,
+                                block_k=bk, split_k=split, num_warps=warps)
+      if k % (bk * split):
+        continue
+      f = jax.jit(functools.partial(wo.weight_only_matmul, config=cfg))
+      found.append((timing.bench(f, [(x, qw)], calls=10, reps=3), cfg))
+    f = jax.jit(functools.partial(wo.weight_only_matmul, config=default))
+    t_default = timing.bench(f, [(x, qw)], calls=10, reps=3)
+    found.sort(key=lambda r: r[0])
+    for label, (t, cfg) in [("default", (t_default, default))] + [
+        (f"#{i + 1}", r) for i, r in enumerate(found[:top])]:
+      rows.append(dict(shape=f"{m}x{n}x{k}", rank=label, us=t * 1e6,
+                       of_cublas=t_cublas / t,
+                       weight_tbps=0.5625 * n * k / t / 1e12,
+                       config=f"bn={cfg.block_n} bk={cfg.block_k} "
+                       f"split={cfg.split_k} warps={cfg.num_warps}"))
+  return rows
+
 if __name__ == "__main__":
   p = argparse.ArgumentParser()
   p.add_argument("--size", type=int, default=0,
                  help="only one square size (e.g. 1024 for a smoke run)")
+  p.add_argument("--weight-only-sweep", action="store_true",
+                 help="tile sweep of the weight-only kernel at decode shapes")
   args = p.parse_args()
+  if args.weight_only_sweep:
+    print(timing.table(sweep_weight_only(), (
+        "shape", "rank", "us", "of_cublas", "weight_tbps", "config")))
+    raise SystemExit(0)
   shapes = [(args.size,) * 3 + (True,)] if args.size else None
   print(timing.table(run(shapes), COLS))

@@ -8,6 +8,11 @@ chunk to its exact bf16 block values in registers (`nvfp4_jax.tile.
 block_values`, the reference's decode), and accumulates `x @ values.T` in FP32
 on the tensor cores; the tensor factor is applied to the FP32 result. M is
 padded to the tensor cores' 16 rows with masked loads.
+
+Decoding has few output tiles (N / block_n programs for one M tile), fewer
+than the GPU has SMs for most layers, so K is also split over `split_k`
+programs whose FP32 partial sums XLA adds (the order of an FP32 sum of K
+terms changes, within the reference's bound: tests/test_export.py).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class WeightOnlyConfig:
     block_k: contraction elements per loop step (a multiple of 16).
     num_warps: Triton warps per program.
     num_stages: software pipelining depth of the K loop.
+    split_k: programs sharing one output tile's K (each walks K / split_k;
+      must divide K / block_k).
   """
 
   block_m: int = 16
@@ -44,32 +51,45 @@ class WeightOnlyConfig:
   block_k: int = 256
   num_warps: int = 4
   num_stages: int = 3
+  split_k: int = 1
 
   def __post_init__(self):
     common.check_powers_of_two(
-        self, ("block_m", "block_n", "block_k", "num_warps"))
+        self, ("block_m", "block_n", "block_k", "num_warps", "split_k"))
     if self.block_m < 16 or self.block_k < B:
       raise ValueError(f"WeightOnlyConfig needs block_m >= 16 and block_k >= "
                        f"{B}; got {self}.")
+
+
+# Programs to aim for: a few per SM of a large GPU (132 on the H100).
+TARGET_PROGRAMS = 512
 
 
 def default_config(m: int, n: int, k: int) -> WeightOnlyConfig:
   bk = min(256, common.next_pow2(k))
   while k % bk:
     bk //= 2
-  return WeightOnlyConfig(block_m=max(16, min(64, common.next_pow2(m))),
-                          block_n=min(64, max(16, common.next_pow2(n))),
-                          block_k=max(B, bk))
+  bk = max(B, bk)
+  bm = max(16, min(64, common.next_pow2(m)))
+  bn = min(64, max(16, common.next_pow2(n)))
+  tiles = common.cdiv(m, bm) * common.cdiv(n, bn)
+  split, steps = 1, k // bk if k % bk == 0 else 1
+  while tiles * split < TARGET_PROGRAMS and steps % (2 * split) == 0 and (
+      steps // (2 * split)) >= 2:
+    split *= 2
+  return WeightOnlyConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split)
 
 
-def _kernel(x_ref, codes_ref, scales_ref, o_ref, *, k: int, bk: int, m: int,
-            n: int):
+def _kernel(x_ref, codes_ref, scales_ref, o_ref, *, bk: int, m: int, n: int,
+            steps: int):
   bm, bn = o_ref.shape
   i, j = pl.program_id(0), pl.program_id(1)
+  first = pl.program_id(2) * steps
   xmask = common.bounds_mask((bm, bk), (0, i * bm, m, bm))
   wdims = (0, j * bn, n, bn)
 
-  def body(step, acc):
+  def body(t, acc):
+    step = first + t
     xs = x_ref[:, pl.ds(step * bk, bk)] if xmask is None else common.load_at(
         x_ref, (slice(None), pl.ds(step * bk, bk)), xmask)
     cmask = common.bounds_mask((bn, bk // B, B // 2), wdims)
@@ -85,7 +105,7 @@ def _kernel(x_ref, codes_ref, scales_ref, o_ref, *, k: int, bk: int, m: int,
         xs.astype(jnp.bfloat16), vals, (((1,), (1,)), ((), ())),
         preferred_element_type=jnp.float32)
 
-  acc = jax.lax.fori_loop(0, k // bk, body, jnp.zeros((bm, bn), jnp.float32))
+  acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
   common.store(o_ref, acc, common.bounds_mask(
       (bm, bn), (0, i * bm, m, bm), (1, j * bn, n, bn)))
 
@@ -95,25 +115,26 @@ def weight_only_matmul(x: jax.Array, w: NVFP4Array, *,
   """FP32 `x @ values(w).T` (before the tensor factor), `x: [M, K]`.
 
   Raises:
-    NotImplementedError: 16x16 scales replicated per row are fine; a backend
-      without Pallas-Triton is not.
+    NotImplementedError: a backend without Pallas-Triton.
+    ValueError: a `config` whose tiles do not divide K.
   """
   interpret = common.check_backend("weight_only_matmul")
   m, k = x.shape
   n = w.shape[0]
   cfg = config or default_config(m, n, k)
-  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-  if k % bk:
-    raise ValueError(f"block_k={bk} must divide K={k}.")
+  bm, bn, bk, split = cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k
+  if k % (bk * split):
+    raise ValueError(f"block_k={bk} x split_k={split} must divide K={k}.")
   nb = k // B
-  return common.pallas_call(
-      functools.partial(_kernel, k=k, bk=bk, m=m, n=n),
+  out = common.pallas_call(
+      functools.partial(_kernel, bk=bk, m=m, n=n, steps=k // (bk * split)),
       interpret=interpret, num_warps=cfg.num_warps,
       num_stages=cfg.num_stages, name="nvfp4_weight_only_matmul",
-      grid=(common.cdiv(m, bm), common.cdiv(n, bn)),
-      in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
-                pl.BlockSpec((bn, nb, B // 2), lambda i, j: (j, 0, 0)),
-                pl.BlockSpec((bn, nb), lambda i, j: (j, 0))],
-      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-      out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+      grid=(common.cdiv(m, bm), common.cdiv(n, bn), split),
+      in_specs=[pl.BlockSpec((bm, k), lambda i, j, s: (i, 0)),
+                pl.BlockSpec((bn, nb, B // 2), lambda i, j, s: (j, 0, 0)),
+                pl.BlockSpec((bn, nb), lambda i, j, s: (j, 0))],
+      out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
+      out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32),
   )(x, w.codes.reshape(n, nb, B // 2), w.scales)
+  return out[0] if split == 1 else jnp.sum(out, axis=0)

@@ -85,3 +85,21 @@ def test_remat_and_attention_reach_the_model_and_train():
   state, m = trainer.train_step(trainer.init_state(),
                                 trainer.batcher.batch(0).reshape(1, 4, 33))
   assert bool(m["finite"])
+
+
+def test_bf16_layers_keep_exactly_those_layers_in_high_precision():
+  """`--bf16-layers` (the rules train.sensitivity suggests) replaces the
+  paper preset: the named layers run their three GEMMs in BF16, all others
+  quantized."""
+  r = _report(bf16_layers="block_0/attn/qkv,block_3/mlp/down")
+  assert r.count("fprop") == 14 and r.count("wgrad") == 14
+  kept = {g.layer for g in r.high_precision if "recipe" in g.reason}
+  assert kept == {"block_0/attn/qkv", "block_3/mlp/down"}
+  with pytest.raises(ValueError, match="'block_4/mlp/up' is not a layer of "
+                     "this 4-block model"):
+    _report(bf16_layers="block_4/mlp/up")
+  for bad in ("block_0/attn", "head", "", "block_0/attn/qkv,"):
+    with pytest.raises(ValueError, match="is not a projection of the GPT"):
+      TrainConfig(bf16_layers=bad)
+  with pytest.raises(ValueError, match="contradict"):
+    TrainConfig(bf16_layers="block_0/attn/qkv", all_quantized=True)

@@ -14,6 +14,7 @@ import nvfp4_jax as nv
 from nvfp4_jax import export
 from nvfp4_jax import safetensors
 from models import GPT, preset
+from pallas_kernels import weight_only_matmul as weight_only_kernel
 from test_kernels import heavy
 
 CFG = preset("tiny", d_model=64, num_layers=4, num_heads=2, d_ff=128)
@@ -86,13 +87,22 @@ def test_weight_only_reads_the_packed_weight(trained):
   assert agree > 0.8, agree
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (5, 100, 256), (64, 64, 512),
-                                   (17, 16, 48)])
-def test_weight_only_matmul_kernel_matches_reference(m, n, k):
+@pytest.mark.parametrize("m,n,k,split_k", [
+    (1, 48, 64, None), (5, 100, 256, None), (64, 64, 512, None),
+    (17, 16, 48, None), (3, 40, 1024, None), (3, 40, 1024, 4),
+    (20, 64, 512, 2)])
+def test_weight_only_matmul_kernel_matches_reference(m, n, k, split_k):
   x = heavy((m, k), jnp.bfloat16, seed=m)
   w = nv.quantize(heavy((n, k), seed=n), block_2d=n % 16 == 0)
-  got = np.asarray(nv.weight_only_matmul(x, w, out_dtype=jnp.float32,
-                                         implementation="pallas"), np.float64)
+  if split_k is None:  # The default: split when the output has few tiles.
+    fn = functools.partial(nv.weight_only_matmul, implementation="pallas")
+    assert (k, weight_only_kernel.default_config(m, n, k).split_k) != (1024, 1)
+  else:
+    cfg = weight_only_kernel.WeightOnlyConfig(block_k=128, split_k=split_k)
+    fn = lambda x, w, out_dtype: (  # pylint: disable=g-long-lambda
+        weight_only_kernel.weight_only_matmul(x, w, config=cfg)
+        * w.tensor_scale).astype(out_dtype)
+  got = np.asarray(fn(x, w, out_dtype=jnp.float32), np.float64)
   want = np.asarray(nv.weight_only_matmul(x, w, out_dtype=jnp.float32,
                                           implementation="xla"), np.float64)
   # Products of bf16 values are exact; the FP32 sums of K terms in another
@@ -150,3 +160,12 @@ def test_safetensors_roundtrip_and_interop(tmp_path):
     assert sorted(g.keys()) == sorted(tensors) and g.metadata() == meta
     np.testing.assert_array_equal(g.get_tensor("a"), tensors["a"])
     assert g.get_tensor("d").shape == ()
+
+
+def test_weight_only_config_must_divide_k():
+  w = nv.quantize(heavy((16, 96)))
+  with pytest.raises(ValueError, match=r"block_k=32 x split_k=2 must divide "
+                     r"K=96"):
+    weight_only_kernel.weight_only_matmul(
+        jnp.ones((1, 96), jnp.bfloat16), w,
+        config=weight_only_kernel.WeightOnlyConfig(block_k=32, split_k=2))

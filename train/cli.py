@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                   help="Four-over-Six block scaling on these NVFP4 operands")
   ab.add_argument("--all-quantized", action="store_true",
                   help="quantize every projection (no BF16 blocks)")
+  ab.add_argument("--bf16-layers", metavar="PATHS",
+                  help="keep exactly these comma-separated layers in BF16 "
+                  "(e.g. block_0/attn/qkv,block_5/mlp/down), quantize the rest: the "
+                  "rules python -m train.sensitivity suggests")
   p.add_argument("--attention", choices=ATTENTION_KINDS, default="fused",
                  help="fused: jax.nn.dot_product_attention (cuDNN on GPU); "
                  "reference: explicit FP32 scores")
@@ -229,6 +233,7 @@ _ABLATIONS = {  # flag -> (TrainConfig field, value, precisions it concerns)
     "no_2d": ("two_d", False, ("nvfp4",)),
     "four_over_six": ("four_over_six", None, ("nvfp4",)),
     "all_quantized": ("all_quantized", True, ("nvfp4", "mxfp4", "mxfp8")),
+    "bf16_layers": ("bf16_layers", None, ("nvfp4", "mxfp4", "mxfp8")),
 }
 
 

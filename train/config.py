@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 from models import PRESETS
@@ -19,6 +20,8 @@ PRECISIONS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
 MAX_STEPS = 2**31 - 1
 MAX_SEED = 2**32 - 1
 SWITCH_MODES = ("all", "forward")
+# The GPT's projections, as layer paths (`--bf16-layers`).
+LAYER_PATH = r"block_\d+/(attn/(qkv|out)|mlp/(up|down))"
 
 # Steps, global batch, sequence length, micro-batches and peak learning rate
 # per model size. `tiny` is sized for two CPU cores (both precisions of the
@@ -73,6 +76,9 @@ class TrainConfig:
       "activations" or "all" NVFP4 operands.
     all_quantized: quantize every projection (no BF16 blocks): the paper's
       "everything in FP4" ablation, instead of its selective-precision preset.
+    bf16_layers: comma-separated layer paths (e.g. "block_0/attn/qkv,block_5/mlp/down")
+      kept in BF16 instead of the paper preset's blocks, every other
+      projection quantized: the rules `python -m train.sensitivity` suggests.
     attention: "fused" (`jax.nn.dot_product_attention`, cuDNN on GPU) or
       "reference" (explicit FP32 scores).
     remat: "none" or "quantized" (blocks save only the quantized residuals of
@@ -106,6 +112,7 @@ class TrainConfig:
   two_d: bool = True
   four_over_six: str = "none"
   all_quantized: bool = False
+  bf16_layers: str | None = None
   attention: str = "fused"
   remat: str = "none"
 
@@ -164,11 +171,25 @@ class TrainConfig:
         ("--no-rht", not self.rht, ("nvfp4",)),
         ("--no-2d", not self.two_d, ("nvfp4",)),
         ("--four-over-six", self.four_over_six != "none", ("nvfp4",)),
-        ("--all-quantized", self.all_quantized, ("nvfp4", "mxfp4", "mxfp8"))):
+        ("--all-quantized", self.all_quantized, ("nvfp4", "mxfp4", "mxfp8")),
+        ("--bf16-layers", self.bf16_layers is not None,
+         ("nvfp4", "mxfp4", "mxfp8"))):
       if flag and self.precision not in formats:
         raise ValueError(
             f"{name} has no effect with precision {self.precision!r}; use it "
             f"with {' or '.join(formats)}.")
+    if self.bf16_layers is not None:
+      if self.all_quantized:
+        raise ValueError("--bf16-layers and --all-quantized contradict each "
+                         "other; give one of them.")
+      bad = [p for p in self.bf16_layers.split(",")
+             if not re.fullmatch(LAYER_PATH, p)]
+      if bad or not self.bf16_layers:
+        raise ValueError(
+            f"bf16_layers {self.bf16_layers!r}: {bad[0] if bad else ''!r} is "
+            f"not a projection of the GPT; give comma-separated paths like "
+            f"block_0/attn/qkv,block_5/mlp/down (as python -m "
+            f"train.sensitivity prints them).")
     check_choice("attention", self.attention, ATTENTION_KINDS)
     check_choice("remat", self.remat, REMAT_KINDS)
 

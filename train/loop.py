@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import re
 import shutil
 import time
 from typing import Callable
@@ -74,8 +75,8 @@ def make_rules(cfg: TrainConfig, num_layers: int) -> nvfp4_jax.PrecisionRules:
 
   "bf16": every projection in high precision. Otherwise the paper's preset
   (first 2 and last ~15% of blocks in BF16; every block with
-  `all_quantized`) with that format elsewhere, its ablations applied, and the
-  late switch if configured.
+  `all_quantized`; exactly `bf16_layers` when given) with that format
+  elsewhere, its ablations applied, and the late switch if configured.
   """
   if cfg.precision == "bf16":
     return nvfp4_jax.PrecisionRules.high_precision()
@@ -84,6 +85,18 @@ def make_rules(cfg: TrainConfig, num_layers: int) -> nvfp4_jax.PrecisionRules:
     switch = nvfp4_jax.LateSwitch(step=cfg.late_switch_step,
                                   mode=cfg.late_switch_mode)
   recipe = run_recipe(cfg)
+  if cfg.bf16_layers is not None:
+    paths = cfg.bf16_layers.split(",")
+    deep = [p for p in paths if p.startswith("block_")
+            and int(p.split("/")[0][len("block_"):]) >= num_layers]
+    if deep:
+      raise ValueError(f"bf16_layers: {deep[0]!r} is not a layer of this "
+                       f"{num_layers}-block model; blocks are numbered 0 to "
+                       f"{num_layers - 1}.")
+    return nvfp4_jax.PrecisionRules(
+        default=recipe, late_switch=switch,
+        rules=tuple((f"^{re.escape(p)}$", nvfp4_jax.Recipe.bf16())
+                    for p in paths))
   if cfg.all_quantized:
     return nvfp4_jax.PrecisionRules(default=recipe, late_switch=switch)
   return nvfp4_jax.paper_rules(num_layers, recipe=recipe, late_switch=switch)

@@ -112,6 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{', '.join(kept) or 'none'}")
   print(f"the paper's preset keeps ({len(paper_kept)}/{len(results)}): "
         f"{', '.join(paper_kept)}")
+  if kept:
+    print(f"as a run: python -m train --preset {cfg.preset} "
+          f"--bf16-layers {','.join(kept)}")
   print("as rules: nvfp4_jax.PrecisionRules(rules=("
         + "".join(f"(r'{pat}', nvfp4_jax.Recipe.bf16()), "
                   for pat, _ in rules.rules) + "))")
