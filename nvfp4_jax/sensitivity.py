@@ -100,10 +100,12 @@ def _hp(a, b):
                     precision=jax.lax.Precision.HIGHEST)
 
 
-def _capture(loss: Callable, params: Any, batch: Any):
-  """Each NVFP4Dense's input `x`, kernel `w` and output gradient `dy`."""
+def _capturer(loss: Callable, params: Any, batch: Any):
+  """A jitted `batch -> {path: (x, w, dy)}`: each NVFP4Dense's input `x`,
+  kernel `w` and output gradient `dy` (compiled once for batches shaped like
+  `batch`)."""
 
-  def run(probes):
+  def run(probes, batch):
     inputs: dict[str, jax.Array] = {}
 
     def interceptor(next_fun, fargs, fkwargs, context):
@@ -122,7 +124,7 @@ def _capture(loss: Callable, params: Any, batch: Any):
 
   outputs: dict[str, Any] = {}
 
-  def shapes(_):
+  def shapes(batch):
     def interceptor(next_fun, fargs, fkwargs, context):
       y = next_fun(*fargs, **fkwargs)
       m = context.module
@@ -132,12 +134,11 @@ def _capture(loss: Callable, params: Any, batch: Any):
     with precision_rules(PrecisionRules.high_precision()), \
         nn.intercept_methods(interceptor):
       return loss(params, batch)
-  jax.eval_shape(shapes, None)
+  jax.eval_shape(shapes, batch)
   if not outputs:
     raise ValueError("analyze: the loss ran no NVFP4Dense layer; replace the "
                      "model's nn.Dense layers with nvfp4_jax.NVFP4Dense.")
-  probes = {p: jnp.zeros(s.shape, jnp.float32) for p, s in outputs.items()}
-  dys, inputs = jax.jit(jax.grad(run, has_aux=True))(probes)
+  grads = jax.jit(jax.grad(run, has_aux=True))
   p = params["params"] if set(params) == {"params"} else params
 
   def kernel(path):
@@ -145,7 +146,12 @@ def _capture(loss: Callable, params: Any, batch: Any):
     for part in path.split("/"):
       node = node[part]
     return node["kernel"]
-  return {path: (inputs[path], kernel(path), dys[path]) for path in outputs}
+
+  def capture(batch):
+    probes = {p: jnp.zeros(s.shape, jnp.float32) for p, s in outputs.items()}
+    dys, inputs = grads(probes, batch)
+    return {path: (inputs[path], kernel(path), dys[path]) for path in outputs}
+  return capture
 
 
 def layer_stats(x: jax.Array, w: jax.Array, dy: jax.Array, recipe: Recipe,
@@ -189,9 +195,12 @@ def analyze(loss: Callable[[Any, Any], jax.Array], params: Any,
   key = jax.random.key(0) if key is None else key
   stats_fn = jax.jit(lambda x, w, dy, k: layer_stats(x, w, dy, recipe, k))
   totals: dict[str, dict[str, float]] = {}
+  capture = None
   for i, batch in enumerate(batches):
-    for j, (path, (x, w, dy)) in enumerate(_capture(loss, params,
-                                                    batch).items()):
+    if capture is None or jax.tree.map(jnp.shape, batch) != first:
+      capture, first = _capturer(loss, params, batch), jax.tree.map(
+          jnp.shape, batch)
+    for j, (path, (x, w, dy)) in enumerate(capture(batch).items()):
       s = jax.device_get(stats_fn(x, w, dy,
                                   jax.random.fold_in(key, i * 4096 + j)))
       acc = totals.setdefault(path, {})
