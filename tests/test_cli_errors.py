@@ -134,6 +134,10 @@ def test_bad_flag_values_name_flag_value_and_fix(flag, value, fix):
      ["late_switch_step=20", "[0, 10]"]),
     (["--precision", "bf16", "--no-sr"], ["--no-sr", "bf16", "nvfp4"]),
     (["--compare", "bf16,bf16"], ["--compare", "'bf16,bf16'", "e.g."]),
+    (["--coordinator", "h:1234"], ["--coordinator h:1234", "--distributed"]),
+    (["--process-id", "1"], ["--process-id 1", "without --distributed"]),
+    (["--distributed"], ["--distributed", "--coordinator HOST:PORT",
+                         "--num-processes"]),
 ])
 def test_bad_flag_combinations_name_the_values(argv, fragments, tmp_path):
   # Small settings first: were the combination accepted, the run is short.

@@ -323,12 +323,26 @@ def run(argv: Sequence[str] | None = None) -> int:
   configs = make_configs(args, precisions)
   check_paths(args)
 
+  given = [f for f in ("coordinator", "num_processes", "process_id")
+           if getattr(args, f) is not None]
+  if given and not args.distributed:
+    flag = "--" + given[0].replace("_", "-")
+    raise UsageError(f"{flag} {getattr(args, given[0])} has no effect without "
+                     f"--distributed; add --distributed (one process per "
+                     f"host, same flags) or drop {flag}")
+
   # Heavy imports after the flags are known to be good: errors stay fast.
   import jax
   if args.distributed:
-    jax.distributed.initialize(coordinator_address=args.coordinator,
-                               num_processes=args.num_processes,
-                               process_id=args.process_id)
+    try:
+      jax.distributed.initialize(coordinator_address=args.coordinator,
+                                 num_processes=args.num_processes,
+                                 process_id=args.process_id)
+    except (ValueError, RuntimeError) as e:
+      raise UsageError(
+          f"--distributed: jax.distributed.initialize() failed: {e} Outside "
+          f"SLURM and Open MPI give --coordinator HOST:PORT (process 0's "
+          f"address), --num-processes N and --process-id I") from None
   mesh = make_mesh(args)
   from models import format_count
   from models import param_count
