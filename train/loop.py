@@ -14,8 +14,9 @@ moments over `fsdp`; the linear layers over `model`), each batch is split
 over `data` x `fsdp`, and checkpoints hold the sharded state: a run resumed
 on another mesh (or on one device) reshards it and continues.
 
-`TrainState`, `RunResult` and `cross_entropy` are re-exported here, where
-they were defined before the step and the report got modules of their own.
+`TrainState`, `RunResult`, `cross_entropy` and the builders of `train.build`
+(`model_config`, `make_rules`, ...) are re-exported here, where they were
+defined before they got modules of their own.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import re
 import shutil
 import time
 from typing import Callable
@@ -37,11 +37,14 @@ from jax.sharding import PartitionSpec as P
 import nvfp4_jax
 from models import GPT
 from models import GPTConfig
-from models import preset as model_preset
 from train import data as data_lib
 from train import report
 from train.checkpoint import Checkpointer
 from train.checkpoint import NoCheckpointError
+from train.build import default_dtype
+from train.build import make_rules
+from train.build import model_config
+from train.build import run_recipe
 from train.config import TrainConfig
 from train.metrics import MetricsLog
 from train.metrics import Progress
@@ -53,64 +56,7 @@ from train.step import TrainState
 from train.step import cross_entropy
 
 __all__ = ["RunResult", "TrainState", "Trainer", "cross_entropy",
-           "default_dtype", "make_rules", "model_config"]
-
-
-def default_dtype() -> str:
-  """bfloat16 on accelerators; float32 on CPU (bf16 is emulated there)."""
-  return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-
-
-def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
-  """The `GPTConfig` of `cfg.preset` for a corpus of `vocab_size` ids."""
-  overrides = dict(vocab_size=vocab_size, dtype=cfg.dtype or default_dtype(),
-                   attention=cfg.attention, remat=cfg.remat)
-  if cfg.mlp is not None:
-    overrides["mlp"] = cfg.mlp
-  return model_preset(cfg.preset, **overrides)
-
-
-def make_rules(cfg: TrainConfig, num_layers: int) -> nvfp4_jax.PrecisionRules:
-  """The precision rules of `cfg.precision`.
-
-  "bf16": every projection in high precision. Otherwise the paper's preset
-  (first 2 and last ~15% of blocks in BF16; every block with
-  `all_quantized`; exactly `bf16_layers` when given) with that format
-  elsewhere, its ablations applied, and the late switch if configured.
-  """
-  if cfg.precision == "bf16":
-    return nvfp4_jax.PrecisionRules.high_precision()
-  switch = None
-  if cfg.late_switch_step is not None:
-    switch = nvfp4_jax.LateSwitch(step=cfg.late_switch_step,
-                                  mode=cfg.late_switch_mode)
-  recipe = run_recipe(cfg)
-  if cfg.bf16_layers is not None:
-    paths = cfg.bf16_layers.split(",")
-    deep = [p for p in paths if p.startswith("block_")
-            and int(p.split("/")[0][len("block_"):]) >= num_layers]
-    if deep:
-      raise ValueError(f"bf16_layers: {deep[0]!r} is not a layer of this "
-                       f"{num_layers}-block model; blocks are numbered 0 to "
-                       f"{num_layers - 1}.")
-    return nvfp4_jax.PrecisionRules(
-        default=recipe, late_switch=switch,
-        rules=tuple((f"^{re.escape(p)}$", nvfp4_jax.Recipe.bf16())
-                    for p in paths))
-  if cfg.all_quantized:
-    return nvfp4_jax.PrecisionRules(default=recipe, late_switch=switch)
-  return nvfp4_jax.paper_rules(num_layers, recipe=recipe, late_switch=switch)
-
-
-def run_recipe(cfg: TrainConfig) -> nvfp4_jax.Recipe:
-  """The quantized layers' recipe: the precision with the run's ablations."""
-  if cfg.precision == "nvfp4":
-    return nvfp4_jax.Recipe.nvfp4(rht=cfg.rht, stochastic_rounding=cfg.sr,
-                                  two_d_weights=cfg.two_d,
-                                  four_over_six=cfg.four_over_six)
-  if cfg.precision == "mxfp4":
-    return nvfp4_jax.Recipe.mxfp4(stochastic_rounding=cfg.sr)
-  return nvfp4_jax.Recipe.from_name(cfg.precision)
+           "default_dtype", "make_rules", "model_config", "run_recipe"]
 
 
 class Trainer:
