@@ -4,8 +4,9 @@ The recipe's NVFP4 pair of a tensor `x: [tokens, features]` — `q(x)` 1x16
 along features and `q(rht(x.T))` along tokens — comes from two passes over `x`
 (`pallas_kernels.quantize_rht_t`: the amaxes of both from one read, then both
 encodes from one read). A pair with only one quantized operand runs that
-operand's kernel. Pairs with an operand no kernel computes (MX formats, 16x16
-rows, a Wgrad operand without RHT, an unsupported Hadamard size) raise
+operand's kernel; either may use Four-over-Six. Pairs with an operand no
+kernel computes (MX formats, 16x16 rows, a Wgrad operand without RHT, an
+unsupported Hadamard size) raise
 `NotImplementedError`, and dispatch falls back to the reference. Arguments are
 validated by `quantize_pair` before dispatch.
 """
@@ -43,9 +44,8 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
   Raises:
     NotImplementedError: a quantized operand that no kernel computes.
   """
-  row_ok = (row.format == "nvfp4" and not row.block_2d
-            and not row.four_over_six)
-  t_ok = wgrad.format == "nvfp4" and wgrad.rht and not wgrad.four_over_six
+  row_ok = row.format == "nvfp4" and not row.block_2d
+  t_ok = wgrad.format == "nvfp4" and wgrad.rht
   if (row.quantized and not row_ok) or (wgrad.quantized and not t_ok):
     raise NotImplementedError(
         f"the Pallas pair kernels quantize NVFP4 1x16 rows and RHT'd NVFP4 "
@@ -60,16 +60,18 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
                             amax_axes)
     return pallas_quantize.quantize(
         x, rounding=row.rounding, key=_key(row, key_row), amax=amax,
-        placement=placement), None
+        four_over_six=row.four_over_six, placement=placement), None
   if not row.quantized:
     return None, pallas_rht.quantize_rht_t(
         x, rounding=wgrad.rounding, key=_key(wgrad, key_t),
         sign_vector=sign_vector, size=rht_size, placement=placement,
-        amax_axes=amax_axes, config=config)
+        amax_axes=amax_axes, config=config,
+        four_over_six=wgrad.four_over_six)
   amaxes = spmd.reduce_amax(jnp.stack(pallas_rht.rht_amax(
       x, sign_vector=sign_vector, size=rht_size, with_x=True,
       config=config)), amax_axes)
   return pallas_rht.quantize_call(
       x, amax_t=amaxes[1], key_t=_key(wgrad, key_t), amax_x=amaxes[0],
       key_x=_key(row, key_row), size=rht_size, sign_vector=sign_vector,
-      fused_x=True, config=config, placement=placement)
+      fused_x=True, config=config, placement=placement,
+      four_over_six_t=wgrad.four_over_six, four_over_six_x=row.four_over_six)

@@ -139,7 +139,7 @@ def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
 
 def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
                      interpret: bool, tokens: int, features: int,
-                     words_t: int, words_x: int):
+                     words_t: int, words_x: int, fos_t: bool, fos_x: bool):
   refs = list(refs)
   amax_ref = refs.pop(0)
   seeds_ref = refs.pop(0) if (sr_t or sr_x) else None
@@ -149,8 +149,8 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
   h_ref, x_ref = refs.pop(0), refs.pop(0)
   divide = common.exact_divide(interpret)
   # Shape (1,), not scalars: the inline-asm division needs tensor operands.
-  consts = lambda k: nm.nvfp4_scale_constants(amax_ref[pl.ds(k, 1)],
-                                              divide=divide)
+  consts = lambda k, fos: nm.nvfp4_scale_constants(
+      amax_ref[pl.ds(k, 1)], divide=divide, four_over_six=fos)
   bt, bf = x_ref.shape
   i, j = pl.program_id(0), pl.program_id(1)  # token tile, feature tile
   tok = lambda axis, n: (axis, i * n, tokens // (bt // n), n)
@@ -166,8 +166,8 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
                             origin_ref[1] + i * (bt // B), bt // B, words_t,
                             seeds_ref[0], seeds_ref[1])
   packed, scales, _ = tile.encode_blocks(
-      z, tile.block_amax(z, False), *consts(0), divide=divide, rbits=rbits,
-      split_pack=True)
+      z, tile.block_amax(z, False), *consts(0, fos_t), divide=divide,
+      rbits=rbits, split_pack=True, four_over_six=fos_t)
   dims = (feat(0, bf), tok(1, bt // B))
   common.store(refs[0], packed, common.bounds_mask(packed.shape, *dims))
   common.store(refs[1], scales, common.bounds_mask(scales.shape, *dims))
@@ -180,8 +180,8 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
                               origin_ref[3] + j * (bf // B), bf // B, words_x,
                               seeds_ref[2], seeds_ref[3])
     packed, scales, _ = tile.encode_blocks(
-        xf, tile.block_amax(xf, False), *consts(1), divide=divide,
-        rbits=rbits, split_pack=True)
+        xf, tile.block_amax(xf, False), *consts(1, fos_x), divide=divide,
+        rbits=rbits, split_pack=True, four_over_six=fos_x)
     dims = (tok(0, bt), feat(1, bf // B))
     common.store(refs[2], packed, common.bounds_mask(packed.shape, *dims))
     common.store(refs[3], scales, common.bounds_mask(scales.shape, *dims))
@@ -189,11 +189,14 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
 
 def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
                   sign_vector, fused_x: bool, config: RHTConfig | None,
-                  placement: prng.Placement | None = None):
+                  placement: prng.Placement | None = None,
+                  four_over_six_t: bool = False,
+                  four_over_six_x: bool = False):
   """Launches the encode pass: `q(rht(x.T))` and, with `fused_x`, `q(x)`.
 
   A key (`key_t`, `key_x`) means that operand rounds stochastically;
-  `placement` is `x`'s in the whole tensor when `x` is a shard.
+  `placement` is `x`'s in the whole tensor when `x` is a shard;
+  `four_over_six_*` encodes that operand with Four-over-Six.
   """
   check_size(size, "quantize_rht_t")
   interpret = common.check_backend("quantize_rht_t")
@@ -234,18 +237,18 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
   kernel = functools.partial(
       _quantize_kernel, size=size, fused_x=fused_x, sr_t=sr_t, sr_x=sr_x,
       interpret=interpret, tokens=t, features=f, words_t=words_t,
-      words_x=words_x)
+      words_x=words_x, fos_t=four_over_six_t, fos_x=four_over_six_x)
   outs = common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
       name="nvfp4_quantize_x_and_rht_t" if fused_x else "nvfp4_quantize_rht_t",
       grid=(common.cdiv(t, bt), common.cdiv(f, bf)), in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape)(*args)
   q_t = NVFP4Array(codes=outs[0].reshape(f, t // 2), scales=outs[1],
-                   amax=amax_t)
+                   amax=amax_t, four_over_six=four_over_six_t)
   if not fused_x:
     return q_t
   q_x = NVFP4Array(codes=outs[2].reshape(t, f // 2), scales=outs[3],
-                   amax=amax_x)
+                   amax=amax_x, four_over_six=four_over_six_x)
   return q_x, q_t
 
 
@@ -254,7 +257,8 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
                    sign_vector: Sequence[int] | None = None, size: int = 16,
                    placement: prng.Placement | None = None,
                    amax_axes: Sequence[str] = (),
-                   config: RHTConfig | None = None) -> NVFP4Array:
+                   config: RHTConfig | None = None,
+                   four_over_six: bool = False) -> NVFP4Array:
   """`quantize(rht(x.T))` for `x: [tokens, features]`: the Wgrad operand.
 
   Args:
@@ -267,6 +271,7 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
     placement: `x`'s place in the whole tensor, for a shard (see
       `nvfp4_jax.fused.quantize_rht_t`).
     config: tile sizes.
+    four_over_six: Four-over-Six block scaling (as `nvfp4_jax.quantize`).
 
   Returns:
     NVFP4Array of logical shape `[features, tokens]`.
@@ -281,4 +286,4 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
   return quantize_call(
       x, amax_t=amax, key_t=key if rounding == "stochastic" else None,
       size=size, sign_vector=sign_vector, fused_x=False, config=config,
-      placement=placement)
+      placement=placement, four_over_six_t=four_over_six)

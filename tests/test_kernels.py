@@ -507,6 +507,10 @@ def test_kernels_lower_to_triton(monkeypatch, mesh):
           x, Operand(rounding="stochastic"),
           Operand(rounding="stochastic", rht=True), key_row=KEY,
           key_t=jax.random.key(1)),
+      lambda x: pallas_pair.quantize_pair(
+          x, Operand(four_over_six=True),
+          Operand(rounding="stochastic", rht=True, four_over_six=True),
+          key_row=None, key_t=jax.random.key(1)),
   ]
   for fn in fns:
     with mesh():

@@ -156,6 +156,47 @@ def test_quantize_pair_matches_single_operand_references(impl, pair):
     assert q_t is None
 
 
+FOS = dict(format="nvfp4", four_over_six=True)
+FOS_PAIRS = [
+    (Operand(**FOS), Operand(**FOS, rht=True)),                     # X
+    (Operand(**FOS, rounding="stochastic"),
+     Operand(**FOS, rounding="stochastic", rht=True)),              # dY
+    (RTNE, Operand(**FOS, rht=True)),          # Four-over-Six on one only
+    (Operand(**FOS, rounding="stochastic"), Operand(format="bf16")),
+    (Operand(format="bf16"), Operand(**FOS, rounding="stochastic", rht=True)),
+]
+
+
+@pytest.mark.parametrize("pair", range(len(FOS_PAIRS)))
+def test_pair_kernel_four_over_six_matches_reference(pair):
+  """Four-over-Six operands in the fused pair kernels, bit for bit (no
+  fallback to the reference), and different from the 6-only encoding."""
+  row, wgrad = FOS_PAIRS[pair]
+  x = heavy((64, 48), jnp.bfloat16, seed=10 + pair)
+  kr, kt = prng.pair_keys(KEY)
+  f = functools.partial(fused.quantize_pair, row=row, wgrad=wgrad,
+                        key_row=kr, key_t=kt)
+  got = jax.jit(functools.partial(f, implementation="pallas"))(x)
+  want = jax.jit(functools.partial(f, implementation="xla"))(x)
+  for g, w, op in zip(got, want, (row, wgrad)):
+    if not op.quantized:
+      assert g is None and w is None
+      continue
+    assert_same(g, w)
+    assert g.four_over_six == op.four_over_six
+  if row.quantized:  # The reference pair's row is `quantize`'s reference.
+    assert_same(want[0], nvfp4.quantize_reference(
+        x, rounding=row.rounding, four_over_six=row.four_over_six,
+        key=kr if row.rounding == "stochastic" else None))
+  if wgrad.quantized:
+    plain = fused.quantize_pair(
+        x, Operand(format="bf16"), Operand(format="nvfp4", rht=True,
+                                           rounding=wgrad.rounding),
+        key_t=kt, implementation="pallas")[1]
+    assert not np.array_equal(np.asarray(plain.scales.astype(jnp.float32)),
+                              np.asarray(got[1].scales.astype(jnp.float32)))
+
+
 @pytest.mark.parametrize("row,wgrad", [
     (Operand(format="mxfp4"), Operand(format="mxfp4")),
     (RTNE, Operand(format="nvfp4")),                 # Wgrad without RHT.
