@@ -19,7 +19,6 @@ lower to Triton with the same results:
 from __future__ import annotations
 
 import functools
-
 from typing import Any, Callable
 
 import jax

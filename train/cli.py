@@ -135,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                   help="quantize every projection (no BF16 blocks)")
   ab.add_argument("--bf16-layers", metavar="PATHS",
                   help="keep exactly these comma-separated layers in BF16 "
-                  "(e.g. block_0/attn/qkv,block_5/mlp/down), quantize the rest: the "
-                  "rules python -m train.sensitivity suggests")
+                  "(e.g. block_0/attn/qkv,block_5/mlp/down) and quantize "
+                  "the rest: the rules python -m train.sensitivity suggests")
   p.add_argument("--attention", choices=ATTENTION_KINDS, default="fused",
                  help="fused: jax.nn.dot_product_attention (cuDNN on GPU); "
                  "reference: explicit FP32 scores")

@@ -76,7 +76,8 @@ class TrainConfig:
       "activations" or "all" NVFP4 operands.
     all_quantized: quantize every projection (no BF16 blocks): the paper's
       "everything in FP4" ablation, instead of its selective-precision preset.
-    bf16_layers: comma-separated layer paths (e.g. "block_0/attn/qkv,block_5/mlp/down")
+    bf16_layers: comma-separated layer paths (e.g.
+      "block_0/attn/qkv,block_5/mlp/down")
       kept in BF16 instead of the paper preset's blocks, every other
       projection quantized: the rules `python -m train.sensitivity` suggests.
     attention: "fused" (`jax.nn.dot_product_attention`, cuDNN on GPU) or
