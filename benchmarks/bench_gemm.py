@@ -107,6 +107,17 @@ DECODE_SHAPES = ((1, 4096, 4096), (16, 4096, 4096), (16, 14336, 4096),
                  (128, 4096, 14336))
 
 
+def _decode_case(m: int, n: int, k: int):
+  """Random bf16 `x [m, k]`, `w [n, k]`, `w` quantized (16x16), and the
+  cuBLAS `x @ w.T` time on the bf16 weight."""
+  kx, kw = jax.random.split(jax.random.key(m + n + k))
+  x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+  w = jax.random.normal(kw, (n, k), jnp.float32).astype(jnp.bfloat16)
+  t_cublas = timing.bench(jax.jit(lambda x, w: x @ w.T), [(x, w)], calls=10,
+                          reps=5)
+  return x, w, fused.quantize(w, block_2d=True), t_cublas
+
+
 def run_weight_only(shapes=DECODE_SHAPES) -> list[dict]:
   """`weight_only_matmul` (packed weight) against cuBLAS on the bf16 weight.
 
@@ -116,13 +127,8 @@ def run_weight_only(shapes=DECODE_SHAPES) -> list[dict]:
   """
   rows = []
   for m, n, k in shapes:
-    kx, kw = jax.random.split(jax.random.key(m + n + k))
-    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
-    w = jax.random.normal(kw, (n, k), jnp.float32).astype(jnp.bfloat16)
-    qw = fused.quantize(w, block_2d=True)
+    x, _, qw, t_cublas = _decode_case(m, n, k)
     shape = f"{m}x{n}x{k}"
-    t_cublas = timing.bench(jax.jit(lambda x, w: x @ w.T), [(x, w)], calls=10,
-                            reps=5)
     ref = jax.jit(functools.partial(gemm.weight_only_matmul,
                                     implementation="xla"))(x, qw)
     rows.append(dict(shape=shape, gemm="cuBLAS bf16 weight",
@@ -156,12 +162,7 @@ def sweep_weight_only(shapes=DECODE_SHAPES, top: int = 3) -> list[dict]:
   from pallas_kernels import weight_only_matmul as wo  # pylint: disable=g-import-not-at-top
   rows = []
   for m, n, k in shapes:
-    kx, kw = jax.random.split(jax.random.key(m + n + k))
-    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
-    qw = fused.quantize(jax.random.normal(kw, (n, k), jnp.float32),
-                        block_2d=True)
-    t_cublas = timing.bench(jax.jit(lambda x, w: x @ w.T), [(
-        x, jnp.zeros((n, k), jnp.bfloat16))], calls=10, reps=5)
+    x, _, qw, t_cublas = _decode_case(m, n, k)
     default = wo.default_config(m, n, k)
     found = []
     for bn, split, bk, warps in itertools.product((32, 64, 128), (1, 4, 8, 16),

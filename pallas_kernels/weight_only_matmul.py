@@ -73,7 +73,7 @@ def default_config(m: int, n: int, k: int) -> WeightOnlyConfig:
   bm = max(16, min(64, common.next_pow2(m)))
   bn = min(64, max(16, common.next_pow2(n)))
   tiles = common.cdiv(m, bm) * common.cdiv(n, bn)
-  split, steps = 1, k // bk if k % bk == 0 else 1
+  split, steps = 1, k // bk  # bk divides K (a multiple of 16).
   while tiles * split < TARGET_PROGRAMS and steps % (2 * split) == 0 and (
       steps // (2 * split)) >= 2:
     split *= 2
