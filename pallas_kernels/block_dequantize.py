@@ -3,7 +3,8 @@
 One read of the packed codes and E4M3 scales, one write of the exact bf16
 block values `fp4 * f32(scale)` that a Hopper GEMM consumes (the tensor factor
 is applied to the GEMM's FP32 output). The tile math is
-`nvfp4_jax.tile.block_values`, the reference's.
+`nvfp4_jax.tile.block_values`, the reference's (on the GPU through
+`common.block_values`, its byte-permutation lowering).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from nvfp4_jax import numerics as nm
-from nvfp4_jax import tile
 from nvfp4_jax.qarray import NVFP4Array
 from pallas_kernels import common
 from pallas_kernels.quantize import QuantizeConfig
@@ -25,11 +25,12 @@ from pallas_kernels.quantize import tile_masks
 B = nm.NVFP4_BLOCK
 
 
-def _kernel(codes_ref, scales_ref, values_ref, *, m: int, nb_total: int):
+def _kernel(codes_ref, scales_ref, values_ref, *, m: int, nb_total: int,
+            interpret: bool):
   rows, nb, _ = codes_ref.shape
   mask = tile_masks(rows, nb, m, nb_total)
-  values = tile.block_values(common.load(codes_ref, mask[B // 2]),
-                             common.load(scales_ref, mask[0]))
+  values = common.block_values(common.load(codes_ref, mask[B // 2]),
+                               common.load(scales_ref, mask[0]), interpret)
   common.store(values_ref, values, mask[B])
 
 
@@ -55,7 +56,7 @@ def block_values(q: NVFP4Array, *, config: QuantizeConfig | None = None
   br, bnb = cfg.block_rows, max(1, cfg.block_cols // B)
   grid = (common.cdiv(m, br), common.cdiv(nb_total, bnb))
   out = common.pallas_call(
-      functools.partial(_kernel, m=m, nb_total=nb_total),
+      functools.partial(_kernel, m=m, nb_total=nb_total, interpret=interpret),
       interpret=interpret, num_warps=cfg.num_warps,
       num_stages=1, name="nvfp4_block_values", grid=grid,
       in_specs=[pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)),

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from nvfp4_jax import dispatch
+from nvfp4_jax import numerics as nm
 from nvfp4_jax import tile
 
 
@@ -76,6 +77,71 @@ def exact_divide(interpret: bool) -> Callable[[jax.Array, jax.Array],
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
     return out
   return div_rn
+
+
+# `block_values` on the GPU: E2M1 decoding by byte permutation (`prmt`), the
+# way Triton's and TransformerEngine's FP8 conversions work. The magnitudes
+# 0, .5, 1, 1.5, 2, 3, 4, 6 are the bf16 patterns 0x0000, 0x3F00, 0x3F80,
+# 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0: their low and high bytes (entries
+# 0-3, 4-7) are two 8-byte tables, and one `prmt` looks up four 3-bit codes
+# (its selector nibbles) in one table. An instance takes 4 codes, one per
+# byte ($2), and their bf16 scales ($3, $4), and returns their 4 values, 2
+# per register ($0, $1): it gathers the magnitudes into selector nibbles,
+# looks up both bytes, interleaves them, copies each code's sign (its bit 3,
+# moved to its byte's msb) to bit 15 of its bf16, and multiplies by the
+# scales with `mul.rn.bf16x2` (exact: at most 2 x 4 significant bits).
+# Codes come one per byte (the jnp unpacking of nibbles) so that nothing
+# reorders the assembly's packed bf16 results: XLA:GPU's Triton interleaves
+# two such results pairwise, not element by element (seen on the H100).
+_DECODE_ASM = """{
+.reg .b32 lt0, lt1, ht0, ht1, x, y, l, h, r4, t0, t1, s0, s1;
+mov.b32 lt0, 0xC0800000;
+mov.b32 lt1, 0xC0804000;
+mov.b32 ht0, 0x3F3F3F00;
+mov.b32 ht1, 0x40404040;
+and.b32 x, $2, 0x07070707;
+shr.u32 y, x, 4;
+or.b32 x, x, y;
+prmt.b32 x, x, x, 0x0020;
+prmt.b32 l, lt0, lt1, x;
+prmt.b32 h, ht0, ht1, x;
+prmt.b32 t0, l, h, 0x5140;
+prmt.b32 t1, l, h, 0x7362;
+shl.b32 r4, $2, 4;
+prmt.b32 s0, r4, r4, 0x1000;
+prmt.b32 s1, r4, r4, 0x3020;
+and.b32 s0, s0, 0x80008000;
+and.b32 s1, s1, 0x80008000;
+or.b32 t0, t0, s0;
+or.b32 t1, t1, s1;
+mul.rn.bf16x2 t0, t0, $3;
+mul.rn.bf16x2 t1, t1, $4;
+mov.b32 $0, t0;
+mov.b32 $1, t1;
+}"""
+
+# Whether `block_values` uses `_DECODE_ASM` on the GPU (benchmarks switch it
+# off to time the jnp decode in the same run).
+ASM_DECODE = True
+
+
+def block_values(packed: jax.Array, scales: jax.Array, interpret: bool
+                 ) -> jax.Array:
+  """`tile.block_values(packed, scales)` (bf16 `[..., nb, 16]`) in a kernel.
+
+  Interpreted, it is that function; on the GPU the same values come from
+  `_DECODE_ASM` (about 3.5 instructions per element after unpacking, instead
+  of ~15 integer and float operations), bit for bit: tests/test_kernels.py
+  checks all 256 code bytes under all 256 E4M3 scales on the GPU.
+  """
+  if interpret or not ASM_DECODE:
+    return tile.block_values(packed, scales)
+  codes = nm.unpack_e2m1(packed)
+  s = jnp.broadcast_to(scales.astype(jnp.bfloat16)[..., None], codes.shape)
+  [values] = plt.elementwise_inline_asm(
+      _DECODE_ASM, args=[codes, s], constraints="=r,=r,r,r,r", pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)])
+  return values
 
 
 def abs_max_bits(x: jax.Array) -> jax.Array:

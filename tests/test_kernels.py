@@ -445,6 +445,24 @@ def test_dispatch_errors_and_fallback():
       gemm.block_scaled_matmul(q, q, implementation="triton")
 
 
+def test_block_values_every_code_byte_and_scale():
+  """The kernels' decode (`common.block_values`: byte permutation on the
+  GPU) equals the reference's for all 256 code bytes under all 256 E4M3
+  scale bytes (negative, subnormal and NaN scales included), bit for bit;
+  NaN scales give NaN (the GPU's NaN has its own payload)."""
+  codes = jnp.tile(jnp.arange(256, dtype=jnp.uint8), (256, 1))  # [256, 256]
+  scales = jax.lax.bitcast_convert_type(
+      jnp.broadcast_to(jnp.arange(256, dtype=jnp.uint8)[:, None], (256, 32)),
+      jnp.float8_e4m3fn)
+  q = nf.NVFP4Array(codes=codes, scales=scales, amax=jnp.float32(1.0))
+  got = bf16_bits(jax.jit(pallas_block_dequantize.block_values)(q))
+  want = bf16_bits(block_values(q))
+  nan = np.isnan(np.asarray(block_values(q), np.float32))
+  assert nan.sum() == 2 * 512  # The two NaN scale bytes, 0x7F and 0xFF.
+  assert np.isnan(got.view(jnp.bfloat16).astype(np.float32))[nan].all()
+  np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
 @pytest.mark.parametrize("block_2d,rounding", [(False, "stochastic"),
                                                (True, "nearest")])
 def test_quantize_small_tiles_many_grid_steps(block_2d, rounding):
