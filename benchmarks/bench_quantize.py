@@ -23,6 +23,7 @@ from nvfp4_jax import numerics as nm
 from nvfp4_jax import nvfp4
 from pallas_kernels import quantize as pq
 from pallas_kernels import block_dequantize as pbd
+from pallas_kernels import common as pcommon
 from pallas_kernels import quantize_rht_t as pr
 
 Q_BYTES = 0.5 + 1 / 16  # Codes + scales written per element.
@@ -121,16 +122,24 @@ def run(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
                    of_copy=2 * n / t / copy_bw))
 
   qs = [nvfp4.quantize(x, implementation="pallas") for x in xs]
-  f_p = jax.jit(pbd.block_values)
   f_x = jax.jit(lambda q: nvfp4.block_dequantize_nvfp4(q)[0])
-  t_p = timing.bench(f_p, [(q,) for q in qs])
   t_x = timing.bench(f_x, [(q,) for q in qs])
   b = (Q_BYTES + 2) * n
   q_small = nvfp4.quantize(check_input(), implementation="pallas")
-  rows.append(dict(kernel="dequantize to bf16 values", bytes_per_elem=2.5625,
-                   us=t_p * 1e6, tbps=b / t_p / 1e12, of_copy=b / t_p / copy_bw,
-                   xla_us=t_x * 1e6, vs_xla=t_x / t_p,
-                   exact=exact_vs_cpu(pbd.block_values, f_x, (q_small,))))
+  for asm in (True, False):  # The kernels' decode, and the jnp one.
+    pcommon.ASM_DECODE = asm
+    try:
+      f_p = jax.jit(lambda q: pbd.block_values(q))  # pylint: disable=unnecessary-lambda
+      t_p = timing.bench(f_p, [(q,) for q in qs])
+      exact = exact_vs_cpu(f_p, f_x, (q_small,))
+    finally:
+      pcommon.ASM_DECODE = True
+    rows.append(dict(
+        kernel="dequantize to bf16 values" + ("" if asm else
+                                              " (jnp decode)"),
+        bytes_per_elem=2.5625, us=t_p * 1e6, tbps=b / t_p / 1e12,
+        of_copy=b / t_p / copy_bw, xla_us=t_x * 1e6, vs_xla=t_x / t_p,
+        exact=exact))
 
   small = check_input()
   for name, bpe, fp, fx, amax_kind in variants(key):
@@ -184,6 +193,57 @@ def sweep(tokens: int = 8192, features: int = 8192, *, copy_bw: float
   return rows
 
 
+def sweep_pair(tokens: int = 8192, features: int = 8192, *, copy_bw: float
+               ) -> list[dict]:
+  """The recipe's pairs (X: both RTNE; dY: both SR), amaxes given: the fused
+  kernel (`quantize_rht_t.quantize_call(fused_x=True)`) at several tiles,
+  against its two halves as separate kernels (the rht_t kernel and the 1x16
+  kernel, each reading `x`). Every row is checked equal to the default's."""
+  x = jax.random.normal(jax.random.key(0), (tokens, features),
+                        jnp.float32).astype(jnp.bfloat16)
+  xs = [x, x * 0.5]
+  n = tokens * features
+  bpe = 2 + 2 * Q_BYTES
+  a_x, a_t = pr.rht_amax(x, with_x=True)
+  kx, kt = jax.random.split(jax.random.key(1))
+  rows = []
+  for label, sr in (("X (RTNE)", False), ("dY (SR)", True)):
+    keys = dict(key_t=kt if sr else None, key_x=kx if sr else None)
+
+    def fused_fn(v, cfg=None, keys=keys):
+      return pr.quantize_call(v, amax_t=a_t, amax_x=a_x, size=16,
+                              sign_vector=None, fused_x=True, config=cfg,
+                              **keys)
+
+    def split_fn(v, keys=keys, sr=sr):
+      qt = pr.quantize_call(v, amax_t=a_t, key_t=keys["key_t"], size=16,
+                            sign_vector=None, fused_x=False, config=None)
+      qx = pq.quantize(v, amax=a_x, key=keys["key_x"],
+                       rounding="stochastic" if sr else "nearest")
+      return qx, qt
+
+    want = jax.jit(fused_fn)(x)
+    t = timing.bench(jax.jit(split_fn), [(v,) for v in xs])
+    rows.append(dict(kernel=f"{label} two kernels", us=t * 1e6,
+                     of_copy=bpe * n / t / copy_bw,
+                     exact=_same(jax.jit(split_fn)(x), want)))
+    for bt, bf, w in [(64, 64, 4), (32, 64, 4), (64, 32, 4), (32, 32, 2),
+                      (32, 32, 4), (16, 64, 2), (64, 64, 8), (128, 32, 4),
+                      (32, 128, 4), (128, 64, 8)]:
+      cfg = pr.RHTConfig(block_tokens=bt, block_features=bf, num_warps=w)
+      f = jax.jit(functools.partial(fused_fn, cfg=cfg))
+      try:
+        ok = _same(f(x), want)
+        t = timing.bench(f, [(v,) for v in xs])
+      except Exception as e:  # pylint: disable=broad-except
+        rows.append(dict(kernel=f"{label} fused {bt}x{bf} w{w}",
+                         exact=f"failed: {type(e).__name__}"))
+        continue
+      rows.append(dict(kernel=f"{label} fused {bt}x{bf} w{w}", us=t * 1e6,
+                       of_copy=bpe * n / t / copy_bw, exact=ok))
+  return rows
+
+
 COLS = ("kernel", "bytes_per_elem", "us", "tbps", "of_copy", "xla_us",
         "vs_xla", "exact")
 
@@ -192,9 +252,15 @@ if __name__ == "__main__":
   p.add_argument("--tokens", type=int, default=8192)
   p.add_argument("--features", type=int, default=8192)
   p.add_argument("--sweep", action="store_true")
+  p.add_argument("--pair-sweep", action="store_true",
+                 help="only the X/dY pair kernels: fused tiles vs two kernels")
   a = p.parse_args()
   bw = timing.copy_bandwidth()
   print(f"copy bandwidth: {bw / 1e12:.3f} TB/s")
+  if a.pair_sweep:
+    print(timing.table(sweep_pair(a.tokens, a.features, copy_bw=bw),
+                       ("kernel", "us", "of_copy", "exact")))
+    raise SystemExit(0)
   if a.sweep:
     print(timing.table(sweep(a.tokens, a.features, copy_bw=bw),
                        ("kernel", "us", "of_copy")))

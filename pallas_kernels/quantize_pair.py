@@ -3,12 +3,13 @@
 The recipe's NVFP4 pair of a tensor `x: [tokens, features]` — `q(x)` 1x16
 along features and `q(rht(x.T))` along tokens — comes from two passes over `x`
 (`pallas_kernels.quantize_rht_t`: the amaxes of both from one read, then both
-encodes from one read). A pair with only one quantized operand runs that
-operand's kernel; either may use Four-over-Six. Pairs with an operand no
-kernel computes (MX formats, 16x16 rows, a Wgrad operand without RHT, an
-unsupported Hadamard size) raise
-`NotImplementedError`, and dispatch falls back to the reference. Arguments are
-validated by `quantize_pair` before dispatch.
+encodes from one read; or, when both round stochastically, two encode
+kernels, which is faster: see `_split`). A pair with only one quantized
+operand runs that operand's kernel; either may use Four-over-Six. Pairs with
+an operand no kernel computes (MX formats, 16x16 rows, a Wgrad operand
+without RHT, an unsupported Hadamard size) raise `NotImplementedError`, and
+dispatch falls back to the reference. Arguments are validated by
+`quantize_pair` before dispatch.
 """
 
 from __future__ import annotations
@@ -70,8 +71,41 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
   amaxes = spmd.reduce_amax(jnp.stack(pallas_rht.rht_amax(
       x, sign_vector=sign_vector, size=rht_size, with_x=True,
       config=config)), amax_axes)
+  if config is None and _split(row, wgrad):
+    q_t = pallas_rht.quantize_call(
+        x, amax_t=amaxes[1], key_t=_key(wgrad, key_t), size=rht_size,
+        sign_vector=sign_vector, fused_x=False, config=None,
+        placement=placement, four_over_six_t=wgrad.four_over_six)
+    q_x = pallas_quantize.quantize(
+        x, rounding=row.rounding, key=_key(row, key_row), amax=amaxes[0],
+        four_over_six=row.four_over_six, placement=placement)
+    return q_x, q_t
+  t, f = x.shape
   return pallas_rht.quantize_call(
       x, amax_t=amaxes[1], key_t=_key(wgrad, key_t), amax_x=amaxes[0],
       key_x=_key(row, key_row), size=rht_size, sign_vector=sign_vector,
-      fused_x=True, config=config, placement=placement,
-      four_over_six_t=wgrad.four_over_six, four_over_six_x=row.four_over_six)
+      fused_x=True, config=config or pair_config(t, f, rht_size),
+      placement=placement, four_over_six_t=wgrad.four_over_six,
+      four_over_six_x=row.four_over_six)
+
+
+def _split(row: Operand, wgrad: Operand) -> bool:
+  """Whether the pair runs as two kernels (each reading `x`) rather than one.
+
+  Both operands rounded stochastically: the fused kernel holds two SR
+  streams (165 registers per thread) and ran 6% slower than the two
+  kernels at its best tile, 31% at the old default (H100, 8192^2 bf16,
+  `python -m benchmarks.bench_quantize --pair-sweep`).
+  """
+  return row.rounding == "stochastic" and wgrad.rounding == "stochastic"
+
+
+def pair_config(tokens: int, features: int, size: int = 16) -> RHTConfig:
+  """The fused pair kernel's tiles: 32 tokens x 64 features, 4 warps.
+
+  Measured with the sweep above (RTNE pair, 8192^2): 32x64 243 us, the
+  single-operand default 64x64 260 us; two kernels 243 us.
+  """
+  cfg = pallas_rht.default_config(tokens, features, size)
+  return RHTConfig(block_tokens=max(size, min(32, cfg.block_tokens)),
+                   block_features=cfg.block_features, num_warps=4)
