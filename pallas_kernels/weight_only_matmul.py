@@ -5,7 +5,8 @@ packed NVFP4 weight `w: [N, K]`, reading the packed codes and E4M3 scales
 (0.5625 bytes per weight) and never a bf16 copy of the weight: each program
 owns `block_n` output features, walks K in chunks of `block_k`, decodes the
 chunk to its exact bf16 block values in registers (`nvfp4_jax.tile.
-block_values`, the reference's decode), and accumulates `x @ values.T` in FP32
+block_values`, the reference's decode, through its byte-permutation lowering
+`common.block_values` on the GPU), and accumulates `x @ values.T` in FP32
 on the tensor cores; the tensor factor is applied to the FP32 result. M is
 padded to the tensor cores' 16 rows with masked loads.
 
@@ -61,27 +62,40 @@ class WeightOnlyConfig:
                        f"{B}; got {self}.")
 
 
-# Programs to aim for: a few per SM of a large GPU (132 on the H100).
-TARGET_PROGRAMS = 512
+# Programs to aim for: many per SM of a large GPU (132 on the H100), so that
+# the short K walks of decoding overlap their load latency.
+TARGET_PROGRAMS = 2048
 
 
 def default_config(m: int, n: int, k: int) -> WeightOnlyConfig:
+  """Tiles for `x [m, k] @ w [n, k].T`, from the decode sweep on the H100
+  (`python -m benchmarks.bench_gemm --weight-only-sweep`, 16 distinct
+  weights per timed program):
+
+  - up to 64 tokens: 64 features x 256 of K per program, K split until
+    about `TARGET_PROGRAMS` programs run (down to one K step each): the
+    fastest of 18 tilings at 1 x 4096 x 4096 (20 us, split 16; the former
+    default, split 8, 29 us) and at 16 x 14336 x 4096 (48 vs 63 us);
+  - more tokens: one 128-row M tile, 32 features, K not split: fastest at
+    128 x 4096 x 14336 (118 us; two 64-row tiles, split 4: 155 us).
+  """
   bk = min(256, common.next_pow2(k))
   while k % bk:
     bk //= 2
   bk = max(B, bk)
-  bm = max(16, min(64, common.next_pow2(m)))
+  bm = max(16, min(128, common.next_pow2(m)))
+  if bm > 64:
+    return WeightOnlyConfig(block_m=bm, block_n=32, block_k=bk)
   bn = min(64, max(16, common.next_pow2(n)))
   tiles = common.cdiv(m, bm) * common.cdiv(n, bn)
   split, steps = 1, k // bk  # bk divides K (a multiple of 16).
-  while tiles * split < TARGET_PROGRAMS and steps % (2 * split) == 0 and (
-      steps // (2 * split)) >= 2:
+  while tiles * split < TARGET_PROGRAMS and steps % (2 * split) == 0:
     split *= 2
   return WeightOnlyConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split)
 
 
 def _kernel(x_ref, codes_ref, scales_ref, o_ref, *, bk: int, m: int, n: int,
-            steps: int):
+            steps: int, interpret: bool):
   bm, bn = o_ref.shape
   i, j = pl.program_id(0), pl.program_id(1)
   first = pl.program_id(2) * steps
@@ -100,7 +114,7 @@ def _kernel(x_ref, codes_ref, scales_ref, o_ref, *, bk: int, m: int, n: int,
     scales = common.load_at(scales_ref, (slice(None),
                                          pl.ds(step * (bk // B), bk // B)),
                             smask)
-    vals = tile.block_values(codes, scales).reshape(bn, bk)
+    vals = common.block_values(codes, scales, interpret).reshape(bn, bk)
     return acc + jax.lax.dot_general(
         xs.astype(jnp.bfloat16), vals, (((1,), (1,)), ((), ())),
         preferred_element_type=jnp.float32)
@@ -127,7 +141,8 @@ def weight_only_matmul(x: jax.Array, w: NVFP4Array, *,
     raise ValueError(f"block_k={bk} x split_k={split} must divide K={k}.")
   nb = k // B
   out = common.pallas_call(
-      functools.partial(_kernel, bk=bk, m=m, n=n, steps=k // (bk * split)),
+      functools.partial(_kernel, bk=bk, m=m, n=n, steps=k // (bk * split),
+                        interpret=interpret),
       interpret=interpret, num_warps=cfg.num_warps,
       num_stages=cfg.num_stages, name="nvfp4_weight_only_matmul",
       grid=(common.cdiv(m, bm), common.cdiv(n, bn), split),
