@@ -229,23 +229,29 @@ def e2m1_encode_nearest(y: jax.Array) -> jax.Array:
   or 8 (E2M1 has no NaN): the NaN is carried by the scales, see
   `global_encode_scale`.
 
-  Computed on the FP32 bits (fewer instructions per element than comparing
-  against the 7 thresholds, which matters in the GPU kernels; the results are
-  identical): for `|y| >= 1` the E2M1 value is `|y|` with its mantissa rounded
-  to 1 bit, ties to even (a carry bumps the exponent), and the code is
-  `2 * (exponent + 1) + mantissa bit`, capped at 7; below 1 the grid is 0,
-  0.5, 1 with ties at 0.25 (to 0) and 0.75 (to 1).
+  Computed with one FP32 addition and a few integer operations (the GPU
+  kernels are bound by instructions per element; the results are those of
+  comparing against the 7 thresholds): the grid step around `|y|` is 0.5
+  below 2, 1 in [2, 4) and 2 from 4, i.e. `2^(E-1)` with `E = max(exponent
+  of |y|, 0)`. Adding `M = 2^(E+22)`, whose FP32 ulp is that step, rounds
+  `|y|` to a multiple `k` of the step (the FPU's ties-to-even is the even
+  multiple, which is the even code) and `k` is the difference of the bit
+  patterns of `|y| + M` and `M`. The code is `k + 2E`, capped at 7 (for
+  `E >= 3` it is at least 8: saturation; `M`'s pattern may wrap for huge
+  `|y|`, still giving more than 7).
 
   Returns:
     uint8 codes in [0, 16).
   """
-  a = jnp.abs(y)
-  b = jax.lax.bitcast_convert_type(a, jnp.uint32)
-  r = (b + jnp.uint32(0x1FFFFF) + ((b >> 22) & 1)) & jnp.uint32(0xFFC00000)
-  big = jnp.minimum((r >> 22) - jnp.uint32(2 * 127 - 2), jnp.uint32(7))
-  small = (a > 0.25).astype(jnp.uint32) + (a >= 0.75).astype(jnp.uint32)
-  mag = jnp.where(a >= 1.0, big, small)  # NaN: small, i.e. 0.
-  return (mag | _sign_code(y)).astype(jnp.uint8)
+  b = jax.lax.bitcast_convert_type(y, jnp.uint32)
+  e = jnp.maximum(b & jnp.uint32(0x7F800000), jnp.uint32(127 << 23))
+  magic = e + jnp.uint32(22 << 23)
+  f = jax.lax.bitcast_convert_type(
+      jnp.abs(y) + jax.lax.bitcast_convert_type(magic, jnp.float32),
+      jnp.uint32)
+  mag = jnp.minimum(f - magic + (e >> 22) - jnp.uint32(254), jnp.uint32(7))
+  mag = jnp.where(jnp.isnan(y), jnp.uint32(0), mag)
+  return (mag | ((b >> 28) & jnp.uint32(_SIGN_BIT))).astype(jnp.uint8)
 
 
 def e2m1_encode_stochastic(y: jax.Array, rbits: jax.Array) -> jax.Array:

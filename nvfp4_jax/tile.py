@@ -143,7 +143,8 @@ def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
                   inv_s_enc: jax.Array, *, divide: Callable = nm.divide,
                   rbits: jax.Array | None = None, with_values: bool = False,
                   barrier: Callable = _identity, split_pack: bool = False,
-                  four_over_six: bool = False, block_2d: bool = False):
+                  four_over_six: bool = False, block_2d: bool = False,
+                  multiply: Callable = jnp.multiply):
   """NVFP4_SPEC section 2, steps 2-4, on blocks `[rows, nb, 16]`.
 
   Args:
@@ -166,6 +167,11 @@ def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
       `choose_four`). The constants must come from
       `nvfp4_scale_constants(..., four_over_six=True)`.
     block_2d: the blocks' rows form 16x16 tiles (for `four_over_six`).
+    multiply: the scaling `xf * enc` for this backend. GPU kernels pass
+      unflushed values and an FTZ multiplication (`mul.ftz.f32` flushes
+      subnormal inputs, the flush this function otherwise expects done, in
+      the same instruction; it also flushes subnormal products, which
+      encode to the same codes and error terms as they are: below 0.25).
 
   Returns:
     `(packed uint8 [rows, nb, 8], scales e4m3 [rows, nb], values or None)`.
@@ -175,7 +181,7 @@ def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
                                                  expansion=expansion))
     d = scales.astype(jnp.float32)
     enc = nm.nvfp4_block_encode_scale(d, inv_s_enc, divide=divide)
-    y = xf * enc[..., None]
+    y = multiply(xf, enc[..., None])
     if rbits is None:
       codes = nm.e2m1_encode_nearest(y)
     else:

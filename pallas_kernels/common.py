@@ -144,6 +144,36 @@ def block_values(packed: jax.Array, scales: jax.Array, interpret: bool
   return values
 
 
+def ftz_multiply(interpret: bool) -> Callable[[jax.Array, jax.Array],
+                                               jax.Array]:
+  """`ftz(x) * e` for `tile.encode_blocks(multiply=...)` on unflushed `x`.
+
+  On the GPU one `mul.ftz.f32` per element (it flushes subnormal inputs and
+  products; see `tile.encode_blocks`) instead of a compare, a select and a
+  multiplication; interpreted, the reference's `numerics.ftz(x) * e`.
+  """
+  if interpret:
+    return lambda x, e: nm.ftz(x) * e
+
+  def mul_ftz(x, e):
+    x, e = jnp.broadcast_arrays(x, e)
+    [out] = plt.elementwise_inline_asm(
+        "mul.ftz.f32 $0, $1, $2;", args=[x, e], constraints="=f,f,f",
+        pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape,
+                                                          jnp.float32)])
+    return out
+  return mul_ftz
+
+
+def flushed_block_amax(x: jax.Array, block_2d: bool) -> jax.Array:
+  """`tile.block_amax(ftz(x), block_2d)` of unflushed FP32 blocks.
+
+  Flushing is monotone in the magnitude, so the flushed maximum is the
+  maximum's flush: one flush per block instead of one per element.
+  """
+  return nm.ftz(tile.block_amax(x, block_2d))
+
+
 def abs_max_bits(x: jax.Array) -> jax.Array:
   """`tile.abs_max` of all of FP32 `x`, as its uint32 bit pattern (a partial)."""
   return jax.lax.bitcast_convert_type(tile.abs_max(x), jnp.uint32)

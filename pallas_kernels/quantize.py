@@ -91,7 +91,7 @@ def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
   rows, nb, _ = x_ref.shape
   mask = tile_masks(rows, nb, m, nb_total)
 
-  xf = nm.ftz(common.load(x_ref, mask[B]).astype(jnp.float32))
+  x = common.load(x_ref, mask[B]).astype(jnp.float32)  # Flushed when scaled.
   rbits = None
   if stochastic:
     # The tile's place in the (whole, maybe sharded) tensor's stream.
@@ -99,9 +99,10 @@ def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
                             origin_ref[1] + pl.program_id(1) * nb, nb,
                             words_per_row, seeds_ref[0], seeds_ref[1])
   packed, scales, values = tile.encode_blocks(
-      xf, tile.block_amax(xf, block_2d), s_enc_over_6, inv_s_enc,
+      x, common.flushed_block_amax(x, block_2d), s_enc_over_6, inv_s_enc,
       divide=divide, rbits=rbits, with_values=with_values, split_pack=True,
-      four_over_six=four_over_six, block_2d=block_2d)
+      four_over_six=four_over_six, block_2d=block_2d,
+      multiply=common.ftz_multiply(interpret))
   common.store(codes_ref, packed, mask[B // 2])
   common.store(scales_ref, scales, mask[0])
   if with_values:

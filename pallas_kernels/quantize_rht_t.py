@@ -173,14 +173,15 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
   common.store(refs[1], scales, common.bounds_mask(scales.shape, *dims))
 
   if fused_x:  # Row operand: x, [tokens, features], blocks along features.
-    xf = nm.ftz(x.astype(jnp.float32)).reshape(bt, bf // B, B)
+    xf = x.astype(jnp.float32).reshape(bt, bf // B, B)  # Flushed when scaled.
     rbits = None
     if sr_x:
       rbits = prng.tile_bytes(origin_ref[2] + i * bt, bt,
                               origin_ref[3] + j * (bf // B), bf // B, words_x,
                               seeds_ref[2], seeds_ref[3])
     packed, scales, _ = tile.encode_blocks(
-        xf, tile.block_amax(xf, False), *consts(1, fos_x), divide=divide,
+        xf, common.flushed_block_amax(xf, False), *consts(1, fos_x),
+        divide=divide, multiply=common.ftz_multiply(interpret),
         rbits=rbits, split_pack=True, four_over_six=fos_x)
     dims = (tok(0, bt), feat(1, bf // B))
     common.store(refs[2], packed, common.bounds_mask(packed.shape, *dims))
