@@ -30,3 +30,16 @@ def test_runs_skips_finished_and_writes_results(tmp_path, capsys):
   capsys.readouterr()
   assert study.main(argv) == 0  # Nothing left to run.
   assert "finished earlier; skipped" in capsys.readouterr().out
+
+
+def test_step_time_from_batched_records():
+  """The trainer writes its train records in batches that share one time
+  stamp; the step time is taken between batches (not 0 ms, as a
+  record-to-record difference gave), and the first batch's compile time is
+  left out."""
+  recs = []
+  for batch, t in enumerate((30.0, 30.5, 31.0, 31.6)):  # 5 steps per batch
+    recs += [{"kind": "train", "step": 5 * batch + i + 1, "time": t}
+             for i in range(5)]
+  assert abs(study.step_seconds(recs) - 0.1) < 1e-9  # median of .1, .1, .12
+  assert study.step_seconds(recs[:5]) != study.step_seconds(recs[:5])  # NaN

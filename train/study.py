@@ -104,6 +104,25 @@ def finished(run_dir: pathlib.Path, steps: int) -> bool:
              for r in _records(run_dir))
 
 
+def step_seconds(train: list[dict]) -> float:
+  """Median seconds per step of a run's train records (NaN if unknown).
+
+  The trainer writes its records in batches (one device fetch per log
+  interval), so the records of a batch share one time stamp: the rate is
+  taken between consecutive batches, which also leaves out the first
+  batch's compilation.
+  """
+  marks: list[tuple[int, float]] = []  # (last step, time) of each batch
+  for r in train:
+    if marks and marks[-1][1] == r["time"]:
+      marks[-1] = (r["step"], r["time"])
+    else:
+      marks.append((r["step"], r["time"]))
+  rates = [(t1 - t0) / (s1 - s0)
+           for (s0, t0), (s1, t1) in zip(marks, marks[1:]) if s1 > s0]
+  return statistics.median(rates) if rates else math.nan
+
+
 def summarize(runs, steps: int) -> tuple[str, dict[str, list[dict]]]:
   """The results table (Markdown) and each run's records."""
   records = {label: _records(d) for label, d, _ in runs}
@@ -116,10 +135,8 @@ def summarize(runs, steps: int) -> tuple[str, dict[str, list[dict]]]:
     val = evals[-1]["val_loss"] if evals else math.nan
     group = label.rsplit("-s", 1)[0]
     groups.setdefault(group, []).append(val)
-    dt = [b["time"] - a["time"] for a, b in zip(train, train[1:])
-          if b["step"] == a["step"] + 1]
     rows.append((label, group, val, train[-1]["tokens"] if train else 0,
-                 statistics.median(dt) * 1e3 if dt else math.nan,
+                 step_seconds(train) * 1e3,
                  "python -m train " + " ".join(argv)))
   base = statistics.mean(groups.get("bf16", [math.nan]))
   lines = ["| run | final val loss | gap to BF16 (group mean ± sd) | tokens "
