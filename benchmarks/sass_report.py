@@ -204,7 +204,6 @@ def _cases() -> list[Case]:
   import jax.numpy as jnp
   from nvfp4_jax import fused
   from nvfp4_jax.qarray import NVFP4Array
-  from nvfp4_jax.recipe import Operand
   from pallas_kernels import block_dequantize as pbd
   from pallas_kernels import quantize as pq
   from pallas_kernels import quantize_pair as pp
@@ -232,13 +231,19 @@ def _cases() -> list[Case]:
     return fn, (sds((n, n // 2), jnp.uint8), sds((n, n // 16),
                                                  jnp.float8_e4m3fn), amax)
 
-  def pair():
-    def fn(x):
-      return pp.quantize_pair(
-          x, Operand(rounding="stochastic"),
-          Operand(rounding="stochastic", rht=True), key_row=key(0),
-          key_t=key(1))
-    return fn, (x,)
+  pc = pp.pair_config(n, n)
+  p_tile = f"{pc.block_tokens}x{pc.block_features} (tok x feat)"
+  p_elems = pc.block_tokens * pc.block_features
+
+  def pair(rounding):
+    # The fused X/dY kernel itself (`quantize_pair` runs both-SR pairs as
+    # two kernels, the rows above), on the pair tiles.
+    def fn(x, a):
+      k = (lambda i: key(i)) if rounding == "stochastic" else (lambda i: None)
+      return pr.quantize_call(x, amax_t=a, key_t=k(1), amax_x=a, key_x=k(0),
+                              size=16, sign_vector=None, fused_x=True,
+                              config=pc)
+    return lambda: (fn, (x, amax))
 
   wm, wn, wk = 16, 4096, 4096
   wc = pwo.default_config(wm, wn, wk)
@@ -268,7 +273,10 @@ def _cases() -> list[Case]:
            lambda: (lambda x, a: pr.quantize_rht_t(
                x, rounding="stochastic", key=key(0), amax=a), (x, amax)),
            r_tile, r_elems),
-      Case("pair_sr", "nvfp4_quantize_x_and_rht_t", pair, r_tile, r_elems),
+      Case("pair_rtne", "nvfp4_quantize_x_and_rht_t", pair("nearest"),
+           p_tile, p_elems),
+      Case("pair_sr", "nvfp4_quantize_x_and_rht_t", pair("stochastic"),
+           p_tile, p_elems),
       Case("rht_amax_x", "nvfp4_rht_amax",
            lambda: (lambda x: pr.rht_amax(x, with_x=True), (x,)), r_tile,
            r_elems),
