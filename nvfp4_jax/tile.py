@@ -67,7 +67,8 @@ def _round_significant(v: jax.Array, bits: int) -> jax.Array:
   return jax.lax.bitcast_convert_type(b, jnp.float32)
 
 
-def error_terms(y: jax.Array, codes: jax.Array, d: jax.Array) -> jax.Array:
+def error_terms(y: jax.Array, codes: jax.Array, d: jax.Array, *,
+                flush: Callable = nm.ftz) -> jax.Array:
   """Four-over-Six's per-element error term: `(R8(|q - y|) * d)^2`, exact.
 
   `y` are the scaled values the encoder rounded to `codes`, `q` their E2M1
@@ -99,8 +100,8 @@ def error_terms(y: jax.Array, codes: jax.Array, d: jax.Array) -> jax.Array:
   lifted = (0.5 - p) + ((((e + 1) << 23) - b).astype(jnp.float32) * ulp)
   r = jnp.where(qv == 0.0, a, jnp.where(
       a >= 8.0, a, jnp.where((qv == 0.5) & (a < 0.25), lifted, near)))
-  m = nm.ftz(_round_significant(nm.ftz(r), 8) * d[..., None])
-  return nm.ftz(m * m)
+  m = flush(_round_significant(flush(r), 8) * d[..., None])
+  return flush(m * m)
 
 
 def _tile_sum(t: jax.Array, block_2d: bool) -> jax.Array:
@@ -144,7 +145,8 @@ def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
                   rbits: jax.Array | None = None, with_values: bool = False,
                   barrier: Callable = _identity, split_pack: bool = False,
                   four_over_six: bool = False, block_2d: bool = False,
-                  multiply: Callable = jnp.multiply):
+                  multiply: Callable = jnp.multiply,
+                  flush: Callable = nm.ftz):
   """NVFP4_SPEC section 2, steps 2-4, on blocks `[rows, nb, 16]`.
 
   Args:
@@ -172,6 +174,7 @@ def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
       subnormal inputs, the flush this function otherwise expects done, in
       the same instruction; it also flushes subnormal products, which
       encode to the same codes and error terms as they are: below 0.25).
+    flush: `numerics.ftz` for this backend (Four-over-Six's error terms).
 
   Returns:
     `(packed uint8 [rows, nb, 8], scales e4m3 [rows, nb], values or None)`.
@@ -191,8 +194,8 @@ def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
   scales, d, y, codes = encode(None)
   if four_over_six:
     scales4, d4, y4, codes4 = encode(1.5)
-    four = choose_four(error_terms(y, codes, d), error_terms(y4, codes4, d4),
-                       block_2d)
+    four = choose_four(error_terms(y, codes, d, flush=flush),
+                       error_terms(y4, codes4, d4, flush=flush), block_2d)
     codes = jnp.where(four[..., None], codes4, codes)
     d = jnp.where(four, d4, d)
     scales = d.astype(jnp.float8_e4m3fn)  # Exact: both are E4M3 values.
@@ -220,8 +223,8 @@ def bf16_exact_matrix(h: np.ndarray) -> bool:
   return bool(np.all(h.astype(jnp.bfloat16).astype(np.float32) == h))
 
 
-def hadamard_rows(v: jax.Array, h: jax.Array, *, bf16_operands: bool
-                  ) -> jax.Array:
+def hadamard_rows(v: jax.Array, h: jax.Array, *, bf16_operands: bool,
+                  flush: Callable = nm.ftz) -> jax.Array:
   """`v @ H` of runs of `size` elements, the RHT step (NVFP4_SPEC section 4).
 
   Flush, multiply with FP32 accumulation, flush, round to bf16: the result is
@@ -235,12 +238,14 @@ def hadamard_rows(v: jax.Array, h: jax.Array, *, bf16_operands: bool
       entries are exact in bf16 (`bf16_exact_matrix`; sizes that are powers of
       4), so every product is exact either way. Otherwise the dot runs in FP32
       (IEEE, not TF32).
+    flush: `numerics.ftz` for this backend (GPU kernels pass a one-instruction
+      `cvt.ftz.f32.f32`).
   """
-  v = nm.ftz(v.astype(jnp.float32))
+  v = flush(v.astype(jnp.float32))
   if bf16_operands:
     y = jnp.dot(v.astype(jnp.bfloat16), h.astype(jnp.bfloat16),
                 preferred_element_type=jnp.float32)
   else:
     y = jnp.dot(v, h.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
                 preferred_element_type=jnp.float32)
-  return nm.ftz(y).astype(jnp.bfloat16).astype(jnp.float32)
+  return flush(y).astype(jnp.bfloat16).astype(jnp.float32)

@@ -144,6 +144,21 @@ def block_values(packed: jax.Array, scales: jax.Array, interpret: bool
   return values
 
 
+def flush(interpret: bool) -> Callable[[jax.Array], jax.Array]:
+  """`numerics.ftz` in a kernel: on the GPU one `cvt.ftz.f32.f32` per
+  element (an FTZ addition of -0: subnormals become signed zeros, everything
+  else passes) instead of an absolute value, a compare and a select."""
+  if interpret:
+    return nm.ftz
+
+  def ftz(x):
+    [out] = plt.elementwise_inline_asm(
+        "cvt.ftz.f32.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return out
+  return ftz
+
+
 def ftz_multiply(interpret: bool) -> Callable[[jax.Array, jax.Array],
                                                jax.Array]:
   """`ftz(x) * e` for `tile.encode_blocks(multiply=...)` on unflushed `x`.

@@ -102,7 +102,8 @@ def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
       x, common.flushed_block_amax(x, block_2d), s_enc_over_6, inv_s_enc,
       divide=divide, rbits=rbits, with_values=with_values, split_pack=True,
       four_over_six=four_over_six, block_2d=block_2d,
-      multiply=common.ftz_multiply(interpret))
+      multiply=common.ftz_multiply(interpret),
+      flush=common.flush(interpret))
   common.store(codes_ref, packed, mask[B // 2])
   common.store(scales_ref, scales, mask[0])
   if with_values:

@@ -81,28 +81,30 @@ def check_size(size: int, what: str) -> None:
         f"got {size}; use implementation='xla'.")
 
 
-def rht_transposed(x: jax.Array, h: jax.Array, size: int) -> jax.Array:
+def rht_transposed(x: jax.Array, h: jax.Array, size: int,
+                   interpret: bool) -> jax.Array:
   """`rht(x.T)` of a `[tokens, features]` tile, as FP32 `[features, tokens]`.
 
   bf16 tiles multiply on bf16 operands (exact: see `check_size`).
   """
   t, f = x.shape
   xt = x.T.reshape(f * t // size, size)
-  y = tile.hadamard_rows(xt, h, bf16_operands=x.dtype == jnp.bfloat16)
+  y = tile.hadamard_rows(xt, h, bf16_operands=x.dtype == jnp.bfloat16,
+                         flush=common.flush(interpret))
   return y.reshape(f, t)
 
 
 def _amax_kernel(h_ref, x_ref, *out_refs, size: int, with_x: bool,
-                 tokens: int, features: int):
+                 tokens: int, features: int, interpret: bool):
   bt, bf = x_ref.shape
   mask = common.bounds_mask((bt, bf), (0, pl.program_id(0) * bt, tokens, bt),
                             (1, pl.program_id(1) * bf, features, bf))
   x = common.load(x_ref, mask)  # Out-of-bounds elements read as 0.
-  z = rht_transposed(x, h_ref[...], size)
+  z = rht_transposed(x, h_ref[...], size, interpret)
   out_refs[0][...] = jnp.full((1, 1), common.abs_max_bits(z), jnp.uint32)
-  if with_x:
-    xf = nm.ftz(x.astype(jnp.float32))
-    out_refs[1][...] = jnp.full((1, 1), common.abs_max_bits(xf), jnp.uint32)
+  if with_x:  # The flushed maximum is the maximum's flush (one per tile).
+    xmax = nm.ftz(tile.abs_max(x.astype(jnp.float32)))
+    out_refs[1][...] = jnp.full((1, 1), common.abs_max_bits(xmax), jnp.uint32)
 
 
 def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
@@ -123,7 +125,7 @@ def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
   part = jax.ShapeDtypeStruct(grid, jnp.uint32)
   n_out = 2 if with_x else 1
   kernel = functools.partial(_amax_kernel, size=size, with_x=with_x,
-                             tokens=t, features=f)
+                             tokens=t, features=f, interpret=interpret)
   outs = common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
       name="nvfp4_rht_amax", grid=grid,
@@ -159,7 +161,7 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
                                             feat(1, bf)))
 
   # Wgrad operand: rht(x.T), [features, tokens], blocks along tokens.
-  z = rht_transposed(x, h_ref[...], size).reshape(bf, bt // B, B)
+  z = rht_transposed(x, h_ref[...], size, interpret).reshape(bf, bt // B, B)
   rbits = None
   if sr_t:
     rbits = prng.tile_bytes(origin_ref[0] + j * bf, bf,
@@ -167,7 +169,8 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
                             seeds_ref[0], seeds_ref[1])
   packed, scales, _ = tile.encode_blocks(
       z, tile.block_amax(z, False), *consts(0, fos_t), divide=divide,
-      rbits=rbits, split_pack=True, four_over_six=fos_t)
+      rbits=rbits, split_pack=True, four_over_six=fos_t,
+      flush=common.flush(interpret))
   dims = (feat(0, bf), tok(1, bt // B))
   common.store(refs[0], packed, common.bounds_mask(packed.shape, *dims))
   common.store(refs[1], scales, common.bounds_mask(scales.shape, *dims))
@@ -182,6 +185,7 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
     packed, scales, _ = tile.encode_blocks(
         xf, common.flushed_block_amax(xf, False), *consts(1, fos_x),
         divide=divide, multiply=common.ftz_multiply(interpret),
+        flush=common.flush(interpret),
         rbits=rbits, split_pack=True, four_over_six=fos_x)
     dims = (tok(0, bt), feat(1, bf // B))
     common.store(refs[2], packed, common.bounds_mask(packed.shape, *dims))
