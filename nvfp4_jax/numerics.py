@@ -263,10 +263,15 @@ def e2m1_encode_stochastic(y: jax.Array, rbits: jax.Array) -> jax.Array:
   `t` is a multiple of 1/256 and within 1/512 of it otherwise. Values on the
   grid never move; `|y| >= 6` saturates to 6.
 
-  Computed on the FP32 bits where `1 <= |y| < 6`: `lo` is `|y|` with its
-  mantissa cut to 1 bit and `t` is the cut 22 bits over 2^22, so the test is
-  the integer comparison `cut > (2r + 1) << 13`. Below 1 (grid 0, 0.5, 1) it
-  is the same test in FP32, where every step is exact.
+  Computed with one exact FP32 product and integer operations (the GPU
+  kernels are bound by instructions per element): with the grid step
+  `2^(E-1)` around `|y|` (`E = clip(exponent, 0, 3)`, `|y|` clamped to 16),
+  `X = |y| * 2^(10-E)` is 512 times `|y|` in steps, so `floor(X / 512)` is
+  the lower grid point's index and `X mod 512 = 512 t`. Since `2r + 1` is an
+  integer, `512 t > 2r + 1` iff `ceil(512 t) >= 2r + 2`, and both parts
+  together are `(ceil(X) + 510 - 2r) >> 9`; the code is that plus `2E`,
+  capped at 7. (The same codes as comparing `t` in FP32: a randomized and
+  a per-binade offline check, every `r`-boundary included.)
 
   Args:
     y: scaled values, FP32.
@@ -275,17 +280,17 @@ def e2m1_encode_stochastic(y: jax.Array, rbits: jax.Array) -> jax.Array:
   Returns:
     uint8 codes in [0, 16).
   """
-  a = jnp.abs(y)
-  b = jax.lax.bitcast_convert_type(a, jnp.uint32)
-  r = rbits.astype(jnp.uint32)
-  big_lo = (b >> 22) - jnp.uint32(2 * 127 - 2)
-  big_up = (b & jnp.uint32(0x3FFFFF)) > ((r * 2 + 1) << 13)
-  big = jnp.where(a >= 6.0, jnp.uint32(7), big_lo + big_up.astype(jnp.uint32))
-  half = jnp.floor(a * 2.0)
-  small_up = (a * 2.0 - half) * 512.0 > r.astype(jnp.float32) * 2.0 + 1.0
-  small = half.astype(jnp.uint32) + small_up.astype(jnp.uint32)
-  mag = jnp.where(a >= 1.0, big, small)  # NaN: small, i.e. 0.
-  return (mag | _sign_code(y)).astype(jnp.uint8)
+  b = jax.lax.bitcast_convert_type(y, jnp.uint32)
+  a = jnp.minimum(b & jnp.uint32(0x7FFFFFFF), jnp.uint32(0x41800000))  # 16.
+  s = jnp.clip(jnp.uint32(264) - (a >> 23), jnp.uint32(134),
+               jnp.uint32(137))  # Exponent of 2^(10 - E).
+  x = jax.lax.bitcast_convert_type(a, jnp.float32) * (
+      jax.lax.bitcast_convert_type(s << 23, jnp.float32))
+  up = (jnp.ceil(x).astype(jnp.uint32) + jnp.uint32(510)
+        - rbits.astype(jnp.uint32) * 2) >> 9
+  mag = jnp.minimum((jnp.uint32(137) - s) * 2 + up, jnp.uint32(7))
+  mag = jnp.where(jnp.isnan(y), jnp.uint32(0), mag)
+  return (mag | ((b >> 28) & jnp.uint32(_SIGN_BIT))).astype(jnp.uint8)
 
 
 def e2m1_decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
