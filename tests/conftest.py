@@ -8,7 +8,10 @@ puts this directory on `sys.path`).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -30,6 +33,42 @@ if hypothesis is not None:
       "thorough", max_examples=1000, deadline=None,
       suppress_health_check=_SUPPRESS)
   hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+_CACHE_DIR = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+  """One persistent JAX compilation cache for the whole session.
+
+  Most of the suite's time is XLA compilation, and many tests compile the
+  same programs (every `Trainer` of one model compiles the same
+  `init_state`; a resumed run or a CLI subprocess recompiles its trainer's
+  step): with the cache each distinct program compiles once. The cache is
+  a fresh temporary directory, shared through the environment by the xdist
+  workers and by the processes the tests start (CLI runs, mesh checks,
+  notebook kernels), and removed at the end; a program is only ever
+  replaced by the executable XLA built for the same program and options.
+  A `JAX_COMPILATION_CACHE_DIR` already set is used as it is;
+  `NVFP4_TEST_COMPILATION_CACHE=0` turns the cache off.
+  """
+  if (hasattr(config, "workerinput")  # An xdist worker: set by the parent.
+      or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+      or os.environ.get("NVFP4_TEST_COMPILATION_CACHE") == "0"):
+    return
+  path = tempfile.mkdtemp(prefix="nvfp4-jax-compilation-cache-")
+  config.stash[_CACHE_DIR] = path
+  # Every program, however quick to compile: the small ones add up too.
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def pytest_unconfigure(config):
+  path = config.stash.get(_CACHE_DIR, None)
+  if path is not None:
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
