@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -36,12 +37,21 @@ class StepConfig:
   attention: str = "fused"
   remat: str = "none"
   steps: int = 15
+  mesh: str = ""  # "" one device; else `--mesh` syntax, e.g. "data=2".
+
+  @property
+  def devices(self) -> int:
+    if not self.mesh:
+      return 1
+    return math.prod(int(v) for _, v in
+                     (kv.split("=") for kv in self.mesh.split(",")))
 
   @property
   def label(self) -> str:
     extra = "" if self.remat == "none" else f" remat={self.remat}"
+    where = f" {self.mesh}" if self.mesh else ""
     return (f"{self.preset} {self.precision} {self.batch}x{self.seq} "
-            f"{self.attention}{extra}")
+            f"{self.attention}{extra}{where}")
 
 
 def _child(cfg: StepConfig) -> dict:
@@ -50,6 +60,7 @@ def _child(cfg: StepConfig) -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from models import param_count  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax import sharding  # pylint: disable=g-import-not-at-top
   from train import data  # pylint: disable=g-import-not-at-top
   from train.config import TrainConfig  # pylint: disable=g-import-not-at-top
   from train.loop import Trainer  # pylint: disable=g-import-not-at-top
@@ -65,9 +76,15 @@ def _child(cfg: StepConfig) -> dict:
                    diagnostics=False)
   mc = model_config(tc, 256).replace(attention=cfg.attention,
                                      remat=cfg.remat)
-  trainer = Trainer(tc, corpus, mc)
+  mesh = None
+  if cfg.mesh:
+    sizes = {k: int(v) for k, v in (kv.split("=")
+                                    for kv in cfg.mesh.split(","))}
+    mesh = sharding.make_mesh(jax.devices()[:cfg.devices], **sizes)
+  trainer = Trainer(tc, corpus, mc, mesh=mesh)
   state = trainer.init_state()
-  batch = trainer.batcher.batch(0).reshape(1, cfg.batch, cfg.seq + 1)
+  batch = trainer.put_batch(
+      trainer.batcher.batch(0).reshape(1, cfg.batch, cfg.seq + 1))
   compiled = trainer.train_step.lower(state, batch).compile()
   mem = compiled.memory_analysis()
   state, m = compiled(state, batch)  # Warm-up (the state is donated).
@@ -97,6 +114,10 @@ def run(configs: list[StepConfig], repeats: int = 3) -> list[dict]:
       if out.returncode:
         raise RuntimeError(f"{c.label} failed:\n{out.stderr[-2000:]}")
       results[c.label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+      # Progress, so a run cut short still shows what it timed.
+      print(f"{c.label}: median "
+            f"{statistics.median(results[c.label][-1]['times']) * 1e3:.1f} ms",
+            file=sys.stderr, flush=True)
   rows, base = [], None
   for c in configs:
     runs = results[c.label]
@@ -108,19 +129,29 @@ def run(configs: list[StepConfig], repeats: int = 3) -> list[dict]:
     tflops = 6 * runs[0]["params"] * tokens / t / 1e12
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items()
                  if k in runs[0]["device"]), None)
+    single = next((r for r in rows if r["_key"] == (c.precision, c.remat,
+                                                     c.attention)
+                   and r["_devices"] == 1), None)
     rows.append({
+        "_key": (c.precision, c.remat, c.attention), "_devices": c.devices,
         "config": c.label, "ms": t * 1e3,
         "spread_ms": f"{min(medians) * 1e3:.1f}-{max(medians) * 1e3:.1f}",
         "vs_first": t / base, "tokens_per_s": tokens / t,
         "tflops_6n": tflops,
-        "mfu": tflops / peak if peak else float("nan"),
+        "mfu": tflops / (peak * c.devices) if peak else float("nan"),
         "temp_mib": (runs[0]["temp_bytes"] or float("nan")) / 2**20,
+        # Weak scaling: tokens/s per device against the same configuration
+        # on one device.
+        "scaling": (1.0 if c.devices == 1 else
+                    tokens / t / c.devices / single["tokens_per_s"]
+                    if single else float("nan")),
         "device": runs[0]["device"], "jax": runs[0]["jax"]})
   return rows
 
 
 COLS = ("config", "ms", "spread_ms", "vs_first", "tokens_per_s", "tflops_6n",
         "mfu", "temp_mib")
+MESH_COLS = COLS + ("scaling",)
 
 
 def main(argv=None):
@@ -135,19 +166,28 @@ def main(argv=None):
   p.add_argument("--remat", default="none", help="comma list of none,quantized")
   p.add_argument("--steps", type=int, default=15)
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--meshes", default="",
+                 help="space-separated meshes to time besides one device, "
+                 "e.g. 'data=2 fsdp=2'; --batch is then per device (weak "
+                 "scaling) and the table adds the scaling efficiency")
   a = p.parse_args(argv)
   if a.child:
     print(json.dumps(_child(StepConfig(**json.loads(a.child)))))
     return
-  configs = [StepConfig(a.preset, prec, a.batch, a.seq, att, remat, a.steps)
-             for att in a.attention.split(",")
-             for remat in a.remat.split(",")
-             for prec in a.precisions.split(",")]
+  meshes = [""] + a.meshes.split()
+  configs = []
+  for att in a.attention.split(","):
+    for remat in a.remat.split(","):
+      for prec in a.precisions.split(","):
+        for mesh in meshes:
+          c = StepConfig(a.preset, prec, a.batch, a.seq, att, remat, a.steps,
+                         mesh)
+          configs.append(dataclasses.replace(c, batch=a.batch * c.devices))
   from benchmarks import timing  # pylint: disable=g-import-not-at-top
   rows = run(configs, a.repeats)
   print(f"device: {rows[0]['device']}; jax {rows[0]['jax']}; {a.repeats} "
         f"rounds x {a.steps} steps, a fresh process per configuration")
-  print(timing.table(rows, COLS))
+  print(timing.table(rows, MESH_COLS if a.meshes else COLS))
 
 
 if __name__ == "__main__":

@@ -225,10 +225,13 @@ def test_a_vocabulary_the_model_cannot_embed_names_both_sizes(tmp_path):
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-  """A one-step run's output directory and its flags."""
+  """A finished run's output directory and its flags."""
   tmp = tmp_path_factory.mktemp("resume")
   corpus = _text(tmp / "corpus.txt", (ROOT / "README.md").read_text())
-  argv = FAST + ["--data", str(corpus), "--out", str(tmp / "runs")]
+  # Three steps: the bf16 run of test_cli's --compare test, whose programs
+  # the session's compilation cache then holds.
+  argv = FAST + ["--steps", "3", "--data", str(corpus), "--out",
+                 str(tmp / "runs")]
   status, _, err = run_cli(argv)
   assert status == 0, err
   return tmp, argv

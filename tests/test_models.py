@@ -151,3 +151,45 @@ def test_mlp_is_a_drop_in_for_dense():
   ref = mlp.apply(params, x)
   assert not np.array_equal(q, ref)
   assert np.linalg.norm(q - ref) / np.linalg.norm(ref) < 0.2
+
+
+def test_fused_attention_uses_cudnn_on_gpu_only_where_cudnn_applies(
+    monkeypatch):
+  from models import gpt  # pylint: disable=g-import-not-at-top
+  q = jnp.zeros((2, 16, 4, 64), jnp.bfloat16)
+  assert gpt.fused_attention_implementation(q) == (
+      "cudnn" if jax.default_backend() == "gpu" else "xla")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert gpt.fused_attention_implementation(q) == "cudnn"
+  assert gpt.fused_attention_implementation(q.astype(jnp.float16)) == "cudnn"
+  # cuDNN takes 16-bit inputs and head dimensions that are multiples of 8
+  # up to 128; anything else stays on XLA.
+  assert gpt.fused_attention_implementation(q.astype(jnp.float32)) == "xla"
+  assert gpt.fused_attention_implementation(q[..., :60]) == "xla"
+  assert gpt.fused_attention_implementation(
+      jnp.zeros((2, 16, 4, 256), jnp.bfloat16)) == "xla"
+
+
+def test_fused_attention_matches_the_reference_attention():
+  """`attention="fused"` (cuDNN flash attention on a GPU) against the
+  explicit FP32-softmax attention, both with bf16 operands.
+
+  Tolerance: both round the softmax probabilities to bf16 before the PV
+  product, each within 2^-8 relative, but possibly on different sides, so
+  the outputs (convex combinations of v) differ by at most 2 * 2^-8 * max|v|,
+  and each output is rounded to bf16 once more (2^-8 * max|v|): 3 * 2^-8 *
+  max|v| in all. The FP32 scores and exponentials add ~1e-6 relative.
+  """
+  from models import gpt  # pylint: disable=g-import-not-at-top
+  ks = jax.random.split(jax.random.key(3), 3)
+  shape = (2, 128, 4, 64)
+  q, k, v = (3 * jax.random.normal(kk, shape, jnp.float32).astype(jnp.bfloat16)
+             for kk in ks)
+  fused = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True,
+      implementation=gpt.fused_attention_implementation(q)))(q, k, v)
+  ref = jax.jit(gpt.causal_attention, static_argnums=3)(q, k, v, jnp.bfloat16)
+  bound = 3 * 2.0**-8 * float(jnp.max(jnp.abs(v.astype(jnp.float32))))
+  err = np.max(np.abs(np.asarray(fused, np.float32) - np.asarray(ref,
+                                                                 np.float32)))
+  assert err <= bound, (err, bound)

@@ -10,7 +10,10 @@ from test_train import MODEL, config, small_corpus
 
 def test_export_a_run_and_generate(tmp_path, capsys):
   run = tmp_path / "run"
-  Trainer(config(steps=4, eval_every=4, ckpt_every=4, diagnostics=False),
+  # Any run of MODEL with a checkpoint will do; this is test_train_resume's
+  # configuration, whose programs the session's compilation cache then holds
+  # (10 steps of this model take well under a second once compiled).
+  Trainer(config(steps=10, ckpt_every=3, eval_every=5, diagnostics=False),
           small_corpus(), MODEL).run(run, progress=False)
   out = tmp_path / "tiny.safetensors"
   assert export_cli.main([str(run), str(out), "--generate", "2",

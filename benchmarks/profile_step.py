@@ -1,0 +1,161 @@
+"""Where the GPU time of a GPT train step goes, kernel by kernel.
+
+    python -m benchmarks.profile_step --preset small --batch 64 --seq 512
+
+Traces `--steps` train steps of each precision with `jax.profiler` (each
+precision in its own process, as `bench_step` does), reads the GPU kernels
+back from the trace and prints two tables: the GPU time per step by kernel
+class for each precision, with the NVFP4 - BF16 difference (the overhead by
+name), and the largest kernels of the NVFP4 step. Classes come from the
+kernel names: the library's Pallas kernels are named `nvfp4_*`; cuBLAS and
+CUTLASS GEMMs, cuDNN attention and XLA's fusions have recognizable names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import re
+import subprocess
+import sys
+import tempfile
+
+# (class, regex on the kernel name), first match wins.
+CLASSES = (
+    ("pallas: quantize x + rht_t (pair)", r"nvfp4_quantize_x_and_rht_t"),
+    ("pallas: quantize rht_t (Wgrad)", r"nvfp4_quantize_rht_t"),
+    ("pallas: rht amax", r"nvfp4_rht_amax"),
+    ("pallas: quantize 16x16 (weights)", r"nvfp4_quantize_2d"),
+    ("pallas: quantize 1x16", r"nvfp4_quantize"),
+    ("pallas: block values (dequantize)", r"nvfp4_block_values"),
+    ("pallas: other", r"nvfp4_"),
+    ("attention (cuDNN)", r"cudnn|flash|fmha|sdpa"),
+    ("GEMM (cuBLAS/CUTLASS)", r"gemm|xmma|cutlass|sm\d+_.*_tn|nvjet|wgmma"),
+    ("XLA reduction fusions", r"reduce|reduction"),
+    ("XLA fusions", r"fusion|wrapped_|loop_|input_"),
+    ("copies and transposes", r"copy|transpose|memcpy|memset"),
+)
+
+
+def classify(name: str) -> str:
+  for label, pat in CLASSES:
+    if re.search(pat, name, re.IGNORECASE):
+      return label
+  return "other"
+
+
+def gpu_kernels(xplane: str) -> dict[str, tuple[int, float]]:
+  """{kernel name: (calls, total ns)} over the GPU planes of a trace."""
+  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+  out: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+  for plane in ProfileData.from_file(xplane).planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    lines = list(plane.lines)
+    # Kernels sit on the stream lines; XLA's "XLA Ops"/"XLA Modules" lines
+    # repeat the same time under HLO names.
+    streams = [l for l in lines if "stream" in l.name.lower()] or [
+        l for l in lines if "xla" not in l.name.lower()]
+    print(f"{plane.name}: lines {[l.name for l in lines]}", file=sys.stderr)
+    for line in streams:
+      for ev in line.events:
+        out[ev.name][0] += 1
+        out[ev.name][1] += ev.duration_ns
+  return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def _child(preset: str, precision: str, batch: int, seq: int,
+           steps: int) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from train import data  # pylint: disable=g-import-not-at-top
+  from train.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  from train.loop import Trainer  # pylint: disable=g-import-not-at-top
+  from train.loop import model_config  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(0)
+  n = batch * (seq + 1) * 4
+  corpus = data.Corpus(train=rng.integers(0, 256, n).astype(np.uint8),
+                       val=rng.integers(0, 256, n // 4).astype(np.uint8),
+                       vocab_size=256, source="random")
+  tc = TrainConfig(preset=preset, precision=precision, steps=1000,
+                   batch_size=batch, seq_len=seq, diagnostics=False)
+  trainer = Trainer(tc, corpus, model_config(tc, 256))
+  state = trainer.init_state()
+  b = trainer.batcher.batch(0).reshape(1, batch, seq + 1)
+  step = trainer.train_step.lower(state, b).compile()
+  for _ in range(3):  # Warm-up.
+    state, m = step(state, b)
+  jax.block_until_ready(m)
+  d = tempfile.mkdtemp()
+  jax.profiler.start_trace(d)
+  for _ in range(steps):
+    state, m = step(state, b)
+  jax.block_until_ready(m)
+  jax.profiler.stop_trace()
+  (xplane,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+  kernels = gpu_kernels(xplane)
+  return {"kernels": {k: [c / steps, ns / steps / 1e3]
+                      for k, (c, ns) in kernels.items()},
+          "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--child", help=argparse.SUPPRESS)
+  p.add_argument("--preset", default="small")
+  p.add_argument("--batch", type=int, default=64)
+  p.add_argument("--seq", type=int, default=512)
+  p.add_argument("--precisions", default="bf16,nvfp4")
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--top", type=int, default=15)
+  a = p.parse_args(argv)
+  if a.child:
+    print(json.dumps(_child(a.preset, a.child, a.batch, a.seq, a.steps)))
+    return
+  from benchmarks import timing  # pylint: disable=g-import-not-at-top
+  runs = {}
+  for prec in a.precisions.split(","):
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.profile_step", "--child", prec,
+         "--preset", a.preset, "--batch", str(a.batch), "--seq", str(a.seq),
+         "--steps", str(a.steps)], capture_output=True, text=True,
+        check=False)
+    if out.returncode:
+      raise RuntimeError(f"{prec} failed:\n{out.stderr[-2000:]}")
+    runs[prec] = json.loads(out.stdout.strip().splitlines()[-1])
+  precs = list(runs)
+  by_class = {p: collections.Counter() for p in precs}
+  for prec in precs:
+    for name, (_, us) in runs[prec]["kernels"].items():
+      by_class[prec][classify(name)] += us
+  labels = sorted({c for p in precs for c in by_class[p]},
+                  key=lambda c: -max(by_class[p][c] for p in precs))
+  rows = []
+  for c in labels + ["total GPU time"]:
+    r = {"class": c}
+    for prec in precs:
+      r[f"{prec}_us"] = (sum(by_class[prec].values()) if c == "total GPU time"
+                         else by_class[prec][c])
+    if len(precs) >= 2:
+      r["difference_us"] = r[f"{precs[-1]}_us"] - r[f"{precs[0]}_us"]
+    rows.append(r)
+  cols = ["class"] + [f"{p}_us" for p in precs] + (
+      ["difference_us"] if len(precs) >= 2 else [])
+  print(f"device: {runs[precs[0]]['device']}; jax {runs[precs[0]]['jax']}; "
+        f"{a.preset} {a.batch}x{a.seq}; GPU time per step (us), mean of "
+        f"{a.steps} traced steps")
+  print(timing.table(rows, cols))
+  last = precs[-1]
+  top = sorted(runs[last]["kernels"].items(), key=lambda kv: -kv[1][1])
+  print(f"\nlargest kernels of the {last} step")
+  print(timing.table(
+      [{"kernel": k[:90], "class": classify(k), "calls": c, "us": us}
+       for k, (c, us) in top[:a.top]], ("kernel", "class", "calls", "us")))
+
+
+if __name__ == "__main__":
+  main()
