@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_step --preset small --batch 64 --seq 512 \\
         --precisions bf16,nvfp4 --repeats 3
+    python -m benchmarks.bench_step --meshes "data=2 fsdp=2"   # several GPUs
 
 The lent GPUs swing by up to +-30% between steps and runs, and a configuration
 timed in a process after other configurations ran up to 1.6x slower. So each
@@ -10,6 +11,9 @@ interleaved, the whole round is repeated, and the table reports the median
 step time over all rounds with the spread of the per-round medians, the ratio
 to the first configuration, tokens/s, TFLOP/s by the 6N rule (N = parameters
 of the projections, embeddings and head) and the compiled step's memory.
+With `--meshes`, each configuration also runs on those meshes with `--batch`
+sequences per device (weak scaling), and the table adds the scaling
+efficiency: tokens/s per device over the same configuration on one device.
 """
 
 from __future__ import annotations
