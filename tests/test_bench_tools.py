@@ -1,0 +1,49 @@
+"""The benchmark drivers' bookkeeping (no GPU: the children are faked)."""
+
+import json
+import subprocess
+import types
+
+from benchmarks import bench_step
+from benchmarks import profile_step
+
+
+def test_bench_step_weak_scaling_rows(monkeypatch):
+  """Per mesh: the global batch is the per-device batch x devices, and the
+  scaling column is tokens/s per device over the one-device row."""
+  ms = {"": 0.010, "data=2": 0.0125}  # Step seconds per mesh.
+
+  def fake_run(cmd, **_):
+    cfg = bench_step.StepConfig(**json.loads(cmd[-1]))
+    out = {"times": [ms[cfg.mesh]] * 3, "params": 1000, "temp_bytes": 2**20,
+           "device": "NVIDIA H100", "jax": "x"}
+    return types.SimpleNamespace(returncode=0, stdout=json.dumps(out),
+                                 stderr="")
+
+  monkeypatch.setattr(subprocess, "run", fake_run)
+  configs = [bench_step.StepConfig("small", "bf16", 8, 16, mesh=""),
+             bench_step.StepConfig("small", "bf16", 16, 16, mesh="data=2")]
+  assert [c.devices for c in configs] == [1, 2]
+  rows = bench_step.run(configs, repeats=1)
+  assert rows[0]["scaling"] == 1.0
+  # 2x the tokens in 1.25x the time on 2 devices: 2 / 1.25 / 2 = 0.8.
+  assert abs(rows[1]["scaling"] - 0.8) < 1e-12
+  # MFU is per device: the same per-device work rate gives the same MFU.
+  assert abs(rows[1]["mfu"] / rows[0]["mfu"] - 0.8) < 1e-12
+  assert "data=2" in rows[1]["config"]
+
+
+def test_profile_step_classes():
+  c = profile_step.classify
+  assert c("nvfp4_quantize_x_and_rht_t__1").startswith("pallas: quantize x")
+  assert c("nvfp4_quantize_rht_t__2") == "pallas: quantize rht_t (Wgrad)"
+  assert c("nvfp4_quantize_2d") == "pallas: quantize 16x16 (weights)"
+  assert c("nvfp4_quantize__1") == "pallas: quantize 1x16"
+  assert c("nvfp4_block_values") == "pallas: block values (dequantize)"
+  assert c("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == (
+      "attention (cuDNN)")
+  assert c("nvjet_sm90_tst_128x64_64x8_1x2_h_bz_NNT") == (
+      "GEMM (cuBLAS/CUTLASS)")
+  assert c("gemm_fusion_dot_284") == "GEMM (cuBLAS/CUTLASS)"
+  assert c("input_add_reduce_fusion_2") == "XLA reduction fusions"
+  assert c("loop_convert_fusion") == "XLA fusions"
