@@ -58,12 +58,12 @@ class StepConfig:
             f"{self.attention}{extra}{where}")
 
 
-def _child(cfg: StepConfig) -> dict:
-  """Times `cfg.steps` train steps in this process; returns the figures."""
+def build(cfg: StepConfig):
+  """The trainer, its initial state and one batch for `cfg`, on random
+  bytes (the step's cost does not depend on the data)."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  from models import param_count  # pylint: disable=g-import-not-at-top
   from nvfp4_jax import sharding  # pylint: disable=g-import-not-at-top
   from train import data  # pylint: disable=g-import-not-at-top
   from train.config import TrainConfig  # pylint: disable=g-import-not-at-top
@@ -89,6 +89,17 @@ def _child(cfg: StepConfig) -> dict:
   state = trainer.init_state()
   batch = trainer.put_batch(
       trainer.batcher.batch(0).reshape(1, cfg.batch, cfg.seq + 1))
+  return trainer, state, batch
+
+
+def _child(cfg: StepConfig) -> dict:
+  """Times `cfg.steps` train steps in this process; returns the figures."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from models import param_count  # pylint: disable=g-import-not-at-top
+
+  trainer, state, batch = build(cfg)
+  mc = trainer.model_cfg
   compiled = trainer.train_step.lower(state, batch).compile()
   mem = compiled.memory_analysis()
   state, m = compiled(state, batch)  # Warm-up (the state is donated).

@@ -4,6 +4,8 @@ import json
 import subprocess
 import types
 
+import pytest
+
 from benchmarks import bench_step
 from benchmarks import profile_step
 
@@ -47,3 +49,14 @@ def test_profile_step_classes():
   assert c("gemm_fusion_dot_284") == "GEMM (cuBLAS/CUTLASS)"
   assert c("input_add_reduce_fusion_2") == "XLA reduction fusions"
   assert c("loop_convert_fusion") == "XLA fusions"
+
+
+def test_bench_memory_largest_fit():
+  from benchmarks import bench_memory  # pylint: disable=g-import-not-at-top
+  # Peak = 10 + 2 * batch (GiB-like units): a limit of 100 allows 45 -> 40.
+  assert bench_memory.largest_fit(8, 26, 16, 42, 100) == 40
+  assert bench_memory.largest_fit(8, 26, 16, 42, 100, multiple=1) == 45
+  # Never below one multiple, even if nothing fits.
+  assert bench_memory.largest_fit(8, 26, 16, 42, 5) == 8
+  with pytest.raises(ValueError, match="does not grow"):
+    bench_memory.largest_fit(8, 26, 16, 26, 100)

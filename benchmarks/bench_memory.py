@@ -1,0 +1,146 @@
+"""Peak memory of the GPT train step and the largest micro-batch that fits.
+
+    python -m benchmarks.bench_memory --presets base,large --seq 1024 \\
+        --precisions bf16,nvfp4 --remat none,quantized
+
+Each configuration runs in its own process. The compiled step's peak is
+XLA's own account (`compiled.memory_analysis()`: arguments + outputs -
+donated aliases + temporaries). It grows linearly with the micro-batch, so
+two compiles, at `--batch` and at twice that, give the line. The line
+predicts the largest micro-batch whose peak stays within the device's
+allocator limit (`memory_stats()["bytes_limit"]`, or `--limit-gib`), rounded
+down to a multiple of 8. That batch is then compiled and run for two steps
+to confirm it. If it runs out of memory, the batch steps down by an eighth,
+at most three times. Nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+
+from benchmarks import bench_step
+
+
+def peak_bytes(mem) -> int:
+  """A compiled program's peak device memory by XLA's memory analysis."""
+  return (mem.argument_size_in_bytes + mem.output_size_in_bytes
+          - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+
+
+def largest_fit(b0: int, p0: float, b1: int, p1: float, limit: float,
+                multiple: int = 8) -> int:
+  """The largest batch (a multiple of `multiple`, at least `multiple`) whose
+  peak on the line through (b0, p0), (b1, p1) is at most `limit`."""
+  slope = (p1 - p0) / (b1 - b0)
+  if slope <= 0:
+    raise ValueError(f"peak memory does not grow with the batch "
+                     f"({p0:.3g} B at {b0}, {p1:.3g} B at {b1}).")
+  b = int((limit - (p0 - slope * b0)) / slope)
+  return max(multiple, b // multiple * multiple)
+
+
+def _child(cfg: bench_step.StepConfig, limit_gib: float | None) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+
+  def compile_at(batch):
+    trainer, state, data = bench_step.build(
+        dataclasses.replace(cfg, batch=batch))
+    compiled = trainer.train_step.lower(state, data).compile()
+    return compiled, state, data
+
+  dev = jax.devices()[0]
+  if limit_gib is not None:
+    limit = limit_gib * 2**30
+  else:
+    stats = dev.memory_stats() or {}
+    if "bytes_limit" not in stats:
+      raise SystemExit(f"{dev.device_kind} reports no memory limit; pass "
+                       f"--limit-gib.")
+    limit = stats["bytes_limit"]
+  b0, b1 = cfg.batch, 2 * cfg.batch
+  p0 = peak_bytes(compile_at(b0)[0].memory_analysis())
+  p1 = peak_bytes(compile_at(b1)[0].memory_analysis())
+  b = largest_fit(b0, p0, b1, p1, limit)
+  tried = []
+  for _ in range(4):
+    try:
+      compiled, state, data = compile_at(b)
+      peak = peak_bytes(compiled.memory_analysis())
+      if peak > limit:  # The line was off: XLA's own count says no.
+        raise MemoryError(f"resource_exhausted: peak {peak} > {limit}")
+      for _ in range(2):
+        state, m = compiled(state, data)
+      jax.block_until_ready(m)
+      break
+    except Exception as e:  # pylint: disable=broad-except
+      msg = str(e).lower()
+      if "resource_exhausted" not in msg and "out of memory" not in msg:
+        raise
+      tried.append(b)
+      b = max(8, (b - max(8, b // 8)) // 8 * 8)
+  else:
+    return {"error": f"out of memory at batches {tried}"}
+  return {"peak0": p0, "peak1": p1, "b0": b0, "b1": b1, "max_batch": b,
+          "peak_max": peak, "oom_tried": tried, "limit": limit,
+          "device": dev.device_kind, "jax": jax.__version__}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--child", help=argparse.SUPPRESS)
+  p.add_argument("--presets", default="base,large")
+  p.add_argument("--batch", type=int, default=8,
+                 help="micro-batch of the first compile (the second is 2x)")
+  p.add_argument("--seq", type=int, default=1024)
+  p.add_argument("--precisions", default="bf16,nvfp4")
+  p.add_argument("--remat", default="none,quantized")
+  p.add_argument("--attention", default="fused")
+  p.add_argument("--limit-gib", type=float, default=None,
+                 help="memory budget instead of the device's allocator limit")
+  a = p.parse_args(argv)
+  if a.child:
+    print(json.dumps(_child(bench_step.StepConfig(**json.loads(a.child)),
+                            a.limit_gib)))
+    return
+  from benchmarks import timing  # pylint: disable=g-import-not-at-top
+  rows = []
+  for preset in a.presets.split(","):
+    for remat in a.remat.split(","):
+      for prec in a.precisions.split(","):
+        c = bench_step.StepConfig(preset, prec, a.batch, a.seq, a.attention,
+                                  remat, steps=2)
+        cmd = [sys.executable, "-m", "benchmarks.bench_memory", "--child",
+               json.dumps(dataclasses.asdict(c))]
+        if a.limit_gib is not None:
+          cmd += ["--limit-gib", str(a.limit_gib)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if out.returncode:
+          raise RuntimeError(f"{c.label} failed:\n{out.stderr[-2000:]}")
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        row = {"preset": preset, "precision": prec, "remat": remat}
+        if "error" in r:
+          rows.append(dict(row, note=r["error"]))
+          continue
+        rows.append(dict(
+            row, **{f"peak_gib_{r['b0']}": r["peak0"] / 2**30,
+                    f"peak_gib_{r['b1']}": r["peak1"] / 2**30},
+            max_batch=r["max_batch"], peak_gib_max=r["peak_max"] / 2**30,
+            note=(f"OOM at {r['oom_tried']}" if r["oom_tried"] else ""),
+            device=r["device"], limit_gib=r["limit"] / 2**30))
+        print(f"{c.label}: max batch {r['max_batch']}", file=sys.stderr,
+              flush=True)
+  cols = ["preset", "precision", "remat", f"peak_gib_{a.batch}",
+          f"peak_gib_{2 * a.batch}", "max_batch", "peak_gib_max", "note"]
+  first = next((r for r in rows if "device" in r), {})
+  print(f"device: {first.get('device')}; allocator limit "
+        f"{first.get('limit_gib', float('nan')):.1f} GiB; seq {a.seq}; "
+        f"micro-batch = sequences per step")
+  print(timing.table(rows, cols))
+
+
+if __name__ == "__main__":
+  main()
