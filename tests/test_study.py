@@ -43,3 +43,16 @@ def test_step_time_from_batched_records():
              for i in range(5)]
   assert abs(study.step_seconds(recs) - 0.1) < 1e-9  # median of .1, .1, .12
   assert study.step_seconds(recs[:5]) != study.step_seconds(recs[:5])  # NaN
+
+
+def test_stop_after_starts_no_further_run(tmp_path, capsys, monkeypatch):
+  """With the time used up, the study starts nothing, says what is left and
+  exits 0, so a time-limited job ends cleanly and a rerun goes on."""
+  started = []
+  monkeypatch.setattr(study.subprocess, "run",
+                      lambda cmd, **_: started.append(cmd))
+  assert study.main(["--preset", "tiny", "--steps", "3", "--out",
+                     str(tmp_path), "--stop-after", "0"]) == 0
+  assert not started
+  out = capsys.readouterr().out
+  assert "--stop-after 0 s reached; 14 run(s) left (bf16-s0," in out

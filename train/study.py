@@ -3,6 +3,7 @@
     python -m train.study --list                    # the configurations
     python -m train.study --dry-run                 # the commands it runs
     python -m train.study --preset small --steps 2000 --out runs/study
+    python -m train.study ... --stop-after 420     # in a 10-minute job
 
 Runs a named set of configurations (same data, seeds, token budget and
 schedule) one after another on one device, each as `python -m train` in its
@@ -23,6 +24,7 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import time
 from typing import Sequence
 
 PROG = "python -m train.study"
@@ -193,6 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--data")
   p.add_argument("--out", default="runs/study")
   p.add_argument("--only", help="comma list of run labels to run")
+  p.add_argument("--stop-after", type=float, metavar="SECONDS",
+                 help="start no further run once this much time has passed "
+                 "(for time-limited jobs: rerun the study to go on)")
   p.add_argument("--list", action="store_true")
   p.add_argument("--dry-run", action="store_true")
   args = p.parse_args(argv)
@@ -211,10 +216,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
+  start = time.monotonic()
   for label, run_dir, cmd in runs:
     if finished(run_dir, args.steps):
       print(f"[{label}] finished earlier; skipped")
       continue
+    if (args.stop_after is not None
+        and time.monotonic() - start >= args.stop_after):
+      left = [lb for lb, rd, _ in runs if not finished(rd, args.steps)]
+      print(f"{PROG}: --stop-after {args.stop_after:g} s reached; "
+            f"{len(left)} run(s) left ({', '.join(left)}): run the study "
+            f"again to go on")
+      return 0
     resume = (run_dir / "checkpoints").is_dir() and any(
         (run_dir / "checkpoints").iterdir())
     full = [sys.executable, "-m", "train", *cmd] + (["--resume"] if resume
