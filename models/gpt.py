@@ -192,9 +192,18 @@ class Attention(nn.Module):
     if cfg.attention == "fused":
       dt = cfg.jnp_dtype
       q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
-      y = jax.nn.dot_product_attention(
-          q, k, v, is_causal=True,
-          implementation=fused_attention_implementation(q))
+      impl = fused_attention_implementation(q)
+      try:
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                         implementation=impl)
+      except (NotImplementedError, RuntimeError):
+        # cuDNN refuses at trace time where it is missing or the GPU or the
+        # shapes are unsupported (e.g. compute capability < 8); XLA always
+        # works.
+        if impl != "cudnn":
+          raise
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                         implementation="xla")
     else:
       y = causal_attention(q, k, v, cfg.jnp_dtype)
     y = y.astype(cfg.jnp_dtype)

@@ -193,3 +193,27 @@ def test_fused_attention_matches_the_reference_attention():
   err = np.max(np.abs(np.asarray(fused, np.float32) - np.asarray(ref,
                                                                  np.float32)))
   assert err <= bound, (err, bound)
+
+
+def test_fused_attention_falls_back_to_xla_where_cudnn_refuses(monkeypatch):
+  """A GPU without usable cuDNN (missing, compute capability < 8) makes
+  `jax.nn.dot_product_attention(implementation="cudnn")` raise while
+  tracing; the model then runs XLA's attention instead of failing."""
+  from models import gpt  # pylint: disable=g-import-not-at-top
+  real = jax.nn.dot_product_attention
+  calls = []
+
+  def fake(*args, implementation=None, **kw):
+    calls.append(implementation)
+    if implementation == "cudnn":
+      raise NotImplementedError("cuDNN flash attention needs sm80+")
+    return real(*args, implementation=implementation, **kw)
+
+  monkeypatch.setattr(gpt, "fused_attention_implementation",
+                      lambda q: "cudnn")
+  monkeypatch.setattr(jax.nn, "dot_product_attention", fake)
+  cfg = CFG.replace(dtype="bfloat16")
+  params = _init(cfg)
+  logits = _apply(params, BF16, cfg=cfg)
+  assert calls[-2:] == ["cudnn", "xla"]
+  assert bool(jnp.all(jnp.isfinite(logits)))
