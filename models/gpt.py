@@ -11,8 +11,8 @@ Precision follows NVFP4_SPEC section 5. The four projections of each block
 takes its recipe from the active `nvfp4_jax.PrecisionRules` by that path, so
 `paper_rules(num_layers)` keeps the first two and the last ~15% of blocks in
 BF16. Everything else is high precision by construction: the token embedding
-and the untied output head are plain `nn.Embed`/`nn.Dense`, RMSNorm, rotary
-embeddings, the attention score and value batched GEMMs (FP32 accumulation)
+(an `nn.Embed` whose gradient is summed in FP32: `embed_lookup`) and the
+untied output head (`nn.Dense`), RMSNorm, rotary embeddings, the attention score and value batched GEMMs (FP32 accumulation)
 and the softmax run in FP32, the MLP non-linearity in FP32.
 
 The SwiGLU MLP fuses its gate and up projections into one `mlp/up` GEMM of
@@ -141,6 +141,61 @@ def rotary(x: jax.Array, base: float) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+# Vocabularies up to this size sum the embedding gradient as a one-hot GEMM
+# (tokens x vocab x d_model FLOPs: 69 GFLOP at 32k tokens, 2048 x 512, well
+# under a millisecond on tensor cores); larger ones as an FP32 scatter-add.
+ONE_HOT_VOCAB = 2048
+
+
+@jax.custom_vjp
+def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+  """`table[ids]`, whose table gradient is summed in FP32.
+
+  Autodiff of `jnp.take` scatter-adds the output cotangents into a table of
+  the table's dtype: with a bf16 table that sums the ~tokens/vocab rows of
+  each token id in bf16 (and, on a GPU, with contended atomics into a few
+  hundred rows for a byte vocabulary). Here the sum runs in FP32 and is
+  rounded to the table's dtype once: a one-hot GEMM for vocabularies up to
+  `ONE_HOT_VOCAB`, an FP32 scatter-add (`segment_sum`) beyond.
+  """
+  return jnp.take(table, ids, axis=0)
+
+
+def _embed_fwd(table, ids):
+  # A zero-size array carries the table's row count and dtype.
+  return jnp.take(table, ids, axis=0), (ids, jnp.zeros((table.shape[0], 0),
+                                                       table.dtype))
+
+
+def _embed_bwd(res, g):
+  ids, like = res
+  vocab, dtype = like.shape[0], like.dtype
+  ids, g = ids.reshape(-1), g.reshape(-1, g.shape[-1])
+  if vocab <= ONE_HOT_VOCAB:
+    # Out-of-range ids give zero rows, as the scatter drops them.
+    onehot = jax.nn.one_hot(ids, vocab, dtype=g.dtype)
+    dt = jax.lax.dot_general(onehot, g, (((0,), (0,)), ((), ())),
+                             precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+  else:
+    dt = jax.ops.segment_sum(g.astype(jnp.float32), ids, vocab)
+  return dt.astype(dtype), None
+
+
+embed_lookup.defvjp(_embed_fwd, _embed_bwd)
+
+
+class Embed(nn.Embed):
+  """`nn.Embed` with its table gradient summed in FP32 (`embed_lookup`)."""
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError("Input type must be an integer or unsigned integer.")
+    (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype,
+                                      inexact=False)
+    return embed_lookup(embedding, inputs)
+
+
 def fused_attention_implementation(q: jax.Array) -> str:
   """The `jax.nn.dot_product_attention` backend for `q` `[b, t, heads, d]`:
   "cudnn" (flash attention) on a GPU for 16-bit inputs with a head dimension
@@ -260,7 +315,7 @@ class GPT(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
     cfg = self.cfg
-    x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.jnp_dtype,
+    x = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.jnp_dtype,
                  param_dtype=cfg.jnp_dtype,
                  embedding_init=nn.initializers.normal(1.0), name="embed")(
                      tokens)

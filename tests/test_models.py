@@ -217,3 +217,46 @@ def test_fused_attention_falls_back_to_xla_where_cudnn_refuses(monkeypatch):
   logits = _apply(params, BF16, cfg=cfg)
   assert calls[-2:] == ["cudnn", "xla"]
   assert bool(jnp.all(jnp.isfinite(logits)))
+
+
+@pytest.mark.parametrize("vocab", [256, 4096])
+def test_embedding_gradient_is_summed_in_fp32(vocab, monkeypatch):
+  """Both routes (one-hot GEMM up to ONE_HOT_VOCAB, FP32 scatter beyond) give
+  the FP32 sum of the cotangents per token id, rounded once to the table's
+  dtype: with a bf16 table, autodiff of `jnp.take` sums in bf16 instead.
+
+  Reference: float64 sums. The FP32 sum of n terms is within ~n * 2^-24
+  relative of it, far below the one bf16 rounding (2^-9 relative) that
+  follows, so the result must be the float64 sum rounded to bf16 except
+  where that sum lies within ~n * 2^-24 of a rounding boundary: at most one
+  bf16 ulp off, and exact for almost all entries.
+  """
+  from models import gpt  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(gpt, "ONE_HOT_VOCAB", 2048)
+  d, n = 32, 8192
+  ids = jax.random.randint(jax.random.key(0), (4, n // 4), 0, min(vocab, 64))
+  g = jax.random.normal(jax.random.key(1), (4, n // 4, d), jnp.float32)
+  g = g.astype(jnp.bfloat16)
+  table = jnp.zeros((vocab, d), jnp.bfloat16)
+  _, vjp = jax.vjp(lambda t: gpt.embed_lookup(t, ids), table)
+  (dt,) = vjp(g)
+  assert dt.dtype == jnp.bfloat16
+  exact = np.zeros((vocab, d))
+  np.add.at(exact, np.asarray(ids).reshape(-1),
+            np.asarray(g, np.float64).reshape(-1, d))
+  want = exact.astype(np.float32).astype(jnp.bfloat16)
+  got = np.asarray(dt)
+  ulp = np.abs(np.asarray(want, np.float64)) * 2.0**-8 + 1e-30
+  diff = np.abs(got.astype(np.float64) - np.asarray(want, np.float64))
+  assert np.all(diff <= ulp), float(np.max(diff / ulp))
+  assert np.mean(got[:64] == want[:64]) > 0.99
+  # The forward is the plain lookup.
+  tab = jax.random.normal(jax.random.key(2), (vocab, d)).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(gpt.embed_lookup(tab, ids),
+                                jnp.take(tab, ids, axis=0))
+  # Switched off (jnp.take's own gradient: a bf16 scatter-add of ~128 terms
+  # per row), the sums are visibly off.
+  _, vjp_take = jax.vjp(lambda t: jnp.take(t, ids, axis=0), table)
+  (dt_take,) = vjp_take(g)
+  used = slice(0, 64)
+  assert np.mean(np.asarray(dt_take)[used] == want[used]) < 0.5
