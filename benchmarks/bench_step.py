@@ -169,13 +169,18 @@ COLS = ("config", "ms", "spread_ms", "vs_first", "tokens_per_s", "tflops_6n",
 MESH_COLS = COLS + ("scaling",)
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def step_arguments(p: argparse.ArgumentParser) -> None:
+  """The flags that choose the steps to run (shared with profile_step)."""
   p.add_argument("--child", help=argparse.SUPPRESS)
   p.add_argument("--preset", default="small")
   p.add_argument("--batch", type=int, default=64)
   p.add_argument("--seq", type=int, default=512)
   p.add_argument("--precisions", default="bf16,nvfp4")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  step_arguments(p)
   p.add_argument("--attention", default="fused",
                  help="comma list of fused,reference")
   p.add_argument("--remat", default="none", help="comma list of none,quantized")

@@ -58,7 +58,6 @@ def gpu_kernels(xplane: str) -> dict[str, tuple[int, float]]:
     # repeat the same time under HLO names.
     streams = [l for l in lines if "stream" in l.name.lower()] or [
         l for l in lines if "xla" not in l.name.lower()]
-    print(f"{plane.name}: lines {[l.name for l in lines]}", file=sys.stderr)
     for line in streams:
       for ev in line.events:
         out[ev.name][0] += 1
@@ -69,23 +68,11 @@ def gpu_kernels(xplane: str) -> dict[str, tuple[int, float]]:
 def _child(preset: str, precision: str, batch: int, seq: int,
            steps: int) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
 
-  from train import data  # pylint: disable=g-import-not-at-top
-  from train.config import TrainConfig  # pylint: disable=g-import-not-at-top
-  from train.loop import Trainer  # pylint: disable=g-import-not-at-top
-  from train.loop import model_config  # pylint: disable=g-import-not-at-top
+  from benchmarks import bench_step  # pylint: disable=g-import-not-at-top
 
-  rng = np.random.default_rng(0)
-  n = batch * (seq + 1) * 4
-  corpus = data.Corpus(train=rng.integers(0, 256, n).astype(np.uint8),
-                       val=rng.integers(0, 256, n // 4).astype(np.uint8),
-                       vocab_size=256, source="random")
-  tc = TrainConfig(preset=preset, precision=precision, steps=1000,
-                   batch_size=batch, seq_len=seq, diagnostics=False)
-  trainer = Trainer(tc, corpus, model_config(tc, 256))
-  state = trainer.init_state()
-  b = trainer.batcher.batch(0).reshape(1, batch, seq + 1)
+  trainer, state, b = bench_step.build(
+      bench_step.StepConfig(preset, precision, batch, seq))
   step = trainer.train_step.lower(state, b).compile()
   for _ in range(3):  # Warm-up.
     state, m = step(state, b)
@@ -104,12 +91,9 @@ def _child(preset: str, precision: str, batch: int, seq: int,
 
 
 def main(argv=None):
+  from benchmarks import bench_step  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--child", help=argparse.SUPPRESS)
-  p.add_argument("--preset", default="small")
-  p.add_argument("--batch", type=int, default=64)
-  p.add_argument("--seq", type=int, default=512)
-  p.add_argument("--precisions", default="bf16,nvfp4")
+  bench_step.step_arguments(p)
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--top", type=int, default=15)
   a = p.parse_args(argv)
