@@ -11,9 +11,10 @@ Precision follows NVFP4_SPEC section 5. The four projections of each block
 takes its recipe from the active `nvfp4_jax.PrecisionRules` by that path, so
 `paper_rules(num_layers)` keeps the first two and the last ~15% of blocks in
 BF16. Everything else is high precision by construction: the token embedding
-(an `nn.Embed` whose gradient is summed in FP32: `embed_lookup`) and the
-untied output head (`nn.Dense`), RMSNorm, rotary embeddings, the attention score and value batched GEMMs (FP32 accumulation)
-and the softmax run in FP32, the MLP non-linearity in FP32.
+(an `nn.Embed` whose gradient is summed in FP32: `embed_lookup`), the
+untied output head (`nn.Dense`), RMSNorm, rotary embeddings, the attention
+score and value batched GEMMs (FP32 accumulation) and the softmax run in
+FP32, the MLP non-linearity in FP32.
 
 The SwiGLU MLP fuses its gate and up projections into one `mlp/up` GEMM of
 width `2 * d_ff` (one quantization of the shared input instead of two).
@@ -61,8 +62,9 @@ class GPTConfig:
     norm_eps: RMSNorm epsilon.
     attention: "fused" (`jax.nn.dot_product_attention`: cuDNN flash attention
       on GPU for bf16/fp16 activations, XLA elsewhere; see
-      `fused_attention_implementation`) or "reference" (`causal_attention`: explicit
-      FP32 scores; slower, materializes `[batch, heads, seq, seq]`).
+      `fused_attention_implementation`) or "reference" (`causal_attention`:
+      explicit FP32 scores; slower, materializes `[batch, heads, seq,
+      seq]`).
     remat: "none" (autodiff saves what it needs) or "quantized": each block
       is rematerialized and saves only the quantized residuals of its NVFP4
       layers (`nvfp4_jax.remat_policy`), recomputing the rest in the
@@ -141,9 +143,9 @@ def rotary(x: jax.Array, base: float) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-# Vocabularies up to this size sum the embedding gradient as a one-hot GEMM
-# (tokens x vocab x d_model FLOPs: 69 GFLOP at 32k tokens, 2048 x 512, well
-# under a millisecond on tensor cores); larger ones as an FP32 scatter-add.
+# Vocabularies up to this size sum 16-bit embedding gradients as a one-hot
+# GEMM (tokens x vocab x d_model x 2 FLOPs: 69 GFLOP at 32k tokens, 2048 x
+# 512, ~0.1 ms on bf16 tensor cores); larger ones as an FP32 scatter-add.
 ONE_HOT_VOCAB = 2048
 
 
@@ -155,8 +157,10 @@ def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
   the table's dtype: with a bf16 table that sums the ~tokens/vocab rows of
   each token id in bf16 (and, on a GPU, with contended atomics into a few
   hundred rows for a byte vocabulary). Here the sum runs in FP32 and is
-  rounded to the table's dtype once: a one-hot GEMM for vocabularies up to
-  `ONE_HOT_VOCAB`, an FP32 scatter-add (`segment_sum`) beyond.
+  rounded to the table's dtype once: for 16-bit cotangents a one-hot GEMM
+  (exact products, FP32 accumulation) up to `ONE_HOT_VOCAB` ids, otherwise
+  an FP32 scatter-add (`segment_sum`; for FP32 cotangents that is what
+  `jnp.take`'s gradient computes).
   """
   return jnp.take(table, ids, axis=0)
 
@@ -171,11 +175,10 @@ def _embed_bwd(res, g):
   ids, like = res
   vocab, dtype = like.shape[0], like.dtype
   ids, g = ids.reshape(-1), g.reshape(-1, g.shape[-1])
-  if vocab <= ONE_HOT_VOCAB:
+  if jnp.dtype(g.dtype).itemsize == 2 and vocab <= ONE_HOT_VOCAB:
     # Out-of-range ids give zero rows, as the scatter drops them.
     onehot = jax.nn.one_hot(ids, vocab, dtype=g.dtype)
     dt = jax.lax.dot_general(onehot, g, (((0,), (0,)), ((), ())),
-                             precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
   else:
     dt = jax.ops.segment_sum(g.astype(jnp.float32), ids, vocab)
@@ -316,9 +319,8 @@ class GPT(nn.Module):
   def __call__(self, tokens: jax.Array) -> jax.Array:
     cfg = self.cfg
     x = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.jnp_dtype,
-                 param_dtype=cfg.jnp_dtype,
-                 embedding_init=nn.initializers.normal(1.0), name="embed")(
-                     tokens)
+              param_dtype=cfg.jnp_dtype,
+              embedding_init=nn.initializers.normal(1.0), name="embed")(tokens)
     block = Block
     if cfg.remat == "quantized":
       block = nn.remat(Block, policy=nvfp4_jax.remat_policy())
