@@ -10,8 +10,8 @@ two compiles, at `--batch` and at twice that, give the line. The line
 predicts the largest micro-batch whose peak stays within the device's
 allocator limit (`memory_stats()["bytes_limit"]`, or `--limit-gib`), rounded
 down to a multiple of 8. That batch is then compiled and run for two steps
-to confirm it. If it runs out of memory, the batch steps down by an eighth,
-at most three times. Nothing here is timed.
+to confirm it. If it does not fit (past the limit by XLA's count, or out of
+memory), the batch steps down by an eighth, at most three times. Nothing here is timed.
 """
 
 from __future__ import annotations
@@ -65,25 +65,32 @@ def _child(cfg: bench_step.StepConfig, limit_gib: float | None) -> dict:
   p0 = peak_bytes(compile_at(b0)[0].memory_analysis())
   p1 = peak_bytes(compile_at(b1)[0].memory_analysis())
   b = largest_fit(b0, p0, b1, p1, limit)
-  tried = []
-  for _ in range(4):
+  def runs(compiled, state, data) -> bool:
+    """Whether two steps run, False on running out of device memory."""
     try:
-      compiled, state, data = compile_at(b)
-      peak = peak_bytes(compiled.memory_analysis())
-      if peak > limit:  # The line was off: XLA's own count says no.
-        raise MemoryError(f"resource_exhausted: peak {peak} > {limit}")
       for _ in range(2):
         state, m = compiled(state, data)
       jax.block_until_ready(m)
-      break
+      return True
     except Exception as e:  # pylint: disable=broad-except
       msg = str(e).lower()
       if "resource_exhausted" not in msg and "out of memory" not in msg:
         raise
-      tried.append(b)
-      b = max(8, (b - max(8, b // 8)) // 8 * 8)
+      return False
+
+  tried = []
+  for _ in range(4):
+    compiled, state, data = compile_at(b)
+    peak = peak_bytes(compiled.memory_analysis())
+    # Past the limit by XLA's own count (the line was off), or out of memory.
+    if peak <= limit and runs(compiled, state, data):
+      break
+    tried.append(b)
+    if b == 8:
+      return {"error": "the smallest batch (8) does not fit"}
+    b = max(8, (b - max(8, b // 8)) // 8 * 8)
   else:
-    return {"error": f"out of memory at batches {tried}"}
+    return {"error": f"no fit at batches {tried}"}
   return {"peak0": p0, "peak1": p1, "b0": b0, "b1": b1, "max_batch": b,
           "peak_max": peak, "oom_tried": tried, "limit": limit,
           "device": dev.device_kind, "jax": jax.__version__}
@@ -129,7 +136,7 @@ def main(argv=None):
             row, **{f"peak_gib_{r['b0']}": r["peak0"] / 2**30,
                     f"peak_gib_{r['b1']}": r["peak1"] / 2**30},
             max_batch=r["max_batch"], peak_gib_max=r["peak_max"] / 2**30,
-            note=(f"OOM at {r['oom_tried']}" if r["oom_tried"] else ""),
+            note=(f"no fit at {r['oom_tried']}" if r["oom_tried"] else ""),
             device=r["device"], limit_gib=r["limit"] / 2**30))
         print(f"{c.label}: max batch {r['max_batch']}", file=sys.stderr,
               flush=True)

@@ -44,11 +44,14 @@ class StepConfig:
   mesh: str = ""  # "" one device; else `--mesh` syntax, e.g. "data=2".
 
   @property
+  def mesh_sizes(self) -> dict[str, int]:
+    """`mesh` as `{axis: size}` ({} on one device)."""
+    return {k: int(v) for k, v in (kv.split("=") for kv in
+                                    self.mesh.split(",") if kv)}
+
+  @property
   def devices(self) -> int:
-    if not self.mesh:
-      return 1
-    return math.prod(int(v) for _, v in
-                     (kv.split("=") for kv in self.mesh.split(",")))
+    return math.prod(self.mesh_sizes.values())
 
   @property
   def label(self) -> str:
@@ -80,11 +83,8 @@ def build(cfg: StepConfig):
                    diagnostics=False)
   mc = model_config(tc, 256).replace(attention=cfg.attention,
                                      remat=cfg.remat)
-  mesh = None
-  if cfg.mesh:
-    sizes = {k: int(v) for k, v in (kv.split("=")
-                                    for kv in cfg.mesh.split(","))}
-    mesh = sharding.make_mesh(jax.devices()[:cfg.devices], **sizes)
+  mesh = (sharding.make_mesh(jax.devices()[:cfg.devices], **cfg.mesh_sizes)
+          if cfg.mesh else None)
   trainer = Trainer(tc, corpus, mc, mesh=mesh)
   state = trainer.init_state()
   batch = trainer.put_batch(
@@ -134,6 +134,7 @@ def run(configs: list[StepConfig], repeats: int = 3) -> list[dict]:
             f"{statistics.median(results[c.label][-1]['times']) * 1e3:.1f} ms",
             file=sys.stderr, flush=True)
   rows, base = [], None
+  single = {}  # tokens/s on one device by (precision, remat, attention).
   for c in configs:
     runs = results[c.label]
     times = [t for r in runs for t in r["times"]]
@@ -144,11 +145,10 @@ def run(configs: list[StepConfig], repeats: int = 3) -> list[dict]:
     tflops = 6 * runs[0]["params"] * tokens / t / 1e12
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items()
                  if k in runs[0]["device"]), None)
-    single = next((r for r in rows if r["_key"] == (c.precision, c.remat,
-                                                     c.attention)
-                   and r["_devices"] == 1), None)
+    key = (c.precision, c.remat, c.attention)
+    if c.devices == 1:
+      single[key] = tokens / t
     rows.append({
-        "_key": (c.precision, c.remat, c.attention), "_devices": c.devices,
         "config": c.label, "ms": t * 1e3,
         "spread_ms": f"{min(medians) * 1e3:.1f}-{max(medians) * 1e3:.1f}",
         "vs_first": t / base, "tokens_per_s": tokens / t,
@@ -157,9 +157,8 @@ def run(configs: list[StepConfig], repeats: int = 3) -> list[dict]:
         "temp_mib": (runs[0]["temp_bytes"] or float("nan")) / 2**20,
         # Weak scaling: tokens/s per device against the same configuration
         # on one device.
-        "scaling": (1.0 if c.devices == 1 else
-                    tokens / t / c.devices / single["tokens_per_s"]
-                    if single else float("nan")),
+        "scaling": (tokens / t / c.devices / single[key] if key in single
+                    else float("nan")),
         "device": runs[0]["device"], "jax": runs[0]["jax"]})
   return rows
 

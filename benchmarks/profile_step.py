@@ -112,12 +112,12 @@ def main(argv=None):
       raise RuntimeError(f"{prec} failed:\n{out.stderr[-2000:]}")
     runs[prec] = json.loads(out.stdout.strip().splitlines()[-1])
   precs = list(runs)
-  by_class = {p: collections.Counter() for p in precs}
+  by_class = {prec: collections.Counter() for prec in precs}
   for prec in precs:
     for name, (_, us) in runs[prec]["kernels"].items():
       by_class[prec][classify(name)] += us
-  labels = sorted({c for p in precs for c in by_class[p]},
-                  key=lambda c: -max(by_class[p][c] for p in precs))
+  labels = sorted({c for prec in precs for c in by_class[prec]},
+                  key=lambda c: -max(by_class[prec][c] for prec in precs))
   rows = []
   for c in labels + ["total GPU time"]:
     r = {"class": c}
@@ -127,7 +127,7 @@ def main(argv=None):
     if len(precs) >= 2:
       r["difference_us"] = r[f"{precs[-1]}_us"] - r[f"{precs[0]}_us"]
     rows.append(r)
-  cols = ["class"] + [f"{p}_us" for p in precs] + (
+  cols = ["class"] + [f"{prec}_us" for prec in precs] + (
       ["difference_us"] if len(precs) >= 2 else [])
   print(f"device: {runs[precs[0]]['device']}; jax {runs[precs[0]]['jax']}; "
         f"{a.preset} {a.batch}x{a.seq}; GPU time per step (us), mean of "
