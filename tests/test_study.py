@@ -17,6 +17,16 @@ def test_list_and_dry_run(tmp_path, capsys):
     assert name in labels
   switch = next(l for l in lines if l.startswith("nvfp4-switch-forward"))
   assert "--late-switch-step 8 --late-switch-mode forward" in switch
+  assert "--ckpt-every" not in switch  # The trainer's default unless given.
+
+
+def test_common_flags_reach_every_run(tmp_path, capsys):
+  assert study.main(["--preset", "tiny", "--steps", "10", "--out",
+                     str(tmp_path), "--eval-every", "5", "--ckpt-every", "5",
+                     "--dry-run"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 14
+  assert all("--eval-every 5" in l and "--ckpt-every 5" in l for l in lines)
 
 
 def test_runs_skips_finished_and_writes_results(tmp_path, capsys):

@@ -86,7 +86,8 @@ def commands(study: str, args) -> list[tuple[str, pathlib.Path, list[str]]]:
       root = pathlib.Path(args.out) / label
       argv = [*flags, "--preset", args.preset, "--steps", str(args.steps),
               "--seed", str(seed), "--out", str(root), "--no-progress"]
-      for name in ("batch_size", "seq_len", "eval_every", "data"):
+      for name in ("batch_size", "seq_len", "eval_every", "ckpt_every",
+                   "data"):
         v = getattr(args, name)
         if v is not None:
           argv += [f"--{name.replace('_', '-')}", str(v)]
@@ -192,6 +193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--batch-size", type=int)
   p.add_argument("--seq-len", type=int)
   p.add_argument("--eval-every", type=int)
+  p.add_argument("--ckpt-every", type=int,
+                 help="steps between checkpoints (what an interrupted run "
+                 "resumes from)")
   p.add_argument("--data")
   p.add_argument("--out", default="runs/study")
   p.add_argument("--only", help="comma list of run labels to run")
