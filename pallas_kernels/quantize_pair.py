@@ -4,11 +4,13 @@ The recipe's NVFP4 pair of a tensor `x: [tokens, features]` — `q(x)` 1x16
 along features and `q(rht(x.T))` along tokens — comes from two passes over `x`
 (`pallas_kernels.quantize_rht_t`: the amaxes of both from one read, then both
 encodes from one read; or, when both round stochastically, two encode
-kernels, which is faster: see `_split`). A pair with only one quantized
-operand runs that operand's kernel; either may use Four-over-Six. Pairs with
-an operand no kernel computes (MX formats, 16x16 rows, a Wgrad operand
-without RHT, an unsupported Hadamard size) raise `NotImplementedError`, and
-dispatch falls back to the reference. Arguments are validated by
+kernels, which is faster: see `_split`). A Wgrad operand without RHT (the
+`--no-rht` ablation) is the 1x16 quantizer's kernel on `x.T` (an XLA
+transpose), with the one amax both operands share. A pair with only one
+quantized operand runs that operand's kernel; either may use Four-over-Six.
+Pairs with an operand no kernel computes (MX formats, 16x16 rows, an
+unsupported Hadamard size) raise `NotImplementedError`, and dispatch falls
+back to the reference. Arguments are validated by
 `quantize_pair` before dispatch.
 """
 
@@ -46,22 +48,30 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
     NotImplementedError: a quantized operand that no kernel computes.
   """
   row_ok = row.format == "nvfp4" and not row.block_2d
-  t_ok = wgrad.format == "nvfp4" and wgrad.rht
+  t_ok = wgrad.format == "nvfp4" and not wgrad.block_2d
   if (row.quantized and not row_ok) or (wgrad.quantized and not t_ok):
     raise NotImplementedError(
-        f"the Pallas pair kernels quantize NVFP4 1x16 rows and RHT'd NVFP4 "
-        f"Wgrad operands; got row={row}, wgrad={wgrad}. Use "
-        f"implementation='xla'.")
-  if wgrad.quantized:
+        f"the Pallas pair kernels quantize NVFP4 1x16 rows and NVFP4 Wgrad "
+        f"operands; got row={row}, wgrad={wgrad}. Use implementation='xla'.")
+  if wgrad.quantized and wgrad.rht:
     pallas_rht.check_size(rht_size, "quantize_pair")
-  if not wgrad.quantized:
-    if not row.quantized:
+  if not (wgrad.quantized and wgrad.rht):
+    if not (row.quantized or wgrad.quantized):
       return None, None
+    # max|x| = max|x.T|: one amax for both operands.
     amax = spmd.reduce_amax(tile.abs_max(nm.ftz(x.astype(jnp.float32))),
                             amax_axes)
-    return pallas_quantize.quantize(
-        x, rounding=row.rounding, key=_key(row, key_row), amax=amax,
-        four_over_six=row.four_over_six, placement=placement), None
+    q_row = q_t = None
+    if row.quantized:
+      q_row = pallas_quantize.quantize(
+          x, rounding=row.rounding, key=_key(row, key_row), amax=amax,
+          four_over_six=row.four_over_six, placement=placement)
+    if wgrad.quantized:
+      q_t = pallas_quantize.quantize(
+          x.T, rounding=wgrad.rounding, key=_key(wgrad, key_t), amax=amax,
+          four_over_six=wgrad.four_over_six,
+          placement=None if placement is None else placement.T)
+    return q_row, q_t
   if not row.quantized:
     return None, pallas_rht.quantize_rht_t(
         x, rounding=wgrad.rounding, key=_key(wgrad, key_t),

@@ -197,9 +197,40 @@ def test_pair_kernel_four_over_six_matches_reference(pair):
                               np.asarray(got[1].scales.astype(jnp.float32)))
 
 
+NO_RHT_PAIRS = [
+    (RTNE, Operand(format="nvfp4")),                                # X
+    (SR, Operand(format="nvfp4", rounding="stochastic")),           # dY
+    (Operand(format="bf16"), Operand(format="nvfp4")),
+    (SR, Operand(format="nvfp4", rounding="stochastic",
+                 four_over_six=True)),
+]
+
+
+@pytest.mark.parametrize("pair", range(len(NO_RHT_PAIRS)))
+def test_pair_kernel_without_rht_matches_reference(pair):
+  """The `--no-rht` ablation's pairs run the 1x16 kernel on `x.T` (no
+  fallback to the reference) and equal `quantize_reference(x.T)` bit for bit,
+  SR stream included."""
+  row, wgrad = NO_RHT_PAIRS[pair]
+  x = heavy((64, 48), jnp.bfloat16, seed=30 + pair)
+  kr, kt = prng.pair_keys(KEY)
+  f = functools.partial(fused.quantize_pair, row=row, wgrad=wgrad,
+                        key_row=kr, key_t=kt)
+  got = jax.jit(functools.partial(f, implementation="pallas"))(x)
+  want = jax.jit(functools.partial(f, implementation="xla"))(x)
+  for g, w in zip(got, want):
+    assert (g is None) == (w is None)
+    if g is not None:
+      assert_same(g, w)
+  assert_same(want[1], nvfp4.quantize_reference(
+      x.T, rounding=wgrad.rounding, four_over_six=wgrad.four_over_six,
+      key=kt if wgrad.rounding == "stochastic" else None))
+  assert got[1].shape == (48, 64)
+
+
 @pytest.mark.parametrize("row,wgrad", [
     (Operand(format="mxfp4"), Operand(format="mxfp4")),
-    (RTNE, Operand(format="nvfp4")),                 # Wgrad without RHT.
+    (Operand(format="nvfp4", block_2d=True), Operand(format="nvfp4")),
 ])
 def test_pair_kernel_refuses_unfusable_pairs_and_default_falls_back(row, wgrad):
   x = heavy((64, 64), jnp.bfloat16, seed=4)

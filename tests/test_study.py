@@ -8,9 +8,11 @@ def test_list_and_dry_run(tmp_path, capsys):
                      str(tmp_path), "--dry-run"]) == 0
   lines = capsys.readouterr().out.splitlines()
   labels = [l.split()[0] for l in lines]
-  # BF16 and the full recipe on three seeds; each ablation on one.
-  assert labels[:6] == ["bf16-s0", "bf16-s1", "bf16-s2", "nvfp4-s0",
-                        "nvfp4-s1", "nvfp4-s2"]
+  # BF16, the full recipe and no-SR (its gap needs the noise floor) on
+  # three seeds; each other ablation on one.
+  assert labels[:9] == ["bf16-s0", "bf16-s1", "bf16-s2", "nvfp4-s0",
+                        "nvfp4-s1", "nvfp4-s2", "nvfp4-no-sr-s0",
+                        "nvfp4-no-sr-s1", "nvfp4-no-sr-s2"]
   for name in ("nvfp4-no-sr-s0", "nvfp4-no-rht-s0", "nvfp4-no-2d-s0",
                "nvfp4-all-quantized-s0", "nvfp4-4over6-s0", "mxfp4-s0",
                "nvfp4-switch-forward-s0", "nvfp4-switch-all-s0"):
@@ -25,7 +27,7 @@ def test_common_flags_reach_every_run(tmp_path, capsys):
                      str(tmp_path), "--eval-every", "5", "--ckpt-every", "5",
                      "--dry-run"]) == 0
   lines = capsys.readouterr().out.splitlines()
-  assert len(lines) == 14
+  assert len(lines) == 16
   assert all("--eval-every 5" in l and "--ckpt-every 5" in l for l in lines)
 
 
@@ -65,4 +67,4 @@ def test_stop_after_starts_no_further_run(tmp_path, capsys, monkeypatch):
                      str(tmp_path), "--stop-after", "0"]) == 0
   assert not started
   out = capsys.readouterr().out
-  assert "--stop-after 0 s reached; 14 run(s) left (bf16-s0," in out
+  assert "--stop-after 0 s reached; 16 run(s) left (bf16-s0," in out

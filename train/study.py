@@ -55,7 +55,7 @@ STUDIES: dict[str, tuple[Run, ...]] = {
     "paper": (
         Run("bf16", ("--precision", "bf16"), seeds=None),
         Run("nvfp4", ("--precision", "nvfp4"), seeds=None),
-        Run("nvfp4-no-sr", ("--precision", "nvfp4", "--no-sr")),
+        Run("nvfp4-no-sr", ("--precision", "nvfp4", "--no-sr"), seeds=None),
         Run("nvfp4-no-rht", ("--precision", "nvfp4", "--no-rht")),
         Run("nvfp4-no-2d", ("--precision", "nvfp4", "--no-2d")),
         Run("nvfp4-all-quantized", ("--precision", "nvfp4",
