@@ -15,6 +15,11 @@ precision when its operands are quantized with a recipe:
 then `suggest_rules` ranks the layers and keeps the most sensitive ones (a
 budget, e.g. 15% of the linear layers) in BF16.
 
+`sr_bias` checks that a recipe's stochastically rounded backward GEMMs are
+unbiased on the same captured tensors: the mean of many SR draws of Dgrad and
+Wgrad against their expectation given the round-to-nearest operands (see its
+docstring).
+
 The activations and output gradients are the model's own: a forward pass
 records each layer's input, and a zero probe added to each layer's output
 gives its output gradient `dY` as the loss's gradient with respect to it.
@@ -207,6 +212,145 @@ def analyze(loss: Callable[[Any, Any], jax.Array], params: Any,
       for name, v in s.items():
         acc[name] = acc.get(name, 0.0) + float(v) / len(batches)
   return [LayerSensitivity(p, s) for p, s in totals.items()]
+
+
+SR_BIAS_METRICS = ("err_1", "err_mean", "bias_ratio", "rtne_err")
+
+
+def _sr_expectations(x, w, dy, recipe: Recipe):
+  """`{gemm: E[gemm] given the RTNE operands}` for the GEMMs whose dY operand
+  rounds stochastically (dY's quantization replaced by dY itself)."""
+  from nvfp4_jax.fused import quantize_operand  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.fused import quantize_pair  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.hadamard import rht  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.recipe import Operand  # pylint: disable=g-import-not-at-top
+  out = {}
+  if recipe.dgrad_dy.rounding == "stochastic":
+    if recipe.dgrad_w.rounding == "stochastic":
+      raise ValueError("sr_bias: the Dgrad weight rounds stochastically too; "
+                       "the expectation is defined here for dY's SR only.")
+    if recipe.dgrad_w == recipe.fprop_w and recipe.fprop_w.block_2d:
+      # Dgrad reuses Fprop's 16x16 weight (`[out, in]`).
+      w_q = dequantize(quantize_operand(w.T, recipe.fprop_w, None))
+    else:
+      w_q = dequantize(quantize_operand(w, recipe.dgrad_w, None)).T
+    out["dgrad"] = _hp(dy, w_q)
+  if recipe.wgrad_dy.rounding == "stochastic":
+    if recipe.wgrad_x.rounding == "stochastic":
+      raise ValueError("sr_bias: the Wgrad X operand rounds stochastically "
+                       "too; the expectation is defined here for dY's SR only.")
+    _, q_xt = quantize_pair(x, Operand(format="bf16"), recipe.wgrad_x,
+                            rht_size=recipe.rht_size,
+                            sign_vector=recipe.rht_sign_vector)
+    dyt = dy.T
+    if recipe.wgrad_dy.rht:
+      dyt = rht(dyt, sign_vector=recipe.rht_sign_vector,
+                size=recipe.rht_size).astype(jnp.float32)
+    out["wgrad"] = _hp(dequantize(q_xt), dyt.T)
+  return out
+
+
+def sr_bias(x: jax.Array, w: jax.Array, dy: jax.Array, recipe: Recipe,
+            key: jax.Array, draws: int = 64) -> dict[str, dict[str, jax.Array]]:
+  """Is a layer's stochastically rounded gradient unbiased? Per SR GEMM.
+
+  Given the round-to-nearest operands (the weight in Dgrad, X^T after the RHT
+  in Wgrad), stochastic rounding of dY must leave the GEMM's expectation
+  `E` equal to the same GEMM with dY unquantized. Over `draws` keys:
+
+  - `err_1`: `||G_k - E|| / ||E||`, one draw (RMS over the draws);
+  - `err_mean`: `||mean_k G_k - E|| / ||E||`;
+  - `bias_ratio`: `sqrt(draws) * err_mean / err_1`: ~1 for unbiased
+    rounding (independent draws average down as 1/sqrt(draws)), up to
+    `sqrt(draws)` for a deterministic error (e.g. round-to-nearest);
+  - `rtne_err`: `||E - G_hp|| / ||G_hp||`, what the RTNE operands alone cost
+    against FP32, for scale.
+
+  Args:
+    x, w, dy: a layer's input `[..., in]`, kernel `[in, out]` and output
+      gradient `[..., out]` (e.g. from `analyze`'s capture).
+    recipe: a recipe whose dY operands round stochastically (the paper's).
+    key: the draws' base key.
+    draws: the number of SR draws.
+
+  Returns:
+    `{"dgrad": {metric: value}, "wgrad": {...}}` for the GEMMs with SR.
+  """
+  if draws < 2:
+    raise ValueError(f"sr_bias: draws={draws}; use at least 2 (the bias ratio "
+                     f"compares the mean of the draws with one draw).")
+  x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+  dy = dy.reshape(-1, dy.shape[-1]).astype(jnp.float32)
+  w = w.astype(jnp.float32)
+  expect = _sr_expectations(x, w, dy, recipe)
+  if not expect:
+    raise ValueError(f"sr_bias: {recipe!r} rounds no dY operand "
+                     f"stochastically; nothing to measure.")
+  dn = (((1,), (0,)), ((), ()))
+
+  def grads(k):
+    _, vjp = jax.vjp(lambda x, w: dot_general(x, w, dn, recipe=recipe,
+                                              key=k), x, w)
+    dx, dw = vjp(dy)
+    return {"dgrad": dx.astype(jnp.float32), "wgrad": dw.astype(jnp.float32)}
+
+  def body(carry, k):
+    g = grads(k)
+    sq = {n: carry[1][n] + jnp.sum((g[n] - e) ** 2) for n, e in expect.items()}
+    total = {n: carry[0][n] + g[n] for n in expect}
+    return (total, sq), None
+
+  zero = ({n: jnp.zeros_like(e) for n, e in expect.items()},
+          {n: jnp.zeros((), jnp.float32) for n in expect})
+  (total, sq), _ = jax.lax.scan(body, zero, jax.random.split(key, draws))
+  hp = {"dgrad": _hp(dy, w.T), "wgrad": _hp(x.T, dy)}
+  out = {}
+  for n, e in expect.items():
+    norm = jnp.maximum(jnp.linalg.norm(e), 1e-30)
+    err_1 = jnp.sqrt(sq[n] / draws) / norm
+    err_mean = jnp.linalg.norm(total[n] / draws - e) / norm
+    out[n] = {"err_1": err_1, "err_mean": err_mean,
+              "bias_ratio": math.sqrt(draws) * err_mean
+              / jnp.maximum(err_1, 1e-30),
+              "rtne_err": _rel(e, hp[n])}
+  return out
+
+
+def sr_bias_table(results: dict[str, dict[str, dict[str, float]]],
+                  draws: int) -> str:
+  """A printable table of `{layer: sr_bias(...)}` (floats)."""
+  width = max([len("layer")] + [len(p) for p in results])
+  head = ["layer".ljust(width), "gemm ", *(c.rjust(10)
+                                          for c in SR_BIAS_METRICS)]
+  lines = [f"stochastic rounding bias over {draws} draws (bias_ratio ~1: "
+           f"unbiased; ~{math.sqrt(draws):.0f}: deterministic)", "",
+           "  ".join(head)]
+  for path, gemms in results.items():
+    for g, m in gemms.items():
+      lines.append("  ".join([path.ljust(width), g.ljust(5),
+                              *(f"{m[c]:10.4f}" for c in SR_BIAS_METRICS)]))
+  return "\n".join(lines)
+
+
+def analyze_sr_bias(loss: Callable[[Any, Any], jax.Array], params: Any,
+                    batch: Any, *, recipe: Recipe | None = None,
+                    key: jax.Array | None = None, draws: int = 64,
+                    layers: Sequence[str] | None = None
+                    ) -> dict[str, dict[str, dict[str, float]]]:
+  """`sr_bias` of every NVFP4 layer that `loss` runs (or of `layers`), on
+  the model's own tensors of one batch (see `analyze`)."""
+  recipe = recipe or Recipe.nvfp4()
+  key = jax.random.key(0) if key is None else key
+  fn = jax.jit(lambda x, w, dy, k: sr_bias(x, w, dy, recipe, k, draws))
+  out = {}
+  for j, (path, (x, w, dy)) in enumerate(
+      _capturer(loss, params, batch)(batch).items()):
+    if layers is not None and path not in layers:
+      continue
+    res = jax.device_get(fn(x, w, dy, jax.random.fold_in(key, j)))
+    out[path] = {g: {m: float(v) for m, v in d.items()}
+                 for g, d in res.items()}
+  return out
 
 
 def suggest_rules(results: Sequence[LayerSensitivity], *,
