@@ -342,9 +342,13 @@ def analyze_sr_bias(loss: Callable[[Any, Any], jax.Array], params: Any,
   recipe = recipe or Recipe.nvfp4()
   key = jax.random.key(0) if key is None else key
   fn = jax.jit(lambda x, w, dy, k: sr_bias(x, w, dy, recipe, k, draws))
+  captured = _capturer(loss, params, batch)(batch)
+  unknown = sorted(set(layers or ()) - set(captured))
+  if unknown:
+    raise ValueError(f"analyze_sr_bias: no NVFP4 layer {unknown} in the "
+                     f"model; its layers are {sorted(captured)}.")
   out = {}
-  for j, (path, (x, w, dy)) in enumerate(
-      _capturer(loss, params, batch)(batch).items()):
+  for j, (path, (x, w, dy)) in enumerate(captured.items()):
     if layers is not None and path not in layers:
       continue
     res = jax.device_get(fn(x, w, dy, jax.random.fold_in(key, j)))

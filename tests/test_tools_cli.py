@@ -1,5 +1,7 @@
 """`python -m train.export` (a run -> packed NVFP4 file -> samples) and
-`python -m train.sensitivity` (table, suggested rules, plot)."""
+`python -m train.sensitivity` (table, suggested rules, SR bias, plot)."""
+
+import pytest
 
 from nvfp4_jax import safetensors
 from train import export as export_cli
@@ -36,8 +38,22 @@ def test_sensitivity_cli(tmp_path, capsys):
   plot = tmp_path / "s.png"
   assert sensitivity_cli.main(["--batches", "1", "--batch-size", "2",
                                "--seq-len", "32", "--budget", "0.25",
-                               "--out", str(plot)]) == 0
+                               "--sr-draws", "4", "--out", str(plot)]) == 0
   text = capsys.readouterr().out
   assert "fprop_err" in text and "suggested BF16 layers (6/24)" in text
   assert "PrecisionRules(rules=(" in text
   assert plot.read_bytes()[:4] == b"\x89PNG"
+  sr = text[text.index("stochastic rounding bias over 4 draws"):]
+  assert "bias_ratio" in sr.splitlines()[2]
+  # Two SR GEMMs (Dgrad, Wgrad) per projection, 24 projections.
+  assert sum(line.split()[1:2] in (["dgrad"], ["wgrad"])
+             for line in sr.splitlines()[3:]) == 48
+
+
+def test_sensitivity_cli_sr_draws_error(capsys):
+  for bad in ("1", "-3"):
+    with pytest.raises(SystemExit) as e:
+      sensitivity_cli.main(["--sr-draws", bad])
+    assert e.value.code == 2
+    assert f"--sr-draws must be 0 (off) or >= 2, got {bad}" in (
+        capsys.readouterr().err)

@@ -2,13 +2,16 @@
 
     python -m train.sensitivity --preset small --checkpoint runs/small-nvfp4
     python -m train.sensitivity --preset tiny --batches 2 --budget 0.15
+    python -m train.sensitivity --preset tiny --sr-draws 64
 
 Runs `nvfp4_jax.sensitivity.analyze` on a few training batches (the model's
 own activations and output gradients, in high precision) and prints, per
 projection, the relative error of its NVFP4 Fprop, Dgrad and Wgrad and the
 flushed/saturated fractions; then the layers the suggested rules keep in BF16
 (the `--budget` share of the projections), next to the paper's preset, and
-writes a plot of the three errors per layer.
+writes a plot of the three errors per layer. With `--sr-draws N` it then
+checks, per projection, that the stochastically rounded Dgrad and Wgrad are
+unbiased (`sensitivity.analyze_sr_bias` over N draws on the first batch).
 """
 
 from __future__ import annotations
@@ -59,10 +62,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                  help="share of the projections to keep in BF16")
   p.add_argument("--out", default="runs/sensitivity.png",
                  help="the plot to write")
+  p.add_argument("--sr-draws", type=int, default=0, metavar="N",
+                 help="also measure the stochastic-rounding bias of each "
+                 "projection's Dgrad and Wgrad over N >= 2 draws on the first "
+                 "batch (default 0: off)")
   args = p.parse_args(argv)
   if not 0 <= args.budget <= 1 or args.batches < 1:
     p.error(f"--budget must be in [0, 1] and --batches >= 1, got "
             f"{args.budget} and {args.batches}")
+  if args.sr_draws != 0 and args.sr_draws < 2:
+    p.error(f"--sr-draws must be 0 (off) or >= 2, got {args.sr_draws}")
 
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -118,6 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   print("as rules: nvfp4_jax.PrecisionRules(rules=("
         + "".join(f"(r'{pat}', nvfp4_jax.Recipe.bf16()), "
                   for pat, _ in rules.rules) + "))")
+  if args.sr_draws:
+    bias = sensitivity.analyze_sr_bias(loss, params, batches[0],
+                                       draws=args.sr_draws)
+    print("\n" + sensitivity.sr_bias_table(bias, args.sr_draws))
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   print(f"plot: {plot(results, out, f'NVFP4 error per layer ({origin})')}")
