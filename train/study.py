@@ -155,30 +155,66 @@ def summarize(runs, steps: int) -> tuple[str, dict[str, list[dict]]]:
   return "\n".join(lines), records
 
 
+def _group_curves(records: dict[str, list[dict]]
+                  ) -> dict[str, tuple[list[int], list[list[float]]]]:
+  """`{group: (steps, [val losses per seed])}` over the steps every seed of
+  the group evaluated (a group: the label without its `-sN`)."""
+  groups: dict[str, list[dict[int, float]]] = {}
+  for label, recs in records.items():
+    ev = {r["step"]: r["val_loss"] for r in recs if r.get("kind") == "eval"}
+    if ev:
+      groups.setdefault(label.rsplit("-s", 1)[0], []).append(ev)
+  out = {}
+  for g, evs in groups.items():
+    steps = sorted(set.intersection(*(set(e) for e in evs)))
+    out[g] = (steps, [[e[s] for s in steps] for e in evs])
+  return out
+
+
 def plot(records: dict[str, list[dict]], path: pathlib.Path, title: str):
-  """Validation curves of every run, and a log-scale panel of the tail."""
+  """Three panels: validation loss (mean over seeds), its tail on a log
+  scale, and each group's gap to BF16 in percent (mean over seeds; a band
+  of +-1 sd where a group has several seeds)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, (ax, tail) = plt.subplots(1, 2, figsize=(11, 4))
-  for label, recs in records.items():
-    ev = [(r["step"], r["val_loss"]) for r in recs if r.get("kind") == "eval"]
-    if not ev:
-      continue
-    s, v = zip(*ev)
-    style = "-" if label.startswith(("bf16", "nvfp4-s")) else "--"
-    ax.plot(s, v, style, label=label, lw=1)
-    half = len(s) // 2
-    tail.plot(s[half:], v[half:], style, label=label, lw=1)
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  curves = _group_curves(records)
+  fig, (ax, tail, gap) = plt.subplots(1, 3, figsize=(15, 4.2))
+  base = curves.get("bf16")
+  base_mean = dict(zip(base[0], np.mean(base[1], axis=0))) if base else {}
+  for i, (g, (steps, vals)) in enumerate(curves.items()):
+    v = np.asarray(vals)
+    mean = v.mean(axis=0)
+    style = "-" if g in ("bf16", "nvfp4") else "--"
+    kw = dict(label=f"{g} (x{len(vals)})" if len(vals) > 1 else g, lw=1.2,
+              color=f"C{i % 10}")
+    ax.plot(steps, mean, style, **kw)
+    half = len(steps) // 2
+    tail.plot(steps[half:], mean[half:], style, **kw)
+    if base_mean and g != "bf16":
+      keep = [j for j, s in enumerate(steps) if s in base_mean]
+      b = np.asarray([base_mean[steps[j]] for j in keep])
+      rel = 100 * (v[:, keep] / b - 1)
+      x = [steps[j] for j in keep]
+      gap.plot(x, rel.mean(axis=0), style, **kw)
+      if len(vals) > 1:
+        sd = rel.std(axis=0, ddof=1)
+        gap.fill_between(x, rel.mean(axis=0) - sd, rel.mean(axis=0) + sd,
+                         color=kw["color"], alpha=0.15, lw=0)
   ax.set_xlabel("step")
   ax.set_ylabel("validation loss")
   ax.set_title(title, fontsize=9)
   tail.set_yscale("log")
   tail.set_xlabel("step (second half)")
   tail.set_title("tail, log scale", fontsize=9)
-  tail.legend(fontsize=6, ncol=2)
+  gap.axhline(0, color="k", lw=0.6)
+  gap.set_xlabel("step")
+  gap.set_ylabel("% above BF16 (mean of its seeds)")
+  gap.set_title("gap to BF16", fontsize=9)
+  tail.legend(fontsize=7, ncol=2)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  fig.savefig(path, dpi=90)
   plt.close(fig)
   return str(path)
 
