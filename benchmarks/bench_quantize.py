@@ -21,6 +21,7 @@ from benchmarks import timing
 from nvfp4_jax import fused
 from nvfp4_jax import numerics as nm
 from nvfp4_jax import nvfp4
+from nvfp4_jax.recipe import Operand
 from pallas_kernels import quantize as pq
 from pallas_kernels import block_dequantize as pbd
 from pallas_kernels import common as pcommon
@@ -56,9 +57,16 @@ def exact_vs_cpu(fn_kernel, fn_ref, args) -> bool:
   return _same(got, want)
 
 
+RTNE = Operand(format="nvfp4")
+RTNE_RHT = Operand(format="nvfp4", rht=True)
+SR = Operand(format="nvfp4", rounding="stochastic")
+SR_RHT = Operand(format="nvfp4", rounding="stochastic", rht=True)
+
+
 def variants(key):
   """(name, bytes/elem, pallas fn, xla fn, needs_amax_t?) over x [T, F]."""
   q = functools.partial
+  k_row, k_t = fused.split_key(key)
   return [
       ("quantize 1x16 RTNE", 2 + Q_BYTES,
        lambda x, a: nvfp4.quantize(x, amax=a, implementation="pallas"),
@@ -95,6 +103,18 @@ def variants(key):
       ("x + rht_t SR +amax", 2 + 2 * Q_BYTES,
        q(fused.quantize_x_and_rht_t, key=key, implementation="pallas"),
        q(fused.quantize_x_and_rht_t, key=key, implementation="xla"), None),
+      # The pairs as the layer quantizes them on Hopper (`NVFP4Values` for
+      # the operands multiplied at once: no dequantize pass follows).
+      ("X pair as used: x values + rht_t codes, RTNE +amax", 4 + Q_BYTES,
+       q(fused.quantize_pair, row=RTNE, wgrad=RTNE_RHT, values=(True, False),
+         implementation="pallas"),
+       q(fused.quantize_pair, row=RTNE, wgrad=RTNE_RHT, values=(True, False),
+         implementation="xla"), None),
+      ("dY pair as used: both values, SR +amax", 6.0,
+       q(fused.quantize_pair, row=SR, wgrad=SR_RHT, key_row=k_row, key_t=k_t,
+         values=(True, True), implementation="pallas"),
+       q(fused.quantize_pair, row=SR, wgrad=SR_RHT, key_row=k_row, key_t=k_t,
+         values=(True, True), implementation="xla"), None),
   ]
 
 

@@ -10,7 +10,9 @@ configuration runs in a fresh process (`--child`), the configurations are
 interleaved, the whole round is repeated, and the table reports the median
 step time over all rounds with the spread of the per-round medians, the ratio
 to the first configuration, tokens/s, TFLOP/s by the 6N rule (N = parameters
-of the projections, embeddings and head) and the compiled step's memory.
+of the projections, embeddings and head), MFU by that rule (`mfu`) and with
+the causal attention products added (`mfu_attn`, see
+`attention_flops_per_token`) and the compiled step's memory.
 With `--meshes`, each configuration also runs on those meshes with `--batch`
 sequences per device (weak scaling), and the table adds the scaling
 efficiency: tokens/s per device over the same configuration on one device.
@@ -112,8 +114,20 @@ def _child(cfg: StepConfig) -> dict:
     times.append(time.perf_counter() - t0)
   dev = jax.devices()[0]
   return {"times": times, "params": param_count(mc),
+          "attn_flops": attention_flops_per_token(mc, cfg.seq),
           "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
           "device": dev.device_kind, "jax": jax.__version__}
+
+
+def attention_flops_per_token(mc, seq: int) -> int:
+  """Training FLOPs per token of the attention products (`QK^T` and `PV`),
+  which the 6N rule leaves out: `2 * 2 * seq * d_model` per layer forward
+  for full attention, half of it under the causal mask (what a flash
+  kernel computes), times 3 for forward + backward: `6 * layers * seq *
+  d_model`. PaLM's MFU (Chowdhery et al. 2022, appendix B) adds the full
+  `12 * layers * seq * d_model`; counting the causal half is the
+  conservative choice."""
+  return 6 * mc.num_layers * seq * mc.d_model
 
 
 def run(configs: list[StepConfig], repeats: int = 3) -> list[dict]:
@@ -154,6 +168,10 @@ def run(configs: list[StepConfig], repeats: int = 3) -> list[dict]:
         "vs_first": t / base, "tokens_per_s": tokens / t,
         "tflops_6n": tflops,
         "mfu": tflops / (peak * c.devices) if peak else float("nan"),
+        # With the causal attention products (see attention_flops_per_token).
+        "mfu_attn": ((6 * runs[0]["params"] + runs[0]["attn_flops"])
+                     * tokens / t / 1e12 / (peak * c.devices)
+                     if peak else float("nan")),
         "temp_mib": (runs[0]["temp_bytes"] or float("nan")) / 2**20,
         # Weak scaling: tokens/s per device against the same configuration
         # on one device.
@@ -164,7 +182,7 @@ def run(configs: list[StepConfig], repeats: int = 3) -> list[dict]:
 
 
 COLS = ("config", "ms", "spread_ms", "vs_first", "tokens_per_s", "tflops_6n",
-        "mfu", "temp_mib")
+        "mfu", "mfu_attn", "temp_mib")
 MESH_COLS = COLS + ("scaling",)
 
 

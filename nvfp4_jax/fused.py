@@ -33,6 +33,7 @@ from nvfp4_jax.nvfp4 import quantize
 from nvfp4_jax.nvfp4 import quantize_reference
 from nvfp4_jax.nvfp4 import tensor_amax
 from nvfp4_jax.qarray import NVFP4Array
+from nvfp4_jax.qarray import NVFP4Values
 from nvfp4_jax.qarray import check_amax
 from nvfp4_jax.qarray import check_input
 from nvfp4_jax.qarray import check_rounding
@@ -168,8 +169,10 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
                   sign_vector: Sequence[int] | None = None,
                   placement: prng.Placement | None = None,
                   amax_axes: Sequence[str] = (),
+                  values: tuple[bool, bool] = (False, False),
                   implementation: str | None = None
-                  ) -> tuple[QArray | None, QArray | None]:
+                  ) -> tuple[QArray | NVFP4Values | None,
+                             QArray | NVFP4Values | None]:
   """Both quantized operands of a tensor `x: [tokens, features]`.
 
   `row` quantizes `x` along features (Fprop's X, Dgrad's dY); `wgrad`
@@ -186,6 +189,10 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
     placement, amax_axes: for a shard of a sharded tensor (inside
       `shard_map`): `x`'s place in the whole tensor and the mesh axes that
       split it. Both operands are then the shards of the whole tensor's.
+    values: `(row, wgrad)`: return that operand as `NVFP4Values` (its exact
+      bf16 block values, written instead of codes and scales: the operand of
+      the emulated GEMM, see `gemm.consumes_values`). NVFP4 operands only
+      (ignored for an operand in bf16, which comes back as None).
     implementation: "xla", "pallas" or None. The Pallas kernel fuses the
       recipe's NVFP4 pairs (1x16 rows + RHT'd tokens) into one read of `x`
       per pass; it raises `NotImplementedError` for other pairs.
@@ -195,11 +202,20 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
   """
   what = "quantize_pair"
   x = _check_tokens_x(x, what)
-  for op, key, name in ((row, key_row, "row"), (wgrad, key_t, "wgrad")):
+  values = tuple(bool(v) for v in values)
+  if len(values) != 2:
+    raise ValueError(f"{what}: values must be two bools (row, wgrad), got "
+                     f"{values!r}.")
+  for op, key, name, as_values in ((row, key_row, "row", values[0]),
+                                   (wgrad, key_t, "wgrad", values[1])):
     if not isinstance(op, Operand):
       raise TypeError(f"{what}: {name} must be an Operand, got {op!r}.")
     if op.quantized:
       check_rounding(op.rounding, key, size=x.size, what=f"{what} ({name})")
+    if as_values and op.quantized and op.format != "nvfp4":
+      raise ValueError(
+          f"{what}: values=True for the {name} operand needs the nvfp4 "
+          f"format, got {op.format!r}; pass values=False for it.")
   if row.quantized:
     check_input(x, block=block_size(row.format), block_2d=row.block_2d,
                 what=f"{what} (row operand)")
@@ -212,21 +228,36 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
     _check_wgrad_tokens(x.shape[0], wgrad, rht_size, what)
   return QUANTIZE_PAIR(implementation, x, row, wgrad, key_row=key_row,
                        key_t=key_t, rht_size=rht_size, sign_vector=sign_vector,
-                       placement=placement, amax_axes=tuple(amax_axes))
+                       placement=placement, amax_axes=tuple(amax_axes),
+                       values=values)
+
+
+def _operand_xla(x, op: Operand, key, *, placement, amax_axes,
+                 as_values: bool):
+  if not as_values:
+    return quantize_operand(x, op, key, placement=placement,
+                            amax_axes=amax_axes, implementation="xla")
+  q, vals = quantize_reference(
+      x, block_2d=op.block_2d, rounding=op.rounding,
+      key=key if op.rounding == "stochastic" else None,
+      amax=_reduced_amax(x, amax_axes), with_values=True,
+      four_over_six=op.four_over_six, placement=placement)
+  return NVFP4Values(vals, q.amax, four_over_six=op.four_over_six)
 
 
 def _quantize_pair_xla(x, row, wgrad, *, key_row, key_t, rht_size,
-                       sign_vector, placement=None, amax_axes=()):
+                       sign_vector, placement=None, amax_axes=(),
+                       values=(False, False)):
   q_row = q_t = None
   if row.quantized:
-    q_row = quantize_operand(x, row, key_row, placement=placement,
-                             amax_axes=amax_axes, implementation="xla")
+    q_row = _operand_xla(x, row, key_row, placement=placement,
+                         amax_axes=amax_axes, as_values=values[0])
   if wgrad.quantized:
     xt = x.T
     if wgrad.rht:
       xt = rht(xt, sign_vector=sign_vector, size=rht_size)
-    q_t = quantize_operand(xt, wgrad, key_t, placement=_transposed(placement),
-                           amax_axes=amax_axes, implementation="xla")
+    q_t = _operand_xla(xt, wgrad, key_t, placement=_transposed(placement),
+                       amax_axes=amax_axes, as_values=values[1])
   return q_row, q_t
 
 

@@ -17,7 +17,11 @@ from nvfp4_jax import dispatch
 from nvfp4_jax import numerics as nm
 from nvfp4_jax.mx import MXArray
 from nvfp4_jax.qarray import NVFP4Array
+from nvfp4_jax.qarray import NVFP4Values
 from nvfp4_jax.quant import QArray, block_dequantize
+
+# The implementations that multiply bf16 block values (the exact emulation).
+EMULATIONS = ("xla", "pallas")
 
 
 def gemm_alpha(a: QArray, b: QArray) -> jax.Array:
@@ -31,7 +35,7 @@ def gemm_alpha(a: QArray, b: QArray) -> jax.Array:
   no tensor scale (factor 1).
   """
   def amax_over(q):
-    if isinstance(q, NVFP4Array):
+    if isinstance(q, (NVFP4Array, NVFP4Values)):
       return q.amax, q.tensor_denominator
     return jnp.float32(1.0), 1.0
   amax_a, den_a = amax_over(a)
@@ -44,7 +48,8 @@ def block_scaled_matmul(a: QArray, b: QArray, *, out_dtype=jnp.float32,
   """`a @ b.T` over the quantized last axis, FP32 accumulation.
 
   Args:
-    a: quantized `[M, K]` (an `NVFP4Array` or `MXArray`).
+    a: quantized `[M, K]` (an `NVFP4Array` or `MXArray`; or `NVFP4Values`,
+      the block values a quantizer wrote for the exact emulation).
     b: quantized `[N, K]`.
     out_dtype: dtype of the result; the FP32 product is scaled by `alpha` in
       FP32 and then cast.
@@ -60,15 +65,18 @@ def block_scaled_matmul(a: QArray, b: QArray, *, out_dtype=jnp.float32,
       - None: a native FP4 path on Blackwell (compute capability >= 10;
         see `gemm_preference`), "pallas" on other GPUs, "xla" elsewhere;
         a path that cannot run the call falls back to the next.
+      With an `NVFP4Values` operand only the emulations ("xla", "pallas",
+      None) apply: the other operand's codes are block-dequantized by that
+      implementation and the values multiplied as they are.
 
   Returns:
     `[M, N]` in `out_dtype`.
   """
   for name, q in (("a", a), ("b", b)):
-    if not isinstance(q, (NVFP4Array, MXArray)):
+    if not isinstance(q, (NVFP4Array, NVFP4Values, MXArray)):
       raise TypeError(
-          f"block_scaled_matmul: {name} must be an NVFP4Array or MXArray, got "
-          f"{type(q).__name__}.")
+          f"block_scaled_matmul: {name} must be an NVFP4Array, NVFP4Values or "
+          f"MXArray, got {type(q).__name__}.")
     if q.ndim != 2:
       raise ValueError(
           f"block_scaled_matmul: {name} must be 2-D [rows, K], got shape "
@@ -77,7 +85,41 @@ def block_scaled_matmul(a: QArray, b: QArray, *, out_dtype=jnp.float32,
     raise ValueError(
         f"block_scaled_matmul: contraction sizes differ, a {a.shape} vs b "
         f"{b.shape} (both are quantized along their last axis: a @ b.T).")
+  if isinstance(a, NVFP4Values) or isinstance(b, NVFP4Values):
+    return _matmul_values(a, b, out_dtype=out_dtype,
+                          implementation=implementation)
   return BLOCK_SCALED_MATMUL(implementation, a, b, out_dtype=out_dtype)
+
+
+def consumes_values() -> bool:
+  """Whether `block_scaled_matmul(implementation=None)` runs the exact
+  emulation here (bf16 block values, then a bf16 GEMM).
+
+  Then a quantizer may hand the GEMM `NVFP4Values` instead of codes and
+  scales, and no dequantize pass runs; where a native FP4 GEMM comes first
+  (Blackwell, or a `default_implementation` naming one) it takes the codes.
+  """
+  return BLOCK_SCALED_MATMUL.order()[0] in EMULATIONS
+
+
+def _matmul_values(a, b, *, out_dtype, implementation):
+  if implementation not in (None, *EMULATIONS):
+    raise ValueError(
+        f"block_scaled_matmul: implementation={implementation!r} multiplies "
+        f"FP4 codes; an NVFP4Values operand holds block values, which only "
+        f"the emulation {EMULATIONS} (or None) multiplies. Quantize to an "
+        f"NVFP4Array (nvfp4_jax.quantize) for a native FP4 GEMM.")
+  for q in (a, b):
+    if not isinstance(q, (NVFP4Array, NVFP4Values)):
+      raise TypeError(
+          f"block_scaled_matmul: an NVFP4Values operand multiplies an NVFP4 "
+          f"operand, got {type(q).__name__}.")
+  def vals(q):
+    if isinstance(q, NVFP4Values):
+      return q.values
+    return BLOCK_VALUES(implementation, q)
+  return block_values_matmul(vals(a), vals(b), gemm_alpha(a, b),
+                             out_dtype=out_dtype)
 
 
 def block_values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
@@ -107,10 +149,16 @@ def _require_nvfp4(a, b, what):
 
 def _matmul_pallas(a, b, *, out_dtype):
   _require_nvfp4(a, b, "pallas")
-  from pallas_kernels import block_dequantize  # pylint: disable=g-import-not-at-top
-  return block_values_matmul(block_dequantize.block_values(a),
-                             block_dequantize.block_values(b),
+  return block_values_matmul(BLOCK_VALUES("pallas", a),
+                             BLOCK_VALUES("pallas", b),
                              gemm_alpha(a, b), out_dtype=out_dtype)
+
+
+# The bf16 block values of an NVFP4Array: the emulated GEMM's operand.
+BLOCK_VALUES = dispatch.Op("block_values", {
+    "xla": lambda q: block_dequantize(q)[0],
+    "pallas": "pallas_kernels.block_dequantize:block_values",
+})
 
 
 def _matmul_triton(a, b, *, out_dtype):

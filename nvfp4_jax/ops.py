@@ -43,6 +43,7 @@ from nvfp4_jax.fused import block_size
 from nvfp4_jax.fused import quantize_operand
 from nvfp4_jax.fused import quantize_pair
 from nvfp4_jax.gemm import block_scaled_matmul
+from nvfp4_jax.gemm import consumes_values
 from nvfp4_jax.recipe import Recipe
 from nvfp4_jax.sharding import LinearSharding
 
@@ -124,14 +125,23 @@ def _rows(q, n: int):
 
 
 def _pair(x, row_op, wgrad_op, recipe: Recipe, key_row, key_t,
-          placement=None, amax_axes=()):
+          placement=None, amax_axes=(), values=(False, False)):
   """Both quantized operands of `x` (see `fused.quantize_pair`), any token
   count (a shard's tokens are aligned: `LinearSharding.check`)."""
   q_row, q_t = quantize_pair(
       _pad_tokens(x, recipe), row_op, wgrad_op, key_row=key_row, key_t=key_t,
       rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector,
-      placement=placement, amax_axes=amax_axes)
+      placement=placement, amax_axes=amax_axes, values=values)
   return _rows(q_row, x.shape[0]), q_t
+
+
+def _as_values(op) -> bool:
+  """Whether operand `op`, multiplied right away (neither saved for the
+  backward pass nor gathered), is best quantized straight to its bf16 block
+  values: NVFP4 where the GEMM is the exact emulation (Hopper, CPU). The
+  quantizer then writes the values the GEMM reads and no dequantize pass
+  runs; on Blackwell's native FP4 GEMMs the codes are the operand."""
+  return op.format == "nvfp4" and consumes_values()
 
 
 class _Whole:
@@ -253,9 +263,12 @@ def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, ctx: _Whole):
   wgrad_q = recipe.gemm_format("wgrad") != "bf16"
   # A sum across shards runs in FP32 and rounds once, as the whole GEMM.
   acc_dtype = jnp.float32 if ctx.reduces_y else out_dtype
+  # Fprop's X is multiplied at once; Wgrad's q(rht(X^T)) is the residual
+  # (codes: 4.5 bits per element).
   qx, qxt = _named("nvfp4_quantize_x", lambda x, kr, kt: _pair(
       x, recipe.fprop_x, recipe.wgrad_x, recipe, kr, kt, ctx.place_x(x),
-      ctx.x_axes))(x, keys["fprop_x"], keys["wgrad_x"])
+      ctx.x_axes, values=(_as_values(recipe.fprop_x), False)))(
+          x, keys["fprop_x"], keys["wgrad_x"])
   if recipe.fprop_x.quantized:
     # The stored weight shard is quantized (amax across its shards) and the
     # quantized bytes are gathered.
@@ -315,9 +328,12 @@ def _backward(recipe: Recipe, precision, out_dtype, res, dy, ctx: _Whole):
   dgrad_q = recipe.gemm_format("dgrad") != "bf16"
   wgrad_q = recipe.gemm_format("wgrad") != "bf16"
   keys = recipe.operand_keys(key)
+  # Both operands of dY are multiplied at once.
   qdy, qdyt = _named("nvfp4_quantize_dy", lambda dy, kr, kt: _pair(
       dy, recipe.dgrad_dy, recipe.wgrad_dy, recipe, kr, kt, ctx.place_y(dy),
-      ctx.y_axes))(dy, keys["dgrad_dy"], keys["wgrad_dy"])
+      ctx.y_axes, values=(_as_values(recipe.dgrad_dy),
+                          _as_values(recipe.wgrad_dy))))(
+                              dy, keys["dgrad_dy"], keys["wgrad_dy"])
 
   if dgrad_q:
     if qw_fprop is not None:

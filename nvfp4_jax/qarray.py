@@ -88,6 +88,40 @@ jax.tree_util.register_dataclass(
     meta_fields=["block_2d", "four_over_six"])
 
 
+@dataclasses.dataclass(frozen=True)
+class NVFP4Values:
+  """An NVFP4-quantized operand held as its exact bf16 block values.
+
+  `values = e2m1 * f32(E4M3 block scale)`, exact in bfloat16 (at most 6
+  significant bits: see `nvfp4_jax.block_dequantize`), so it carries the
+  codes and scales of its `NVFP4Array` without loss; the tensor factor
+  (`amax / 2688`) is applied to the GEMM's FP32 output. This is the form the
+  exact emulation of the block-scaled GEMM multiplies (hardware without FP4
+  tensor cores): a quantizer writes it instead of codes and scales for an
+  operand that is multiplied right away, so no dequantize pass follows.
+  Operands that are saved for the backward pass or gathered across devices
+  stay `NVFP4Array`s (0.5625 bytes per element instead of 2).
+
+  Attributes:
+    values: bfloat16 `[..., K]`, the block values.
+    amax: float32 scalar, the tensor amax the scales were derived from.
+    four_over_six: static; quantized with Four-over-Six (factor `amax/1536`).
+  """
+
+  values: jax.Array
+  amax: jax.Array
+  four_over_six: bool = False
+
+  shape = property(lambda self: tuple(self.values.shape))
+  ndim = property(lambda self: self.values.ndim)
+  tensor_denominator = NVFP4Array.tensor_denominator
+  tensor_scale = NVFP4Array.tensor_scale
+
+
+jax.tree_util.register_dataclass(
+    NVFP4Values, data_fields=["values", "amax"], meta_fields=["four_over_six"])
+
+
 def check_input(x: Any, *, block: int, block_2d: bool, what: str) -> jax.Array:
   """Validates a tensor to be block-quantized along its last axis.
 

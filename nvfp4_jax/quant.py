@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax.mx import MXArray, block_dequantize_mx, dequantize_mx
+from nvfp4_jax import numerics as nm
 from nvfp4_jax.nvfp4 import NVFP4Array, block_dequantize_nvfp4, dequantize_nvfp4
+from nvfp4_jax.qarray import NVFP4Values
 
 QArray = NVFP4Array | MXArray
 
@@ -17,7 +19,10 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
     return dequantize_nvfp4(q, dtype)
   if isinstance(q, MXArray):
     return dequantize_mx(q, dtype)
-  raise TypeError(f"dequantize needs an NVFP4Array or MXArray, got {type(q)}.")
+  if isinstance(q, NVFP4Values):
+    return nm.ftz(q.values.astype(jnp.float32) * q.tensor_scale).astype(dtype)
+  raise TypeError(f"dequantize needs an NVFP4Array, NVFP4Values or MXArray, "
+                  f"got {type(q)}.")
 
 
 def block_dequantize(q: QArray) -> tuple[jax.Array, jax.Array]:
@@ -31,5 +36,8 @@ def block_dequantize(q: QArray) -> tuple[jax.Array, jax.Array]:
     return block_dequantize_nvfp4(q)
   if isinstance(q, MXArray):
     return block_dequantize_mx(q)
+  if isinstance(q, NVFP4Values):
+    return q.values, q.tensor_scale
   raise TypeError(
-      f"block_dequantize needs an NVFP4Array or MXArray, got {type(q)}.")
+      f"block_dequantize needs an NVFP4Array, NVFP4Values or MXArray, got "
+      f"{type(q)}.")

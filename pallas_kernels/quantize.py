@@ -27,6 +27,7 @@ from nvfp4_jax import numerics as nm
 from nvfp4_jax import prng
 from nvfp4_jax import tile
 from nvfp4_jax.qarray import NVFP4Array
+from nvfp4_jax.qarray import NVFP4Values
 from pallas_kernels import common
 
 B = nm.NVFP4_BLOCK
@@ -75,19 +76,21 @@ def tile_masks(rows: int, nb: int, m: int, nb_total: int):
 
 
 def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
-                     with_values: bool, interpret: bool, m: int,
-                     nb_total: int, four_over_six: bool,
+                     with_codes: bool, with_values: bool, interpret: bool,
+                     m: int, nb_total: int, four_over_six: bool,
                      words_per_row: int):
   refs = list(refs)
   amax_ref = refs.pop(0)
   seeds_ref = refs.pop(0) if stochastic else None
   origin_ref = refs.pop(0) if stochastic else None
-  x_ref, codes_ref, scales_ref = refs[:3]
+  x_ref = refs.pop(0)
+  codes_ref, scales_ref = (refs.pop(0), refs.pop(0)) if with_codes else (
+      None, None)
+  values_ref = refs.pop(0) if with_values else None
   divide = common.exact_divide(interpret)
   # Shape (1,), not scalars: the inline-asm division needs tensor operands.
   s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
       amax_ref[...], divide=divide, four_over_six=four_over_six)
-  values_ref = refs[3] if with_values else None
   rows, nb, _ = x_ref.shape
   mask = tile_masks(rows, nb, m, nb_total)
 
@@ -104,8 +107,9 @@ def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
       four_over_six=four_over_six, block_2d=block_2d,
       multiply=common.ftz_multiply(interpret),
       flush=common.flush(interpret))
-  common.store(codes_ref, packed, mask[B // 2])
-  common.store(scales_ref, scales, mask[0])
+  if with_codes:
+    common.store(codes_ref, packed, mask[B // 2])
+    common.store(scales_ref, scales, mask[0])
   if with_values:
     common.store(values_ref, values, mask[B])
 
@@ -113,7 +117,7 @@ def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
 def quantize(x: jax.Array, *, block_2d: bool = False,
              rounding: str = "nearest", key: jax.Array | None = None,
              amax: jax.Array | None = None, with_values: bool = False,
-             four_over_six: bool = False,
+             with_codes: bool = True, four_over_six: bool = False,
              placement: prng.Placement | None = None,
              config: QuantizeConfig | None = None):
   """`nvfp4_jax.quantize` as a Pallas-Triton kernel (interpreted on CPU).
@@ -124,10 +128,13 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
       `nvfp4_jax.quantize`.
     with_values: also return the exact bf16 block-dequantized values
       `[..., K]` (`fp4 * f32(scale)`, the Hopper GEMM's operand).
+    with_codes: False: write the values only (not the codes and scales) and
+      return them as `NVFP4Values` (`with_values` is then implied).
     config: tile sizes; defaults to `default_config`.
 
   Returns:
-    An `NVFP4Array`, or `(NVFP4Array, values)` with `with_values`.
+    An `NVFP4Array`, or `(NVFP4Array, values)` with `with_values`, or
+    `NVFP4Values` without `with_codes`.
 
   Raises:
     NotImplementedError: on a backend the kernels do not support.
@@ -158,23 +165,31 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
     args += [prng.seeds_from_key(key), origin]
   in_specs.append(pl.BlockSpec((br, bnb, B), lambda i, j: (i, j, 0)))
   args.append(x.reshape(m, nb_total, B))
-  out_shape = [jax.ShapeDtypeStruct((m, nb_total, B // 2), jnp.uint8),
-               jax.ShapeDtypeStruct((m, nb_total), jnp.float8_e4m3fn)]
-  out_specs = [pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)),
-               pl.BlockSpec((br, bnb), lambda i, j: (i, j))]
+  with_values = with_values or not with_codes
+  out_shape, out_specs = [], []
+  if with_codes:
+    out_shape += [jax.ShapeDtypeStruct((m, nb_total, B // 2), jnp.uint8),
+                  jax.ShapeDtypeStruct((m, nb_total), jnp.float8_e4m3fn)]
+    out_specs += [pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)),
+                  pl.BlockSpec((br, bnb), lambda i, j: (i, j))]
   if with_values:
     out_shape.append(jax.ShapeDtypeStruct((m, nb_total, B), jnp.bfloat16))
     out_specs.append(pl.BlockSpec((br, bnb, B), lambda i, j: (i, j, 0)))
 
   kernel = functools.partial(
       _quantize_kernel, block_2d=block_2d, stochastic=stochastic,
-      with_values=with_values, interpret=interpret, m=m, nb_total=nb_total,
-      four_over_six=four_over_six, words_per_row=words_per_row)
+      with_codes=with_codes, with_values=with_values, interpret=interpret,
+      m=m, nb_total=nb_total, four_over_six=four_over_six,
+      words_per_row=words_per_row)
+  name = "nvfp4_quantize_2d" if block_2d else "nvfp4_quantize"
   outs = common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
-      name="nvfp4_quantize_2d" if block_2d else "nvfp4_quantize",
+      name=name if with_codes else name + "_values",
       grid=grid, in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape)(*args)
+  if not with_codes:
+    return NVFP4Values(outs[0].reshape(shape), amax,
+                       four_over_six=four_over_six)
   lead = shape[:-1]
   q = NVFP4Array(codes=outs[0].reshape(*lead, k // 2),
                  scales=outs[1].reshape(*lead, nb_total), amax=amax,

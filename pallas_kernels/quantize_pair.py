@@ -41,8 +41,12 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
                   sign_vector: Sequence[int] | None = None,
                   placement: prng.Placement | None = None,
                   amax_axes: Sequence[str] = (),
+                  values: tuple[bool, bool] = (False, False),
                   config: RHTConfig | None = None):
   """`(q_row or None, q_t or None)`, as `nvfp4_jax.fused.quantize_pair`.
+
+  `values`: which operands come back as `NVFP4Values` (the kernels then
+  write their bf16 block values instead of codes and scales).
 
   Raises:
     NotImplementedError: a quantized operand that no kernel computes.
@@ -65,19 +69,21 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
     if row.quantized:
       q_row = pallas_quantize.quantize(
           x, rounding=row.rounding, key=_key(row, key_row), amax=amax,
-          four_over_six=row.four_over_six, placement=placement)
+          four_over_six=row.four_over_six, placement=placement,
+          with_codes=not values[0])
     if wgrad.quantized:
       q_t = pallas_quantize.quantize(
           x.T, rounding=wgrad.rounding, key=_key(wgrad, key_t), amax=amax,
           four_over_six=wgrad.four_over_six,
-          placement=None if placement is None else placement.T)
+          placement=None if placement is None else placement.T,
+          with_codes=not values[1])
     return q_row, q_t
   if not row.quantized:
     return None, pallas_rht.quantize_rht_t(
         x, rounding=wgrad.rounding, key=_key(wgrad, key_t),
         sign_vector=sign_vector, size=rht_size, placement=placement,
         amax_axes=amax_axes, config=config,
-        four_over_six=wgrad.four_over_six)
+        four_over_six=wgrad.four_over_six, values=values[1])
   amaxes = spmd.reduce_amax(jnp.stack(pallas_rht.rht_amax(
       x, sign_vector=sign_vector, size=rht_size, with_x=True,
       config=config)), amax_axes)
@@ -85,10 +91,12 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
     q_t = pallas_rht.quantize_call(
         x, amax_t=amaxes[1], key_t=_key(wgrad, key_t), size=rht_size,
         sign_vector=sign_vector, fused_x=False, config=None,
-        placement=placement, four_over_six_t=wgrad.four_over_six)
+        placement=placement, four_over_six_t=wgrad.four_over_six,
+        values_t=values[1])
     q_x = pallas_quantize.quantize(
         x, rounding=row.rounding, key=_key(row, key_row), amax=amaxes[0],
-        four_over_six=row.four_over_six, placement=placement)
+        four_over_six=row.four_over_six, placement=placement,
+        with_codes=not values[0])
     return q_x, q_t
   t, f = x.shape
   return pallas_rht.quantize_call(
@@ -96,7 +104,8 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
       key_x=_key(row, key_row), size=rht_size, sign_vector=sign_vector,
       fused_x=True, config=config or pair_config(t, f, rht_size),
       placement=placement, four_over_six_t=wgrad.four_over_six,
-      four_over_six_x=row.four_over_six)
+      four_over_six_x=row.four_over_six, values_t=values[1],
+      values_x=values[0])
 
 
 def _split(row: Operand, wgrad: Operand) -> bool:

@@ -38,6 +38,7 @@ from nvfp4_jax import spmd
 from nvfp4_jax import tile
 from nvfp4_jax.hadamard import rht_matrix
 from nvfp4_jax.qarray import NVFP4Array
+from nvfp4_jax.qarray import NVFP4Values
 from pallas_kernels import common
 
 B = nm.NVFP4_BLOCK
@@ -141,7 +142,8 @@ def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
 
 def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
                      interpret: bool, tokens: int, features: int,
-                     words_t: int, words_x: int, fos_t: bool, fos_x: bool):
+                     words_t: int, words_x: int, fos_t: bool, fos_x: bool,
+                     values_t: bool, values_x: bool):
   refs = list(refs)
   amax_ref = refs.pop(0)
   seeds_ref = refs.pop(0) if (sr_t or sr_x) else None
@@ -167,13 +169,12 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
     rbits = prng.tile_bytes(origin_ref[0] + j * bf, bf,
                             origin_ref[1] + i * (bt // B), bt // B, words_t,
                             seeds_ref[0], seeds_ref[1])
-  packed, scales, _ = tile.encode_blocks(
+  packed, scales, vals = tile.encode_blocks(
       z, tile.block_amax(z, False), *consts(0, fos_t), divide=divide,
       rbits=rbits, split_pack=True, four_over_six=fos_t,
-      flush=common.flush(interpret))
-  dims = (feat(0, bf), tok(1, bt // B))
-  common.store(refs[0], packed, common.bounds_mask(packed.shape, *dims))
-  common.store(refs[1], scales, common.bounds_mask(scales.shape, *dims))
+      flush=common.flush(interpret), with_values=values_t)
+  _store_operand(refs, values_t, packed, scales, vals,
+                 (feat(0, bf), tok(1, bt // B)), (feat(0, bf), tok(1, bt)))
 
   if fused_x:  # Row operand: x, [tokens, features], blocks along features.
     xf = x.astype(jnp.float32).reshape(bt, bf // B, B)  # Flushed when scaled.
@@ -182,26 +183,43 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
       rbits = prng.tile_bytes(origin_ref[2] + i * bt, bt,
                               origin_ref[3] + j * (bf // B), bf // B, words_x,
                               seeds_ref[2], seeds_ref[3])
-    packed, scales, _ = tile.encode_blocks(
+    packed, scales, vals = tile.encode_blocks(
         xf, common.flushed_block_amax(xf, False), *consts(1, fos_x),
         divide=divide, multiply=common.ftz_multiply(interpret),
         flush=common.flush(interpret),
-        rbits=rbits, split_pack=True, four_over_six=fos_x)
-    dims = (tok(0, bt), feat(1, bf // B))
-    common.store(refs[2], packed, common.bounds_mask(packed.shape, *dims))
-    common.store(refs[3], scales, common.bounds_mask(scales.shape, *dims))
+        rbits=rbits, split_pack=True, four_over_six=fos_x,
+        with_values=values_x)
+    _store_operand(refs, values_x, packed, scales, vals,
+                   (tok(0, bt), feat(1, bf // B)), (tok(0, bt), feat(1, bf)))
+
+
+def _store_operand(refs, as_values: bool, packed, scales, vals, block_dims,
+                   value_dims):
+  """Stores one operand into the next output refs (popped from `refs`):
+  codes and scales (`block_dims`: their tile's bounds), or the block values
+  as a 2-D tile (`value_dims`)."""
+  if as_values:
+    vals = vals.reshape(vals.shape[0], -1)
+    common.store(refs.pop(0), vals, common.bounds_mask(vals.shape,
+                                                       *value_dims))
+    return
+  for a in (packed, scales):
+    common.store(refs.pop(0), a, common.bounds_mask(a.shape, *block_dims))
 
 
 def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
                   sign_vector, fused_x: bool, config: RHTConfig | None,
                   placement: prng.Placement | None = None,
                   four_over_six_t: bool = False,
-                  four_over_six_x: bool = False):
+                  four_over_six_x: bool = False,
+                  values_t: bool = False, values_x: bool = False):
   """Launches the encode pass: `q(rht(x.T))` and, with `fused_x`, `q(x)`.
 
   A key (`key_t`, `key_x`) means that operand rounds stochastically;
   `placement` is `x`'s in the whole tensor when `x` is a shard;
-  `four_over_six_*` encodes that operand with Four-over-Six.
+  `four_over_six_*` encodes that operand with Four-over-Six; `values_*`
+  writes that operand's bf16 block values (returned as `NVFP4Values`)
+  instead of its codes and scales.
   """
   check_size(size, "quantize_rht_t")
   interpret = common.check_backend("quantize_rht_t")
@@ -230,31 +248,49 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
   args += [jnp.asarray(rht_matrix(sign_vector, size)), x]
   in_specs += [pl.BlockSpec((size, size), lambda i, j: (0, 0)),
                pl.BlockSpec((bt, bf), lambda i, j: (i, j))]
-  out_shape = [jax.ShapeDtypeStruct((f, t // B, B // 2), jnp.uint8),
-               jax.ShapeDtypeStruct((f, t // B), jnp.float8_e4m3fn)]
-  out_specs = [pl.BlockSpec((bf, bt // B, B // 2), lambda i, j: (j, i, 0)),
-               pl.BlockSpec((bf, bt // B), lambda i, j: (j, i))]
+  values_x = fused_x and values_x
+  out_shape, out_specs = [], []
+
+  def operand(rows, cols, rb, cb, index, as_values):
+    """The outputs of a `[rows, cols]` operand tiled `[rb, cb]` at `index`."""
+    if as_values:
+      out_shape.append(jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16))
+      out_specs.append(pl.BlockSpec((rb, cb), index))
+      return
+    out_shape.extend([
+        jax.ShapeDtypeStruct((rows, cols // B, B // 2), jnp.uint8),
+        jax.ShapeDtypeStruct((rows, cols // B), jnp.float8_e4m3fn)])
+    out_specs.extend([
+        pl.BlockSpec((rb, cb // B, B // 2), lambda i, j: (*index(i, j), 0)),
+        pl.BlockSpec((rb, cb // B), index)])
+
+  operand(f, t, bf, bt, lambda i, j: (j, i), values_t)
   if fused_x:
-    out_shape += [jax.ShapeDtypeStruct((t, f // B, B // 2), jnp.uint8),
-                  jax.ShapeDtypeStruct((t, f // B), jnp.float8_e4m3fn)]
-    out_specs += [pl.BlockSpec((bt, bf // B, B // 2), lambda i, j: (i, j, 0)),
-                  pl.BlockSpec((bt, bf // B), lambda i, j: (i, j))]
+    operand(t, f, bt, bf, lambda i, j: (i, j), values_x)
   kernel = functools.partial(
       _quantize_kernel, size=size, fused_x=fused_x, sr_t=sr_t, sr_x=sr_x,
       interpret=interpret, tokens=t, features=f, words_t=words_t,
-      words_x=words_x, fos_t=four_over_six_t, fos_x=four_over_six_x)
-  outs = common.pallas_call(
+      words_x=words_x, fos_t=four_over_six_t, fos_x=four_over_six_x,
+      values_t=values_t, values_x=values_x)
+  name = "nvfp4_quantize_x_and_rht_t" if fused_x else "nvfp4_quantize_rht_t"
+  if values_t or values_x:
+    name += "_values"
+  outs = list(common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
-      name="nvfp4_quantize_x_and_rht_t" if fused_x else "nvfp4_quantize_rht_t",
-      grid=(common.cdiv(t, bt), common.cdiv(f, bf)), in_specs=in_specs,
-      out_specs=out_specs, out_shape=out_shape)(*args)
-  q_t = NVFP4Array(codes=outs[0].reshape(f, t // 2), scales=outs[1],
-                   amax=amax_t, four_over_six=four_over_six_t)
+      name=name, grid=(common.cdiv(t, bt), common.cdiv(f, bf)),
+      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape)(*args))
+
+  def result(rows, cols, amax, fos, as_values):
+    if as_values:
+      return NVFP4Values(outs.pop(0), amax, four_over_six=fos)
+    codes, scales = outs.pop(0), outs.pop(0)
+    return NVFP4Array(codes=codes.reshape(rows, cols // 2), scales=scales,
+                      amax=amax, four_over_six=fos)
+
+  q_t = result(f, t, amax_t, four_over_six_t, values_t)
   if not fused_x:
     return q_t
-  q_x = NVFP4Array(codes=outs[2].reshape(t, f // 2), scales=outs[3],
-                   amax=amax_x, four_over_six=four_over_six_x)
-  return q_x, q_t
+  return result(t, f, amax_x, four_over_six_x, values_x), q_t
 
 
 def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
@@ -263,7 +299,8 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
                    placement: prng.Placement | None = None,
                    amax_axes: Sequence[str] = (),
                    config: RHTConfig | None = None,
-                   four_over_six: bool = False) -> NVFP4Array:
+                   four_over_six: bool = False,
+                   values: bool = False) -> NVFP4Array | NVFP4Values:
   """`quantize(rht(x.T))` for `x: [tokens, features]`: the Wgrad operand.
 
   Args:
@@ -277,9 +314,10 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
       `nvfp4_jax.fused.quantize_rht_t`).
     config: tile sizes.
     four_over_six: Four-over-Six block scaling (as `nvfp4_jax.quantize`).
+    values: write the bf16 block values instead of codes and scales.
 
   Returns:
-    NVFP4Array of logical shape `[features, tokens]`.
+    NVFP4Array (`NVFP4Values` with `values`) of shape `[features, tokens]`.
 
   Raises:
     NotImplementedError: an unsupported Hadamard size or backend.
@@ -291,4 +329,4 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
   return quantize_call(
       x, amax_t=amax, key_t=key if rounding == "stochastic" else None,
       size=size, sign_vector=sign_vector, fused_x=False, config=config,
-      placement=placement, four_over_six_t=four_over_six)
+      placement=placement, four_over_six_t=four_over_six, values_t=values)

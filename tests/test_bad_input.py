@@ -132,7 +132,7 @@ def test_block_scaled_matmul_errors():
   b = quantize(jnp.ones((8, 64)))
   with pytest.raises(ValueError, match=r"contraction sizes differ, a \(4, 32\) vs b \(8, 64\)"):
     gemm.block_scaled_matmul(a, b)
-  with pytest.raises(TypeError, match=r"b must be an NVFP4Array or MXArray, got ndarray"):
+  with pytest.raises(TypeError, match=r"b must be an NVFP4Array, NVFP4Values or MXArray, got ndarray"):
     gemm.block_scaled_matmul(a, np.ones((4, 32)))
   c = quantize(jnp.ones((2, 4, 32)))
   with pytest.raises(ValueError, match=r"a must be 2-D \[rows, K\], got shape \(2, 4, 32\)"):
@@ -140,9 +140,9 @@ def test_block_scaled_matmul_errors():
 
 
 def test_dequantize_wrong_type():
-  with pytest.raises(TypeError, match="NVFP4Array or MXArray"):
+  with pytest.raises(TypeError, match="NVFP4Array, NVFP4Values or MXArray"):
     nf.dequantize(jnp.ones((4, 32)))
-  with pytest.raises(TypeError, match="NVFP4Array or MXArray"):
+  with pytest.raises(TypeError, match="NVFP4Array, NVFP4Values or MXArray"):
     nf.block_dequantize(jnp.ones((4, 32)))
 
 

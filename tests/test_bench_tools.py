@@ -17,8 +17,8 @@ def test_bench_step_weak_scaling_rows(monkeypatch):
 
   def fake_run(cmd, **_):
     cfg = bench_step.StepConfig(**json.loads(cmd[-1]))
-    out = {"times": [ms[cfg.mesh]] * 3, "params": 1000, "temp_bytes": 2**20,
-           "device": "NVIDIA H100", "jax": "x"}
+    out = {"times": [ms[cfg.mesh]] * 3, "params": 1000, "attn_flops": 3000,
+           "temp_bytes": 2**20, "device": "NVIDIA H100", "jax": "x"}
     return types.SimpleNamespace(returncode=0, stdout=json.dumps(out),
                                  stderr="")
 
@@ -33,6 +33,8 @@ def test_bench_step_weak_scaling_rows(monkeypatch):
   # MFU is per device: the same per-device work rate gives the same MFU.
   assert abs(rows[1]["mfu"] / rows[0]["mfu"] - 0.8) < 1e-12
   assert "data=2" in rows[1]["config"]
+  # With the attention FLOPs: (6 * 1000 + 3000) / (6 * 1000) of the 6N MFU.
+  assert abs(rows[0]["mfu_attn"] / rows[0]["mfu"] - 1.5) < 1e-12
 
 
 def test_profile_step_classes():

@@ -199,13 +199,25 @@ def test_jaxpr_of_train_step_quantizes_all_three_gemms_of_quantized_layers():
     eqns = _eqns_named(jaxpr, name)
     assert len(eqns) == 1, (name, len(eqns))
     assert _has_e4m3_cast(eqns[0].params["jaxpr"]), name
-  # Each GEMM takes quantized operands (uint8 codes + E4M3 scales) and
-  # multiplies their bf16 block values.
-  for name in ("nvfp4_fprop", "nvfp4_dgrad", "nvfp4_wgrad"):
+  # Each GEMM takes quantized operands and multiplies their bf16 block
+  # values. Saved ones (the weight, q(rht(X^T))) arrive as uint8 codes + E4M3
+  # scales; the operands used at once (q(X), q(dY), q(rht(dY^T))) as the
+  # block values their quantizer wrote (`NVFP4Values`): bf16 outputs of the
+  # quantize regions themselves, not a bf16 tensor from anywhere else.
+  made_by = {name: set(map(id, _eqns_named(jaxpr, name)[0].outvars))
+             for name in ("nvfp4_quantize_x", "nvfp4_quantize_dy")}
+  values_from = {"nvfp4_fprop": ["nvfp4_quantize_x"],
+                 "nvfp4_dgrad": ["nvfp4_quantize_dy"],
+                 "nvfp4_wgrad": ["nvfp4_quantize_dy"]}
+  for name, sources in values_from.items():
     eqns = _eqns_named(jaxpr, name)
     assert len(eqns) == 1, (name, len(eqns))
     dtypes = {str(v.aval.dtype) for v in eqns[0].invars}
-    assert dtypes == {"uint8", "float8_e4m3fn", "float32"}, (name, dtypes)
+    assert dtypes == {"uint8", "float8_e4m3fn", "bfloat16", "float32"}, (
+        name, dtypes)
+    vals = [v for v in eqns[0].invars if v.aval.dtype == jnp.bfloat16]
+    assert [src for v in vals for src in sources
+            if id(v) in made_by[src]] == sources, name
     inner = str(eqns[0].params["jaxpr"])
     assert "dot_general" in inner and "bf16[" in inner, name
   assert not _eqns_named(jaxpr, "bf16_fprop")  # Layer "hp" uses plain dots.
