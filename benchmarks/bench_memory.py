@@ -3,14 +3,15 @@
     python -m benchmarks.bench_memory --presets base,large --seq 1024 \\
         --precisions bf16,nvfp4 --remat none,quantized
 
-Each configuration runs in its own process. The compiled step's peak is
+Each configuration runs in its own processes. The compiled step's peak is
 XLA's own account (`compiled.memory_analysis()`: arguments + outputs -
 donated aliases + temporaries). It grows linearly with the micro-batch, so
-two compiles, at `--batch` and at twice that, give the line. The line
-predicts the largest micro-batch whose peak stays within the device's
-allocator limit (`memory_stats()["bytes_limit"]`, or `--limit-gib`), rounded
-down to a multiple of 8. That batch is then compiled and run for two steps
-to confirm it. If it does not fit (past the limit by XLA's count, or out of
+two compiles, at `--batch` and at twice that, give the line (phase 1: only
+compiles, `--jobs` configurations at once). The line predicts the largest
+micro-batch whose peak stays within the device's allocator limit
+(`memory_stats()["bytes_limit"]`, or `--limit-gib`), rounded down to a
+multiple of 8. That batch is then compiled and run for two steps to confirm
+it (phase 2: one configuration at a time, alone on the device). If it does not fit (past the limit by XLA's count, or out of
 memory), the batch steps down by an eighth, at most three times. Nothing here is timed.
 """
 
@@ -43,14 +44,26 @@ def largest_fit(b0: int, p0: float, b1: int, p1: float, limit: float,
   return max(multiple, b // multiple * multiple)
 
 
-def _child(cfg: bench_step.StepConfig, limit_gib: float | None) -> dict:
-  import jax  # pylint: disable=g-import-not-at-top
+def _compile_at(cfg: bench_step.StepConfig, batch: int):
+  trainer, state, data = bench_step.build(dataclasses.replace(cfg,
+                                                              batch=batch))
+  return trainer.train_step.lower(state, data).compile(), state, data
 
-  def compile_at(batch):
-    trainer, state, data = bench_step.build(
-        dataclasses.replace(cfg, batch=batch))
-    compiled = trainer.train_step.lower(state, data).compile()
-    return compiled, state, data
+
+def _line(cfg: bench_step.StepConfig) -> dict:
+  """Phase 1 (compiles only, may run beside other configurations): the
+  peaks at `cfg.batch` and twice that."""
+  b0, b1 = cfg.batch, 2 * cfg.batch
+  return {"b0": b0, "b1": b1,
+          "peak0": peak_bytes(_compile_at(cfg, b0)[0].memory_analysis()),
+          "peak1": peak_bytes(_compile_at(cfg, b1)[0].memory_analysis())}
+
+
+def _fit(cfg: bench_step.StepConfig, line: dict,
+         limit_gib: float | None) -> dict:
+  """Phase 2 (alone on the device): the largest batch the line predicts,
+  compiled and run for two steps, stepping down while it does not fit."""
+  import jax  # pylint: disable=g-import-not-at-top
 
   dev = jax.devices()[0]
   if limit_gib is not None:
@@ -61,10 +74,8 @@ def _child(cfg: bench_step.StepConfig, limit_gib: float | None) -> dict:
       raise SystemExit(f"{dev.device_kind} reports no memory limit; pass "
                        f"--limit-gib.")
     limit = stats["bytes_limit"]
-  b0, b1 = cfg.batch, 2 * cfg.batch
-  p0 = peak_bytes(compile_at(b0)[0].memory_analysis())
-  p1 = peak_bytes(compile_at(b1)[0].memory_analysis())
-  b = largest_fit(b0, p0, b1, p1, limit)
+  b = largest_fit(line["b0"], line["peak0"], line["b1"], line["peak1"], limit)
+
   def runs(compiled, state, data) -> bool:
     """Whether two steps run, False on running out of device memory."""
     try:
@@ -80,7 +91,7 @@ def _child(cfg: bench_step.StepConfig, limit_gib: float | None) -> dict:
 
   tried = []
   for _ in range(4):
-    compiled, state, data = compile_at(b)
+    compiled, state, data = _compile_at(cfg, b)
     peak = peak_bytes(compiled.memory_analysis())
     # Past the limit by XLA's own count (the line was off), or out of memory.
     if peak <= limit and runs(compiled, state, data):
@@ -91,9 +102,19 @@ def _child(cfg: bench_step.StepConfig, limit_gib: float | None) -> dict:
     b = max(8, (b - max(8, b // 8)) // 8 * 8)
   else:
     return {"error": f"no fit at batches {tried}"}
-  return {"peak0": p0, "peak1": p1, "b0": b0, "b1": b1, "max_batch": b,
-          "peak_max": peak, "oom_tried": tried, "limit": limit,
-          "device": dev.device_kind, "jax": jax.__version__}
+  return dict(line, max_batch=b, peak_max=peak, oom_tried=tried, limit=limit,
+              device=dev.device_kind, jax=jax.__version__)
+
+
+def _child_cmd(c: bench_step.StepConfig, phase: str, extra=()) -> list[str]:
+  return [sys.executable, "-m", "benchmarks.bench_memory", "--child",
+          json.dumps(dataclasses.asdict(c)), "--phase", phase, *extra]
+
+
+def _result(label: str, out: str, err: str, rc: int) -> dict:
+  if rc:
+    raise RuntimeError(f"{label} failed:\n{err[-2000:]}")
+  return json.loads(out.strip().splitlines()[-1])
 
 
 def main(argv=None):
@@ -108,38 +129,58 @@ def main(argv=None):
   p.add_argument("--attention", default="fused")
   p.add_argument("--limit-gib", type=float, default=None,
                  help="memory budget instead of the device's allocator limit")
+  p.add_argument("--jobs", type=int, default=4,
+                 help="configurations compiled at once in the first phase "
+                 "(compiles only; the runs of the second phase are one at a "
+                 "time)")
+  p.add_argument("--phase", choices=("line", "fit"), help=argparse.SUPPRESS)
+  p.add_argument("--line", help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   if a.child:
-    print(json.dumps(_child(bench_step.StepConfig(**json.loads(a.child)),
-                            a.limit_gib)))
+    c = bench_step.StepConfig(**json.loads(a.child))
+    r = (_line(c) if a.phase == "line"
+         else _fit(c, json.loads(a.line), a.limit_gib))
+    print(json.dumps(r))
     return
   from benchmarks import timing  # pylint: disable=g-import-not-at-top
+  configs = [bench_step.StepConfig(preset, prec, a.batch, a.seq, a.attention,
+                                   remat, steps=2)
+             for preset in a.presets.split(",")
+             for remat in a.remat.split(",")
+             for prec in a.precisions.split(",")]
+  # Phase 1: the two compiles per configuration that give its line, `--jobs`
+  # processes at a time (CPU-bound; nothing runs on the device).
+  lines = {}
+  pending = list(configs)
+  while pending:
+    batch, pending = pending[:a.jobs], pending[a.jobs:]
+    procs = [(c, subprocess.Popen(_child_cmd(c, "line"),
+                                  stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True))
+             for c in batch]
+    for c, proc in procs:
+      out, err = proc.communicate()
+      lines[c.label] = _result(c.label, out, err, proc.returncode)
   rows = []
-  for preset in a.presets.split(","):
-    for remat in a.remat.split(","):
-      for prec in a.precisions.split(","):
-        c = bench_step.StepConfig(preset, prec, a.batch, a.seq, a.attention,
-                                  remat, steps=2)
-        cmd = [sys.executable, "-m", "benchmarks.bench_memory", "--child",
-               json.dumps(dataclasses.asdict(c))]
-        if a.limit_gib is not None:
-          cmd += ["--limit-gib", str(a.limit_gib)]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if out.returncode:
-          raise RuntimeError(f"{c.label} failed:\n{out.stderr[-2000:]}")
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        row = {"preset": preset, "precision": prec, "remat": remat}
-        if "error" in r:
-          rows.append(dict(row, note=r["error"]))
-          continue
-        rows.append(dict(
-            row, **{f"peak_gib_{r['b0']}": r["peak0"] / 2**30,
-                    f"peak_gib_{r['b1']}": r["peak1"] / 2**30},
-            max_batch=r["max_batch"], peak_gib_max=r["peak_max"] / 2**30,
-            note=(f"no fit at {r['oom_tried']}" if r["oom_tried"] else ""),
-            device=r["device"], limit_gib=r["limit"] / 2**30))
-        print(f"{c.label}: max batch {r['max_batch']}", file=sys.stderr,
-              flush=True)
+  for c in configs:
+    extra = ["--line", json.dumps(lines[c.label])]
+    if a.limit_gib is not None:
+      extra += ["--limit-gib", str(a.limit_gib)]
+    out = subprocess.run(_child_cmd(c, "fit", extra), capture_output=True,
+                         text=True, check=False)
+    r = _result(c.label, out.stdout, out.stderr, out.returncode)
+    row = {"preset": c.preset, "precision": c.precision, "remat": c.remat}
+    if "error" in r:
+      rows.append(dict(row, note=r["error"]))
+      continue
+    rows.append(dict(
+        row, **{f"peak_gib_{r['b0']}": r["peak0"] / 2**30,
+                f"peak_gib_{r['b1']}": r["peak1"] / 2**30},
+        max_batch=r["max_batch"], peak_gib_max=r["peak_max"] / 2**30,
+        note=(f"no fit at {r['oom_tried']}" if r["oom_tried"] else ""),
+        device=r["device"], limit_gib=r["limit"] / 2**30))
+    print(f"{c.label}: max batch {r['max_batch']}", file=sys.stderr,
+          flush=True)
   cols = ["preset", "precision", "remat", f"peak_gib_{a.batch}",
           f"peak_gib_{2 * a.batch}", "max_batch", "peak_gib_max", "note"]
   first = next((r for r in rows if "device" in r), {})
