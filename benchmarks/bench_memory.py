@@ -133,6 +133,10 @@ def main(argv=None):
                  help="configurations compiled at once in the first phase "
                  "(compiles only; the runs of the second phase are one at a "
                  "time)")
+  p.add_argument("--configs", default="",
+                 help="comma list of precision:remat pairs to run instead of "
+                 "every pair of --precisions and --remat, e.g. "
+                 "'nvfp4:none,nvfp4:quantized'")
   p.add_argument("--phase", choices=("line", "fit"), help=argparse.SUPPRESS)
   p.add_argument("--line", help=argparse.SUPPRESS)
   a = p.parse_args(argv)
@@ -143,11 +147,12 @@ def main(argv=None):
     print(json.dumps(r))
     return
   from benchmarks import timing  # pylint: disable=g-import-not-at-top
+  pairs = ([tuple(pr.split(":")) for pr in a.configs.split(",")]
+           if a.configs else [(prec, remat) for remat in a.remat.split(",")
+                              for prec in a.precisions.split(",")])
   configs = [bench_step.StepConfig(preset, prec, a.batch, a.seq, a.attention,
                                    remat, steps=2)
-             for preset in a.presets.split(",")
-             for remat in a.remat.split(",")
-             for prec in a.precisions.split(",")]
+             for preset in a.presets.split(",") for prec, remat in pairs]
   # Phase 1: the two compiles per configuration that give its line, `--jobs`
   # processes at a time (CPU-bound; nothing runs on the device).
   lines = {}
@@ -161,6 +166,8 @@ def main(argv=None):
     for c, proc in procs:
       out, err = proc.communicate()
       lines[c.label] = _result(c.label, out, err, proc.returncode)
+      print(f"{c.label}: line {json.dumps(lines[c.label])}", file=sys.stderr,
+            flush=True)
   rows = []
   for c in configs:
     extra = ["--line", json.dumps(lines[c.label])]
@@ -179,8 +186,9 @@ def main(argv=None):
         max_batch=r["max_batch"], peak_gib_max=r["peak_max"] / 2**30,
         note=(f"no fit at {r['oom_tried']}" if r["oom_tried"] else ""),
         device=r["device"], limit_gib=r["limit"] / 2**30))
-    print(f"{c.label}: max batch {r['max_batch']}", file=sys.stderr,
-          flush=True)
+    print(f"{c.label}: max batch {r['max_batch']}, peak "
+          f"{r['peak_max'] / 2**30:.2f} GiB, tried {r['oom_tried']}",
+          file=sys.stderr, flush=True)
   cols = ["preset", "precision", "remat", f"peak_gib_{a.batch}",
           f"peak_gib_{2 * a.batch}", "max_batch", "peak_gib_max", "note"]
   first = next((r for r in rows if "device" in r), {})
