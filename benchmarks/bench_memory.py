@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -137,6 +138,10 @@ def main(argv=None):
                  help="comma list of precision:remat pairs to run instead of "
                  "every pair of --precisions and --remat, e.g. "
                  "'nvfp4:none,nvfp4:quantized'")
+  p.add_argument("--cache", default="",
+                 help="JSON file of finished lines and fits: read at the "
+                 "start, written as each finishes, so a run cut short picks "
+                 "up where it stopped")
   p.add_argument("--phase", choices=("line", "fit"), help=argparse.SUPPRESS)
   p.add_argument("--line", help=argparse.SUPPRESS)
   a = p.parse_args(argv)
@@ -155,8 +160,18 @@ def main(argv=None):
              for preset in a.presets.split(",") for prec, remat in pairs]
   # Phase 1: the two compiles per configuration that give its line, `--jobs`
   # processes at a time (CPU-bound; nothing runs on the device).
-  lines = {}
-  pending = list(configs)
+  cache = {"line": {}, "fit": {}}
+  if a.cache and os.path.exists(a.cache):
+    with open(a.cache) as f:
+      cache = json.load(f)
+
+  def save():
+    if a.cache:
+      with open(a.cache, "w") as f:
+        json.dump(cache, f, indent=1)
+
+  lines = cache["line"]
+  pending = [c for c in configs if c.label not in lines]
   while pending:
     batch, pending = pending[:a.jobs], pending[a.jobs:]
     procs = [(c, subprocess.Popen(_child_cmd(c, "line"),
@@ -166,6 +181,7 @@ def main(argv=None):
     for c, proc in procs:
       out, err = proc.communicate()
       lines[c.label] = _result(c.label, out, err, proc.returncode)
+      save()
       print(f"{c.label}: line {json.dumps(lines[c.label])}", file=sys.stderr,
             flush=True)
   rows = []
@@ -173,9 +189,14 @@ def main(argv=None):
     extra = ["--line", json.dumps(lines[c.label])]
     if a.limit_gib is not None:
       extra += ["--limit-gib", str(a.limit_gib)]
-    out = subprocess.run(_child_cmd(c, "fit", extra), capture_output=True,
-                         text=True, check=False)
-    r = _result(c.label, out.stdout, out.stderr, out.returncode)
+    if c.label in cache["fit"]:
+      r = cache["fit"][c.label]
+    else:
+      out = subprocess.run(_child_cmd(c, "fit", extra), capture_output=True,
+                           text=True, check=False)
+      r = cache["fit"][c.label] = _result(c.label, out.stdout, out.stderr,
+                                          out.returncode)
+      save()
     row = {"preset": c.preset, "precision": c.precision, "remat": c.remat}
     if "error" in r:
       rows.append(dict(row, note=r["error"]))
