@@ -54,6 +54,7 @@ from nvfp4_jax.numerics import e2m1_decode
 from nvfp4_jax.numerics import pack_e2m1
 from nvfp4_jax.numerics import unpack_e2m1
 from nvfp4_jax.nvfp4 import NVFP4Array
+from nvfp4_jax.qarray import NVFP4Values
 from nvfp4_jax.nvfp4 import quantize
 from nvfp4_jax.quant import block_dequantize
 from nvfp4_jax.quant import dequantize
