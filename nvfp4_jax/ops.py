@@ -7,7 +7,11 @@ applied as one FP32 `alpha`).
 
 Residuals are saved quantized: the Wgrad operand `q(rht(X^T))` (0.5625 bytes
 per element instead of 2 for bf16 X) and the quantized weight, so the
-activation memory of a linear layer drops by ~3.5x.
+activation memory of a linear layer drops by ~3.5x. Where the GEMM is the
+exact emulation (Hopper, CPU: `gemm.consumes_values`), the operands used at
+once (Fprop's X, Dgrad's dY, Wgrad's `rht(dY^T)`) come from their quantizer
+as `NVFP4Values`, the bf16 block values the GEMM multiplies, so no
+dequantize pass runs between; the numbers are those of the codes.
 
 Layout. The kernel is flax's `[in, out]`; in TE's terms `W = kernel^T`:
 Fprop `Y = X @ W^T = bsm(q(X), q(kernel^T))`, Dgrad `dX = dY @ W =
