@@ -237,9 +237,9 @@ def _operand_xla(x, op: Operand, key, *, placement, amax_axes,
   if not as_values:
     return quantize_operand(x, op, key, placement=placement,
                             amax_axes=amax_axes, implementation="xla")
+  # `quantize_operand`'s NVFP4 quantizer, keeping the values, not the codes.
   q, vals = quantize_reference(
-      x, block_2d=op.block_2d, rounding=op.rounding,
-      key=key if op.rounding == "stochastic" else None,
+      x, block_2d=op.block_2d, rounding=op.rounding, key=key,
       amax=_reduced_amax(x, amax_axes), with_values=True,
       four_over_six=op.four_over_six, placement=placement)
   return NVFP4Values(vals, q.amax, four_over_six=op.four_over_six)

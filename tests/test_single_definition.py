@@ -167,6 +167,14 @@ FOS_PAIRS = [
 ]
 
 
+def _kernel_and_reference_pair(x, row, wgrad, key_row, key_t):
+  """`quantize_pair` of `x` by the Pallas kernels and by the reference."""
+  f = functools.partial(fused.quantize_pair, row=row, wgrad=wgrad,
+                        key_row=key_row, key_t=key_t)
+  return (jax.jit(functools.partial(f, implementation="pallas"))(x),
+          jax.jit(functools.partial(f, implementation="xla"))(x))
+
+
 @pytest.mark.parametrize("pair", range(len(FOS_PAIRS)))
 def test_pair_kernel_four_over_six_matches_reference(pair):
   """Four-over-Six operands in the fused pair kernels, bit for bit (no
@@ -174,10 +182,7 @@ def test_pair_kernel_four_over_six_matches_reference(pair):
   row, wgrad = FOS_PAIRS[pair]
   x = heavy((64, 48), jnp.bfloat16, seed=10 + pair)
   kr, kt = prng.pair_keys(KEY)
-  f = functools.partial(fused.quantize_pair, row=row, wgrad=wgrad,
-                        key_row=kr, key_t=kt)
-  got = jax.jit(functools.partial(f, implementation="pallas"))(x)
-  want = jax.jit(functools.partial(f, implementation="xla"))(x)
+  got, want = _kernel_and_reference_pair(x, row, wgrad, kr, kt)
   for g, w, op in zip(got, want, (row, wgrad)):
     if not op.quantized:
       assert g is None and w is None
@@ -214,10 +219,7 @@ def test_pair_kernel_without_rht_matches_reference(pair):
   row, wgrad = NO_RHT_PAIRS[pair]
   x = heavy((64, 48), jnp.bfloat16, seed=30 + pair)
   kr, kt = prng.pair_keys(KEY)
-  f = functools.partial(fused.quantize_pair, row=row, wgrad=wgrad,
-                        key_row=kr, key_t=kt)
-  got = jax.jit(functools.partial(f, implementation="pallas"))(x)
-  want = jax.jit(functools.partial(f, implementation="xla"))(x)
+  got, want = _kernel_and_reference_pair(x, row, wgrad, kr, kt)
   for g, w in zip(got, want):
     assert (g is None) == (w is None)
     if g is not None:
