@@ -15,6 +15,7 @@ Rows per shape (M tokens, N out, K in; bf16 output):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import jax
@@ -134,27 +135,57 @@ def per_layer(fn, x, ws, reps: int = 7) -> float:
   return timing.bench(f, [(x, ws)], calls=3, reps=reps) / len(ws)
 
 
+def gpu_kernels_per_layer(fn, x, ws, reps: int = 5) -> dict[str, tuple]:
+  """{kernel: (calls, GPU seconds)} per call of `fn(x, w)`, from a
+  `jax.profiler` trace of `per_layer`'s program (empty without a GPU)."""
+  import glob  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from benchmarks import profile_step  # pylint: disable=g-import-not-at-top
+  f = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
+  jax.block_until_ready(f(x, ws))
+  d = tempfile.mkdtemp()
+  jax.profiler.start_trace(d)
+  for _ in range(reps):
+    out = f(x, ws)
+  jax.block_until_ready(out)
+  jax.profiler.stop_trace()
+  (xplane,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+  per = reps * len(ws)
+  return {name: (calls / per, ns / per / 1e9) for name, (calls, ns) in
+          profile_step.gpu_kernels(xplane).items()}
+
+
 def run_weight_only(shapes=DECODE_SHAPES,
                     layers: int = DECODE_LAYERS) -> list[dict]:
   """`weight_only_matmul` (packed weight) against cuBLAS on the bf16 weight.
 
-  Decode is memory-bound: the columns give the time per matmul (each of
-  `layers` matmuls in one program reads its own weight), the ratio to cuBLAS
-  bf16 (> 1: faster), the weight bytes read per second (0.5625 bytes per
+  Two times per matmul, each of `layers` matmuls in one program reading its
+  own weight: `us`, the wall time per matmul (`per_layer`), and `gpu_us`,
+  the GPU time of its kernels (a `jax.profiler` trace of the same program;
+  the difference is idle GPU time between kernels: at decode shapes the
+  kernels are shorter than XLA takes to launch them). Ratios to cuBLAS (> 1:
+  faster) of both, the weight bytes read per GPU second (0.5625 bytes per
   weight packed, 2 for bf16) and that rate as a fraction of the copy
-  bandwidth (`copy_bw`, measured by the caller in the same run).
+  bandwidth (`copy_bw`, measured in the same run).
   """
   rows = []
   copy_bw = timing.copy_bandwidth()
   for m, n, k in shapes:
     x, ws, qws, t_cublas = _decode_case(m, n, k, layers)
+    g_cublas = sum(t for _, t in gpu_kernels_per_layer(
+        lambda x, w: x @ w.T, x, ws).values()) or None
     shape = f"{m}x{n}x{k}"
     ref = jax.jit(functools.partial(gemm.weight_only_matmul,
                                     implementation="xla"))(x, qws[0])
-    rows.append(dict(shape=shape, gemm="cuBLAS bf16 weight",
-                     us=t_cublas * 1e6, of_cublas=1.0,
-                     weight_tbps=2 * n * k / t_cublas / 1e12,
-                     of_copy=2 * n * k / t_cublas / copy_bw))
+
+    def row(name, t, g, nbytes, **kw):
+      return dict(shape=shape, gemm=name, us=t * 1e6, of_cublas=t_cublas / t,
+                  gpu_us=g and g * 1e6,
+                  gpu_of_cublas=g and g_cublas and g_cublas / g,
+                  weight_tbps=g and nbytes * n * k / g / 1e12,
+                  of_copy=g and nbytes * n * k / g / copy_bw, **kw)
+
+    rows.append(row("cuBLAS bf16 weight", t_cublas, g_cublas, 2))
     for impl, asm in (("pallas", True), ("pallas", False), ("xla", True)):
       fn = functools.partial(gemm.weight_only_matmul, implementation=impl)
       name = f"weight-only {impl}" + ("" if asm else " (jnp decode)")
@@ -162,70 +193,135 @@ def run_weight_only(shapes=DECODE_SHAPES,
       try:
         out = jax.jit(fn)(x, qws[0])
         t = per_layer(fn, x, qws)
+        g = sum(t for _, t in gpu_kernels_per_layer(fn, x, qws).values())
       except Exception as e:  # pylint: disable=broad-except
         rows.append(dict(shape=shape, gemm=name,
                          note=f"failed: {type(e).__name__}: {str(e)[:120]}"))
         continue
       finally:
         common.ASM_DECODE = True
-      rows.append(dict(shape=shape, gemm=name, us=t * 1e6,
-                       of_cublas=t_cublas / t,
-                       weight_tbps=0.5625 * n * k / t / 1e12,
-                       of_copy=0.5625 * n * k / t / copy_bw,
-                       rel_err=_rel_err(out, ref)))
+      rows.append(row(name, t, g or None, 0.5625,
+                      rel_err=_rel_err(out, ref)))
   return rows
 
 
-WEIGHT_ONLY_COLS = ("shape", "gemm", "us", "of_cublas", "weight_tbps",
-                    "of_copy", "rel_err", "note")
+WEIGHT_ONLY_COLS = ("shape", "gemm", "us", "of_cublas", "gpu_us",
+                    "gpu_of_cublas", "weight_tbps", "of_copy", "rel_err",
+                    "note")
 
 
 def sweep_weight_only(shapes=DECODE_SHAPES, top: int = 3) -> list[dict]:
   """Tile configurations of the weight-only kernel per decode shape: the
-  default's row and the `top` fastest (for tuning `default_config`)."""
+  default's row and the `top` fastest (for tuning `default_config`).
+
+  Two stages: orientation (`swap_ab`), `block_n`, `block_k` and `split_k`
+  at 4 warps and 3 stages; then warps and pipelining stages around the
+  `top` of the first. Each shape's rows are printed as soon as it is done
+  (a run cut short keeps them).
+  """
   import itertools  # pylint: disable=g-import-not-at-top
   from pallas_kernels import weight_only_matmul as wo  # pylint: disable=g-import-not-at-top
   rows = []
   for m, n, k in shapes:
     x, _, qws, t_cublas = _decode_case(m, n, k)
     default = wo.default_config(m, n, k)
-    found = []
-    bms = sorted({default.block_m, max(16, common.next_pow2(m))})
-    for bm, bn, split, bk, warps in itertools.product(
-        bms, (32, 64, 128), (1, 4, 16), (256, 512), (4,)):
-      cfg = wo.WeightOnlyConfig(block_m=bm, block_n=bn, block_k=bk,
-                                split_k=split, num_warps=warps)
-      if k % (bk * split) or (bm * bn > 8192 and warps < 8):
-        continue
-      fn = functools.partial(wo.weight_only_matmul, config=cfg)
+    bm = max(16, min(128, common.next_pow2(m)))
+    tried, errors = {}, {}
+
+    def time(cfg):
+      if cfg in tried or k % (cfg.block_k * cfg.split_k):
+        return
+      fn = functools.partial(wo.weight_only_matmul, config=cfg,
+                             out_dtype=jnp.bfloat16)
       try:
-        found.append((per_layer(fn, x, qws, reps=3), cfg))
-      except Exception:  # pylint: disable=broad-except
-        continue  # e.g. out of shared memory at this tile size.
-    t_default = per_layer(functools.partial(wo.weight_only_matmul,
-                                            config=default), x, qws, reps=3)
-    found.sort(key=lambda r: r[0])
-    for label, (t, cfg) in [("default", (t_default, default))] + [
-        (f"#{i + 1}", r) for i, r in enumerate(found[:top])]:
-      rows.append(dict(shape=f"{m}x{n}x{k}", rank=label, us=t * 1e6,
-                       of_cublas=t_cublas / t,
-                       weight_tbps=0.5625 * n * k / t / 1e12,
-                       config=f"bm={cfg.block_m} bn={cfg.block_n} "
-                       f"bk={cfg.block_k} split={cfg.split_k} "
-                       f"warps={cfg.num_warps}"))
+        tried[cfg] = per_layer(fn, x, qws, reps=3)
+      except Exception as e:  # pylint: disable=broad-except
+        tried[cfg] = float("inf")  # e.g. out of shared memory.
+        errors.setdefault(type(e).__name__, f"{cfg}: {str(e)[:300]}")
+
+    for swap, bn, split in itertools.product((False, True), (16, 32, 64, 128),
+                                             (1, 4, 16)):
+      time(wo.WeightOnlyConfig(block_m=bm, block_n=bn, block_k=256,
+                               split_k=split, swap_ab=swap,
+                               num_warps=8 if bm * bn > 4096 else 4))
+    for cfg in sorted(tried, key=tried.get)[:top]:
+      for change in (dict(num_warps=2), dict(num_warps=8), dict(num_stages=1),
+                     dict(num_stages=4), dict(block_k=128), dict(block_k=512),
+                     dict(split_k=cfg.split_k * 2),
+                     dict(split_k=max(1, cfg.split_k // 2))):
+        time(dataclasses.replace(cfg, **change))
+    time(default)
+    ranked = sorted(tried, key=tried.get)
+    shape_rows = []
+    for label, cfg in [("default", default)] + [
+        (f"#{i + 1}", c) for i, c in enumerate(ranked[:top])]:
+      t = tried[cfg]
+      shape_rows.append(dict(
+          shape=f"{m}x{n}x{k}", rank=label, us=t * 1e6,
+          of_cublas=t_cublas / t, weight_tbps=0.5625 * n * k / t / 1e12,
+          config=f"bm={cfg.block_m} bn={cfg.block_n} bk={cfg.block_k} "
+          f"split={cfg.split_k} swap={int(cfg.swap_ab)} "
+          f"warps={cfg.num_warps} stages={cfg.num_stages}"))
+    print(timing.table(shape_rows, SWEEP_COLS), flush=True)
+    for name, msg in errors.items():
+      print(f"  failed configs ({name}), e.g. {msg}", flush=True)
+    rows += shape_rows
   return rows
+
+
+SWEEP_COLS = ("shape", "rank", "us", "of_cublas", "weight_tbps", "config")
+
+
+def profile_weight_only(shapes=DECODE_SHAPES) -> list[dict]:
+  """Where a decode matmul's time goes: each GPU kernel of the per-layer
+  program (`gpu_kernels_per_layer`: calls and microseconds per matmul) for
+  cuBLAS on the bf16 weight and the Pallas kernel at its default tiles,
+  against the wall time per matmul; the difference is idle GPU time between
+  kernels."""
+  rows = []
+  for m, n, k in shapes:
+    x, ws, qws, _ = _decode_case(m, n, k)
+    for name, fn, weights in (
+        ("cuBLAS bf16", lambda x, w: x @ w.T, ws),
+        ("pallas", functools.partial(gemm.weight_only_matmul,
+                                     implementation="pallas"), qws)):
+      wall = per_layer(fn, x, weights)
+      kernels = gpu_kernels_per_layer(fn, x, weights)
+      these = [dict(shape=f"{m}x{n}x{k}", impl=name, kernel=kname[:60],
+                    calls=calls, us=t * 1e6, wall_us=wall * 1e6)
+               for kname, (calls, t) in sorted(kernels.items(),
+                                                key=lambda kv: -kv[1][1])]
+      print(timing.table(these, PROFILE_COLS), flush=True)
+      rows += these
+  return rows
+
+
+PROFILE_COLS = ("shape", "impl", "kernel", "calls", "us", "wall_us")
 
 
 if __name__ == "__main__":
   p = argparse.ArgumentParser()
   p.add_argument("--size", type=int, default=0,
                  help="only one square size (e.g. 1024 for a smoke run)")
+  p.add_argument("--weight-only", action="store_true",
+                 help="the weight-only table (wall and GPU time vs cuBLAS)")
+  p.add_argument("--weight-only-profile", action="store_true",
+                 help="GPU kernel times vs wall time per decode matmul")
+  p.add_argument("--decode-shapes", default=None,
+                 help="decode shapes MxNxK,... for the sweep and the profile")
   p.add_argument("--weight-only-sweep", action="store_true",
                  help="tile sweep of the weight-only kernel at decode shapes")
   args = p.parse_args()
+  decode = (tuple(tuple(int(v) for v in s.split("x"))
+                  for s in args.decode_shapes.split(","))
+            if args.decode_shapes else DECODE_SHAPES)
+  if args.weight_only:
+    print(timing.table(run_weight_only(decode), WEIGHT_ONLY_COLS), flush=True)
+  if args.weight_only_profile:
+    profile_weight_only(decode)
   if args.weight_only_sweep:
-    print(timing.table(sweep_weight_only(), (
-        "shape", "rank", "us", "of_cublas", "weight_tbps", "config")))
+    sweep_weight_only(decode)
+  if args.weight_only or args.weight_only_profile or args.weight_only_sweep:
     raise SystemExit(0)
   shapes = [(args.size,) * 3 + (True,)] if args.size else None
   print(timing.table(run(shapes), COLS))

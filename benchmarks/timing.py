@@ -58,7 +58,7 @@ def table(rows: list[dict], cols: Sequence[str]) -> str:
   def fmt(v):
     if isinstance(v, float):
       return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)
+    return "" if v is None else str(v)
   lines = ["| " + " | ".join(cols) + " |",
            "| " + " | ".join("---" for _ in cols) + " |"]
   for r in rows:

@@ -216,15 +216,17 @@ def weight_only_matmul(x: jax.Array, w: NVFP4Array, *, out_dtype=None,
         f"weight's K.")
   out_dtype = out_dtype or x.dtype
   lead = x.shape[:-1]
-  acc = WEIGHT_ONLY_MATMUL(implementation, x.reshape(-1, x.shape[-1]), w)
-  return (acc * w.tensor_scale).astype(out_dtype).reshape(*lead, w.shape[0])
+  y = WEIGHT_ONLY_MATMUL(implementation, x.reshape(-1, x.shape[-1]), w,
+                         out_dtype=out_dtype)
+  return y.reshape(*lead, w.shape[0])
 
 
-def _weight_only_xla(x, w):
+def _weight_only_xla(x, w, *, out_dtype):
   vals, _ = block_dequantize(w)
-  return jax.lax.dot_general(x.astype(jnp.bfloat16), vals,
-                             (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)
+  acc = jax.lax.dot_general(x.astype(jnp.bfloat16), vals,
+                            (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+  return (acc * w.tensor_scale).astype(out_dtype)
 
 
 WEIGHT_ONLY_MATMUL = dispatch.Op("weight_only_matmul", {

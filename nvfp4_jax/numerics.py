@@ -15,6 +15,8 @@ below 1.2e-38 and tensors whose amax is below 3.2e-35.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,8 +147,17 @@ def global_decode_scale(amax: jax.Array, *,
   def cpu(amax):
     q = ftz(amax / (c + 0.0 * amax))
     return jnp.where(jnp.isinf(amax), amax, q)
-  return jax.lax.platform_dependent(amax, cpu=cpu,
-                                    default=lambda amax: div_rn(amax, c))
+  return jax.lax.platform_dependent(
+      amax, cpu=cpu, default=functools.partial(global_decode_scale_div_rn,
+                                               denominator=denominator))
+
+
+def global_decode_scale_div_rn(amax: jax.Array, *,
+                               denominator: float = E4M3_MAX_X_E2M1_MAX
+                               ) -> jax.Array:
+  """`global_decode_scale` by `div_rn` alone (its GPU branch; no
+  `platform_dependent`, so a kernel can compute it from the amax)."""
+  return div_rn(amax.astype(jnp.float32), jnp.float32(denominator))
 
 
 def nvfp4_scale_constants(amax: jax.Array, *, divide=divide,

@@ -205,16 +205,33 @@ def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
   return nm.pack_e2m1(codes, split=split_pack), scales, values
 
 
+def block_value_pairs(packed: jax.Array, scales: jax.Array,
+                      dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
+  """The block values of each byte's two codes, `(even, odd)`, each
+  `[rows, nb, 8]`, from packed codes `[rows, nb, 8]` and E4M3 scales
+  `[rows, nb]`: `even[..., j]` is element `2j` of its block (the low nibble),
+  `odd[..., j]` element `2j + 1`.
+
+  The values are `fp4 * f32(d)`, exact in bfloat16 (at most 6 significant
+  bits, within [2^-10, 2688]), so the FP32 and bf16 results are the same
+  numbers. A kernel that contracts over K can multiply the even and odd
+  elements of its activations with these two halves instead of interleaving
+  them (`pallas_kernels.weight_only_matmul`).
+  """
+  s = scales.astype(jnp.float32)[..., None]
+  packed = packed.astype(jnp.uint8)
+  return tuple((nm.e2m1_decode(c) * s).astype(dtype)
+               for c in (packed & 0xF, packed >> 4))
+
+
 def block_values(packed: jax.Array, scales: jax.Array,
                  dtype=jnp.bfloat16) -> jax.Array:
   """Block values `fp4 * f32(d)` `[rows, nb, 16]` from packed codes
-  `[rows, nb, 8]` and E4M3 scales `[rows, nb]`.
-
-  Exact in bfloat16 (at most 6 significant bits, within [2^-10, 2688]), so the
-  FP32 and bf16 results are the same numbers.
+  `[rows, nb, 8]` and E4M3 scales `[rows, nb]`: `block_value_pairs`
+  interleaved (`numerics.unpack_e2m1`'s element order).
   """
-  vals = nm.e2m1_decode(nm.unpack_e2m1(packed))
-  return (vals * scales.astype(jnp.float32)[..., None]).astype(dtype)
+  even, odd = block_value_pairs(packed, scales, dtype)
+  return jnp.stack([even, odd], axis=-1).reshape(*even.shape[:-1], -1)
 
 
 def bf16_exact_matrix(h: np.ndarray) -> bool:

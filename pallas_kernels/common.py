@@ -144,6 +144,62 @@ def block_values(packed: jax.Array, scales: jax.Array, interpret: bool
   return values
 
 
+# `block_value_pairs` on the GPU: the same byte permutation, on packed bytes.
+# An instance takes 4 bytes ($2, 8 codes) and each byte's bf16 scale ($3, $4:
+# bytes 0-1, 2-3) and returns the values of the bytes' low nibbles (the even
+# elements) or of their high nibbles (the odd ones), two per register ($0,
+# $1), each in its byte's position: no nibble unpacking, and no result
+# depends on how Triton packs a thread's elements into instances. Masked with
+# 0x77777777 the bytes' nibbles are the magnitudes in element order, so the
+# low 16 bits of the word and of the word shifted by 16 are selectors of four
+# lookups each (elements 0-3 and 4-7); a `prmt` interleaves the low and high
+# bytes of the even (0x6240) or odd (0x7351) elements into bf16 pairs; each
+# code's sign (bit 3 of its nibble) is the msb of its byte in the word
+# shifted left by 4 (even) or in the word itself (odd), moved to bits 15 and
+# 31 by a `prmt`; `mul.rn.bf16x2` applies the scales (exact). The even and
+# odd instances share their first 7 instructions, which ptxas computes once
+# (Pallas-Triton lowers assembly with one result only, jax 0.11: two results
+# fail to lower): ~3 instructions per value.
+def _pair_decode_asm(odd: bool) -> str:
+  interleave, sign = ("0x7351", "$2") if odd else ("0x6240", "r4")
+  halves = "".join(f"""
+prmt.b32 l, lt0, lt1, {sel};
+prmt.b32 h, ht0, ht1, {sel};
+prmt.b32 v, l, h, {interleave};
+prmt.b32 s, {sign}, {sign}, {signsel};
+and.b32 s, s, 0x80008000;
+or.b32 v, v, s;
+mul.rn.bf16x2 {out}, v, {scale};""" for sel, signsel, out, scale in (
+      ("t", "0x1000", "$0", "$3"), ("u", "0x3020", "$1", "$4")))
+  return """{
+.reg .b32 lt0, lt1, ht0, ht1, t, u, l, h, r4, s, v;
+mov.b32 lt0, 0xC0800000;
+mov.b32 lt1, 0xC0804000;
+mov.b32 ht0, 0x3F3F3F00;
+mov.b32 ht1, 0x40404040;
+and.b32 t, $2, 0x77777777;
+shr.u32 u, t, 16;
+shl.b32 r4, $2, 4;""" + halves + "\n}"
+
+
+_DECODE_PAIRS_ASM = (_pair_decode_asm(False), _pair_decode_asm(True))
+
+
+def block_value_pairs(packed: jax.Array, scales: jax.Array, interpret: bool
+                      ) -> tuple[jax.Array, jax.Array]:
+  """`tile.block_value_pairs(packed, scales)` (bf16 `[..., nb, 8]` each) in a
+  kernel: interpreted that function, on the GPU `_DECODE_PAIRS_ASM`, bit for
+  bit (tests/test_kernels.py: all 256 code bytes under all 256 scales)."""
+  if interpret or not ASM_DECODE:
+    return tile.block_value_pairs(packed, scales)
+  packed = packed.astype(jnp.uint8)
+  s = jnp.broadcast_to(scales.astype(jnp.bfloat16)[..., None], packed.shape)
+  return tuple(plt.elementwise_inline_asm(
+      asm, args=[packed, s], constraints="=r,=r,r,r,r", pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)]
+  )[0] for asm in _DECODE_PAIRS_ASM)
+
+
 def flush(interpret: bool) -> Callable[[jax.Array], jax.Array]:
   """`numerics.ftz` in a kernel: on the GPU one `cvt.ftz.f32.f32` per
   element (an FTZ addition of -0: subnormals become signed zeros, everything

@@ -87,21 +87,23 @@ def test_weight_only_reads_the_packed_weight(trained):
   assert agree > 0.8, agree
 
 
-@pytest.mark.parametrize("m,n,k,split_k", [
+@pytest.mark.parametrize("m,n,k,cfg", [
     (1, 48, 64, None), (5, 100, 256, None), (64, 64, 512, None),
-    (17, 16, 48, None), (3, 40, 1024, None), (3, 40, 1024, 4),
-    (20, 64, 512, 2)])
-def test_weight_only_matmul_kernel_matches_reference(m, n, k, split_k):
+    (17, 16, 48, None), (3, 40, 1024, None), (130, 48, 256, None),
+    (3, 40, 1024, dict(block_k=128, split_k=4)),
+    (20, 64, 512, dict(block_k=128, split_k=2)),
+    (5, 100, 256, dict(block_n=32, swap_ab=True)),
+    (20, 64, 512, dict(block_k=128, split_k=2, swap_ab=True)),
+    (33, 80, 256, dict(block_m=32, block_n=64, block_k=64, swap_ab=True))])
+def test_weight_only_matmul_kernel_matches_reference(m, n, k, cfg):
   x = heavy((m, k), jnp.bfloat16, seed=m)
   w = nv.quantize(heavy((n, k), seed=n), block_2d=n % 16 == 0)
-  if split_k is None:  # The default: split when the output has few tiles.
+  if cfg is None:  # The default: split when the output has few tiles.
     fn = functools.partial(nv.weight_only_matmul, implementation="pallas")
     assert (k, weight_only_kernel.default_config(m, n, k).split_k) != (1024, 1)
   else:
-    cfg = weight_only_kernel.WeightOnlyConfig(block_k=128, split_k=split_k)
-    fn = lambda x, w, out_dtype: (  # pylint: disable=g-long-lambda
-        weight_only_kernel.weight_only_matmul(x, w, config=cfg)
-        * w.tensor_scale).astype(out_dtype)
+    fn = functools.partial(weight_only_kernel.weight_only_matmul,
+                           config=weight_only_kernel.WeightOnlyConfig(**cfg))
   got = np.asarray(fn(x, w, out_dtype=jnp.float32), np.float64)
   want = np.asarray(nv.weight_only_matmul(x, w, out_dtype=jnp.float32,
                                           implementation="xla"), np.float64)

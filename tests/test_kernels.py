@@ -17,6 +17,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 import numpy as np
 import pytest
 
@@ -24,6 +25,7 @@ import nvfp4_jax as nf
 from nvfp4_jax import fused
 from nvfp4_jax import gemm
 from nvfp4_jax import nvfp4
+from nvfp4_jax import tile
 from pallas_kernels import block_dequantize as pallas_block_dequantize
 from pallas_kernels import block_scaled_matmul as pallas_gemm
 from pallas_kernels import common
@@ -461,6 +463,41 @@ def test_block_values_every_code_byte_and_scale():
   assert nan.sum() == 2 * 512  # The two NaN scale bytes, 0x7F and 0xFF.
   assert np.isnan(got.view(jnp.bfloat16).astype(np.float32))[nan].all()
   np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
+def test_block_value_pairs_every_code_byte_and_scale():
+  """`common.block_value_pairs` (the weight-only kernel's decode: byte
+  permutation of packed bytes on the GPU) equals `tile.block_value_pairs`
+  for all 256 code bytes under all 256 E4M3 scale bytes, bit for bit."""
+  interpret = common.check_backend("test")
+  codes = jnp.broadcast_to(jnp.arange(256, dtype=jnp.uint8).reshape(32, 8),
+                           (256, 32, 8))
+  scales = jax.lax.bitcast_convert_type(
+      jnp.broadcast_to(jnp.arange(256, dtype=jnp.uint8)[:, None], (256, 32)),
+      jnp.float8_e4m3fn)
+
+  def kernel(c_ref, s_ref, even_ref, odd_ref):
+    even_ref[...], odd_ref[...] = common.block_value_pairs(
+        c_ref[...], s_ref[...], interpret)
+
+  shape = jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)
+  got = jax.jit(common.pallas_call(
+      kernel, interpret=interpret, num_warps=4, num_stages=1,
+      name="test_block_value_pairs", grid=(16,),
+      in_specs=[pl.BlockSpec((16, 32, 8), lambda i: (i, 0, 0)),
+                pl.BlockSpec((16, 32), lambda i: (i, 0))],
+      out_specs=[pl.BlockSpec((16, 32, 8), lambda i: (i, 0, 0))] * 2,
+      out_shape=[shape, shape]))(codes, scales)
+  want = tile.block_value_pairs(codes, scales)
+  for g, w in zip(got, want):
+    nan = np.isnan(np.asarray(w, np.float32))
+    assert nan.sum() == 2 * 256  # The NaN scale bytes 0x7F and 0xFF.
+    assert np.isnan(np.asarray(g, np.float32))[nan].all()
+    np.testing.assert_array_equal(bf16_bits(g)[~nan], bf16_bits(w)[~nan])
+  # The two halves interleaved are the block values.
+  np.testing.assert_array_equal(
+      bf16_bits(jnp.stack(want, -1).reshape(256, 32, 16)),
+      bf16_bits(tile.block_values(codes, scales)))
 
 
 @pytest.mark.parametrize("block_2d,rounding", [(False, "stochastic"),
