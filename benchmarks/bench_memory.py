@@ -91,18 +91,32 @@ def _fit(cfg: bench_step.StepConfig, line: dict,
       return False
 
   tried = []
-  for _ in range(4):
+  for _ in range(5):
     compiled, state, data = _compile_at(cfg, b)
     peak = peak_bytes(compiled.memory_analysis())
     # Past the limit by XLA's own count (the line was off), or out of memory.
-    if peak <= limit and runs(compiled, state, data):
+    over = peak > limit
+    if not over and runs(compiled, state, data):
       break
-    tried.append(b)
+    tried.append({"batch": b, "peak": peak,
+                  "why": "XLA's peak over the limit" if over else
+                  "out of memory when run"})
     if b == 8:
-      return {"error": "the smallest batch (8) does not fit"}
-    b = max(8, (b - max(8, b // 8)) // 8 * 8)
+      return {"error": "the smallest batch (8) does not fit", "tried": tried}
+    if over:
+      # The peak grows faster than the small-batch line: a new line through
+      # this compile and the line's larger point predicts again.
+      try:
+        b_next = largest_fit(line["b1"], line["peak1"], b, peak, limit)
+      except ValueError:  # Not growing between the two: no line.
+        b_next = b
+      b = min(b_next, b - 8) if b_next < b else b - max(8, b // 8) // 8 * 8
+    else:
+      b = b - max(8, b // 8) // 8 * 8
+    b = max(8, b)
   else:
-    return {"error": f"no fit at batches {tried}"}
+    return {"error": f"no fit at batches {[t['batch'] for t in tried]}",
+            "tried": tried}
   return dict(line, max_batch=b, peak_max=peak, oom_tried=tried, limit=limit,
               device=dev.device_kind, jax=jax.__version__)
 
@@ -199,13 +213,17 @@ def main(argv=None):
       save()
     row = {"preset": c.preset, "precision": c.precision, "remat": c.remat}
     if "error" in r:
-      rows.append(dict(row, note=r["error"]))
+      rows.append(dict(row, note=r["error"] + "".join(
+          f"; {t['batch']}: {t['why']} ({t['peak'] / 2**30:.1f} GiB)"
+          for t in r.get("tried", []))))
       continue
     rows.append(dict(
         row, **{f"peak_gib_{r['b0']}": r["peak0"] / 2**30,
                 f"peak_gib_{r['b1']}": r["peak1"] / 2**30},
         max_batch=r["max_batch"], peak_gib_max=r["peak_max"] / 2**30,
-        note=(f"no fit at {r['oom_tried']}" if r["oom_tried"] else ""),
+        note=("; ".join(f"{t['batch']}: {t['why']} ({t['peak'] / 2**30:.1f} "
+                        f"GiB)" for t in r["oom_tried"])
+              if r["oom_tried"] else ""),
         device=r["device"], limit_gib=r["limit"] / 2**30))
     print(f"{c.label}: max batch {r['max_batch']}, peak "
           f"{r['peak_max'] / 2**30:.2f} GiB, tried {r['oom_tried']}",
