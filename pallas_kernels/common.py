@@ -93,13 +93,16 @@ def exact_divide(interpret: bool) -> Callable[[jax.Array, jax.Array],
 # Codes come one per byte (the jnp unpacking of nibbles) so that nothing
 # reorders the assembly's packed bf16 results: XLA:GPU's Triton interleaves
 # two such results pairwise, not element by element (seen on the H100).
-_DECODE_ASM = """{
-.reg .b32 lt0, lt1, ht0, ht1, x, y, l, h, r4, t0, t1, s0, s1;
-mov.b32 lt0, 0xC0800000;
+# The low (lt0, lt1) and high (ht0, ht1) bytes of the eight magnitudes' bf16
+# patterns, the lookup tables of both decoders.
+_BF16_BYTE_TABLES = """mov.b32 lt0, 0xC0800000;
 mov.b32 lt1, 0xC0804000;
 mov.b32 ht0, 0x3F3F3F00;
 mov.b32 ht1, 0x40404040;
-and.b32 x, $2, 0x07070707;
+"""
+_DECODE_ASM = """{
+.reg .b32 lt0, lt1, ht0, ht1, x, y, l, h, r4, t0, t1, s0, s1;
+""" + _BF16_BYTE_TABLES + """and.b32 x, $2, 0x07070707;
 shr.u32 y, x, 4;
 or.b32 x, x, y;
 prmt.b32 x, x, x, 0x0020;
@@ -173,11 +176,7 @@ mul.rn.bf16x2 {out}, v, {scale};""" for sel, signsel, out, scale in (
       ("t", "0x1000", "$0", "$3"), ("u", "0x3020", "$1", "$4")))
   return """{
 .reg .b32 lt0, lt1, ht0, ht1, t, u, l, h, r4, s, v;
-mov.b32 lt0, 0xC0800000;
-mov.b32 lt1, 0xC0804000;
-mov.b32 ht0, 0x3F3F3F00;
-mov.b32 ht1, 0x40404040;
-and.b32 t, $2, 0x77777777;
+""" + _BF16_BYTE_TABLES + """and.b32 t, $2, 0x77777777;
 shr.u32 u, t, 16;
 shl.b32 r4, $2, 4;""" + halves + "\n}"
 
