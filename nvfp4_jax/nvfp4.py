@@ -22,6 +22,7 @@ from nvfp4_jax import tile
 # Re-exported: the array type and checks live in a leaf module that the
 # kernels import too.
 from nvfp4_jax.qarray import NVFP4Array  # pylint: disable=unused-import
+from nvfp4_jax.qarray import NVFP4Values
 from nvfp4_jax.qarray import ROUNDING_MODES  # pylint: disable=unused-import
 from nvfp4_jax.qarray import check_amax
 from nvfp4_jax.qarray import check_input
@@ -146,7 +147,11 @@ def block_dequantize_nvfp4(q: NVFP4Array) -> tuple[jax.Array, jax.Array]:
   return _blocks(q, jnp.bfloat16), q.tensor_scale
 
 
-def dequantize_nvfp4(q: NVFP4Array, dtype=jnp.float32) -> jax.Array:
+def dequantize_nvfp4(q: NVFP4Array | NVFP4Values, dtype=jnp.float32
+                     ) -> jax.Array:
   """`fp4 * f32(d) * (amax / 2688)` in FP32 (TE's form), cast to `dtype`
-  (`amax / 1536` for Four-over-Six)."""
-  return nm.ftz(_blocks(q, jnp.float32) * q.tensor_scale).astype(dtype)
+  (`amax / 1536` for Four-over-Six); of `NVFP4Values`, from the block values
+  it holds (the same numbers)."""
+  values = (q.values.astype(jnp.float32) if isinstance(q, NVFP4Values)
+            else _blocks(q, jnp.float32))
+  return nm.ftz(values * q.tensor_scale).astype(dtype)

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax.mx import MXArray, block_dequantize_mx, dequantize_mx
-from nvfp4_jax import numerics as nm
 from nvfp4_jax.nvfp4 import NVFP4Array, block_dequantize_nvfp4, dequantize_nvfp4
 from nvfp4_jax.qarray import NVFP4Values
 
@@ -15,12 +14,10 @@ QArray = NVFP4Array | MXArray
 
 def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
   """Dequantizes an `NVFP4Array` or `MXArray` (FP32 arithmetic) to `dtype`."""
-  if isinstance(q, NVFP4Array):
+  if isinstance(q, (NVFP4Array, NVFP4Values)):
     return dequantize_nvfp4(q, dtype)
   if isinstance(q, MXArray):
     return dequantize_mx(q, dtype)
-  if isinstance(q, NVFP4Values):
-    return nm.ftz(q.values.astype(jnp.float32) * q.tensor_scale).astype(dtype)
   raise TypeError(f"dequantize needs an NVFP4Array, NVFP4Values or MXArray, "
                   f"got {type(q)}.")
 

@@ -83,9 +83,11 @@ def default_config(m: int, n: int, k: int) -> WeightOnlyConfig:
 
   - up to 64 tokens: the weights as the left operand, 64 features x 256 of
     K per program, K split until about `TARGET_PROGRAMS` programs run (down
-    to one K step each): fastest or within 4% of it at 1 x 4096 x 4096
-    (19.8 us wall; unswapped 38.5 us), 16 x 4096 x 4096 and 16 x 14336 x
-    4096 (split 16 in all three);
+    to one K step each, split 16 at these shapes): the fastest at 1 x 4096
+    x 4096 (19.8 us wall; unswapped 38.5 us) and within 4% at 16 x 14336 x
+    4096 (42.2 vs 40.7 us); at 16 x 4096 x 4096 the fastest had 32 features
+    (23.6 us) and 64 was not among the three best (> 27.2 us) in that wall-
+    time sweep, not re-measured since;
   - more tokens: one 128-row M tile, 128 features, 8 warps, K split 4:
     fastest at 128 x 4096 x 14336 (117 us; the former 32-feature unsplit
     tile 240 us).
