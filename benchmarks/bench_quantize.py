@@ -119,7 +119,10 @@ def variants(key):
 
 
 def run(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
-        n_inputs: int = 2) -> list[dict]:
+        n_inputs: int = 2, encoders: bool = False) -> list[dict]:
+  """The table. `encoders`: also time every Pallas row with the kernels'
+  jnp encoders instead of the GPU encoder (`common.ASM_ENCODE = False`),
+  marked "(jnp encode)": the before and after of one run."""
   key = jax.random.key(0)
   xs = [jax.random.normal(jax.random.key(i), (tokens, features),
                           jnp.float32).astype(jnp.bfloat16)
@@ -170,14 +173,21 @@ def run(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
       am = amax_x if amax_kind == "x" else amax_t
       args = list(zip(xs, am))
       small_args = (small, jnp.float32(3e4))
-    jp, jx = jax.jit(fp), jax.jit(fx)
-    exact = exact_vs_cpu(fp, fx, small_args)
-    t_p = timing.bench(jp, args)
+    jx = jax.jit(fx)
     t_x = timing.bench(jx, args)
     b = bpe * n
-    rows.append(dict(kernel=name, bytes_per_elem=bpe, us=t_p * 1e6,
-                     tbps=b / t_p / 1e12, of_copy=b / t_p / copy_bw,
-                     xla_us=t_x * 1e6, vs_xla=t_x / t_p, exact=exact))
+    for asm in (True, False) if encoders else (True,):
+      pcommon.ASM_ENCODE = asm
+      try:  # A new function each time: jit traces again.
+        jp = jax.jit(lambda *a, fp=fp: fp(*a))
+        exact = exact_vs_cpu(lambda *a, fp=fp: fp(*a), fx, small_args)
+        t_p = timing.bench(jp, args)
+      finally:
+        pcommon.ASM_ENCODE = True
+      rows.append(dict(kernel=name + ("" if asm else " (jnp encode)"),
+                       bytes_per_elem=bpe, us=t_p * 1e6,
+                       tbps=b / t_p / 1e12, of_copy=b / t_p / copy_bw,
+                       xla_us=t_x * 1e6, vs_xla=t_x / t_p, exact=exact))
   return rows
 
 
@@ -274,6 +284,9 @@ if __name__ == "__main__":
   p.add_argument("--sweep", action="store_true")
   p.add_argument("--pair-sweep", action="store_true",
                  help="only the X/dY pair kernels: fused tiles vs two kernels")
+  p.add_argument("--encoders", action="store_true",
+                 help="also time each kernel with its jnp encoders "
+                      "(before the GPU encoder), in the same run")
   a = p.parse_args()
   bw = timing.copy_bandwidth()
   print(f"copy bandwidth: {bw / 1e12:.3f} TB/s")
@@ -284,4 +297,5 @@ if __name__ == "__main__":
   if a.sweep:
     print(timing.table(sweep(a.tokens, a.features, copy_bw=bw),
                        ("kernel", "us", "of_copy")))
-  print(timing.table(run(a.tokens, a.features, copy_bw=bw), COLS))
+  print(timing.table(run(a.tokens, a.features, copy_bw=bw,
+                         encoders=a.encoders), COLS))

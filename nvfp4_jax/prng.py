@@ -63,19 +63,18 @@ def seeds_from_key(key: jax.Array) -> jax.Array:
   return jax.random.bits(key, (2,), jnp.uint32)
 
 
-def tile_bytes(row0: jax.Array | int, rows: int, blk0: jax.Array | int,
+def tile_words(row0: jax.Array | int, rows: int, blk0: jax.Array | int,
                nb: int, words_per_row: int, seed0: jax.Array,
                seed1: jax.Array, *, block: int = 16) -> jax.Array:
-  """The stream's bytes for a `[rows, nb, block]` tile of the quantized tensor.
+  """The stream's hash words for a `[rows, nb, block]` tile of the quantized
+  tensor, uint32 `[rows, nb, block // 4]`: word `w` holds the bytes of the
+  tile's elements `4w .. 4w + 3` of each block (`tile_bytes` splits them).
 
   The one definition of which byte each element gets; the reference applies it
   to the whole tensor, the kernels to their tiles. The tile starts at row
   `row0` and block `blk0` of a tensor with `4 * words_per_row` elements per
   row: element `(r, c)` has the row-major index `n = r * 4 * words_per_row +
   c` and rounds with byte `n % 4` of hash word `n // 4`.
-
-  Returns:
-    uint8 `[rows, nb, block]`.
   """
   shape = (rows, nb, block // 4)
   r = (row0 + jax.lax.broadcasted_iota(jnp.int32, shape, 0)).astype(jnp.uint32)
@@ -84,7 +83,16 @@ def tile_bytes(row0: jax.Array | int, rows: int, blk0: jax.Array | int,
   lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 2)
   words = (r * jnp.uint32(words_per_row) + blk * jnp.uint32(block // 4)
            + lane)
-  return word_bytes(sr_hash(words, seed0, seed1))
+  return sr_hash(words, seed0, seed1)
+
+
+def tile_bytes(row0: jax.Array | int, rows: int, blk0: jax.Array | int,
+               nb: int, words_per_row: int, seed0: jax.Array,
+               seed1: jax.Array, *, block: int = 16) -> jax.Array:
+  """The stream's bytes for a `[rows, nb, block]` tile: `tile_words` split
+  into bytes, uint8 `[rows, nb, block]`."""
+  return word_bytes(tile_words(row0, rows, blk0, nb, words_per_row, seed0,
+                               seed1, block=block))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_jax import numerics as nm
+from nvfp4_jax import prng
 
 B = nm.NVFP4_BLOCK
 
@@ -140,13 +141,25 @@ def choose_four(sq6: jax.Array, sq4: jax.Array, block_2d: bool) -> jax.Array:
                    < _tile_sum(units(sq6), block_2d))
 
 
+def value_pairs(values: jax.Array) -> jax.Array:
+  """bf16 `[..., 2n]` as uint32 `[..., n]`: element `2j` in the low half of
+  word `j`, `2j + 1` in the high half (the memory order of the bf16 array,
+  so `jax.lax.bitcast_convert_type(pairs, jnp.bfloat16)` undoes it)."""
+  bits = jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16),
+                                      jnp.uint16).astype(jnp.uint32)
+  lo, hi = jnp.unstack(bits.reshape(*bits.shape[:-1], -1, 2), axis=-1)
+  return lo | (hi << 16)
+
+
 def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
                   inv_s_enc: jax.Array, *, divide: Callable = nm.divide,
-                  rbits: jax.Array | None = None, with_values: bool = False,
+                  rbits: jax.Array | None = None,
+                  rwords: jax.Array | None = None, with_values: bool = False,
+                  with_codes: bool = True, values_as_pairs: bool = False,
                   barrier: Callable = _identity, split_pack: bool = False,
                   four_over_six: bool = False, block_2d: bool = False,
                   multiply: Callable = jnp.multiply,
-                  flush: Callable = nm.ftz):
+                  flush: Callable = nm.ftz, encoder: Callable | None = None):
   """NVFP4_SPEC section 2, steps 2-4, on blocks `[rows, nb, 16]`.
 
   Args:
@@ -156,8 +169,14 @@ def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
       (`numerics.nvfp4_scale_constants`).
     divide: correctly rounded FP32 division for this backend.
     rbits: uint8 `[rows, nb, 16]` random bytes for stochastic rounding (see
-      `prng.tile_bytes`); None rounds to nearest even.
+      `prng.tile_bytes`); None (and no `rwords`) rounds to nearest even.
+    rwords: the same random bits as uint32 hash words `[rows, nb, 4]`
+      (`prng.tile_words`), instead of `rbits`.
     with_values: also return the exact bf16 block values (`fp4 * f32(d)`).
+    with_codes: False: return None for the packed codes (only the values,
+      the scales and, for the caller, nothing else are needed).
+    values_as_pairs: return the values as uint32 `[rows, nb, 8]` (see
+      `value_pairs`) instead of bf16 `[rows, nb, 16]`.
     barrier: applied to the E4M3 scales; under XLA pass
       `jax.lax.optimization_barrier`, which keeps XLA:GPU from fusing the
       FP32->E4M3->FP32 round trip away. (It does not lower in kernels, which
@@ -175,10 +194,34 @@ def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
       the same instruction; it also flushes subnormal products, which
       encode to the same codes and error terms as they are: below 0.25).
     flush: `numerics.ftz` for this backend (Four-over-Six's error terms).
+    encoder: a lowering of step 4 (rounding, packing and the values) for
+      this backend, called as `encoder(y, rwords, d, codes=, values=)` on
+      the scaled values `y` `[rows, nb, 16]`, the hash words (or None) and
+      the decoded scales `d` `[rows, nb]`; it returns `(packed or None,
+      value pairs or None)`, bit for bit what this function computes
+      otherwise (GPU kernels pass `pallas_kernels.common.block_encoder`).
+      Not used with `four_over_six`, whose choice needs the codes.
 
   Returns:
-    `(packed uint8 [rows, nb, 8], scales e4m3 [rows, nb], values or None)`.
+    `(packed uint8 [rows, nb, 8] or None, scales e4m3 [rows, nb], values or
+    None)`.
   """
+  if rwords is not None:
+    if rbits is not None:
+      raise ValueError("encode_blocks takes rbits or rwords, not both.")
+    if encoder is None or four_over_six:
+      rbits = prng.word_bytes(rwords)
+  if encoder is not None and not four_over_six:
+    scales = barrier(nm.nvfp4_block_decode_scale(bamax, s_enc_over_6))
+    d = scales.astype(jnp.float32)
+    y = multiply(xf, nm.nvfp4_block_encode_scale(d, inv_s_enc,
+                                                 divide=divide)[..., None])
+    if not values_as_pairs and with_values:
+      raise ValueError("an encoder returns the values as pairs: pass "
+                       "values_as_pairs=True.")
+    packed, values = encoder(y, rwords, d, codes=with_codes,
+                             values=with_values)
+    return packed, scales, values
   def encode(expansion):
     scales = barrier(nm.nvfp4_block_decode_scale(bamax, s_enc_over_6,
                                                  expansion=expansion))
@@ -202,7 +245,10 @@ def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
   values = None
   if with_values:
     values = (nm.e2m1_decode(codes) * d[..., None]).astype(jnp.bfloat16)
-  return nm.pack_e2m1(codes, split=split_pack), scales, values
+    if values_as_pairs:
+      values = value_pairs(values)
+  packed = nm.pack_e2m1(codes, split=split_pack) if with_codes else None
+  return packed, scales, values
 
 
 def block_value_pairs(packed: jax.Array, scales: jax.Array,

@@ -199,6 +199,179 @@ def block_value_pairs(packed: jax.Array, scales: jax.Array, interpret: bool
   )[0] for asm in _DECODE_PAIRS_ASM)
 
 
+# `tile.encode_blocks`' step 4 on the GPU: E2M1 rounding, packing and the
+# block values in the FMA pipe. The kernels were bound by Hopper's integer
+# pipe (half the FP32 rate; the encoders' bit manipulation ran there), so this
+# rounds with FP32 fused multiply-adds and keeps the integer work to three
+# minima, a funnel shift and a share of one logic operation per element.
+#
+# With `u = sat(|y| / 8)` (the `.sat` maps NaN to 0 and clamps at |y| = 8; a
+# power-of-two scaling, exact unless `u` is flushed, where the code is 0
+# anyway) the three grid regimes of E2M1 (steps 1/2 below 2, 1 below 4, 2
+# from 4) give candidate codes `C_j = 2^23 + off_j + round(|y| / step_j)`
+# (offsets 0, 2, 4) as the FP32 sum of one FFMA: rounding to nearest even at
+# ulp 1 is `rint`, and stochastically `ceil(|y| / step - (r + 1/2) / 256)`,
+# i.e. up iff `256 t > r + 1/2` (`numerics.e2m1_encode_stochastic`), from two
+# FFMAs rounding up (`ceil(RP(z) / 512) = ceil(z / 512)`: multiples of 512 are
+# FP32 numbers). The stochastic candidates carry one more (2^23 + 1 + ...):
+# their `z / 512` reaches down to -1, and below 2^23 the ulp is 1/2. A finer
+# regime's candidate is never below the right one above its range and a
+# coarser one never below it inside, so the code is the minimum of the three
+# and 7 (saturation), taken on the bit patterns (FP32 order = uint32 order
+# for positive numbers): `2^23 + base + code`. An IMAD chain packs 8 codes'
+# low nibbles into one word; a funnel-shift chain gathers the signs' bits
+# into bit 3 of each nibble. tests/test_encoder.py checks a model of each
+# FP32 rounding against `numerics` on the CPU (all of its cases), and on the
+# GPU the assembly itself.
+_NEAREST = (0, (("c1", "0f41800000", "0f4B000000"),   # 16u + 2^23: 2|y|
+                ("c2", "0f41000000", "0f4B000002"),   # 8u + 2^23 + 2
+                ("c3", "0f40800000", "0f4B000004")))  # 4u + 2^23 + 4
+_STOCHASTIC = (1, (("c1", "0f46000000", "0f4B000001"),  # 8192u = 512|y|/(1/2)
+                   ("c2", "0f45800000", "0f4B000003"),  # 4096u = 512|y|/1
+                   ("c3", "0f45000000", "0f4B000005")))  # 2048u = 512|y|/2
+
+
+def _base(stochastic: bool) -> int:
+  """The candidates' bit pattern for code 0: `2^23 + base`."""
+  return 0x4B000000 + (_STOCHASTIC if stochastic else _NEAREST)[0]
+
+
+def _code_asm(y: str, rand: tuple[str, str] | None, out: str) -> str:
+  """PTX setting `out` to the bits of `2^23 + base + code magnitude` of the
+  scaled value `y` (`_base`).
+
+  `rand`: `(register, prmt selector)` of the element's random byte for
+  stochastic rounding (the selector moves it under 0x4B: `2^23 + r`), or
+  None to round to nearest even.
+  """
+  lines = [f"abs.ftz.f32 u, {y};", "mul.rn.ftz.sat.f32 u, u, 0f3E000000;"]
+  if rand is None:
+    lines += [f"fma.rn.f32 {c}, u, {k}, {b};" for c, k, b in _NEAREST[1]]
+  else:
+    reg, sel = rand
+    # q = -(2r + 1), exact.
+    lines += [f"prmt.b32 q, {reg}, k4b, {sel};",
+              "fma.rn.f32 q, q, 0fC0000000, 0f4B7FFFFF;"]
+    for c, k, b in _STOCHASTIC[1]:  # / 512 + 2^23 + 1 + off
+      lines += [f"fma.rp.f32 {c}, u, {k}, q;",
+                f"fma.rp.f32 {c}, {c}, 0f3B000000, {b};"]
+  sat = _base(rand is not None) + 7
+  lines += [f"min.u32 {out}, c1, c2;", f"min.u32 {out}, {out}, c3;",
+            f"min.u32 {out}, {out}, {sat:#010x};"]
+  return "\n".join(lines)
+
+
+# Operands of an instance (pack=4, four pairs of elements): the even elements'
+# scaled values $1-$4, the odd ones' $5-$8, then (values) the pairs' decoded
+# scales and (stochastic) their hash words, each shifted so that the pair's
+# bytes are its low two (even: byte 0, odd: byte 1).
+def _operands(first: int, values: bool, stochastic: bool):
+  ye = [f"${first + k}" for k in range(4)]
+  yo = [f"${first + 4 + k}" for k in range(4)]
+  nxt = first + 8
+  d = None
+  if values:
+    d, nxt = [f"${nxt + k}" for k in range(4)], nxt + 4
+  rand = lambda k, odd: None
+  if stochastic:
+    w = [f"${nxt + k}" for k in range(4)]
+    rand = lambda k, odd: (w[k], "0x7441" if odd else "0x7440")
+  return ye, yo, d, rand
+
+
+def _encode_codes_asm(stochastic: bool) -> str:
+  """One output register: the 4 pairs' packed bytes (even element in the low
+  nibble), each byte computed from its own pair only."""
+  ye, yo, _, rand = _operands(1, False, stochastic)
+  order = [(y[k], rand(k, odd)) for k in (3, 2, 1, 0)
+           for y, odd in ((yo, True), (ye, False))]  # Nibble 7 first.
+  body = []
+  for n, (y, r) in enumerate(order):
+    body.append(_code_asm(y, r, "m"))
+    if n == 0:
+      body += ["mov.b32 acc, m;", f"shr.b32 s, {y}, 28;"]
+    else:  # acc = acc * 16 + m; s = s << 4 | y >> 28 (y's sign -> bit 3).
+      body += ["mad.lo.u32 acc, acc, 16, m;", f"shf.l.wrap.b32 s, {y}, s, 4;"]
+  # sum(m_i 16^i) = sum(code_i 16^i) + sum(base 16^i) mod 2^32.
+  correction = -sum(_base(stochastic) << (4 * i) for i in range(8)) % 2**32
+  body += [f"add.u32 acc, acc, {correction:#010x};",
+           "lop3.b32 $0, s, 0x88888888, acc, 0xEA;"]  # (s & 0x888..) | acc
+  return ("{\n.reg .b32 u, q, c1, c2, c3, m, acc, s, k4b;\n"
+          "mov.b32 k4b, 0x4B000000;\n" + "\n".join(body) + "\n}")
+
+
+def _encode_values_asm(stochastic: bool) -> str:
+  """Four output registers: pair k's bf16 block values (even element low)."""
+  ye, yo, d, rand = _operands(4, True, stochastic)
+  body = []
+  for k in range(4):
+    for y, odd, v in ((ye[k], False, "ve"), (yo[k], True, "vo")):
+      # c << 22 is the E2M1 value's FP32 pattern times 2^-126 (0.5 -> 2^-127
+      # subnormal, 6 -> 1.5 * 2^-124); with the sign, times 2^126 (exact,
+      # no flush), times d (exact): `e2m1_decode(code) * d`.
+      low = -_base(stochastic) << 22 & 0xFFFFFFFF  # (m - base) << 22
+      body += [_code_asm(y, rand(k, odd), "m"),
+               f"mad.lo.u32 {v}, m, 0x00400000, {low:#010x};",
+               f"lop3.b32 {v}, {y}, 0x80000000, {v}, 0xEA;",
+               f"mul.rn.f32 {v}, {v}, 0f7E800000;",
+               f"mul.rn.f32 {v}, {v}, {d[k]};"]
+    body.append(f"cvt.rn.bf16x2.f32 ${k}, vo, ve;")
+  return ("{\n.reg .b32 u, q, c1, c2, c3, m, ve, vo, k4b;\n"
+          "mov.b32 k4b, 0x4B000000;\n" + "\n".join(body) + "\n}")
+
+
+_ENCODE_ASM = {(v, sr): (_encode_values_asm if v else _encode_codes_asm)(sr)
+               for v in (False, True) for sr in (False, True)}
+
+# Whether the kernels use `_ENCODE_ASM` on the GPU (benchmarks switch it off
+# to time the jnp encoders in the same run).
+ASM_ENCODE = True
+
+
+def _asm_encode(y: jax.Array, rwords: jax.Array | None, d: jax.Array, *,
+                codes: bool, values: bool):
+  """`tile.encode_blocks`' encoder on the GPU (see `block_encoder`)."""
+  ye, yo = jnp.unstack(y.reshape(*y.shape[:-1], -1, 2), axis=-1)
+  args = [ye, yo]
+  extra, sr = [], rwords is not None
+  if sr:  # Pair 2w + o uses bytes 2o, 2o + 1 of word w.
+    extra = [jnp.stack([rwords, rwords >> 16], axis=-1).reshape(ye.shape)]
+  packed = vals = None
+  if codes:
+    [packed] = plt.elementwise_inline_asm(
+        _ENCODE_ASM[False, sr], args=args + extra,
+        constraints="=r," + ",".join(["f"] * 8 + ["r"] * (4 * len(extra))),
+        pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(ye.shape,
+                                                          jnp.int8)])
+    # Triton's integers are signless: results are declared signed.
+    packed = jax.lax.bitcast_convert_type(packed, jnp.uint8)
+  if values:
+    db = jnp.broadcast_to(d[..., None], ye.shape)
+    [vals] = plt.elementwise_inline_asm(
+        _ENCODE_ASM[True, sr], args=args + [db] + extra,
+        constraints="=r,=r,=r,=r," + ",".join(
+            ["f"] * 12 + ["r"] * (4 * len(extra))),
+        pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(ye.shape,
+                                                          jnp.int32)])
+    vals = jax.lax.bitcast_convert_type(vals, jnp.uint32)
+  return packed, vals
+
+
+def values_from_pairs(pairs: jax.Array) -> jax.Array:
+  """bf16 values `[..., 2n]` from the uint32 pairs `[..., n]` a kernel stored
+  (`tile.value_pairs`' layout: a bitcast, outside the kernel)."""
+  v = jax.lax.bitcast_convert_type(pairs, jnp.bfloat16)
+  return v.reshape(*pairs.shape[:-1], -1)
+
+
+def block_encoder(interpret: bool) -> Callable | None:
+  """`tile.encode_blocks(encoder=...)` for this backend: None (the
+  reference's jnp encoders) when interpreted, `_ENCODE_ASM` on the GPU."""
+  if interpret or not ASM_ENCODE:
+    return None
+  return _asm_encode
+
+
 def flush(interpret: bool) -> Callable[[jax.Array], jax.Array]:
   """`numerics.ftz` in a kernel: on the GPU one `cvt.ftz.f32.f32` per
   element (an FTZ addition of -0: subnormals become signed zeros, everything

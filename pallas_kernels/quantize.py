@@ -8,9 +8,11 @@ exact bf16 block-dequantized values that a Hopper GEMM consumes. Pass `amax=`
 reduction.
 
 The tile math is `nvfp4_jax.tile` (`block_amax`, `encode_blocks`) and
-`nvfp4_jax.prng.tile_bytes`, the functions the reference applies to the whole
+`nvfp4_jax.prng.tile_words`, the functions the reference applies to the whole
 tensor: codes, scales and amax are the reference's by construction, and
-tests/test_kernels.py checks the plumbing. Arguments are validated by
+tests/test_kernels.py checks the plumbing. On the GPU the rounding and
+packing (step 4) is `common.block_encoder`'s assembly, bit for bit the
+reference's (tests/test_encoder.py). Arguments are validated by
 `nvfp4_jax.quantize` before dispatch.
 """
 
@@ -95,23 +97,24 @@ def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
   mask = tile_masks(rows, nb, m, nb_total)
 
   x = common.load(x_ref, mask[B]).astype(jnp.float32)  # Flushed when scaled.
-  rbits = None
+  rwords = None
   if stochastic:
     # The tile's place in the (whole, maybe sharded) tensor's stream.
-    rbits = prng.tile_bytes(origin_ref[0] + pl.program_id(0) * rows, rows,
-                            origin_ref[1] + pl.program_id(1) * nb, nb,
-                            words_per_row, seeds_ref[0], seeds_ref[1])
+    rwords = prng.tile_words(origin_ref[0] + pl.program_id(0) * rows, rows,
+                             origin_ref[1] + pl.program_id(1) * nb, nb,
+                             words_per_row, seeds_ref[0], seeds_ref[1])
   packed, scales, values = tile.encode_blocks(
       x, common.flushed_block_amax(x, block_2d), s_enc_over_6, inv_s_enc,
-      divide=divide, rbits=rbits, with_values=with_values, split_pack=True,
+      divide=divide, rwords=rwords, with_values=with_values,
+      with_codes=with_codes, values_as_pairs=True, split_pack=True,
       four_over_six=four_over_six, block_2d=block_2d,
       multiply=common.ftz_multiply(interpret),
-      flush=common.flush(interpret))
+      flush=common.flush(interpret), encoder=common.block_encoder(interpret))
   if with_codes:
     common.store(codes_ref, packed, mask[B // 2])
     common.store(scales_ref, scales, mask[0])
-  if with_values:
-    common.store(values_ref, values, mask[B])
+  if with_values:  # bf16 pairs as uint32 (see `tile.value_pairs`).
+    common.store(values_ref, values, mask[B // 2])
 
 
 def quantize(x: jax.Array, *, block_2d: bool = False,
@@ -173,8 +176,8 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
     out_specs += [pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)),
                   pl.BlockSpec((br, bnb), lambda i, j: (i, j))]
   if with_values:
-    out_shape.append(jax.ShapeDtypeStruct((m, nb_total, B), jnp.bfloat16))
-    out_specs.append(pl.BlockSpec((br, bnb, B), lambda i, j: (i, j, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((m, nb_total, B // 2), jnp.uint32))
+    out_specs.append(pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)))
 
   kernel = functools.partial(
       _quantize_kernel, block_2d=block_2d, stochastic=stochastic,
@@ -182,18 +185,19 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
       m=m, nb_total=nb_total, four_over_six=four_over_six,
       words_per_row=words_per_row)
   name = "nvfp4_quantize_2d" if block_2d else "nvfp4_quantize"
-  outs = common.pallas_call(
+  outs = list(common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
       name=name if with_codes else name + "_values",
       grid=grid, in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape)(*args)
+      out_shape=out_shape)(*args))
+  if with_values:
+    outs[-1] = common.values_from_pairs(outs[-1]).reshape(shape)
   if not with_codes:
-    return NVFP4Values(outs[0].reshape(shape), amax,
-                       four_over_six=four_over_six)
+    return NVFP4Values(outs[0], amax, four_over_six=four_over_six)
   lead = shape[:-1]
   q = NVFP4Array(codes=outs[0].reshape(*lead, k // 2),
                  scales=outs[1].reshape(*lead, nb_total), amax=amax,
                  block_2d=block_2d, four_over_six=four_over_six)
   if with_values:
-    return q, outs[2].reshape(shape)
+    return q, outs[2]
   return q

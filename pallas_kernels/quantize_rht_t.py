@@ -14,7 +14,7 @@ the transformed tensor must be complete before any block is encoded):
 
 The RHT matrix is an input (closed-over constants do not lower). The tile math
 is the reference's: `nvfp4_jax.tile.hadamard_rows` (the RHT step of
-`nvfp4_jax.rht`), `tile.encode_blocks` and `prng.tile_bytes`. The kernels
+`nvfp4_jax.rht`), `tile.encode_blocks` and `prng.tile_words`. The kernels
 support the Hadamard sizes whose matrix is exact in bf16 and fills a tensor-core
 dot (16 and 64): with them every product is exact, so the FP32 sums are the
 reference's wherever they are exact. Other sizes raise `NotImplementedError`
@@ -164,40 +164,44 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
 
   # Wgrad operand: rht(x.T), [features, tokens], blocks along tokens.
   z = rht_transposed(x, h_ref[...], size, interpret).reshape(bf, bt // B, B)
-  rbits = None
+  encoder = common.block_encoder(interpret)
+  rwords = None
   if sr_t:
-    rbits = prng.tile_bytes(origin_ref[0] + j * bf, bf,
-                            origin_ref[1] + i * (bt // B), bt // B, words_t,
-                            seeds_ref[0], seeds_ref[1])
+    rwords = prng.tile_words(origin_ref[0] + j * bf, bf,
+                             origin_ref[1] + i * (bt // B), bt // B, words_t,
+                             seeds_ref[0], seeds_ref[1])
   packed, scales, vals = tile.encode_blocks(
       z, tile.block_amax(z, False), *consts(0, fos_t), divide=divide,
-      rbits=rbits, split_pack=True, four_over_six=fos_t,
-      flush=common.flush(interpret), with_values=values_t)
+      rwords=rwords, split_pack=True, four_over_six=fos_t,
+      flush=common.flush(interpret), with_values=values_t,
+      with_codes=not values_t, values_as_pairs=True, encoder=encoder)
   _store_operand(refs, values_t, packed, scales, vals,
-                 (feat(0, bf), tok(1, bt // B)), (feat(0, bf), tok(1, bt)))
+                 (feat(0, bf), tok(1, bt // B)), (feat(0, bf), tok(1, bt // 2)))
 
   if fused_x:  # Row operand: x, [tokens, features], blocks along features.
     xf = x.astype(jnp.float32).reshape(bt, bf // B, B)  # Flushed when scaled.
-    rbits = None
+    rwords = None
     if sr_x:
-      rbits = prng.tile_bytes(origin_ref[2] + i * bt, bt,
-                              origin_ref[3] + j * (bf // B), bf // B, words_x,
-                              seeds_ref[2], seeds_ref[3])
+      rwords = prng.tile_words(origin_ref[2] + i * bt, bt,
+                               origin_ref[3] + j * (bf // B), bf // B, words_x,
+                               seeds_ref[2], seeds_ref[3])
     packed, scales, vals = tile.encode_blocks(
         xf, common.flushed_block_amax(xf, False), *consts(1, fos_x),
         divide=divide, multiply=common.ftz_multiply(interpret),
         flush=common.flush(interpret),
-        rbits=rbits, split_pack=True, four_over_six=fos_x,
-        with_values=values_x)
+        rwords=rwords, split_pack=True, four_over_six=fos_x,
+        with_values=values_x, with_codes=not values_x, values_as_pairs=True,
+        encoder=encoder)
     _store_operand(refs, values_x, packed, scales, vals,
-                   (tok(0, bt), feat(1, bf // B)), (tok(0, bt), feat(1, bf)))
+                   (tok(0, bt), feat(1, bf // B)),
+                   (tok(0, bt), feat(1, bf // 2)))
 
 
 def _store_operand(refs, as_values: bool, packed, scales, vals, block_dims,
                    value_dims):
   """Stores one operand into the next output refs (popped from `refs`):
   codes and scales (`block_dims`: their tile's bounds), or the block values
-  as a 2-D tile (`value_dims`)."""
+  as a 2-D tile of uint32 pairs (`value_dims`; see `tile.value_pairs`)."""
   if as_values:
     vals = vals.reshape(vals.shape[0], -1)
     common.store(refs.pop(0), vals, common.bounds_mask(vals.shape,
@@ -253,9 +257,9 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
 
   def operand(rows, cols, rb, cb, index, as_values):
     """The outputs of a `[rows, cols]` operand tiled `[rb, cb]` at `index`."""
-    if as_values:
-      out_shape.append(jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16))
-      out_specs.append(pl.BlockSpec((rb, cb), index))
+    if as_values:  # bf16 pairs as uint32 (see `tile.value_pairs`).
+      out_shape.append(jax.ShapeDtypeStruct((rows, cols // 2), jnp.uint32))
+      out_specs.append(pl.BlockSpec((rb, cb // 2), index))
       return
     out_shape.extend([
         jax.ShapeDtypeStruct((rows, cols // B, B // 2), jnp.uint8),
@@ -282,7 +286,8 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
 
   def result(rows, cols, amax, fos, as_values):
     if as_values:
-      return NVFP4Values(outs.pop(0), amax, four_over_six=fos)
+      return NVFP4Values(common.values_from_pairs(outs.pop(0)), amax,
+                         four_over_six=fos)
     codes, scales = outs.pop(0), outs.pop(0)
     return NVFP4Array(codes=codes.reshape(rows, cols // 2), scales=scales,
                       amax=amax, four_over_six=fos)
