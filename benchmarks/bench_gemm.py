@@ -138,21 +138,9 @@ def per_layer(fn, x, ws, reps: int = 7) -> float:
 def gpu_kernels_per_layer(fn, x, ws, reps: int = 5) -> dict[str, tuple]:
   """{kernel: (calls, GPU seconds)} per call of `fn(x, w)`, from a
   `jax.profiler` trace of `per_layer`'s program (empty without a GPU)."""
-  import glob  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
-  from benchmarks import profile_step  # pylint: disable=g-import-not-at-top
   f = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
-  jax.block_until_ready(f(x, ws))
-  d = tempfile.mkdtemp()
-  jax.profiler.start_trace(d)
-  for _ in range(reps):
-    out = f(x, ws)
-  jax.block_until_ready(out)
-  jax.profiler.stop_trace()
-  (xplane,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-  per = reps * len(ws)
-  return {name: (calls / per, ns / per / 1e9) for name, (calls, ns) in
-          profile_step.gpu_kernels(xplane).items()}
+  return {name: (n / len(ws), t / len(ws)) for name, (n, t) in
+          timing.gpu_kernels(f, [(x, ws)], calls=reps).items()}
 
 
 def run_weight_only(shapes=DECODE_SHAPES,

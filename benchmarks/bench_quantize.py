@@ -74,6 +74,11 @@ def variants(key):
       ("quantize 1x16 RTNE +amax", 2 + Q_BYTES,
        q(nvfp4.quantize, implementation="pallas"),
        q(nvfp4.quantize, implementation="xla"), None),
+      ("quantize 1x16 SR", 2 + Q_BYTES,
+       lambda x, a: nvfp4.quantize(x, amax=a, rounding="stochastic", key=key,
+                                   implementation="pallas"),
+       lambda x, a: nvfp4.quantize(x, amax=a, rounding="stochastic", key=key,
+                                   implementation="xla"), "x"),
       ("quantize 1x16 SR +amax", 2 + Q_BYTES,
        q(nvfp4.quantize, rounding="stochastic", key=key,
          implementation="pallas"),
@@ -92,6 +97,11 @@ def variants(key):
       ("rht_t RTNE +amax", 2 + Q_BYTES,
        q(fused.quantize_rht_t, implementation="pallas"),
        q(fused.quantize_rht_t, implementation="xla"), None),
+      ("rht_t SR", 2 + Q_BYTES,
+       lambda x, a: fused.quantize_rht_t(x, amax=a, rounding="stochastic",
+                                         key=key, implementation="pallas"),
+       lambda x, a: fused.quantize_rht_t(x, amax=a, rounding="stochastic",
+                                         key=key, implementation="xla"), "t"),
       ("rht_t SR +amax", 2 + Q_BYTES,
        q(fused.quantize_rht_t, rounding="stochastic", key=key,
          implementation="pallas"),
@@ -131,6 +141,15 @@ def run(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
   amax_x = [jnp.max(jnp.abs(x)).astype(jnp.float32) for x in xs]
   amax_t = [pr.rht_amax(x) for x in xs]
   rows = []
+  # The GPU-time columns' ceiling: the copy's GPU time (`a * 1.0001` on n
+  # FP32 elements: 8n bytes moved), from a trace like the rows'.
+  gpu_copy_s = None
+  if jax.default_backend() == "gpu":
+    ys = [jax.random.normal(jax.random.key(9 + i), (n,), jnp.float32)
+          for i in range(2)]
+    gpu_copy_s = timing.gpu_seconds(
+        jax.jit(lambda a: a * jnp.float32(1.0001)), [(y,) for y in ys])
+    del ys
 
   # The amax pass alone and the dequantize kernel, for reference.
   f_amax = jax.jit(lambda x: nvfp4.tensor_amax(nm.ftz(x.astype(jnp.float32))))
@@ -182,11 +201,15 @@ def run(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
         jp = jax.jit(lambda *a, fp=fp: fp(*a))
         exact = exact_vs_cpu(lambda *a, fp=fp: fp(*a), fx, small_args)
         t_p = timing.bench(jp, args)
+        g_p = timing.gpu_seconds(jp, args) if gpu_copy_s else float("nan")
       finally:
         pcommon.ASM_ENCODE = True
       rows.append(dict(kernel=name + ("" if asm else " (jnp encode)"),
                        bytes_per_elem=bpe, us=t_p * 1e6,
                        tbps=b / t_p / 1e12, of_copy=b / t_p / copy_bw,
+                       gpu_us=g_p * 1e6,
+                       gpu_of_copy=(b / g_p) * gpu_copy_s / (8 * n)
+                       if gpu_copy_s else float("nan"),
                        xla_us=t_x * 1e6, vs_xla=t_x / t_p, exact=exact))
   return rows
 
@@ -274,8 +297,8 @@ def sweep_pair(tokens: int = 8192, features: int = 8192, *, copy_bw: float
   return rows
 
 
-COLS = ("kernel", "bytes_per_elem", "us", "tbps", "of_copy", "xla_us",
-        "vs_xla", "exact")
+COLS = ("kernel", "bytes_per_elem", "us", "tbps", "of_copy", "gpu_us",
+        "gpu_of_copy", "xla_us", "vs_xla", "exact")
 
 if __name__ == "__main__":
   p = argparse.ArgumentParser()

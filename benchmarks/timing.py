@@ -35,6 +35,37 @@ def bench(fn: Callable, arg_sets: Sequence[tuple], *, calls: int = 10,
   return statistics.median(per_call)
 
 
+def gpu_kernels(fn: Callable, arg_sets: Sequence[tuple], *, calls: int = 10
+                ) -> dict[str, tuple[float, float]]:
+  """{kernel: (launches, GPU seconds)} per call of `fn(*args)`, from a
+  `jax.profiler` trace of `calls` calls over rotating `arg_sets` (empty
+  without a GPU). GPU time does not see the host's launch jitter and the
+  gaps between kernels that wall time includes."""
+  import glob  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from benchmarks import profile_step  # pylint: disable=g-import-not-at-top
+  for args in arg_sets:  # Compile.
+    jax.block_until_ready(fn(*args))
+  d = tempfile.mkdtemp()
+  jax.profiler.start_trace(d)
+  out = None
+  for i in range(calls):
+    out = fn(*arg_sets[i % len(arg_sets)])
+  jax.block_until_ready(out)
+  jax.profiler.stop_trace()
+  (xplane,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+  return {name: (n / calls, ns / calls / 1e9) for name, (n, ns) in
+          profile_step.gpu_kernels(xplane).items()}
+
+
+def gpu_seconds(fn: Callable, arg_sets: Sequence[tuple], *,
+                calls: int = 10) -> float:
+  """GPU seconds per call of `fn(*args)`: all its kernels (`gpu_kernels`);
+  NaN without a GPU."""
+  kernels = gpu_kernels(fn, arg_sets, calls=calls)
+  return sum(t for _, t in kernels.values()) if kernels else float("nan")
+
+
 def copy_bandwidth(n_bytes: int = 1 << 30) -> float:
   """Bytes/s of `a * 1.0001` on an FP32 array of `n_bytes` (read + write)."""
   n = n_bytes // 4
