@@ -14,6 +14,10 @@ lower to Triton with the same results:
   (interpret mode pads instead, which hid this on CPU).
 - Per-program partial amaxes travel as uint32 bit patterns (the form
   `nvfp4_jax.tile.abs_max` reduces, NaN-propagating in Triton too).
+- `block_encoder` (E2M1 rounding, packing, block values) and `block_values`
+  / `block_value_pairs` (decoding) are inline PTX on the GPU, bit for bit
+  the `nvfp4_jax.tile` functions they replace (tests/test_encoder.py,
+  tests/test_kernels.py); interpreted, they are those functions.
 """
 
 from __future__ import annotations

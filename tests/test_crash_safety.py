@@ -91,10 +91,20 @@ PARTIAL = " (partial)"
 
 
 def saving(ckpt_dir: pathlib.Path, step: int):
-  """True while orbax writes `step`: its temporary directory exists."""
+  """True while orbax writes `step`: its temporary directory exists.
+
+  The run may remove `ckpt_dir` while it is being listed (a run started
+  without `--resume` clears the partial saves of the one before): that
+  is "not yet", not an error.
+  """
   prefix = f"{step}{ocp.step.TMP_DIR_SUFFIX}"
-  return lambda: ckpt_dir.is_dir() and any(
-      p.name.startswith(prefix) for p in ckpt_dir.iterdir())
+
+  def condition():
+    try:
+      return any(p.name.startswith(prefix) for p in ckpt_dir.iterdir())
+    except FileNotFoundError:
+      return False
+  return condition
 
 
 def logged_anew(run: pathlib.Path, step: int):
