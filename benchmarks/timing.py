@@ -46,16 +46,17 @@ def gpu_kernels(fn: Callable, arg_sets: Sequence[tuple], *, calls: int = 10
   from benchmarks import profile_step  # pylint: disable=g-import-not-at-top
   for args in arg_sets:  # Compile.
     jax.block_until_ready(fn(*args))
-  d = tempfile.mkdtemp()
-  jax.profiler.start_trace(d)
-  out = None
-  for i in range(calls):
-    out = fn(*arg_sets[i % len(arg_sets)])
-  jax.block_until_ready(out)
-  jax.profiler.stop_trace()
-  (xplane,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+  with tempfile.TemporaryDirectory() as d:
+    jax.profiler.start_trace(d)
+    out = None
+    for i in range(calls):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    jax.profiler.stop_trace()
+    (xplane,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+    kernels = profile_step.gpu_kernels(xplane)
   return {name: (n / calls, ns / calls / 1e9) for name, (n, ns) in
-          profile_step.gpu_kernels(xplane).items()}
+          kernels.items()}
 
 
 def gpu_seconds(fn: Callable, arg_sets: Sequence[tuple], *,

@@ -151,6 +151,13 @@ def value_pairs(values: jax.Array) -> jax.Array:
   return lo | (hi << 16)
 
 
+def values_from_pairs(pairs: jax.Array) -> jax.Array:
+  """Inverse of `value_pairs`: bf16 `[..., 2n]` from uint32 `[..., n]` (a
+  bitcast; kernels store pairs, their wrappers call this outside)."""
+  v = jax.lax.bitcast_convert_type(pairs, jnp.bfloat16)
+  return v.reshape(*pairs.shape[:-1], -1)
+
+
 def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
                   inv_s_enc: jax.Array, *, divide: Callable = nm.divide,
                   rbits: jax.Array | None = None,
@@ -211,23 +218,26 @@ def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
       raise ValueError("encode_blocks takes rbits or rwords, not both.")
     if encoder is None or four_over_six:
       rbits = prng.word_bytes(rwords)
-  if encoder is not None and not four_over_six:
-    scales = barrier(nm.nvfp4_block_decode_scale(bamax, s_enc_over_6))
-    d = scales.astype(jnp.float32)
-    y = multiply(xf, nm.nvfp4_block_encode_scale(d, inv_s_enc,
-                                                 divide=divide)[..., None])
-    if not values_as_pairs and with_values:
-      raise ValueError("an encoder returns the values as pairs: pass "
-                       "values_as_pairs=True.")
-    packed, values = encoder(y, rwords, d, codes=with_codes,
-                             values=with_values)
-    return packed, scales, values
-  def encode(expansion):
+  if encoder is not None and with_values and not values_as_pairs:
+    raise ValueError("an encoder returns the values as pairs: pass "
+                     "values_as_pairs=True.")
+
+  def scaled(expansion):
+    """Steps 2-3: the E4M3 scales, their FP32 values, the scaled blocks."""
     scales = barrier(nm.nvfp4_block_decode_scale(bamax, s_enc_over_6,
                                                  expansion=expansion))
     d = scales.astype(jnp.float32)
     enc = nm.nvfp4_block_encode_scale(d, inv_s_enc, divide=divide)
-    y = multiply(xf, enc[..., None])
+    return scales, d, multiply(xf, enc[..., None])
+
+  if encoder is not None and not four_over_six:
+    scales, d, y = scaled(None)
+    packed, values = encoder(y, rwords, d, codes=with_codes,
+                             values=with_values)
+    return packed, scales, values
+
+  def encode(expansion):
+    scales, d, y = scaled(expansion)
     if rbits is None:
       codes = nm.e2m1_encode_nearest(y)
     else:

@@ -361,13 +361,6 @@ def _asm_encode(y: jax.Array, rwords: jax.Array | None, d: jax.Array, *,
   return packed, vals
 
 
-def values_from_pairs(pairs: jax.Array) -> jax.Array:
-  """bf16 values `[..., 2n]` from the uint32 pairs `[..., n]` a kernel stored
-  (`tile.value_pairs`' layout: a bitcast, outside the kernel)."""
-  v = jax.lax.bitcast_convert_type(pairs, jnp.bfloat16)
-  return v.reshape(*pairs.shape[:-1], -1)
-
-
 def block_encoder(interpret: bool) -> Callable | None:
   """`tile.encode_blocks(encoder=...)` for this backend: None (the
   reference's jnp encoders) when interpreted, `_ENCODE_ASM` on the GPU."""

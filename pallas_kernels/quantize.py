@@ -191,7 +191,7 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
       grid=grid, in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape)(*args))
   if with_values:
-    outs[-1] = common.values_from_pairs(outs[-1]).reshape(shape)
+    outs[-1] = tile.values_from_pairs(outs[-1]).reshape(shape)
   if not with_codes:
     return NVFP4Values(outs[0], amax, four_over_six=four_over_six)
   lead = shape[:-1]

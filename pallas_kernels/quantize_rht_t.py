@@ -286,7 +286,7 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
 
   def result(rows, cols, amax, fos, as_values):
     if as_values:
-      return NVFP4Values(common.values_from_pairs(outs.pop(0)), amax,
+      return NVFP4Values(tile.values_from_pairs(outs.pop(0)), amax,
                          four_over_six=fos)
     codes, scales = outs.pop(0), outs.pop(0)
     return NVFP4Array(codes=codes.reshape(rows, cols // 2), scales=scales,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import types
 
 import jax
 import jax.numpy as jnp
@@ -141,3 +142,16 @@ def assert_scales_diverse(scales) -> None:
   frac_max = np.mean(b == 0x7E)  # 448 in E4M3
   assert frac_max < 0.25, f"{frac_max:.0%} of scales saturate at 448"
   assert np.unique(b).size >= min(12, b.size // 4), np.unique(b).size
+
+
+@pytest.fixture
+def claim_sm90(monkeypatch):
+  """Off-GPU, makes the kernels lower for CUDA as on an sm_90 GPU (nothing
+  runs): `jax.jit(fn).trace(...).lower(lowering_platforms=("cuda",))`."""
+  from pallas_kernels import common  # pylint: disable=g-import-not-at-top
+  from jax._src.pallas.triton import pallas_call_registration as reg  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(common, "backend", lambda: "gpu")
+  monkeypatch.setattr(common, "compute_capability", lambda: (9, 0))
+  if hasattr(reg, "gpu_info_lib"):  # jax >= 0.11 asks the (absent) GPU.
+    monkeypatch.setattr(reg, "gpu_info_lib", types.SimpleNamespace(
+        get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))

@@ -29,7 +29,12 @@ from jax.experimental import pallas as pl
 from nvfp4_jax import numerics as nm
 from nvfp4_jax import prng
 from nvfp4_jax import tile
+from nvfp4_jax import fused
+from nvfp4_jax.recipe import Operand
 from pallas_kernels import common
+from pallas_kernels import quantize as pallas_quantize
+from pallas_kernels import quantize_pair as pallas_pair
+from pallas_kernels import quantize_rht_t as pallas_rht
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -211,9 +216,42 @@ def test_assembly_equals_reference(stochastic):
       y, words, d, stochastic)
   np.testing.assert_array_equal(np.asarray(codes), np.asarray(want_codes))
   # Values: bit for bit, except that a NaN scale's NaN has the GPU's payload.
-  got_v = common.values_from_pairs(pairs)
-  want_v = common.values_from_pairs(want_pairs)
+  got_v = tile.values_from_pairs(pairs)
+  want_v = tile.values_from_pairs(want_pairs)
   nan = np.isnan(np.asarray(want_v, np.float32))
   assert nan.any() and np.isnan(np.asarray(got_v, np.float32)[nan]).all()
   bits = lambda v: np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint16))
   np.testing.assert_array_equal(bits(got_v)[~nan], bits(want_v)[~nan])
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the kernels are compiled for real")
+@pytest.mark.parametrize("asm", [True, False], ids=["encoder", "switched_off"])
+def test_kernels_lower_with_the_encoder(claim_sm90, monkeypatch, asm):
+  """Every quantize kernel, lowered for CUDA, carries the encoder's assembly
+  (its rounding to nearest and, with stochastic rounding, rounding up); with
+  `ASM_ENCODE` off, none does."""
+  monkeypatch.setattr(common, "ASM_ENCODE", asm)
+  x = jax.ShapeDtypeStruct((80, 400), jnp.bfloat16)
+  key = jax.random.key(0)
+  kx, kt = fused.split_key(key)
+  sr = Operand(rounding="stochastic")
+  fns = {
+      "1x16 RTNE": lambda x: pallas_quantize.quantize(x),
+      "16x16 RTNE": lambda x: pallas_quantize.quantize(x, block_2d=True),
+      "1x16 SR values": lambda x: pallas_quantize.quantize(
+          x, rounding="stochastic", key=key, with_codes=False),
+      "rht_t SR values": lambda x: pallas_rht.quantize_rht_t(
+          x, rounding="stochastic", key=key, values=True),
+      "X pair": lambda x: pallas_pair.quantize_pair(
+          x, Operand(), Operand(rht=True), key_row=None, key_t=None,
+          values=(True, False)),
+      "dY pair": lambda x: pallas_pair.quantize_pair(
+          x, sr, Operand(rounding="stochastic", rht=True), key_row=kx,
+          key_t=kt, values=(True, True)),
+  }
+  for name, fn in fns.items():
+    text = jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text, name
+    assert ("mul.rn.ftz.sat.f32" in text) == asm, name
+    if "SR" in name or "dY" in name:
+      assert ("fma.rp.f32" in text) == asm, name

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -541,15 +540,9 @@ def _explicit_mesh():
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the kernels are compiled for real")
 @pytest.mark.parametrize("mesh", [contextlib.nullcontext, _explicit_mesh],
                          ids=["no_mesh", "explicit_mesh"])
-def test_kernels_lower_to_triton(monkeypatch, mesh):
+def test_kernels_lower_to_triton(claim_sm90, mesh):
   """Off-GPU, lower every kernel for CUDA: no missing Pallas-Triton rule, and
   none that rejects an Explicit mesh in context."""
-  monkeypatch.setattr(common, "backend", lambda: "gpu")
-  monkeypatch.setattr(common, "compute_capability", lambda: (9, 0))
-  from jax._src.pallas.triton import pallas_call_registration as reg  # pylint: disable=g-import-not-at-top
-  if hasattr(reg, "gpu_info_lib"):  # jax >= 0.11 asks the (absent) GPU.
-    monkeypatch.setattr(reg, "gpu_info_lib", types.SimpleNamespace(
-        get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
   x = jax.ShapeDtypeStruct((80, 400), jnp.bfloat16)  # Partial tiles: masks.
   fns = [
       lambda x: pallas_quantize.quantize(x, with_values=True),
