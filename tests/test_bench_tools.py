@@ -62,3 +62,24 @@ def test_bench_memory_largest_fit():
   assert bench_memory.largest_fit(8, 26, 16, 42, 5) == 8
   with pytest.raises(ValueError, match="does not grow"):
     bench_memory.largest_fit(8, 26, 16, 26, 100)
+
+
+@pytest.mark.parametrize("name,peak", [
+    ("linear", lambda b: 2 + 0.05 * b),
+    ("convex", lambda b: 2 + 0.05 * b + 2e-4 * b * b),
+    ("concave", lambda b: 2 + 0.1 * b**0.8),
+    ("a jump at 152", lambda b: 2 + 0.05 * b + (5 if b > 150 else 0)),
+    ("nothing fits", lambda b: 30 + b),
+])
+@pytest.mark.parametrize("limit", [10, 19.8, 40])
+def test_bench_memory_search_finds_the_largest_fitting_batch(name, peak, limit):
+  """The compile search ends on the exact answer (a multiple of 8 that fits
+  with the next one over), whatever the peak's shape, within 10 compiles."""
+  from benchmarks import bench_memory  # pylint: disable=g-import-not-at-top
+  peaks = {8: peak(8), 16: peak(16)}
+  while (b := bench_memory.next_batch(peaks, limit)) is not None:
+    assert b not in peaks and b % 8 == 0, (name, b, peaks)
+    peaks[b] = peak(b)
+  truth = max((b for b in range(8, 5000, 8) if peak(b) <= limit), default=0)
+  assert max((b for b, p in peaks.items() if p <= limit), default=0) == truth
+  assert len(peaks) <= 10, (name, list(peaks))
