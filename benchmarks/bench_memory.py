@@ -3,13 +3,13 @@
     python -m benchmarks.bench_memory --presets base,large --seq 1024 \\
         --precisions bf16,nvfp4 --remat none,quantized
 
-Each configuration runs in its own processes. The compiled step's peak is
+Each configuration runs in its own process. The compiled step's peak is
 XLA's own account (`compiled.memory_analysis()`: arguments + outputs -
 donated aliases + temporaries). Nothing here is timed.
 
-1. Search (compiles only, `--jobs` configurations at once): the peaks at
-   `--batch` and twice that give the growth per sequence (the line). The
-   largest micro-batch (a multiple of 8) whose peak stays within the
+1. Search (compiles only): the peaks at `--batch` and twice that give the
+   growth per sequence (the line). The largest micro-batch (a multiple of
+   8) whose peak stays within the
    device's allocator limit (`memory_stats()["bytes_limit"]`, or
    `--limit-gib`) is then searched by compiling: each next batch is read
    off the line through the two compiled points nearest the limit, kept
@@ -18,15 +18,16 @@ donated aliases + temporaries). Nothing here is timed.
    is 8 wide or `--compiles` is spent. Peaks need not grow linearly (at
    large batches XLA's schedule changes): the answer is a compiled batch,
    never an extrapolation.
-2. Run (one configuration at a time, alone on the device): the largest
-   batch that fits by XLA's count is compiled (a hit in the persistent
-   compilation cache the search filled) and run for two steps; if it runs
-   out of memory, the next smaller multiple of 8 is tried, at most three
-   times in all.
+2. Run, in the same process: the largest batch that fits by XLA's count
+   (compiled last or again) runs two steps; if it runs out of memory, the
+   next smaller multiple of 8 is tried, at most three times in all. The
+   configurations run side by side, each in its own allocator limit (with
+   `XLA_PYTHON_CLIENT_MEM_FRACTION=f`, keep `--jobs` x f below 1).
 
-Each try is logged to stderr as it ends (batch, peak, seconds), so a call cut
-short still shows where it stood; `--cache FILE` keeps finished searches and
-runs and resumes from them.
+Each try is logged to stderr as it ends (batch, peak, seconds), and each
+configuration's progress is written to `--state-dir` after every compile and
+run: a second invocation with the same directory resumes where the first
+stopped.
 """
 
 from __future__ import annotations
@@ -131,74 +132,89 @@ def _compile_at(cfg: bench_step.StepConfig, batch: int):
   return compiled, state, data, peak
 
 
-def _search(cfg: bench_step.StepConfig, limit_gib: float | None,
-            compiles: int) -> dict:
-  """Phase 1 (compiles only): the line and the largest batch that fits by
-  XLA's count."""
-  limit = _limit(limit_gib)
-  b0, b1 = cfg.batch, 2 * cfg.batch
-  peaks = {}
-  for b in (b0, b1):
-    peaks[b] = _compile_at(cfg, b)[3]
+def _runs(compiled, state, data) -> bool:
+  """Whether two steps run, False on running out of device memory."""
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    for _ in range(2):
+      state, m = compiled(state, data)
+    jax.block_until_ready(m)
+    return True
+  except Exception as e:  # pylint: disable=broad-except
+    msg = str(e).lower()
+    if "resource_exhausted" not in msg and "out of memory" not in msg:
+      raise
+    return False
+
+
+def _fit(cfg: bench_step.StepConfig, limit_gib: float | None, compiles: int,
+         run: bool, state_file: str) -> dict:
+  """One configuration: the search (compiles only), then the run of its
+  answer. Its progress is kept in `state_file` after every compile and run,
+  and picked up from there: a configuration cut short resumes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  st = {"peaks": [], "limit": _limit(limit_gib), "tried": []}
+  if os.path.exists(state_file):
+    with open(state_file) as f:
+      st.update(json.load(f))
+  limit = st["limit"]
+  peaks = {int(b): p for b, p in st["peaks"]}
+  held = None  # The last compile, kept to run it without compiling again.
+
+  def save():
+    st["peaks"] = [[b, p] for b, p in peaks.items()]
+    with open(state_file, "w") as f:
+      json.dump(st, f)
+
+  for b in (cfg.batch, 2 * cfg.batch):
+    if b not in peaks:
+      held = (b, *_compile_at(cfg, b))
+      peaks[b] = held[-1]
+      save()
   while len(peaks) < compiles:
     b = next_batch(peaks, limit)
     if b is None:
       break
-    peaks[b] = _compile_at(cfg, b)[3]
+    held = (b, *_compile_at(cfg, b))
+    peaks[b] = held[-1]
+    save()
   fit = [b for b, p in peaks.items() if p <= limit]
   over = [b for b, p in peaks.items() if p > limit]
   lo, hi = max(fit, default=0), min(over, default=None)
-  return {"b0": b0, "b1": b1, "peak0": peaks[b0], "peak1": peaks[b1],
-          "peaks": [[b, p] for b, p in peaks.items()], "limit": limit,
-          "fits": lo, "over": hi,
-          "exact": hi is not None and hi - lo <= MULTIPLE}
-
-
-def _run(cfg: bench_step.StepConfig, search: dict) -> dict:
-  """Phase 2 (alone on the device): the search's batch compiled and run for
-  two steps, stepping down by 8 while it runs out of memory."""
-  import jax  # pylint: disable=g-import-not-at-top
-
-  def runs(compiled, state, data) -> bool:
-    """Whether two steps run, False on running out of device memory."""
-    try:
-      for _ in range(2):
-        state, m = compiled(state, data)
-      jax.block_until_ready(m)
-      return True
-    except Exception as e:  # pylint: disable=broad-except
-      msg = str(e).lower()
-      if "resource_exhausted" not in msg and "out of memory" not in msg:
-        raise
-      return False
-
-  tried = []
-  b = search["fits"]
-  while b >= MULTIPLE and len(tried) < 3:
-    compiled, state, data, peak = _compile_at(cfg, b)
-    if runs(compiled, state, data):
+  out = {"b0": cfg.batch, "b1": 2 * cfg.batch, "peak0": peaks[cfg.batch],
+         "peak1": peaks[2 * cfg.batch], "peaks": st["peaks"], "limit": limit,
+         "fits": lo, "over": hi,
+         "exact": hi is not None and hi - lo <= MULTIPLE}
+  if not run or lo == 0:
+    return out
+  # The run: the search's answer, stepping down by 8 while it runs out of
+  # memory (allocator overheads beyond XLA's count), at most three tries.
+  b = lo - MULTIPLE * len(st["tried"])
+  while b >= MULTIPLE and len(st["tried"]) < 3:
+    if held is None or held[0] != b:
+      held = None  # Free the last compile's buffers first.
+      held = (b, *_compile_at(cfg, b))
+    _, compiled, state, data, peak = held
+    if _runs(compiled, state, data):
       _log(cfg, f"batch {b}: two steps ran")
-      dev = jax.devices()[0]
-      return {"max_batch": b, "peak_max": peak, "oom_tried": tried,
-              "device": dev.device_kind, "jax": jax.__version__}
+      return dict(out, max_batch=b, peak_max=peak, oom_tried=st["tried"],
+                  device=jax.devices()[0].device_kind, jax=jax.__version__)
     _log(cfg, f"batch {b}: out of memory when run")
-    tried.append({"batch": b, "peak": peak, "why": "out of memory when run"})
-    del compiled, state, data
+    st["tried"].append({"batch": b, "peak": peak})
+    save()
+    held = None
     b -= MULTIPLE
-  return {"error": ("the smallest batch does not fit" if b < MULTIPLE else
-                    f"out of memory at {[t['batch'] for t in tried]}"),
-          "oom_tried": tried}
+  return dict(out, error=f"out of memory when run at "
+              f"{[t['batch'] for t in st['tried']]}", oom_tried=st["tried"])
 
 
-def _child_cmd(c: bench_step.StepConfig, phase: str, extra=()) -> list[str]:
+def _child_cmd(c: bench_step.StepConfig, extra=()) -> list[str]:
   return [sys.executable, "-m", "benchmarks.bench_memory", "--child",
-          json.dumps(dataclasses.asdict(c)), "--phase", phase, *extra]
+          json.dumps(dataclasses.asdict(c)), *extra]
 
 
-def _result(label: str, out: str, rc: int) -> dict:
-  if rc:
-    raise RuntimeError(f"{label} failed (exit {rc}); its log is above.")
-  return json.loads(out.strip().splitlines()[-1])
+def _slug(label: str) -> str:
+  return "".join(ch if ch.isalnum() else "_" for ch in label)
 
 
 def _gib(b) -> str:
@@ -208,8 +224,7 @@ def _gib(b) -> str:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--child", help=argparse.SUPPRESS)
-  p.add_argument("--phase", choices=("search", "run"), help=argparse.SUPPRESS)
-  p.add_argument("--search", help=argparse.SUPPRESS)
+  p.add_argument("--state-file", help=argparse.SUPPRESS)
   p.add_argument("--presets", default="base,large")
   p.add_argument("--batch", type=int, default=8,
                  help="micro-batch of the first compile (the second is 2x)")
@@ -222,9 +237,10 @@ def main(argv=None):
   p.add_argument("--compiles", type=int, default=8,
                  help="compiles per configuration in the search, the "
                  "line's two included")
-  p.add_argument("--jobs", type=int, default=4,
-                 help="configurations searched at once (compiles only; the "
-                 "runs are one at a time)")
+  p.add_argument("--jobs", type=int, default=3,
+                 help="configurations at once, each its own process within "
+                 "its own allocator limit (keep jobs x the memory fraction "
+                 "below 1)")
   p.add_argument("--configs", default="",
                  help="comma list of precision:remat pairs to run instead of "
                  "every pair of --precisions and --remat, e.g. "
@@ -232,15 +248,16 @@ def main(argv=None):
   p.add_argument("--no-run", action="store_true",
                  help="search only: report the largest batch by XLA's count "
                  "without running it")
-  p.add_argument("--cache", default="",
-                 help="JSON file of finished searches and runs: read at the "
-                 "start, written as each finishes, so a run cut short picks "
-                 "up where it stopped")
+  p.add_argument("--state-dir", default=os.path.join(
+      tempfile.gettempdir(), "nvfp4_bench_memory"),
+                 help="each configuration's progress (one JSON file per "
+                 "configuration, written after every compile and run); a "
+                 "second invocation with the same directory resumes")
   a = p.parse_args(argv)
+  run = not a.no_run
   if a.child:
     c = bench_step.StepConfig(**json.loads(a.child))
-    r = (_search(c, a.limit_gib, a.compiles) if a.phase == "search"
-         else _run(c, json.loads(a.search)))
+    r = _fit(c, a.limit_gib, a.compiles, run, a.state_file)
     print(json.dumps(r))
     return
   from benchmarks import timing  # pylint: disable=g-import-not-at-top
@@ -250,61 +267,53 @@ def main(argv=None):
   configs = [bench_step.StepConfig(preset, prec, a.batch, a.seq, a.attention,
                                    remat, steps=2)
              for preset in a.presets.split(",") for prec, remat in pairs]
-  cache = {"search": {}, "run": {}}
-  if a.cache and os.path.exists(a.cache):
-    with open(a.cache) as f:
-      cache.update(json.load(f))
-
-  def save():
-    if a.cache:
-      with open(a.cache, "w") as f:
-        json.dump(cache, f, indent=1)
-
-  # The runs' compiles hit the persistent cache the searches filled.
+  os.makedirs(a.state_dir, exist_ok=True)
+  # A rerun of a configuration compiles the same programs again: the
+  # persistent compilation cache makes those hits.
   env = dict(os.environ)
   env.setdefault("JAX_COMPILATION_CACHE_DIR",
-                 os.path.join(tempfile.gettempdir(), "nvfp4_bench_memory"))
+                 os.path.join(a.state_dir, "jax_cache"))
   env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-  limit_arg = ([] if a.limit_gib is None else ["--limit-gib",
-                                                str(a.limit_gib)])
-  searches = cache["search"]
-  pending = [c for c in configs if c.label not in searches]
-  while pending:
-    batch, pending = pending[:a.jobs], pending[a.jobs:]
-    procs = [(c, subprocess.Popen(
-        _child_cmd(c, "search", ["--compiles", str(a.compiles), *limit_arg]),
-        stdout=subprocess.PIPE, text=True, env=env)) for c in batch]
-    for c, proc in procs:
-      out, _ = proc.communicate()
-      searches[c.label] = _result(c.label, out, proc.returncode)
-      save()
+  extra = ["--compiles", str(a.compiles)] + (
+      [] if a.limit_gib is None else ["--limit-gib", str(a.limit_gib)]) + (
+          [] if run else ["--no-run"])
+  results, todo, running = {}, list(configs), []
+  while todo or running:  # A pool of `--jobs` processes.
+    while todo and len(running) < a.jobs:
+      c = todo.pop(0)
+      sf = os.path.join(a.state_dir, _slug(c.label) + ".json")
+      running.append((c, subprocess.Popen(
+          _child_cmd(c, [*extra, "--state-file", sf]),
+          stdout=subprocess.PIPE, text=True, env=env)))
+    time.sleep(1)
+    for c, proc in [cp for cp in running if cp[1].poll() is not None]:
+      running.remove((c, proc))
+      out = proc.stdout.read()
+      if proc.returncode:
+        raise RuntimeError(f"{c.label} failed (exit {proc.returncode}); its "
+                           f"log is above.")
+      results[c.label] = json.loads(out.strip().splitlines()[-1])
   rows = []
   for c in configs:
-    s = searches[c.label]
-    r = cache["run"].get(c.label)
-    if r is None and not a.no_run:
-      out = subprocess.run(
-          _child_cmd(c, "run", ["--search", json.dumps(s)]),
-          stdout=subprocess.PIPE, text=True, check=False, env=env)
-      r = cache["run"][c.label] = _result(c.label, out.stdout, out.returncode)
-      save()
-    peaks = dict((b, p) for b, p in s["peaks"])
-    over = s["over"]
+    r = results[c.label]
+    peaks = {b: p for b, p in r["peaks"]}
+    over = r["over"]
     row = {"preset": c.preset, "precision": c.precision, "remat": c.remat,
-           f"peak_gib_{s['b0']}": s["peak0"] / 2**30,
-           f"peak_gib_{s['b1']}": s["peak1"] / 2**30,
-           "fits_by_xla": s["fits"],
+           f"peak_gib_{r['b0']}": r["peak0"] / 2**30,
+           f"peak_gib_{r['b1']}": r["peak1"] / 2**30,
+           "fits_by_xla": r["fits"],
            "over_by_xla": "" if over is None else
                           f"{over} ({_gib(peaks[over])})",
-           "compiles": len(peaks), "limit_gib": s["limit"] / 2**30}
-    if r is not None:
-      row["max_batch_run"] = r.get("max_batch", r.get("error"))
-      row["peak_gib_max"] = (r["peak_max"] / 2**30 if "peak_max" in r
-                             else "")
+           "compiles": len(peaks), "limit_gib": r["limit"] / 2**30}
+    if run:
+      b = r.get("max_batch", r.get("error", ""))
+      # Run before the search converged: a lower bound.
+      row["max_batch_run"] = b if r["exact"] or not isinstance(b, int) else (
+          f">= {b}")
+      row["peak_gib_max"] = r["peak_max"] / 2**30 if "peak_max" in r else ""
       row["oom_when_run"] = ", ".join(str(t["batch"])
-                                      for t in r["oom_tried"])
-      row["device"] = r.get("device")
+                                      for t in r.get("oom_tried", []))
     rows.append(row)
   cols = ["preset", "precision", "remat", f"peak_gib_{a.batch}",
           f"peak_gib_{2 * a.batch}", "fits_by_xla", "over_by_xla",
