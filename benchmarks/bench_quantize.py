@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import timing
+import nvfp4_jax as nf
 from nvfp4_jax import fused
 from nvfp4_jax import numerics as nm
 from nvfp4_jax import nvfp4
@@ -246,6 +247,60 @@ def sweep(tokens: int = 8192, features: int = 8192, *, copy_bw: float
   return rows
 
 
+AMAX_CONFIGS = (  # (block_tokens, block_features, amax_steps, stages, warps)
+    (64, 64, 1, 1, 4), (64, 64, 8, 1, 4), (64, 64, 8, 2, 4), (64, 64, 16, 2, 4),
+    (32, 64, 16, 2, 4), (64, 128, 8, 2, 4), (64, 128, 8, 2, 8),
+    (32, 128, 8, 2, 4), (128, 64, 4, 2, 8), (64, 32, 16, 2, 2))
+
+
+def sweep_amax(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
+               old=None) -> list[dict]:
+  """The amax pass (`rht_amax(with_x=True)`) at several configs, by wall and
+  GPU time, against the XLA reduction of `max |x|` alone (no transform) and
+  the copy. Every row is checked equal to the CPU reference on heavy-tailed
+  input. `old`: another `rht_amax` (e.g. a previous version's) timed the
+  same way, in the same run."""
+  xs = [jax.random.normal(jax.random.key(i), (tokens, features),
+                          jnp.float32).astype(jnp.bfloat16) for i in range(2)]
+  n = tokens * features
+  ys = [jax.random.normal(jax.random.key(9 + i), (n,), jnp.float32)
+        for i in range(2)]
+  gpu_copy_s = timing.gpu_seconds(
+      jax.jit(lambda a: a * jnp.float32(1.0001)), [(y,) for y in ys])
+  del ys
+  small = check_input()
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    want = jax.jit(lambda x: (
+        nvfp4.tensor_amax(nm.ftz(x.astype(jnp.float32))),
+        nvfp4.tensor_amax(nf.rht(x.T).astype(jnp.float32))))(
+            jax.device_put(small, cpu))
+
+  def row(name, f, exact):
+    t = timing.bench(f, [(x,) for x in xs])
+    g = timing.gpu_seconds(f, [(x,) for x in xs])
+    return dict(kernel=name, us=t * 1e6, of_copy=2 * n / t / copy_bw,
+                gpu_us=g * 1e6, gpu_of_copy=2 * n / g * gpu_copy_s / (8 * n),
+                exact=exact)
+
+  def same(f):
+    got = f(small)
+    return all(_same(a, b) for a, b in zip(got, want))
+
+  f = jax.jit(lambda x: nvfp4.tensor_amax(nm.ftz(x.astype(jnp.float32))))
+  rows = [row("amax of x alone (XLA reduction)", f, "")]
+  if old is not None:
+    f = jax.jit(functools.partial(old, with_x=True))
+    rows.append(row("rht_amax, previous kernel", f, same(f)))
+  for bt, bf, steps, stages, w in AMAX_CONFIGS:
+    cfg = pr.RHTConfig(block_tokens=bt, block_features=bf, num_warps=w,
+                       amax_steps=steps, amax_stages=stages)
+    f = jax.jit(functools.partial(pr.rht_amax, with_x=True, config=cfg))
+    rows.append(row(f"rht_amax {bt}x{bf} x{steps} s{stages} w{w}", f,
+                    same(f)))
+  return rows
+
+
 def sweep_pair(tokens: int = 8192, features: int = 8192, *, copy_bw: float
                ) -> list[dict]:
   """The recipe's pairs (X: both RTNE; dY: both SR), amaxes given: the fused
@@ -307,12 +362,19 @@ if __name__ == "__main__":
   p.add_argument("--sweep", action="store_true")
   p.add_argument("--pair-sweep", action="store_true",
                  help="only the X/dY pair kernels: fused tiles vs two kernels")
+  p.add_argument("--amax-sweep", action="store_true",
+                 help="only the amax pass, at several configs")
   p.add_argument("--encoders", action="store_true",
                  help="also time each kernel with its jnp encoders "
                       "(before the GPU encoder), in the same run")
   a = p.parse_args()
   bw = timing.copy_bandwidth()
   print(f"copy bandwidth: {bw / 1e12:.3f} TB/s")
+  if a.amax_sweep:
+    print(timing.table(sweep_amax(a.tokens, a.features, copy_bw=bw),
+                       ("kernel", "us", "of_copy", "gpu_us", "gpu_of_copy",
+                        "exact")))
+    raise SystemExit(0)
   if a.pair_sweep:
     print(timing.table(sweep_pair(a.tokens, a.features, copy_bw=bw),
                        ("kernel", "us", "of_copy", "exact")))

@@ -314,11 +314,28 @@ def hadamard_rows(v: jax.Array, h: jax.Array, *, bf16_operands: bool,
     flush: `numerics.ftz` for this backend (GPU kernels pass a one-instruction
       `cvt.ftz.f32.f32`).
   """
-  v = flush(v.astype(jnp.float32))
+  y = hadamard_sums(flush(v.astype(jnp.float32)), h,
+                    bf16_operands=bf16_operands)
+  return round_hadamard(y, flush)
+
+
+def hadamard_sums(v: jax.Array, h: jax.Array, *,
+                  bf16_operands: bool) -> jax.Array:
+  """The FP32 sums of `hadamard_rows` (flushed `v` in, before the output's
+  flush and bf16 rounding); arguments as there, `v` already flushed."""
   if bf16_operands:
-    y = jnp.dot(v.astype(jnp.bfloat16), h.astype(jnp.bfloat16),
-                preferred_element_type=jnp.float32)
-  else:
-    y = jnp.dot(v, h.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
-                preferred_element_type=jnp.float32)
+    return jnp.dot(v.astype(jnp.bfloat16), h.astype(jnp.bfloat16),
+                   preferred_element_type=jnp.float32)
+  return jnp.dot(v.astype(jnp.float32), h.astype(jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST,
+                 preferred_element_type=jnp.float32)
+
+
+def round_hadamard(y: jax.Array, flush: Callable = nm.ftz) -> jax.Array:
+  """The last step of `hadamard_rows`: flush the FP32 sums, round to bf16
+  (returned in FP32).
+
+  Monotone in the magnitude: the rounded maximum magnitude is the maximum of
+  the rounded magnitudes, so an amax may round once, after reducing the sums.
+  """
   return flush(y).astype(jnp.bfloat16).astype(jnp.float32)

@@ -405,6 +405,82 @@ def ftz_multiply(interpret: bool) -> Callable[[jax.Array, jax.Array],
   return mul_ftz
 
 
+def max_magnitude(interpret: bool) -> Callable[[jax.Array, jax.Array],
+                                                jax.Array]:
+  """A running elementwise maximum of magnitudes: `m, v -> w` where
+  `|w| = max(|m|, |v|)`, NaN if either is NaN; the sign of `w` is undefined.
+  FP32 or bf16 (`m` and `v` of one dtype).
+
+  On the GPU one `max.NaN.xorsign.abs` per FP32 element or bf16 pair (FMNMX,
+  HMNMX2: no separate absolute values, and NaN propagates where a float
+  `max` in Triton would drop it); interpreted, the same in jnp.
+  """
+  if interpret:
+    return lambda m, v: jnp.where(jnp.isnan(m) | jnp.isnan(v), jnp.nan,
+                                  jnp.maximum(jnp.abs(m), jnp.abs(v)))
+
+  def max_abs(m, v):
+    m, v = jnp.broadcast_arrays(m, v)
+    pairs = m.dtype == jnp.bfloat16
+    [out] = plt.elementwise_inline_asm(
+        f"max.NaN.xorsign.abs.{'bf16x2' if pairs else 'f32'} $0, $1, $2;",
+        args=[m, v], constraints="=r,r,r" if pairs else "=f,f,f",
+        pack=2 if pairs else 1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(m.shape, m.dtype)])
+    return out
+  return max_abs
+
+
+def flush_bf16(interpret: bool) -> Callable[[jax.Array], jax.Array]:
+  """`numerics.ftz` of bf16 values, kept in bf16 (exact: they are bf16).
+
+  On the GPU per pair of elements: both halves widened to FP32 (a shift and
+  a mask), two `cvt.ftz.f32.f32`, repacked (`prmt`): five instructions, where
+  Triton's own widening, the two flushes and the narrowing take six.
+  """
+  if interpret:
+    return lambda x: nm.ftz(x.astype(jnp.float32)).astype(jnp.bfloat16)
+
+  def ftz(x):
+    [out] = plt.elementwise_inline_asm(
+        """{
+        .reg .b32 lo, hi;
+        shl.b32 lo, $1, 16;
+        and.b32 hi, $1, 0xFFFF0000;
+        cvt.ftz.f32.f32 lo, lo;
+        cvt.ftz.f32.f32 hi, hi;
+        prmt.b32 $0, lo, hi, 0x7632;
+        }""", args=[x], constraints="=r,r", pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)])
+    return out
+  return ftz
+
+
+def round_hadamard(interpret: bool) -> Callable[[jax.Array], jax.Array]:
+  """`tile.round_hadamard` (flush, round to bf16, back to FP32) in a kernel.
+
+  On the GPU per pair of elements: two `cvt.ftz.f32.f32`, one
+  `cvt.rn.bf16x2.f32`, and a shift and a mask to widen the halves again
+  (five instructions, where Triton's per-element conversions take seven).
+  """
+  if interpret:
+    return lambda y: tile.round_hadamard(y, nm.ftz)
+
+  def rnd(y):
+    [out] = plt.elementwise_inline_asm(
+        """{
+        .reg .b32 a, b, p;
+        cvt.ftz.f32.f32 a, $2;
+        cvt.ftz.f32.f32 b, $3;
+        cvt.rn.bf16x2.f32 p, b, a;
+        shl.b32 $0, p, 16;
+        and.b32 $1, p, 0xFFFF0000;
+        }""", args=[y], constraints="=f,=f,f,f", pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, jnp.float32)])
+    return out
+  return rnd
+
+
 def flushed_block_amax(x: jax.Array, block_2d: bool) -> jax.Array:
   """`tile.block_amax(ftz(x), block_2d)` of unflushed FP32 blocks.
 

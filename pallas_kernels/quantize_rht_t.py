@@ -3,9 +3,11 @@
 Two passes over `x: [tokens, features]`, as the data flow needs (the amax of
 the transformed tensor must be complete before any block is encoded):
 
-1. `_amax_kernel`: each program transforms one tile (transpose + 16-point
-   Hadamard on the tensor cores + bf16 rounding) and writes the tile's amax;
-   optionally the amax of `x` itself from the same read.
+1. `_amax_kernel`: each program transforms `amax_steps` tiles in a loop
+   (transpose + 16-point Hadamard on the tensor cores), keeps a running
+   elementwise maximum of the sums' magnitudes, and writes their maximum,
+   flushed and rounded to bf16 once; optionally the amax of `x` itself from
+   the same read.
 2. `_quantize_kernel`: transforms the tile again and quantizes it along the
    token axis (RTNE or SR), writing `[features, tokens/2]` codes and
    `[features, tokens/16]` scales. With `fused_x=True` the same read of `x` also
@@ -52,17 +54,25 @@ class RHTConfig:
   """Tile sizes of the RHT kernels (powers of two).
 
   Attributes:
-    block_tokens: tokens per program (a multiple of the Hadamard size).
+    block_tokens: tokens per program (a multiple of the Hadamard size); in
+      the amax pass, tokens per step of a program's loop.
     block_features: features per program (>= 16).
     num_warps: Triton warps per program.
+    amax_steps: token tiles one program of the amax pass reduces (fewer
+      where the tokens need fewer).
+    amax_stages: Triton pipeline stages of the amax pass's loop.
   """
 
   block_tokens: int = 64
   block_features: int = 64
   num_warps: int = 4
+  amax_steps: int = 16
+  amax_stages: int = 1
 
   def __post_init__(self):
-    common.check_powers_of_two(self, ("block_tokens", "block_features", "num_warps"))
+    common.check_powers_of_two(self, ("block_tokens", "block_features",
+                                      "num_warps", "amax_steps",
+                                      "amax_stages"))
     if self.block_tokens < B or self.block_features < B:
       raise ValueError(f"RHTConfig tiles must be at least {B}x{B}; got {self}.")
 
@@ -82,30 +92,66 @@ def check_size(size: int, what: str) -> None:
         f"got {size}; use implementation='xla'.")
 
 
-def rht_transposed(x: jax.Array, h: jax.Array, size: int,
-                   interpret: bool) -> jax.Array:
-  """`rht(x.T)` of a `[tokens, features]` tile, as FP32 `[features, tokens]`.
+def rht_sums_transposed(v: jax.Array, h: jax.Array) -> jax.Array:
+  """The FP32 sums of `rht(v.T)` (`tile.hadamard_sums`) of a flushed
+  `[tokens, features]` tile, `[features * tokens / size, size]`: the
+  `size`-token runs of each feature as rows."""
+  t, f = v.shape
+  n = h.shape[0]
+  return tile.hadamard_sums(v.T.reshape(f * t // n, n), h,
+                            bf16_operands=v.dtype == jnp.bfloat16)
+
+
+def _flush(x: jax.Array, interpret: bool) -> jax.Array:
+  """`ftz(x)`, bf16 kept in bf16 (pairs at a time on the GPU), else FP32."""
+  if x.dtype == jnp.bfloat16:
+    return common.flush_bf16(interpret)(x)
+  return common.flush(interpret)(x.astype(jnp.float32))
+
+
+def rht_transposed(x: jax.Array, h: jax.Array, interpret: bool) -> jax.Array:
+  """`rht(x.T)` of a `[tokens, features]` tile, as FP32 `[features, tokens]`
+  (`tile.hadamard_rows` of its 16-token runs).
 
   bf16 tiles multiply on bf16 operands (exact: see `check_size`).
   """
   t, f = x.shape
-  xt = x.T.reshape(f * t // size, size)
-  y = tile.hadamard_rows(xt, h, bf16_operands=x.dtype == jnp.bfloat16,
-                         flush=common.flush(interpret))
-  return y.reshape(f, t)
+  y = rht_sums_transposed(_flush(x, interpret), h)
+  return common.round_hadamard(interpret)(y).reshape(f, t)
 
 
-def _amax_kernel(h_ref, x_ref, *out_refs, size: int, with_x: bool,
-                 tokens: int, features: int, interpret: bool):
-  bt, bf = x_ref.shape
-  mask = common.bounds_mask((bt, bf), (0, pl.program_id(0) * bt, tokens, bt),
-                            (1, pl.program_id(1) * bf, features, bf))
-  x = common.load(x_ref, mask)  # Out-of-bounds elements read as 0.
-  z = rht_transposed(x, h_ref[...], size, interpret)
-  out_refs[0][...] = jnp.full((1, 1), common.abs_max_bits(z), jnp.uint32)
-  if with_x:  # The flushed maximum is the maximum's flush (one per tile).
-    xmax = nm.ftz(tile.abs_max(x.astype(jnp.float32)))
-    out_refs[1][...] = jnp.full((1, 1), common.abs_max_bits(xmax), jnp.uint32)
+def _amax_kernel(h_ref, x_ref, *out_refs, with_x: bool, tokens: int,
+                 features: int, block_tokens: int, interpret: bool):
+  """One program: `steps` token tiles of `block_tokens` x `bf`, one after
+  another. Each tile is flushed, transposed and multiplied by `H`; a running
+  elementwise maximum keeps the magnitudes of the FP32 sums (and of `x`,
+  bf16 pairs at a time). One reduction at the end, then the flushes and the
+  sums' bf16 rounding once (each monotone in the magnitude,
+  `tile.round_hadamard`: the rounded maximum is the maximum rounded)."""
+  bt_all, bf = x_ref.shape
+  bt = block_tokens
+  i, j = pl.program_id(0), pl.program_id(1)
+  keep = common.max_magnitude(interpret)
+  h = h_ref[...]
+
+  def body(k, carry):
+    m_t, m_x = carry
+    mask = common.bounds_mask((bt, bf), (0, i * bt_all + k * bt, tokens, bt_all),
+                              (1, j * bf, features, bf))
+    x = common.load_at(x_ref, (pl.ds(pl.multiple_of(k * bt, bt), bt),
+                               slice(None)), mask)  # Out of bounds: 0.
+    m_t = keep(m_t, rht_sums_transposed(_flush(x, interpret), h))
+    return m_t, keep(m_x, x) if with_x else m_x
+
+  n = h.shape[0]
+  m_t, m_x = jax.lax.fori_loop(
+      0, bt_all // bt, body, (jnp.zeros((bf * bt // n, n), jnp.float32),
+                              jnp.zeros((bt, bf), x_ref.dtype)))
+  amax_t = tile.round_hadamard(tile.abs_max(m_t), nm.ftz)
+  out_refs[0][...] = jnp.full((1, 1), common.abs_max_bits(amax_t), jnp.uint32)
+  if with_x:  # The flushed maximum is the maximum's flush.
+    amax_x = nm.ftz(tile.abs_max(m_x.astype(jnp.float32)))
+    out_refs[1][...] = jnp.full((1, 1), common.abs_max_bits(amax_x), jnp.uint32)
 
 
 def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
@@ -121,17 +167,19 @@ def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
   t, f = x.shape
   cfg = config or default_config(t, f, size)
   bt, bf = cfg.block_tokens, cfg.block_features
-  grid = (common.cdiv(t, bt), common.cdiv(f, bf))
+  # Token tiles per program: as configured, but no more than the tokens need.
+  steps = min(cfg.amax_steps, common.next_pow2(common.cdiv(t, bt)))
+  grid = (common.cdiv(t, bt * steps), common.cdiv(f, bf))
   h = jnp.asarray(rht_matrix(sign_vector, size))
   part = jax.ShapeDtypeStruct(grid, jnp.uint32)
   n_out = 2 if with_x else 1
-  kernel = functools.partial(_amax_kernel, size=size, with_x=with_x,
-                             tokens=t, features=f, interpret=interpret)
+  kernel = functools.partial(_amax_kernel, with_x=with_x, tokens=t,
+                             features=f, block_tokens=bt, interpret=interpret)
   outs = common.pallas_call(
-      kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
-      name="nvfp4_rht_amax", grid=grid,
+      kernel, interpret=interpret, num_warps=cfg.num_warps,
+      num_stages=cfg.amax_stages, name="nvfp4_rht_amax", grid=grid,
       in_specs=[pl.BlockSpec((size, size), lambda i, j: (0, 0)),
-                pl.BlockSpec((bt, bf), lambda i, j: (i, j))],
+                pl.BlockSpec((bt * steps, bf), lambda i, j: (i, j))],
       out_specs=[pl.BlockSpec((1, 1), lambda i, j: (i, j))] * n_out,
       out_shape=[part] * n_out)(h, x)
   amax_t = common.combine_partial_amax(outs[0])
@@ -163,7 +211,7 @@ def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
                                             feat(1, bf)))
 
   # Wgrad operand: rht(x.T), [features, tokens], blocks along tokens.
-  z = rht_transposed(x, h_ref[...], size, interpret).reshape(bf, bt // B, B)
+  z = rht_transposed(x, h_ref[...], interpret).reshape(bf, bt // B, B)
   encoder = common.block_encoder(interpret)
   rwords = None
   if sr_t:

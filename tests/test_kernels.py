@@ -530,6 +530,48 @@ def test_rht_small_tiles_many_grid_steps():
   assert_same(got, jit_xla(fused.quantize_rht_t)(x))
 
 
+@pytest.mark.parametrize("shape,dtype,cfg", [
+    # Several loop steps per program, the last tile partial, several programs.
+    ((208, 48), jnp.bfloat16, dict(block_tokens=32, block_features=16,
+                                   amax_steps=2)),
+    ((96, 80), jnp.bfloat16, dict(block_tokens=16, block_features=32,
+                                  amax_steps=4)),
+    ((64, 96), jnp.float32, dict(block_tokens=16, block_features=32,
+                                 amax_steps=2)),
+    ((80, 48), jnp.bfloat16, {}),  # The default: one program, 2 steps.
+])
+@pytest.mark.parametrize("peak", ["first", "last"])
+def test_rht_amax_over_its_loop(shape, dtype, cfg, peak):
+  """The amax pass's running maximum over its token tiles: the tensor's
+  largest magnitude placed in the first or the last (partial) tile is found,
+  for `rht(x.T)` and for `x`, bit for bit the reference's."""
+  x = np.array(rht_input(shape, dtype, seed=shape[0]), np.float32)
+  row = 0 if peak == "first" else shape[0] - 1
+  x[row] *= 64.0  # Exact: a power of two (rht_input's sums stay exact).
+  x = jnp.asarray(x, dtype)
+  config = pallas_rht.RHTConfig(**cfg) if cfg else None
+  got_x, got_t = jax.jit(lambda x: pallas_rht.rht_amax(
+      x, with_x=True, config=config))(x)
+  want_t = truth(lambda x: tile.abs_max(nf.rht(x.T).astype(jnp.float32)))(x)
+  want_x = truth(lambda x: nf.numerics.ftz(tile.abs_max(
+      x.astype(jnp.float32))))(x)
+  np.testing.assert_array_equal(f32_bits(got_t), f32_bits(want_t))
+  np.testing.assert_array_equal(f32_bits(got_x), f32_bits(want_x))
+
+
+@pytest.mark.parametrize("special", [np.nan, np.inf])
+def test_rht_amax_nan_and_inf(special):
+  x = np.array(rht_input((96, 32), jnp.bfloat16, seed=5), np.float32)
+  x[70, 3] = special  # In the second program's second step.
+  cfg = pallas_rht.RHTConfig(block_tokens=16, block_features=16, amax_steps=2)
+  got_x, got_t = jax.jit(lambda x: pallas_rht.rht_amax(
+      x, with_x=True, config=cfg))(jnp.asarray(x, jnp.bfloat16))
+  if np.isnan(special):
+    assert np.isnan(float(got_t)) and np.isnan(float(got_x))
+  else:  # An infinity plus or minus finite values stays infinite.
+    assert float(got_t) == np.inf and float(got_x) == np.inf
+
+
 def _explicit_mesh():
   # What flax's NNX examples do to annotate parameters: one device, an
   # Explicit axis. The kernels' blocks then carry the mesh's sharding.
