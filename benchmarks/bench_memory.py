@@ -18,11 +18,15 @@ donated aliases + temporaries). Nothing here is timed.
    is 8 wide or `--compiles` is spent. Peaks need not grow linearly (at
    large batches XLA's schedule changes): the answer is a compiled batch,
    never an extrapolation.
-2. Run, in the same process: the largest batch that fits by XLA's count
-   (compiled last or again) runs two steps; if it runs out of memory, the
-   next smaller multiple of 8 is tried, at most three times in all. The
-   configurations run side by side, each in its own allocator limit (with
-   `XLA_PYTHON_CLIENT_MEM_FRACTION=f`, keep `--jobs` x f below 1).
+2. Run: the largest batch that fits by XLA's count is compiled (a hit in
+   the persistent compilation cache the search filled) and run for two
+   steps, in a fresh process: after other compiles and runs in one process
+   the allocator's free space is split, and a step that fits runs out of
+   memory. If it runs out of memory all the same (allocator overheads
+   beyond XLA's count), the next smaller multiple of 8 is tried, at most
+   three runs in all. Up to `--jobs` processes run side by side, each
+   within its own allocator limit (with `XLA_PYTHON_CLIENT_MEM_FRACTION=f`,
+   keep `--jobs` x f below 1).
 
 Each try is logged to stderr as it ends (batch, peak, seconds), and each
 configuration's progress is written to `--state-dir` after every compile and
@@ -147,65 +151,81 @@ def _runs(compiled, state, data) -> bool:
     return False
 
 
-def _fit(cfg: bench_step.StepConfig, limit_gib: float | None, compiles: int,
-         run: bool, state_file: str) -> dict:
-  """One configuration: the search (compiles only), then the run of its
-  answer. Its progress is kept in `state_file` after every compile and run,
-  and picked up from there: a configuration cut short resumes."""
-  import jax  # pylint: disable=g-import-not-at-top
-  st = {"peaks": [], "limit": _limit(limit_gib), "tried": []}
+def _load_state(state_file: str) -> dict:
+  st = {"peaks": [], "runs": []}
   if os.path.exists(state_file):
     with open(state_file) as f:
       st.update(json.load(f))
-  limit = st["limit"]
-  peaks = {int(b): p for b, p in st["peaks"]}
-  held = None  # The last compile, kept to run it without compiling again.
+  return st
 
-  def save():
-    st["peaks"] = [[b, p] for b, p in peaks.items()]
-    with open(state_file, "w") as f:
-      json.dump(st, f)
+
+def _save_state(state_file: str, st: dict) -> None:
+  tmp = state_file + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(st, f)
+  os.replace(tmp, state_file)
+
+
+def _search(cfg: bench_step.StepConfig, limit_gib: float | None,
+            compiles: int, state_file: str) -> dict:
+  """The search (compiles only; nothing runs). Its progress is kept in
+  `state_file` after every compile and picked up from there."""
+  st = _load_state(state_file)
+  st.setdefault("limit", _limit(limit_gib))
+  peaks = {int(b): p for b, p in st["peaks"]}
+
+  def compile_at(b):
+    peaks[b] = _compile_at(cfg, b)[3]
+    st["peaks"] = [[k, v] for k, v in peaks.items()]
+    _save_state(state_file, st)
 
   for b in (cfg.batch, 2 * cfg.batch):
     if b not in peaks:
-      held = (b, *_compile_at(cfg, b))
-      peaks[b] = held[-1]
-      save()
+      compile_at(b)
   while len(peaks) < compiles:
-    b = next_batch(peaks, limit)
+    b = next_batch(peaks, st["limit"])
     if b is None:
       break
-    held = (b, *_compile_at(cfg, b))
-    peaks[b] = held[-1]
-    save()
+    compile_at(b)
+  return _summary(cfg, st)
+
+
+def _summary(cfg: bench_step.StepConfig, st: dict) -> dict:
+  """A configuration's state as a result: its line, the bracket the search
+  reached, and its runs."""
+  peaks = {int(b): p for b, p in st["peaks"]}
+  limit = st["limit"]
   fit = [b for b, p in peaks.items() if p <= limit]
   over = [b for b, p in peaks.items() if p > limit]
   lo, hi = max(fit, default=0), min(over, default=None)
-  out = {"b0": cfg.batch, "b1": 2 * cfg.batch, "peak0": peaks[cfg.batch],
-         "peak1": peaks[2 * cfg.batch], "peaks": st["peaks"], "limit": limit,
-         "fits": lo, "over": hi,
-         "exact": hi is not None and hi - lo <= MULTIPLE}
-  if not run or lo == 0:
-    return out
-  # The run: the search's answer, stepping down by 8 while it runs out of
-  # memory (allocator overheads beyond XLA's count), at most three tries.
-  b = lo - MULTIPLE * len(st["tried"])
-  while b >= MULTIPLE and len(st["tried"]) < 3:
-    if held is None or held[0] != b:
-      held = None  # Free the last compile's buffers first.
-      held = (b, *_compile_at(cfg, b))
-    _, compiled, state, data, peak = held
-    if _runs(compiled, state, data):
-      _log(cfg, f"batch {b}: two steps ran")
-      return dict(out, max_batch=b, peak_max=peak, oom_tried=st["tried"],
-                  device=jax.devices()[0].device_kind, jax=jax.__version__)
-    _log(cfg, f"batch {b}: out of memory when run")
-    st["tried"].append({"batch": b, "peak": peak})
-    save()
-    held = None
-    b -= MULTIPLE
-  return dict(out, error=f"out of memory when run at "
-              f"{[t['batch'] for t in st['tried']]}", oom_tried=st["tried"])
+  return {"b0": cfg.batch, "b1": 2 * cfg.batch, "peak0": peaks[cfg.batch],
+          "peak1": peaks[2 * cfg.batch], "peaks": st["peaks"],
+          "limit": limit, "fits": lo, "over": hi,
+          "exact": hi is not None and hi - lo <= MULTIPLE,
+          "runs": st.get("runs", [])}
+
+
+def _run_once(cfg: bench_step.StepConfig, batch: int) -> dict:
+  """`batch` compiled and run for two steps, in a fresh process: after other
+  compiles and runs in one process the allocator's free space is split, and
+  a step that fits runs out of memory."""
+  import jax  # pylint: disable=g-import-not-at-top
+  compiled, state, data, peak = _compile_at(cfg, batch)
+  ok = _runs(compiled, state, data)
+  _log(cfg, f"batch {batch}: " + ("two steps ran" if ok else
+                                  "out of memory when run"))
+  return {"batch": batch, "ok": ok, "peak": peak,
+          "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+
+
+def next_run(summary: dict) -> int | None:
+  """The next batch to run, or None when done: the search's answer, then 8
+  less after each out-of-memory run, at most three runs."""
+  runs = summary["runs"]
+  if summary["fits"] == 0 or any(r["ok"] for r in runs) or len(runs) >= 3:
+    return None
+  b = min([r["batch"] for r in runs], default=summary["fits"] + MULTIPLE)
+  return b - MULTIPLE if b > MULTIPLE else None
 
 
 def _child_cmd(c: bench_step.StepConfig, extra=()) -> list[str]:
@@ -225,6 +245,7 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--child", help=argparse.SUPPRESS)
   p.add_argument("--state-file", help=argparse.SUPPRESS)
+  p.add_argument("--try-batch", type=int, help=argparse.SUPPRESS)
   p.add_argument("--presets", default="base,large")
   p.add_argument("--batch", type=int, default=8,
                  help="micro-batch of the first compile (the second is 2x)")
@@ -257,7 +278,8 @@ def main(argv=None):
   run = not a.no_run
   if a.child:
     c = bench_step.StepConfig(**json.loads(a.child))
-    r = _fit(c, a.limit_gib, a.compiles, run, a.state_file)
+    r = (_run_once(c, a.try_batch) if a.try_batch else
+         _search(c, a.limit_gib, a.compiles, a.state_file))
     print(json.dumps(r))
     return
   from benchmarks import timing  # pylint: disable=g-import-not-at-top
@@ -278,22 +300,36 @@ def main(argv=None):
   extra = ["--compiles", str(a.compiles)] + (
       [] if a.limit_gib is None else ["--limit-gib", str(a.limit_gib)]) + (
           [] if run else ["--no-run"])
-  results, todo, running = {}, list(configs), []
-  while todo or running:  # A pool of `--jobs` processes.
+  state_file = lambda c: os.path.join(a.state_dir, _slug(c.label) + ".json")
+  results = {}
+  # A pool of `--jobs` processes. A configuration has one process at a time:
+  # its search, then each run in a fresh process.
+  todo = [(c, None) for c in configs]
+  running = []
+  while todo or running:
     while todo and len(running) < a.jobs:
-      c = todo.pop(0)
-      sf = os.path.join(a.state_dir, _slug(c.label) + ".json")
-      running.append((c, subprocess.Popen(
-          _child_cmd(c, [*extra, "--state-file", sf]),
-          stdout=subprocess.PIPE, text=True, env=env)))
+      c, batch = todo.pop(0)
+      args = ([*extra, "--state-file", state_file(c)] if batch is None else
+              ["--try-batch", str(batch)])
+      running.append((c, batch, subprocess.Popen(
+          _child_cmd(c, args), stdout=subprocess.PIPE, text=True, env=env)))
     time.sleep(1)
-    for c, proc in [cp for cp in running if cp[1].poll() is not None]:
-      running.remove((c, proc))
+    for c, batch, proc in [r for r in running if r[2].poll() is not None]:
+      running.remove((c, batch, proc))
       out = proc.stdout.read()
       if proc.returncode:
         raise RuntimeError(f"{c.label} failed (exit {proc.returncode}); its "
                            f"log is above.")
-      results[c.label] = json.loads(out.strip().splitlines()[-1])
+      r = json.loads(out.strip().splitlines()[-1])
+      if batch is not None:  # A run: kept in the configuration's state.
+        st = _load_state(state_file(c))
+        st["runs"] = st.get("runs", []) + [r]
+        _save_state(state_file(c), st)
+        r = _summary(c, st)
+      results[c.label] = r
+      nxt = next_run(r) if run else None
+      if nxt is not None:
+        todo.insert(0, (c, nxt))
   rows = []
   for c in configs:
     r = results[c.label]
@@ -307,13 +343,13 @@ def main(argv=None):
                           f"{over} ({_gib(peaks[over])})",
            "compiles": len(peaks), "limit_gib": r["limit"] / 2**30}
     if run:
-      b = r.get("max_batch", r.get("error", ""))
+      ok = [t for t in r["runs"] if t["ok"]]
+      b = ok[0]["batch"] if ok else "none ran"
       # Run before the search converged: a lower bound.
-      row["max_batch_run"] = b if r["exact"] or not isinstance(b, int) else (
-          f">= {b}")
-      row["peak_gib_max"] = r["peak_max"] / 2**30 if "peak_max" in r else ""
-      row["oom_when_run"] = ", ".join(str(t["batch"])
-                                      for t in r.get("oom_tried", []))
+      row["max_batch_run"] = b if r["exact"] or not ok else f">= {b}"
+      row["peak_gib_max"] = ok[0]["peak"] / 2**30 if ok else ""
+      row["oom_when_run"] = ", ".join(str(t["batch"]) for t in r["runs"]
+                                      if not t["ok"])
     rows.append(row)
   cols = ["preset", "precision", "remat", f"peak_gib_{a.batch}",
           f"peak_gib_{2 * a.batch}", "fits_by_xla", "over_by_xla",

@@ -83,3 +83,18 @@ def test_bench_memory_search_finds_the_largest_fitting_batch(name, peak, limit):
   truth = max((b for b in range(8, 5000, 8) if peak(b) <= limit), default=0)
   assert max((b for b, p in peaks.items() if p <= limit), default=0) == truth
   assert len(peaks) <= 10, (name, list(peaks))
+
+
+def test_bench_memory_runs_step_down_after_out_of_memory():
+  """The search's answer runs first; each out-of-memory run is followed by 8
+  less, three runs at most; a run that succeeds, or nothing fitting, ends."""
+  from benchmarks import bench_memory  # pylint: disable=g-import-not-at-top
+  nr = lambda fits, runs: bench_memory.next_run({"fits": fits, "runs": [
+      {"batch": b, "ok": ok} for b, ok in runs]})
+  assert nr(208, []) == 208
+  assert nr(208, [(208, False)]) == 200
+  assert nr(208, [(208, False), (200, False)]) == 192
+  assert nr(208, [(208, False), (200, False), (192, False)]) is None
+  assert nr(208, [(208, False), (200, True)]) is None
+  assert nr(0, []) is None
+  assert nr(8, [(8, False)]) is None
