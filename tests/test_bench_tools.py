@@ -86,15 +86,26 @@ def test_bench_memory_search_finds_the_largest_fitting_batch(name, peak, limit):
 
 
 def test_bench_memory_runs_step_down_after_out_of_memory():
-  """The search's answer runs first; each out-of-memory run is followed by 8
-  less, three runs at most; a run that succeeds, or nothing fitting, ends."""
+  """The search's answer runs first. After a run out of memory, the next is
+  the batch whose peak is the margin lower by the line through the failed
+  batch and the compiled batch below it (at least 8 less); a run that
+  succeeds, the smallest batch, or four runs end it."""
   from benchmarks import bench_memory  # pylint: disable=g-import-not-at-top
-  nr = lambda fits, runs: bench_memory.next_run({"fits": fits, "runs": [
-      {"batch": b, "ok": ok} for b, ok in runs]})
-  assert nr(208, []) == 208
-  assert nr(208, [(208, False)]) == 200
-  assert nr(208, [(208, False), (200, False)]) == 192
-  assert nr(208, [(208, False), (200, False), (192, False)]) is None
-  assert nr(208, [(208, False), (200, True)]) is None
-  assert nr(0, []) is None
-  assert nr(8, [(8, False)]) is None
+  gib = 2**30
+  peaks = [[8, 2.5 * gib], [16, 3.2 * gib], [200, 18.9 * gib],
+           [208, 19.5 * gib], [216, 20.2 * gib]]
+  nr = lambda runs, fits=208: bench_memory.next_run(
+      {"fits": fits, "peaks": peaks,
+       "runs": [{"batch": b, "ok": ok, "peak": p * gib}
+                for b, ok, p in runs]}, margin=2.5 * gib)
+  assert nr([]) == 208
+  # 208 failed (19.5): the line to 200 gives 0.075 GiB per sequence, so 2.5
+  # GiB less is 33 sequences less: 175 -> 168.
+  assert nr([(208, False, 19.5)]) == 168
+  # 200 failed (18.9): the line to 16 (0.085 per sequence): 170 -> 168.
+  assert nr([(200, False, 18.9)]) == 168
+  assert nr([(208, False, 19.5), (168, True, 16.0)]) is None
+  assert nr([(208, False, 19.5)] * 4) is None
+  assert nr([(16, False, 3.2)]) == 8
+  assert nr([(8, False, 2.5)]) is None
+  assert nr([], fits=0) is None
