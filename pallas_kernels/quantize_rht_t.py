@@ -58,8 +58,9 @@ class RHTConfig:
       the amax pass, tokens per step of a program's loop.
     block_features: features per program (>= 16).
     num_warps: Triton warps per program.
-    amax_steps: token tiles one program of the amax pass reduces (fewer
-      where the tokens need fewer).
+    amax_steps: token tiles one program of the amax pass reduces at most
+      (fewer where the tokens need fewer, or where the grid would shrink
+      below `AMAX_PROGRAMS` programs).
     amax_stages: Triton pipeline stages of the amax pass's loop.
   """
 
@@ -120,6 +121,13 @@ def rht_transposed(x: jax.Array, h: jax.Array, interpret: bool) -> jax.Array:
   return common.round_hadamard(interpret)(y).reshape(f, t)
 
 
+# Programs the amax pass keeps at least (where the tensor has that many
+# tiles): its loop runs one program's tiles one after another, so too few
+# programs leave SMs idle (GPT small's 32768 x 768 in 384 programs of 16
+# tiles ran slower than 6144 programs of one).
+AMAX_PROGRAMS = 1024
+
+
 def _amax_kernel(h_ref, x_ref, *out_refs, with_x: bool, tokens: int,
                  features: int, block_tokens: int, interpret: bool):
   """One program: `steps` token tiles of `block_tokens` x `bf`, one after
@@ -167,8 +175,11 @@ def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
   t, f = x.shape
   cfg = config or default_config(t, f, size)
   bt, bf = cfg.block_tokens, cfg.block_features
-  # Token tiles per program: as configured, but no more than the tokens need.
-  steps = min(cfg.amax_steps, common.next_pow2(common.cdiv(t, bt)))
+  # Token tiles per program: as configured, but no more than the tokens need,
+  # nor so many that fewer than AMAX_PROGRAMS programs remain.
+  tiles = common.cdiv(t, bt) * common.cdiv(f, bf)
+  steps = min(cfg.amax_steps, common.next_pow2(common.cdiv(t, bt)),
+              1 << (max(1, tiles // AMAX_PROGRAMS).bit_length() - 1))
   grid = (common.cdiv(t, bt * steps), common.cdiv(f, bf))
   h = jnp.asarray(rht_matrix(sign_vector, size))
   part = jax.ShapeDtypeStruct(grid, jnp.uint32)

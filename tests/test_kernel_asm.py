@@ -87,10 +87,11 @@ def _f32_edges(seed: int = 0) -> np.ndarray:
   pts = np.concatenate([np.atleast_1d(p) for p in pts]).astype(np.float32)
   out = [pts]
   lo = hi = pts
-  for _ in range(3):
-    lo = np.nextafter(lo, np.float32(-np.inf))
-    hi = np.nextafter(hi, np.float32(np.inf))
-    out += [lo, hi]
+  with np.errstate(over="ignore"):  # Past the largest finite: inf.
+    for _ in range(3):
+      lo = np.nextafter(lo, np.float32(-np.inf))
+      hi = np.nextafter(hi, np.float32(np.inf))
+      out += [lo, hi]
   out.append(rng.integers(0, 2**32, 1 << 16, dtype=np.uint32).view(
       np.float32))
   # Every pattern in the top of the subnormal range (rounds into 2^-126).
@@ -105,7 +106,8 @@ def test_flush_bf16_on_every_bf16():
   x = _rows(np.arange(1 << 16, dtype=np.uint16).view(jnp.bfloat16))
   got = _in_kernel(common.flush_bf16(False), x, out_dtype=jnp.bfloat16)
   want = _on_cpu(common.flush_bf16(True), x)
-  assert (want.view(np.uint16) != x.view(np.uint16)).sum() == 2 * 127
+  nan = np.isnan(x.astype(np.float32))
+  assert (want.view(np.uint16) != x.view(np.uint16))[~nan].sum() == 2 * 127
   _assert_bits_equal(got, want, np.uint16)
 
 
@@ -125,7 +127,12 @@ def test_max_magnitude(dtype):
   m, x = _rows(rng.permutation(v)), _rows(rng.permutation(v))
   m, x = (np.asarray(jnp.asarray(a).astype(dtype)) for a in (m, x))
   got = _in_kernel(common.max_magnitude(False), m, x, out_dtype=dtype)
-  want = _on_cpu(common.max_magnitude(True), m, x)
+  # In NumPy: XLA:CPU treats subnormal inputs as zero (DAZ), so its maximum
+  # of two subnormals is not IEEE's. (Where the kernels use this, a flush
+  # follows, so either gives the same bytes.)
+  m32, x32 = m.astype(np.float32), x.astype(np.float32)
+  want = np.where(np.isnan(m32) | np.isnan(x32), np.float32(np.nan),
+                  np.maximum(np.abs(m32), np.abs(x32))).astype(dtype)
   # Only the magnitude is defined: compare absolute values.
   _assert_bits_equal(np.abs(got), np.abs(want),
                      np.uint32 if dtype == jnp.float32 else np.uint16)
