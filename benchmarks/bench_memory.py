@@ -9,24 +9,22 @@ donated aliases + temporaries). Nothing here is timed.
 
 1. Search (compiles only): the peaks at `--batch` and twice that give the
    growth per sequence (the line). The largest micro-batch (a multiple of
-   8) whose peak stays within the
-   device's allocator limit (`memory_stats()["bytes_limit"]`, or
-   `--limit-gib`) is then searched by compiling: each next batch is read
-   off the line through the two compiled points nearest the limit, kept
-   strictly inside the bracket of batches known to fit and known not to
-   (off its outer eighths, so a bent line still shrinks it), until the bracket
-   is 8 wide or `--compiles` is spent. Peaks need not grow linearly (at
-   large batches XLA's schedule changes): the answer is a compiled batch,
-   never an extrapolation.
+   8) whose peak stays within the device's allocator limit
+   (`memory_stats()["bytes_limit"]`, or `--limit-gib`) is then searched by
+   compiling: each next batch is read off the line through the two
+   compiled points nearest the limit, kept strictly inside the bracket of
+   batches known to fit and known not to (off its outer eighths, so a bent
+   line still shrinks it), until the bracket is 8 wide or `--compiles` is
+   spent. Peaks need not grow linearly (at large batches XLA's schedule
+   changes): the answer is a compiled batch, never an extrapolation.
 2. Run: the largest batch that fits by XLA's count is compiled (a hit in
    the persistent compilation cache the search filled) and run for two
-   steps, in a fresh process: after other compiles and runs in one process
-   the allocator's free space is split, and a step that fits runs out of
-   memory. If it runs out of memory all the same (the runtime needs memory
-   beyond XLA's count), the next run is the batch whose peak is
-   `--run-margin-gib` lower by the line, at most four runs in all. Up to `--jobs` processes run side by side, each
-   within its own allocator limit (with `XLA_PYTHON_CLIENT_MEM_FRACTION=f`,
-   keep `--jobs` x f below 1).
+   steps, in a fresh process (a clean allocator, nothing left of the
+   search). If it runs out of memory (the runtime needs memory beyond
+   XLA's count), the next run is the batch whose peak is `--run-margin-gib`
+   lower by the line, at most four runs in all. Up to `--jobs` processes
+   run side by side, each within its own allocator limit (with
+   `XLA_PYTHON_CLIENT_MEM_FRACTION=f`, keep `--jobs` x f below 1).
 
 Each try is logged to stderr as it ends (batch, peak, seconds), and each
 configuration's progress is written to `--state-dir` after every compile and
@@ -49,9 +47,9 @@ from benchmarks import bench_step
 
 MULTIPLE = 8  # Micro-batches searched are multiples of this.
 # A step whose XLA peak is within the allocator limit can still run out of
-# memory: on the H100 at a 19.8 GiB limit, steps ran up to 17.1 GiB of XLA
-# peak and failed from 17.3 GiB (BENCHMARKS.md). After a failed run, the
-# next targets this much less.
+# memory: on the H100 at a 19.8 GiB limit, steps failed from 17.3 GiB of XLA
+# peak without the remat policy and from 14.3 GiB with it (BENCHMARKS.md).
+# After a failed run, the next targets this much less.
 RUN_MARGIN = 2.5 * 2**30
 MAX_RUNS = 4
 
@@ -212,9 +210,8 @@ def _summary(cfg: bench_step.StepConfig, st: dict) -> dict:
 
 
 def _run_once(cfg: bench_step.StepConfig, batch: int) -> dict:
-  """`batch` compiled and run for two steps, in a fresh process: after other
-  compiles and runs in one process the allocator's free space is split, and
-  a step that fits runs out of memory."""
+  """`batch` compiled and run for two steps, in a fresh process (a clean
+  allocator: nothing left of other compiles and states)."""
   import jax  # pylint: disable=g-import-not-at-top
   compiled, state, data, peak = _compile_at(cfg, batch)
   ok = _runs(compiled, state, data)
