@@ -199,7 +199,7 @@ def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
   return amax_t
 
 
-def _quantize_kernel(*refs, size: int, fused_x: bool, sr_t: bool, sr_x: bool,
+def _quantize_kernel(*refs, fused_x: bool, sr_t: bool, sr_x: bool,
                      interpret: bool, tokens: int, features: int,
                      words_t: int, words_x: int, fos_t: bool, fos_x: bool,
                      values_t: bool, values_x: bool):
@@ -331,7 +331,7 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
   if fused_x:
     operand(t, f, bt, bf, lambda i, j: (i, j), values_x)
   kernel = functools.partial(
-      _quantize_kernel, size=size, fused_x=fused_x, sr_t=sr_t, sr_x=sr_x,
+      _quantize_kernel, fused_x=fused_x, sr_t=sr_t, sr_x=sr_x,
       interpret=interpret, tokens=t, features=f, words_t=words_t,
       words_x=words_x, fos_t=four_over_six_t, fos_x=four_over_six_x,
       values_t=values_t, values_x=values_x)
