@@ -296,12 +296,13 @@ def bf16_exact_matrix(h: np.ndarray) -> bool:
   return bool(np.all(h.astype(jnp.bfloat16).astype(np.float32) == h))
 
 
-def hadamard_rows(v: jax.Array, h: jax.Array, *, bf16_operands: bool,
-                  flush: Callable = nm.ftz) -> jax.Array:
+def hadamard_rows(v: jax.Array, h: jax.Array, *,
+                  bf16_operands: bool) -> jax.Array:
   """`v @ H` of runs of `size` elements, the RHT step (NVFP4_SPEC section 4).
 
-  Flush, multiply with FP32 accumulation, flush, round to bf16: the result is
-  returned in FP32 (holding bf16 values).
+  Flush, multiply with FP32 accumulation (`hadamard_sums`), flush, round to
+  bf16 (`round_hadamard`): the result is returned in FP32 (holding bf16
+  values). The kernels call the two halves with their own flushes.
 
   Args:
     v: `[n, size]` FP32 (or narrower) values.
@@ -311,12 +312,10 @@ def hadamard_rows(v: jax.Array, h: jax.Array, *, bf16_operands: bool,
       entries are exact in bf16 (`bf16_exact_matrix`; sizes that are powers of
       4), so every product is exact either way. Otherwise the dot runs in FP32
       (IEEE, not TF32).
-    flush: `numerics.ftz` for this backend (GPU kernels pass a one-instruction
-      `cvt.ftz.f32.f32`).
   """
-  y = hadamard_sums(flush(v.astype(jnp.float32)), h,
+  y = hadamard_sums(nm.ftz(v.astype(jnp.float32)), h,
                     bf16_operands=bf16_operands)
-  return round_hadamard(y, flush)
+  return round_hadamard(y)
 
 
 def hadamard_sums(v: jax.Array, h: jax.Array, *,
@@ -331,11 +330,12 @@ def hadamard_sums(v: jax.Array, h: jax.Array, *,
                  preferred_element_type=jnp.float32)
 
 
-def round_hadamard(y: jax.Array, flush: Callable = nm.ftz) -> jax.Array:
+def round_hadamard(y: jax.Array) -> jax.Array:
   """The last step of `hadamard_rows`: flush the FP32 sums, round to bf16
-  (returned in FP32).
+  (returned in FP32). In GPU kernels, `pallas_kernels.common.round_hadamard`
+  does the same in PTX.
 
   Monotone in the magnitude: the rounded maximum magnitude is the maximum of
   the rounded magnitudes, so an amax may round once, after reducing the sums.
   """
-  return flush(y).astype(jnp.bfloat16).astype(jnp.float32)
+  return nm.ftz(y).astype(jnp.bfloat16).astype(jnp.float32)

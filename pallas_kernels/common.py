@@ -464,7 +464,7 @@ def round_hadamard(interpret: bool) -> Callable[[jax.Array], jax.Array]:
   (five instructions, where Triton's per-element conversions take seven).
   """
   if interpret:
-    return lambda y: tile.round_hadamard(y, nm.ftz)
+    return tile.round_hadamard
 
   def rnd(y):
     [out] = plt.elementwise_inline_asm(

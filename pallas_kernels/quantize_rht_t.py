@@ -15,8 +15,9 @@ the transformed tensor must be complete before any block is encoded):
    cast + transpose).
 
 The RHT matrix is an input (closed-over constants do not lower). The tile math
-is the reference's: `nvfp4_jax.tile.hadamard_rows` (the RHT step of
-`nvfp4_jax.rht`), `tile.encode_blocks` and `prng.tile_words`. The kernels
+is the reference's: the halves of `nvfp4_jax.tile.hadamard_rows` (the RHT
+step of `nvfp4_jax.rht`), `hadamard_sums` and `round_hadamard`, then
+`tile.encode_blocks` and `prng.tile_words`. The kernels
 support the Hadamard sizes whose matrix is exact in bf16 and fills a tensor-core
 dot (16 and 64): with them every product is exact, so the FP32 sums are the
 reference's wherever they are exact. Other sizes raise `NotImplementedError`
@@ -155,7 +156,7 @@ def _amax_kernel(h_ref, x_ref, *out_refs, with_x: bool, tokens: int,
   m_t, m_x = jax.lax.fori_loop(
       0, bt_all // bt, body, (jnp.zeros((bf * bt // n, n), jnp.float32),
                               jnp.zeros((bt, bf), x_ref.dtype)))
-  amax_t = tile.round_hadamard(tile.abs_max(m_t), nm.ftz)
+  amax_t = tile.round_hadamard(tile.abs_max(m_t))
   out_refs[0][...] = jnp.full((1, 1), common.abs_max_bits(amax_t), jnp.uint32)
   if with_x:  # The flushed maximum is the maximum's flush.
     amax_x = nm.ftz(tile.abs_max(m_x.astype(jnp.float32)))
