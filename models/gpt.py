@@ -269,6 +269,48 @@ class Attention(nn.Module):
     return _dense(cfg, cfg.d_model, "out", out_std)(y.reshape(b, t, -1))
 
 
+@jax.custom_vjp
+def swiglu(h: jax.Array) -> jax.Array:
+  """`silu(gate) * up` of `h = [gate, up]` (`[..., 2F] -> [..., F]`), in FP32.
+
+  The result has `h`'s dtype. The same values as autodiff of the plain
+  expression (the same FP32 operations in the same order), with a leaner
+  backward: it keeps only `h` (autodiff keeps FP32 intermediates of the
+  sigmoid as well) and writes `dh` in one elementwise pass over `h` and the
+  cotangent. Autodiff's backward (and a custom one that concatenates the two
+  halves) compiled to four passes over `[..., 2F]` in GPT base on the H100:
+  each half written, then copied into the concatenate once for each of its
+  two consumer GEMMs (BENCHMARKS.md, 2026-11-25 night).
+  """
+  return _swiglu_fwd(h)[0]
+
+
+def _swiglu_fwd(h):
+  gate, up = jnp.split(h.astype(jnp.float32), 2, axis=-1)
+  return (jax.nn.silu(gate) * up).astype(h.dtype), h
+
+
+def _swiglu_bwd(h, g):
+  # `h` viewed as `[..., 2, F]` (gate, up): both halves of `dh` come from one
+  # select over that axis, so `dh` is a single elementwise expression with
+  # no concatenate (XLA fused the halves of one apart, then copied them).
+  *lead, width = h.shape
+  hp = h.reshape(*lead, 2, width // 2).astype(jnp.float32)
+  gate, up = hp[..., :1, :], hp[..., 1:, :]
+  gf = g.astype(jnp.float32)[..., None, :]
+  s = jax.nn.sigmoid(gate)
+  gu = gf * up
+  # Autodiff's operations, in its order: d silu(x) = s + x * (s * (1 - s)).
+  d_gate = gu * s + (gate * gu) * (s * (1.0 - s))
+  d_up = (gate * s) * gf
+  first = jax.lax.broadcasted_iota(jnp.int32, (2, 1), 0) == 0
+  dh = jnp.where(first, d_gate, d_up)  # [..., 2, F]
+  return (dh.reshape(h.shape).astype(h.dtype),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 class FeedForward(nn.Module):
   """SwiGLU or squared-ReLU MLP: `up` and `down` projections in NVFP4Dense."""
 
@@ -278,12 +320,11 @@ class FeedForward(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.cfg
     width = 2 * cfg.d_ff if cfg.mlp == "swiglu" else cfg.d_ff
-    h = _dense(cfg, width, "up", 0.02)(x).astype(jnp.float32)
+    h = _dense(cfg, width, "up", 0.02)(x)
     if cfg.mlp == "swiglu":
-      gate, up = jnp.split(h, 2, axis=-1)
-      h = jax.nn.silu(gate) * up
+      h = swiglu(h)
     else:
-      h = jnp.square(jax.nn.relu(h))
+      h = jnp.square(jax.nn.relu(h.astype(jnp.float32)))
     out_std = 0.02 / math.sqrt(2 * cfg.num_layers)
     return _dense(cfg, cfg.d_model, "down", out_std)(h.astype(cfg.jnp_dtype))
 

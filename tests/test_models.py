@@ -279,3 +279,81 @@ def test_embedding_gradient_is_summed_in_fp32(vocab, monkeypatch):
     assert np.all(err <= gamma * abs_sum), float(np.max(err / (abs_sum + 1e-30)))
   if jax.default_backend() == "cpu":
     np.testing.assert_array_equal(ours, theirs)
+
+
+def _swiglu_autodiff(h):
+  """The plain expression `swiglu` replaces, differentiated by JAX."""
+  gate, up = jnp.split(h.astype(jnp.float32), 2, axis=-1)
+  return (jax.nn.silu(gate) * up).astype(h.dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_swiglu_matches_autodiff(dtype):
+  from models.gpt import swiglu  # pylint: disable=g-import-not-at-top
+  kh, kg = jax.random.split(jax.random.key(3))
+  # Heavy-tailed inputs (sigmoid saturates at both ends) and the edges.
+  h = (jax.random.t(kh, 3.0, (4, 8, 96)) * 4).astype(dtype)
+  h = h.at[0, 0, :6].set(jnp.array([0.0, -0.0, 90.0, -90.0, 1e-30, -1e-30],
+                                     dtype))
+  g = jax.random.t(kg, 3.0, (4, 8, 48)).astype(dtype)
+  y, vjp = jax.vjp(swiglu, h)
+  y_ref, vjp_ref = jax.vjp(_swiglu_autodiff, h)
+  dh = np.asarray(vjp(g)[0], np.float64)
+  dh_ref = np.asarray(vjp_ref(g)[0], np.float64)
+  # Products only: the forward and d_up are the same FP32 operations in the
+  # same order, equal bits.
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+  np.testing.assert_array_equal(dh[..., 48:], dh_ref[..., 48:])
+  # d_gate = gu * s + gate * gu * s (1 - s) has one add, which the compiler
+  # may contract into an FMA in one fusion and not in the other. Between a
+  # contracted and an uncontracted evaluation: one product rounding
+  # (u |product|) and the two final roundings (2u |sum|), u = 2^-24, so at
+  # most 3u (|gu s| + |t|); 4u leaves room for the float64 terms' own
+  # error. A bf16 result may then round to either neighbour: one bf16 ulp.
+  gate, up = (np.asarray(h[..., :48], np.float64),
+              np.asarray(h[..., 48:], np.float64))
+  s = 1 / (1 + np.exp(-gate))
+  gu = np.asarray(g, np.float64) * up
+  tol = 4 * 2.0**-24 * (np.abs(gu * s) + np.abs(gate * gu * s * (1 - s)))
+  if dtype == jnp.bfloat16:
+    tol += np.spacing(np.abs(dh_ref[..., :48]).astype(np.float32)).astype(
+        np.float64) * 2**16  # bf16 spacing = FP32 spacing x 2^16.
+  assert np.all(np.abs(dh[..., :48] - dh_ref[..., :48]) <= tol)
+
+
+def test_swiglu_keeps_only_its_input_for_the_backward():
+  from models.gpt import swiglu  # pylint: disable=g-import-not-at-top
+  from jax.ad_checkpoint import print_saved_residuals  # pylint: disable=g-import-not-at-top
+  import contextlib, io  # pylint: disable=g-import-not-at-top,g-multiple-import
+
+  def saved(f):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+      print_saved_residuals(lambda h: f(h).astype(jnp.float32).sum(),
+                            jnp.ones((2, 16, 64), jnp.bfloat16))
+    return [l.split()[0] for l in buf.getvalue().splitlines()
+            if "from the argument" not in l]
+  # Autodiff of the plain expression keeps FP32 intermediates of the
+  # sigmoid ([2, 16, 32] each); `swiglu` recomputes them from its bf16 input.
+  assert any(r.startswith("f32[2,16,32]") for r in saved(_swiglu_autodiff))
+  assert saved(swiglu) == []  # Its input h itself, nothing computed.
+
+
+def test_swiglu_backward_is_one_elementwise_expression():
+  # `dh`'s halves come from one select over a [..., 2, F] view: a
+  # concatenate of separately computed halves compiled to four passes over
+  # `dh` on the H100 (BENCHMARKS.md).
+  from models.gpt import swiglu  # pylint: disable=g-import-not-at-top
+  h = jnp.ones((2, 16, 64), jnp.bfloat16)
+  g = jnp.ones((2, 16, 32), jnp.bfloat16)
+  jaxpr = jax.make_jaxpr(lambda h, g: jax.vjp(swiglu, h)[1](g))(h, g)
+
+  def prims(j):  # Primitive names, nested jaxprs (jnp's jit) included.
+    for e in j.eqns:
+      yield e.primitive.name
+      for v in e.params.values():
+        v = getattr(v, "jaxpr", v)
+        if hasattr(v, "eqns"):
+          yield from prims(v)
+  names = set(prims(jaxpr.jaxpr))
+  assert "select_n" in names and "concatenate" not in names, names

@@ -81,10 +81,13 @@ def test_quantized_remat_keeps_gradients_and_saves_only_fp4():
   # embedding and the head keep outside the blocks.
   blocks = [r for r in others if "Block" in r[2]]
   assert len(blocks) <= 2 and all(d == "bf16" for d, _, _ in blocks)
-  # Activation bytes the backward pass keeps: the bf16 activations (2 bytes
-  # per element) become 0.5625 bytes per element of the quantized
-  # operands; the attention, norms and MLP intermediates are recomputed.
-  assert _bytes(quant) < 0.25 * _bytes(none), (_bytes(quant), _bytes(none))
+  # The attention, norms and MLP intermediates are recomputed, not kept:
+  # at least each block's SwiGLU input `h` (bf16 [tokens, 2 d_ff], what
+  # `models.gpt.swiglu` keeps without the policy) is gone, besides the
+  # FP32 norm and rotary intermediates.
+  tokens, d_ff, layers = 4 * 64, 352, 2
+  assert _bytes(none) - _bytes(quant) >= layers * tokens * 2 * d_ff * 2, (
+      _bytes(quant), _bytes(none))
 
 
 def test_quantized_remat_saves_nothing_for_high_precision_layers():
