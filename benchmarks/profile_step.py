@@ -66,7 +66,7 @@ def gpu_kernels(xplane: str) -> dict[str, tuple[int, float]]:
 
 
 def _child(preset: str, precision: str, batch: int, seq: int,
-           steps: int) -> dict:
+           steps: int, hlo_dir: str = "") -> dict:
   import jax  # pylint: disable=g-import-not-at-top
 
   from benchmarks import bench_step  # pylint: disable=g-import-not-at-top
@@ -74,6 +74,9 @@ def _child(preset: str, precision: str, batch: int, seq: int,
   trainer, state, b = bench_step.build(
       bench_step.StepConfig(preset, precision, batch, seq))
   step = trainer.train_step.lower(state, b).compile()
+  if hlo_dir:  # The compiled HLO: kernel names in the trace are its fusions.
+    with open(f"{hlo_dir}/{preset}-{precision}.hlo.txt", "w") as f:
+      f.write(step.as_text())
   for _ in range(3):  # Warm-up.
     state, m = step(state, b)
   jax.block_until_ready(m)
@@ -96,9 +99,13 @@ def main(argv=None):
   bench_step.step_arguments(p)
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--top", type=int, default=15)
+  p.add_argument("--hlo-dir", default="",
+                 help="write each precision's compiled HLO here, to look up "
+                 "the XLA fusions the tables name")
   a = p.parse_args(argv)
   if a.child:
-    print(json.dumps(_child(a.preset, a.child, a.batch, a.seq, a.steps)))
+    print(json.dumps(_child(a.preset, a.child, a.batch, a.seq, a.steps,
+                            a.hlo_dir)))
     return
   from benchmarks import timing  # pylint: disable=g-import-not-at-top
   runs = {}
@@ -106,12 +113,16 @@ def main(argv=None):
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.profile_step", "--child", prec,
          "--preset", a.preset, "--batch", str(a.batch), "--seq", str(a.seq),
-         "--steps", str(a.steps)], capture_output=True, text=True,
+         "--steps", str(a.steps), "--hlo-dir", a.hlo_dir],
+        capture_output=True, text=True,
         check=False)
     if out.returncode:
       raise RuntimeError(f"{prec} failed:\n{out.stderr[-2000:]}")
     runs[prec] = json.loads(out.stdout.strip().splitlines()[-1])
   precs = list(runs)
+  if a.hlo_dir:  # Every kernel's time, beside the HLO that names them.
+    with open(f"{a.hlo_dir}/{a.preset}-kernels.json", "w") as f:
+      json.dump(runs, f)
   by_class = {prec: collections.Counter() for prec in precs}
   for prec in precs:
     for name, (_, us) in runs[prec]["kernels"].items():
@@ -133,12 +144,12 @@ def main(argv=None):
         f"{a.preset} {a.batch}x{a.seq}; GPU time per step (us), mean of "
         f"{a.steps} traced steps")
   print(timing.table(rows, cols))
-  last = precs[-1]
-  top = sorted(runs[last]["kernels"].items(), key=lambda kv: -kv[1][1])
-  print(f"\nlargest kernels of the {last} step")
-  print(timing.table(
-      [{"kernel": k[:90], "class": classify(k), "calls": c, "us": us}
-       for k, (c, us) in top[:a.top]], ("kernel", "class", "calls", "us")))
+  for prec in precs:
+    top = sorted(runs[prec]["kernels"].items(), key=lambda kv: -kv[1][1])
+    print(f"\nlargest kernels of the {prec} step")
+    print(timing.table(
+        [{"kernel": k[:90], "class": classify(k), "calls": c, "us": us}
+         for k, (c, us) in top[:a.top]], ("kernel", "class", "calls", "us")))
 
 
 if __name__ == "__main__":
