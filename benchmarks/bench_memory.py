@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -170,12 +171,25 @@ def _save_state(state_file: str, st: dict) -> None:
   os.replace(tmp, state_file)
 
 
+def same_limit(st: dict, limit: float, state_file: str) -> float:
+  """`limit`, refusing a state searched under another allocator limit: its
+  peaks (XLA rematerializes to fit the limit it compiles for) and its
+  bracket belong to that limit, so reusing them would mix two searches."""
+  if "limit" in st and not math.isclose(st["limit"], limit, rel_tol=1e-6):
+    raise SystemExit(
+        f"{state_file} was searched under an allocator limit of "
+        f"{st['limit'] / 2**30:.2f} GiB, this run has {limit / 2**30:.2f} "
+        f"GiB; pass the same --limit-gib (or XLA_PYTHON_CLIENT_MEM_FRACTION), "
+        f"or another --state-dir.")
+  return limit
+
+
 def _search(cfg: bench_step.StepConfig, limit_gib: float | None,
             compiles: int, state_file: str) -> dict:
   """The search (compiles only; nothing runs). Its progress is kept in
   `state_file` after every compile and picked up from there."""
   st = _load_state(state_file)
-  st.setdefault("limit", _limit(limit_gib))
+  st["limit"] = same_limit(st, _limit(limit_gib), state_file)
   peaks = {int(b): p for b, p in st["peaks"]}
 
   def compile_at(b):

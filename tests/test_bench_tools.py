@@ -109,3 +109,16 @@ def test_bench_memory_runs_step_down_after_out_of_memory():
   assert nr([(16, False, 3.2)]) == 8
   assert nr([(8, False, 2.5)]) is None
   assert nr([], fits=0) is None
+
+
+def test_bench_memory_refuses_a_state_searched_under_another_limit():
+  # XLA compiles (and rematerializes) for the limit it is given, so a
+  # state's peaks and bracket belong to the limit it was searched under.
+  from benchmarks import bench_memory  # pylint: disable=g-import-not-at-top
+  gib = 2**30
+  assert bench_memory.same_limit({"peaks": []}, 19.8 * gib, "s.json") == (
+      19.8 * gib)
+  assert bench_memory.same_limit({"limit": 19.8 * gib}, 19.8 * gib,
+                                 "s.json") == 19.8 * gib
+  with pytest.raises(SystemExit, match=r"s\.json .* 19\.80 GiB.* 59\.40 GiB"):
+    bench_memory.same_limit({"limit": 19.8 * gib}, 59.4 * gib, "s.json")
