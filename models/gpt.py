@@ -292,8 +292,9 @@ def _swiglu_fwd(h):
 
 def _swiglu_bwd(h, g):
   # `h` viewed as `[..., 2, F]` (gate, up): both halves of `dh` come from one
-  # select over that axis, so `dh` is a single elementwise expression with
-  # no concatenate (XLA fused the halves of one apart, then copied them).
+  # select over that axis, so `dh` is a single elementwise expression. (With
+  # a concatenate of the halves, XLA computed each half in its own fusion and
+  # then copied both into the concatenate.)
   *lead, width = h.shape
   hp = h.reshape(*lead, 2, width // 2).astype(jnp.float32)
   gate, up = hp[..., :1, :], hp[..., 1:, :]

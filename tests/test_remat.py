@@ -16,11 +16,15 @@ _BYTES = {"f32": 4, "bf16": 2, "u8": 1, "f8_e4m3fn": 1, "s32": 4, "u32": 4,
           "i32": 4, "bool": 1}
 
 
+# The test model: blocks, MLP width, and a batch of sequences x tokens.
+_LAYERS, _D_FF, _BATCH = 2, 352, (4, 64)
+
+
 def _setup(remat, rules, dtype="bfloat16"):
-  cfg = preset("tiny", d_model=128, num_layers=2, num_heads=2, d_ff=352,
-               dtype=dtype, remat=remat)
+  cfg = preset("tiny", d_model=128, num_layers=_LAYERS, num_heads=2,
+               d_ff=_D_FF, dtype=dtype, remat=remat)
   model = GPT(cfg)
-  tokens = jax.random.randint(jax.random.key(0), (4, 64), 0, 256)
+  tokens = jax.random.randint(jax.random.key(0), _BATCH, 0, 256)
   with nv.precision_rules(nv.PrecisionRules.high_precision()):
     params = model.init(jax.random.key(0), tokens[:, :16])
 
@@ -85,8 +89,8 @@ def test_quantized_remat_keeps_gradients_and_saves_only_fp4():
   # at least each block's SwiGLU input `h` (bf16 [tokens, 2 d_ff], what
   # `models.gpt.swiglu` keeps without the policy) is gone, besides the
   # FP32 norm and rotary intermediates.
-  tokens, d_ff, layers = 4 * 64, 352, 2
-  assert _bytes(none) - _bytes(quant) >= layers * tokens * 2 * d_ff * 2, (
+  tokens = int(np.prod(_BATCH))
+  assert _bytes(none) - _bytes(quant) >= _LAYERS * tokens * 2 * _D_FF * 2, (
       _bytes(quant), _bytes(none))
 
 
