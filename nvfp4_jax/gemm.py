@@ -123,14 +123,18 @@ def _matmul_values(a, b, *, out_dtype, implementation):
 
 
 def block_values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
-                        out_dtype=jnp.float32) -> jax.Array:
+                        out_dtype=jnp.float32, vb_kn: bool = False
+                        ) -> jax.Array:
   """`(va @ vb.T) * alpha`: bf16 block values `[M, K]`, `[N, K]`, FP32 acc.
 
   The GEMM of the exact emulation, for callers that already hold the block
-  values (e.g. from `nvfp4_jax.fused.quantize_with_values`).
+  values (e.g. from `nvfp4_jax.fused.quantize_with_values`). `vb_kn`: `vb`
+  is `[K, N]` instead (`va @ vb`; e.g. a 16x16-scaled weight's values in
+  flax's `[in, out]` layout, the transpose of its `[out, in]` quantization):
+  the same products, and the GEMM reads the layout as it is.
   """
   acc = jax.lax.dot_general(
-      va, vb, (((1,), (1,)), ((), ())),
+      va, vb, (((1,), (0 if vb_kn else 1,)), ((), ())),
       preferred_element_type=jnp.float32)
   return (acc * alpha).astype(out_dtype)
 

@@ -11,7 +11,10 @@ activation memory of a linear layer drops by ~3.5x. Where the GEMM is the
 exact emulation (Hopper, CPU: `gemm.consumes_values`), the operands used at
 once (Fprop's X, Dgrad's dY, Wgrad's `rht(dY^T)`) come from their quantizer
 as `NVFP4Values`, the bf16 block values the GEMM multiplies, so no
-dequantize pass runs between; the numbers are those of the codes.
+dequantize pass runs between; the numbers are those of the codes. The
+16x16-scaled weight is quantized once in its `[in, out]` layout there: one
+pass writes Dgrad's codes (saved) and the values Fprop multiplies
+(`_weight_in_kernel_layout`).
 
 Layout. The kernel is flax's `[in, out]`; in TE's terms `W = kernel^T`:
 Fprop `Y = X @ W^T = bsm(q(X), q(kernel^T))`, Dgrad `dX = dY @ W =
@@ -46,8 +49,12 @@ from nvfp4_jax import spmd
 from nvfp4_jax.fused import block_size
 from nvfp4_jax.fused import quantize_operand
 from nvfp4_jax.fused import quantize_pair
+from nvfp4_jax.fused import quantize_with_values
 from nvfp4_jax.gemm import block_scaled_matmul
+from nvfp4_jax.gemm import block_values_matmul
 from nvfp4_jax.gemm import consumes_values
+from nvfp4_jax.gemm import gemm_alpha
+from nvfp4_jax.qarray import NVFP4Values
 from nvfp4_jax.recipe import Recipe
 from nvfp4_jax.sharding import LinearSharding
 
@@ -273,7 +280,15 @@ def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, ctx: _Whole):
       x, recipe.fprop_x, recipe.wgrad_x, recipe, kr, kt, ctx.place_x(x),
       ctx.x_axes, values=(_as_values(recipe.fprop_x), False)))(
           x, keys["fprop_x"], keys["wgrad_x"])
-  if recipe.fprop_x.quantized:
+  if _weight_in_kernel_layout(recipe, ctx):
+    # One pass over the kernel: the Dgrad operand's codes (saved) and the
+    # block values Fprop multiplies as `x @ V`.
+    qw, vw = _named("nvfp4_quantize_w", lambda w: quantize_with_values(
+        w, block_2d=True))(w)
+    y = _named("nvfp4_fprop", lambda qx, vw: block_values_matmul(
+        qx.values, vw.values, gemm_alpha(qx, vw), out_dtype=acc_dtype,
+        vb_kn=True))(qx, NVFP4Values(vw, qw.amax))
+  elif recipe.fprop_x.quantized:
     # The stored weight shard is quantized (amax across its shards) and the
     # quantized bytes are gathered.
     qw = _named("nvfp4_quantize_w", lambda w, k: quantize_operand(
@@ -286,13 +301,34 @@ def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, ctx: _Whole):
             x, ctx.gather_w(w, False))
     qw = None
   y = ctx.sum_y(y).astype(out_dtype)
-  # Dgrad's weight: with identical 16x16 settings it is Fprop's quantized W,
-  # transposed (exactly what quantizing the kernel along `out` gives);
-  # otherwise it is quantized in the backward pass from `w`, alive anyway.
+  # Dgrad's weight: with identical 16x16 settings it is Fprop's quantized W
+  # (transposed, unless quantized in the kernel layout already: exactly what
+  # quantizing the kernel along `out` gives); otherwise it is quantized in
+  # the backward pass from `w`, alive anyway.
   reuse_w = (qw is not None and recipe.dgrad_w == recipe.fprop_w
              and recipe.fprop_w.block_2d)
   return y, (_residual(qxt) if wgrad_q else x, w,
              _residual(qw) if reuse_w else None, key)
+
+
+def _weight_in_kernel_layout(recipe: Recipe, ctx: _Whole) -> bool:
+  """Whether the weight is quantized once, in flax's `[in, out]` layout.
+
+  16x16 tiles are symmetric: the kernel quantized in 16x16 tiles along `out`
+  is the Dgrad operand `q(kernel)` itself, and its transpose is Fprop's
+  `q(kernel^T)`, code for code (the same tiles, amax and scales). Where the
+  GEMM is the exact emulation, one kernel then writes the Dgrad operand's
+  codes (the residual) and the block values Fprop multiplies as `x @ V`:
+  no transpose of the weight or of its codes, and no dequantize pass in
+  Fprop. It needs round-to-nearest (a stochastic stream runs over one
+  layout's row-major order), no Four-over-Six (its per-tile choice sums
+  errors in one layout's order), Dgrad reusing Fprop's weight, and the
+  whole tensor (a shard gathers codes, not values).
+  """
+  w = recipe.fprop_w
+  return (ctx is _WHOLE and _as_values(w) and _as_values(recipe.fprop_x)
+          and w.block_2d and w.rounding == "nearest" and not w.four_over_six
+          and recipe.dgrad_w == w)
 
 
 def _t(placement):
@@ -340,7 +376,9 @@ def _backward(recipe: Recipe, precision, out_dtype, res, dy, ctx: _Whole):
                               dy, keys["dgrad_dy"], keys["wgrad_dy"])
 
   if dgrad_q:
-    if qw_fprop is not None:
+    if _weight_in_kernel_layout(recipe, ctx):
+      qw = qw_fprop  # Already `q(kernel)`, `[in, out]` along `out`.
+    elif qw_fprop is not None:
       qw = ctx.gather_w(qw_fprop, True).T
     else:
       qw = _named("nvfp4_quantize_w", lambda w, k: quantize_operand(

@@ -84,9 +84,10 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
         sign_vector=sign_vector, size=rht_size, placement=placement,
         amax_axes=amax_axes, config=config,
         four_over_six=wgrad.four_over_six, values=values[1])
-  amaxes = spmd.reduce_amax(jnp.stack(pallas_rht.rht_amax(
-      x, sign_vector=sign_vector, size=rht_size, with_x=True,
-      config=config)), amax_axes)
+  amaxes = pallas_rht.rht_amax(x, sign_vector=sign_vector, size=rht_size,
+                               with_x=True, config=config)
+  if amax_axes:  # One collective for both.
+    amaxes = spmd.reduce_amax(jnp.stack(amaxes), amax_axes)
   if config is None and _split(row, wgrad):
     q_t = pallas_rht.quantize_call(
         x, amax_t=amaxes[1], key_t=_key(wgrad, key_t), size=rht_size,

@@ -205,7 +205,8 @@ def _quantize_kernel(*refs, fused_x: bool, sr_t: bool, sr_x: bool,
                      words_t: int, words_x: int, fos_t: bool, fos_x: bool,
                      values_t: bool, values_x: bool):
   refs = list(refs)
-  amax_ref = refs.pop(0)
+  # One amax per operand, each its own input: no stacking kernel before.
+  amax_refs = [refs.pop(0) for _ in range(2 if fused_x else 1)]
   seeds_ref = refs.pop(0) if (sr_t or sr_x) else None
   # The stream origins of this shard's operands (see `prng.stream_origin`):
   # [row, block] of q(rht(x.T)), then of q(x).
@@ -214,7 +215,7 @@ def _quantize_kernel(*refs, fused_x: bool, sr_t: bool, sr_x: bool,
   divide = common.exact_divide(interpret)
   # Shape (1,), not scalars: the inline-asm division needs tensor operands.
   consts = lambda k, fos: nm.nvfp4_scale_constants(
-      amax_ref[pl.ds(k, 1)], divide=divide, four_over_six=fos)
+      amax_refs[k][...], divide=divide, four_over_six=fos)
   bt, bf = x_ref.shape
   i, j = pl.program_id(0), pl.program_id(1)  # token tile, feature tile
   tok = lambda axis, n: (axis, i * n, tokens // (bt // n), n)
@@ -295,20 +296,25 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
                      f"size {size}.")
   sr_t, sr_x = key_t is not None, fused_x and key_x is not None
   # The per-tensor constants are computed in the kernel, with its exact
-  # division (XLA:GPU's FP32 division is not correctly rounded). Unused seeds
-  # are zeros, so the seed layout is fixed: [t0, t1, x0, x1].
-  amaxes = [amax_t] + ([amax_x] if fused_x else [])
+  # division (XLA:GPU's FP32 division is not correctly rounded). In the fused
+  # pair unused seeds are zeros, so its seed layout is fixed: [t0, t1, x0,
+  # x1]; the Wgrad operand alone takes [t0, t1].
   zeros = jnp.zeros((2,), jnp.uint32)
   seeds = [prng.seeds_from_key(key_t) if sr_t else zeros,
            prng.seeds_from_key(key_x) if sr_x else zeros]
-  args = [jnp.stack(amaxes).astype(jnp.float32)]
-  in_specs = [common.scalar_spec(len(amaxes))]
+  args = [jnp.reshape(a, (1,)).astype(jnp.float32)
+          for a in ([amax_t, amax_x] if fused_x else [amax_t])]
+  in_specs = [common.scalar_spec(1)] * len(args)
   origin_t, words_t = prng.stream_origin(
       None if placement is None else placement.T, t)
   origin_x, words_x = prng.stream_origin(placement, f)
   if sr_t or sr_x:
-    args += [jnp.concatenate(seeds), jnp.concatenate([origin_t, origin_x])]
-    in_specs += [common.scalar_spec(4), common.scalar_spec(4)]
+    # The Wgrad operand alone: its two seeds and origin as they are (no
+    # padding kernel).
+    n = len(seeds) if fused_x else 1
+    args += [jnp.concatenate(seeds[:n]),
+             jnp.concatenate([origin_t, origin_x][:n])]
+    in_specs += [common.scalar_spec(2 * n)] * 2
   args += [jnp.asarray(rht_matrix(sign_vector, size)), x]
   in_specs += [pl.BlockSpec((size, size), lambda i, j: (0, 0)),
                pl.BlockSpec((bt, bf), lambda i, j: (i, j))]

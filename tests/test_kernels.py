@@ -574,6 +574,27 @@ def test_rht_amax_nan_and_inf(special, monkeypatch):
     assert float(got_t) == np.inf and float(got_x) == np.inf
 
 
+@pytest.mark.parametrize("pair", ["x", "dy"])
+def test_pair_amaxes_and_seeds_reach_the_encoders_whole(pair):
+  """Each encode kernel takes each amax and its own seeds as separate
+  inputs: between the kernels no stack, concatenate or padding runs (each
+  was a GPU launch of its own, ~1-2 us, for tensors read in ~20-100 us)."""
+  r = nf.Recipe.nvfp4()
+  row, t = (r.fprop_x, r.wgrad_x) if pair == "x" else (r.dgrad_dy, r.wgrad_dy)
+  keys = (jax.random.key(1), jax.random.key(2)) if pair == "dy" else (None,
+                                                                      None)
+  f = lambda x: fused.quantize_pair(
+      x, row, t, key_row=keys[0], key_t=keys[1], values=(True, pair == "dy"),
+      implementation="pallas")
+  jaxpr = jax.make_jaxpr(f)(jnp.ones((64, 64), jnp.bfloat16)).jaxpr
+  names = [e.params["name"] for e in jaxpr.eqns
+           if e.primitive.name == "pallas_call"]
+  assert names[0] == "nvfp4_rht_amax" and len(names) == (2 if pair == "x"
+                                                         else 3), names
+  for e in jaxpr.eqns:
+    assert e.primitive.name not in ("stack", "concatenate", "pad"), e
+
+
 def _explicit_mesh():
   # What flax's NNX examples do to annotate parameters: one device, an
   # Explicit axis. The kernels' blocks then carry the mesh's sharding.

@@ -200,27 +200,92 @@ def test_jaxpr_of_train_step_quantizes_all_three_gemms_of_quantized_layers():
     assert len(eqns) == 1, (name, len(eqns))
     assert _has_e4m3_cast(eqns[0].params["jaxpr"]), name
   # Each GEMM takes quantized operands and multiplies their bf16 block
-  # values. Saved ones (the weight, q(rht(X^T))) arrive as uint8 codes + E4M3
-  # scales; the operands used at once (q(X), q(dY), q(rht(dY^T))) as the
-  # block values their quantizer wrote (`NVFP4Values`): bf16 outputs of the
-  # quantize regions themselves, not a bf16 tensor from anywhere else.
+  # values. Saved ones (the weight for Dgrad, q(rht(X^T))) arrive as uint8
+  # codes + E4M3 scales; the operands used at once (q(X) and Fprop's weight,
+  # q(dY), q(rht(dY^T))) as the block values their quantizer wrote
+  # (`NVFP4Values`): bf16 outputs of the quantize regions themselves, not a
+  # bf16 tensor from anywhere else.
   made_by = {name: set(map(id, _eqns_named(jaxpr, name)[0].outvars))
-             for name in ("nvfp4_quantize_x", "nvfp4_quantize_dy")}
-  values_from = {"nvfp4_fprop": ["nvfp4_quantize_x"],
+             for name in ("nvfp4_quantize_x", "nvfp4_quantize_w",
+                          "nvfp4_quantize_dy")}
+  values_from = {"nvfp4_fprop": ["nvfp4_quantize_x", "nvfp4_quantize_w"],
                  "nvfp4_dgrad": ["nvfp4_quantize_dy"],
                  "nvfp4_wgrad": ["nvfp4_quantize_dy"]}
+  # The weight is quantized once, in its [in, out] layout (16x16 tiles are
+  # symmetric): no transpose of it or of its codes anywhere.
+  qw = _eqns_named(jaxpr, "nvfp4_quantize_w")[0]
+  assert [v.aval.shape for v in qw.invars] == [(K, N)], qw.invars
+  assert (K, N) in [v.aval.shape for v in qw.outvars
+                    if v.aval.dtype == jnp.bfloat16]
+  assert "transpose" not in str(qw.params["jaxpr"])
+  assert "transpose" not in str(_eqns_named(jaxpr, "nvfp4_dgrad")[0].params[
+      "jaxpr"])
   for name, sources in values_from.items():
     eqns = _eqns_named(jaxpr, name)
     assert len(eqns) == 1, (name, len(eqns))
     dtypes = {str(v.aval.dtype) for v in eqns[0].invars}
-    assert dtypes == {"uint8", "float8_e4m3fn", "bfloat16", "float32"}, (
-        name, dtypes)
+    want = {"bfloat16", "float32"} if name == "nvfp4_fprop" else {
+        "uint8", "float8_e4m3fn", "bfloat16", "float32"}
+    assert dtypes == want, (name, dtypes)
     vals = [v for v in eqns[0].invars if v.aval.dtype == jnp.bfloat16]
     assert [src for v in vals for src in sources
             if id(v) in made_by[src]] == sources, name
     inner = str(eqns[0].params["jaxpr"])
     assert "dot_general" in inner and "bf16[" in inner, name
   assert not _eqns_named(jaxpr, "bf16_fprop")  # Layer "hp" uses plain dots.
+
+
+@pytest.mark.parametrize("shape", [(64, 128, 96), (48, 32, 256)])
+def test_weight_in_kernel_layout_is_the_transposed_quantization(
+    shape, monkeypatch):
+  """The weight quantized once in its `[in, out]` layout (the emulated
+  GEMM's path) gives the operands, outputs and gradients of quantizing
+  `kernel^T` for Fprop and transposing those codes for Dgrad."""
+  from nvfp4_jax import fused
+  from nvfp4_jax import ops
+  t, k, n = shape
+  x = heavy(jax.random.key(0), (t, k), jnp.bfloat16)
+  w = heavy(jax.random.key(1), (k, n)) * 0.05
+  # The operands: codes, scales and values, byte for byte.
+  q, vals = fused.quantize_with_values(w, block_2d=True)
+  q_t = nv.quantize(w.T, block_2d=True)
+  np.testing.assert_array_equal(q.codes, q_t.T.codes)
+  np.testing.assert_array_equal(q.scales.view(jnp.uint8),
+                                q_t.T.scales.view(jnp.uint8))
+  np.testing.assert_array_equal(
+      vals.T, nv.block_dequantize(q_t)[0].astype(jnp.bfloat16))
+  # The layer, with and without the path.
+  recipe = nv.Recipe.nvfp4()
+  dims = (((1,), (0,)), ((), ()))
+
+  def run():
+    def loss(x, w):
+      y = nv.dot_general(x, w, dims, recipe=recipe, key=jax.random.key(3))
+      return jnp.sum(y.astype(jnp.float32) ** 2), y
+    (_, y), g = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, w)
+    return y, *g
+  assert ops._weight_in_kernel_layout(recipe, ops._WHOLE) == (
+      nv.gemm.consumes_values())
+  new = jax.jit(run)()
+  monkeypatch.setattr(ops, "_weight_in_kernel_layout", lambda *a: False)
+  old = jax.jit(run)()
+  # Dgrad and Wgrad multiply the same values in the same layouts: equal.
+  for a, b in zip(new[1:], old[1:]):
+    np.testing.assert_array_equal(a, b)
+  y_new, y_old = (np.asarray(y, np.float32) for y in (new[0], old[0]))
+  if jax.default_backend() == "cpu":
+    np.testing.assert_array_equal(y_new, y_old)
+  else:
+    # Fprop multiplies the same products, `x @ V` instead of `x @ (V^T)^T`:
+    # a GPU GEMM may sum the K FP32 terms in another order for the other
+    # layout. Each sum is within K * 2^-24 * sum|terms| of the exact one,
+    # then both round to bf16 (at most one bf16 ulp apart beyond that).
+    qx, xv = fused.quantize_with_values(x)
+    alpha = np.float32(qx.amax) * np.float32(q.amax) / 2688.0**2
+    terms = (np.abs(np.asarray(xv, np.float32))
+             @ np.abs(np.asarray(vals, np.float32))) * alpha
+    ulp = 2.0**(np.floor(np.log2(np.maximum(np.abs(y_old), 2.0**-126))) - 7)
+    assert np.all(np.abs(y_new - y_old) <= 2 * k * 2.0**-24 * terms + ulp)
 
 
 def test_dense_general_and_einsum_via_dot_general_cls():

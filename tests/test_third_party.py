@@ -94,14 +94,20 @@ def _regions(jaxpr, found=None):
 
 def _check_quantized_regions(fn, *args, per_kind):
   """Each quantized GEMM kind appears `per_kind` times and multiplies FP4
-  codes with E4M3 scales; returns the report."""
+  codes with E4M3 scales (Dgrad's saved weight, Wgrad's saved q(rht(X^T)))
+  or, in Fprop where the GEMM is the exact emulation, only the block values
+  (bf16) and amaxes (FP32) the quantizers of X and W wrote; returns the
+  report."""
   regions = _regions(jax.make_jaxpr(fn)(*args).jaxpr)
   for kind in ("fprop", "dgrad", "wgrad"):
     eqns = regions.get(f"nvfp4_{kind}", [])
     assert len(eqns) == per_kind, (kind, len(eqns))
     for eqn in eqns:
       dtypes = {str(v.aval.dtype) for v in eqn.invars}
-      assert {"uint8", "float8_e4m3fn"} <= dtypes, (kind, dtypes)
+      if kind == "fprop" and nv.gemm.consumes_values():
+        assert dtypes == {"bfloat16", "float32"}, (kind, dtypes)
+      else:
+        assert {"uint8", "float8_e4m3fn"} <= dtypes, (kind, dtypes)
   return nv.report(fn, *args)
 
 
