@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import gzip
 import json
+import os
 import re
 import subprocess
 import sys
@@ -65,6 +67,47 @@ def gpu_kernels(xplane: str) -> dict[str, tuple[int, float]]:
   return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+# An HLO instruction with its JAX source path: `%name = ... op_name="..."`.
+_HLO_OP = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?op_name="([^"]*)"',
+                     re.M)
+_LAYER = re.compile(r"nvfp4_layer\[[^\]]*\]/")
+
+
+def layer_ops(hlo_text: str, kernels: dict[str, tuple[float, float]]
+              ) -> tuple[dict[str, list[float]], float]:
+  """The kernels inside the NVFP4 layers, by the JAX op that made them.
+
+  Looks each kernel up in the compiled HLO (the trace names a fusion
+  `loop_add_fusion_3` where the HLO has `%loop_add_fusion.3`) and reads the
+  `op_name` its source path left: ops under an `nvfp4_layer[...]` scope
+  (`ops.layer_scope`) are keyed by the path after it, named regions
+  unwrapped (`nvfp4_quantize_w/transpose`), with "bwd " in the backward
+  pass. The library's Pallas kernels (named `nvfp4_*`) are keyed by name.
+
+  Returns:
+    `({op: [calls, us]}, us of the kernels outside the layers)`.
+  """
+  source = {}
+  for m in _HLO_OP.finditer(hlo_text):
+    source.setdefault(m.group(1).replace(".", "_"), m.group(2))
+  ops: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+  outside = 0.0
+  for name, (calls, us) in kernels.items():
+    if name.startswith("nvfp4_"):
+      key = "pallas " + re.sub(r"__\d+$", "", name)
+    else:
+      op = source.get(name, "")
+      if not _LAYER.search(op):
+        outside += us
+        continue
+      key = re.sub(r"jit\(([^()]*)\)", r"\1", _LAYER.split(op)[-1])
+      if "transpose(jvp(" in op:
+        key = "bwd " + key
+    ops[key][0] += calls
+    ops[key][1] += us
+  return dict(ops), outside
+
+
 def _child(preset: str, precision: str, batch: int, seq: int,
            steps: int, hlo_dir: str = "") -> dict:
   import jax  # pylint: disable=g-import-not-at-top
@@ -93,6 +136,21 @@ def _child(preset: str, precision: str, batch: int, seq: int,
           "device": jax.devices()[0].device_kind, "jax": jax.__version__}
 
 
+def print_layer_ops(hlo_dir: str, preset: str, kernels, top: int) -> None:
+  """Prints `layer_ops` of the NVFP4 step from its HLO in `hlo_dir`."""
+  from benchmarks import timing  # pylint: disable=g-import-not-at-top
+  path = f"{hlo_dir}/{preset}-nvfp4.hlo.txt"
+  opener = gzip.open if not os.path.exists(path) else open
+  with opener(path if opener is open else path + ".gz", "rt") as f:
+    ops, outside = layer_ops(f.read(), kernels)
+  rows = [{"op": k, "calls": c, "us": us}
+          for k, (c, us) in sorted(ops.items(), key=lambda kv: -kv[1][1])]
+  print(f"\nkernels inside the NVFP4 layers, by op ({outside:.0f} us in "
+        f"kernels outside them or not named in the HLO: library calls such "
+        f"as cuBLAS and cuDNN)")
+  print(timing.table(rows[:top], ("op", "calls", "us")))
+
+
 def main(argv=None):
   from benchmarks import bench_step  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -102,7 +160,15 @@ def main(argv=None):
   p.add_argument("--hlo-dir", default="",
                  help="write each precision's compiled HLO here, to look up "
                  "the XLA fusions the tables name")
+  p.add_argument("--from-hlo-dir", default="",
+                 help="print the NVFP4 layers' kernels by op from a "
+                 "directory an earlier --hlo-dir run wrote (no GPU)")
   a = p.parse_args(argv)
+  if a.from_hlo_dir:
+    with open(f"{a.from_hlo_dir}/{a.preset}-kernels.json") as f:
+      kernels = json.load(f)["nvfp4"]["kernels"]
+    print_layer_ops(a.from_hlo_dir, a.preset, kernels, a.top)
+    return
   if a.child:
     print(json.dumps(_child(a.preset, a.child, a.batch, a.seq, a.steps,
                             a.hlo_dir)))
@@ -144,6 +210,8 @@ def main(argv=None):
         f"{a.preset} {a.batch}x{a.seq}; GPU time per step (us), mean of "
         f"{a.steps} traced steps")
   print(timing.table(rows, cols))
+  if a.hlo_dir and "nvfp4" in runs:
+    print_layer_ops(a.hlo_dir, a.preset, runs["nvfp4"]["kernels"], a.top)
   for prec in precs:
     top = sorted(runs[prec]["kernels"].items(), key=lambda kv: -kv[1][1])
     print(f"\nlargest kernels of the {prec} step")

@@ -53,6 +53,34 @@ def test_profile_step_classes():
   assert c("loop_convert_fusion") == "XLA fusions"
 
 
+def test_profile_step_layer_ops_attributes_kernels_to_layer_ops():
+  """Trace kernel names map to HLO instructions (`_3` for `.3`) and their
+  source paths: ops inside an `nvfp4_layer[...]` scope are keyed by the
+  path after it, backward ops marked; Pallas kernels by their name."""
+  scope = "nvfp4_layer[block_0/mlp/up|fprop=nvfp4]"
+  hlo = "\n".join([
+      f'  %loop_transpose_fusion.3 = bf16[8,4]{{1,0}} fusion(%p), kind=kLoop, '
+      f'metadata={{op_name="jit(step)/jvp(GPT)/block_0/{scope}/'
+      f'jit(nvfp4_quantize_w)/transpose" stack_frame_id=1}}',
+      f'  ROOT %input_reduce_fusion.12 = u32[] fusion(%q), kind=kInput, '
+      f'metadata={{op_name="jit(step)/transpose(jvp(GPT))/block_0/{scope}/'
+      f'jit(nvfp4_quantize_dy)/reduce_max"}}',
+      '  %loop_add_fusion = f32[8]{0} fusion(%r), kind=kLoop, '
+      'metadata={op_name="jit(step)/jvp(GPT)/block_0/norm/add"}',
+  ])
+  kernels = {"loop_transpose_fusion_3": [2.0, 5.0],
+             "input_reduce_fusion_12": [1.0, 3.0],
+             "loop_add_fusion": [1.0, 7.0],
+             "nvfp4_quantize_values__2": [1.0, 40.0],
+             "nvfp4_quantize_values": [1.0, 60.0],
+             "nvjet_sm90_tst_128x128": [4.0, 900.0]}
+  ops, outside = profile_step.layer_ops(hlo, kernels)
+  assert ops == {"nvfp4_quantize_w/transpose": [2.0, 5.0],
+                 "bwd nvfp4_quantize_dy/reduce_max": [1.0, 3.0],
+                 "pallas nvfp4_quantize_values": [2.0, 100.0]}
+  assert outside == 907.0
+
+
 def test_bench_memory_largest_fit():
   from benchmarks import bench_memory  # pylint: disable=g-import-not-at-top
   # Peak = 10 + 2 * batch (GiB-like units): a limit of 100 allows 45 -> 40.
