@@ -140,8 +140,9 @@ def print_layer_ops(hlo_dir: str, preset: str, kernels, top: int) -> None:
   """Prints `layer_ops` of the NVFP4 step from its HLO in `hlo_dir`."""
   from benchmarks import timing  # pylint: disable=g-import-not-at-top
   path = f"{hlo_dir}/{preset}-nvfp4.hlo.txt"
-  opener = gzip.open if not os.path.exists(path) else open
-  with opener(path if opener is open else path + ".gz", "rt") as f:
+  if not os.path.exists(path):  # Saved gzipped (the base HLO is > 16 MB).
+    path += ".gz"
+  with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
     ops, outside = layer_ops(f.read(), kernels)
   rows = [{"op": k, "calls": c, "us": us}
           for k, (c, us) in sorted(ops.items(), key=lambda kv: -kv[1][1])]

@@ -285,9 +285,11 @@ def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, ctx: _Whole):
     # block values Fprop multiplies as `x @ V`.
     qw, vw = _named("nvfp4_quantize_w", lambda w: quantize_with_values(
         w, block_2d=True))(w)
-    y = _named("nvfp4_fprop", lambda qx, vw: block_values_matmul(
-        qx.values, vw.values, gemm_alpha(qx, vw), out_dtype=acc_dtype,
-        vb_kn=True))(qx, NVFP4Values(vw, qw.amax))
+    # `qw_vals`: the weight's values in the kernel layout with its amax
+    # (alpha needs the amax only; the codes stay out of this region).
+    y = _named("nvfp4_fprop", lambda qx, qw_vals: block_values_matmul(
+        qx.values, qw_vals.values, gemm_alpha(qx, qw_vals),
+        out_dtype=acc_dtype, vb_kn=True))(qx, NVFP4Values(vw, qw.amax))
   elif recipe.fprop_x.quantized:
     # The stored weight shard is quantized (amax across its shards) and the
     # quantized bytes are gathered.
