@@ -38,8 +38,10 @@ def _peak_bytes(compiled) -> float:
                + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
-def run(tokens: int = 8192, d_in: int = 4096, d_out: int = 4096
-        ) -> list[dict]:
+def run(tokens: int = 8192, d_in: int = 4096, d_out: int = 4096,
+        kernels: list | None = None) -> list[dict]:
+  """The table's rows; with a `kernels` list, also appends the per-kernel
+  GPU time of each case (`timing.gpu_kernels`) to it."""
   try:
     import nvfp4_jax as nf  # pylint: disable=g-import-not-at-top
     dense4 = nf.NVFP4Dense
@@ -68,6 +70,11 @@ def run(tokens: int = 8192, d_in: int = 4096, d_out: int = 4096
       compiled = f.lower(params, x, dy, key).compile()
       peak = _peak_bytes(compiled)
       t = timing.bench(compiled, [(params, x, dy, key)], calls=5, reps=7)
+      if kernels is not None:
+        for kname, (n, g) in sorted(timing.gpu_kernels(
+            compiled, [(params, x, dy, key)]).items(), key=lambda kv: -kv[1][1]):
+          kernels.append(dict(layer=name, kernel=kname[:70], calls=n,
+                              us=g * 1e6))
     base = base or (t, peak)
     rows.append(dict(layer=name, ms=t * 1e3, tflops=flops / t / 1e12,
                      vs_bf16=t / base[0], peak_mib=peak / 2**20,
@@ -82,5 +89,10 @@ if __name__ == "__main__":
   p = argparse.ArgumentParser()
   p.add_argument("--tokens", type=int, default=8192)
   p.add_argument("--dim", type=int, default=4096)
+  p.add_argument("--kernels", action="store_true",
+                 help="also print each case's kernels by GPU time")
   a = p.parse_args()
-  print(timing.table(run(a.tokens, a.dim, a.dim), COLS))
+  ks = [] if a.kernels else None
+  print(timing.table(run(a.tokens, a.dim, a.dim, ks), COLS))
+  if ks:
+    print(timing.table(ks, ("layer", "kernel", "calls", "us")))

@@ -352,6 +352,93 @@ def sweep_pair(tokens: int = 8192, features: int = 8192, *, copy_bw: float
   return rows
 
 
+USED_CONFIGS = dict(
+    rht_t=((64, 64, 4), (32, 64, 4), (64, 32, 4), (32, 32, 2), (64, 128, 4),
+           (128, 64, 8), (64, 64, 8), (32, 128, 4), (128, 32, 4)),
+    pair=((32, 64, 4), (64, 64, 4), (32, 32, 2), (32, 128, 4), (64, 128, 8),
+          (16, 64, 2), (32, 64, 2)),
+    row=((16, 256, 4), (8, 256, 2), (32, 256, 4), (16, 512, 4), (8, 512, 4),
+         (32, 128, 4), (16, 128, 2)))
+
+
+def sweep_used(tokens: int, features: int) -> list[dict]:
+  """The quantizers as the layers run them, at several tiles, by GPU time
+  (`timing.gpu_seconds`), against an XLA copy of the same tensor timed the
+  same way: dY's Wgrad operand (rht_t, SR, values), the X pair (RTNE, x
+  values + rht_t codes) and dY's Dgrad operand (1x16, SR, values), amaxes
+  given. The first tile of each is the default; every row is checked equal
+  to it (the tiles change no numbers)."""
+  xs = [jax.random.normal(jax.random.key(i), (tokens, features),
+                          jnp.float32).astype(jnp.bfloat16) for i in range(2)]
+  n = tokens * features
+  copy_s = timing.gpu_seconds(jax.jit(lambda a: a * jnp.bfloat16(1.0001)),
+                              [(x,) for x in xs])
+  a_x, a_t = pr.rht_amax(xs[0], with_x=True)
+  kx, kt = jax.random.split(jax.random.key(1))
+  kernels = dict(
+      rht_t=(4, lambda v, c: pr.quantize_call(
+          v, amax_t=a_t, key_t=kt, size=16, sign_vector=None, fused_x=False,
+          config=pr.RHTConfig(block_tokens=c[0], block_features=c[1],
+                              num_warps=c[2]), values_t=True)),
+      pair=(4 + Q_BYTES, lambda v, c: pr.quantize_call(
+          v, amax_t=a_t, amax_x=a_x, key_t=None, size=16, sign_vector=None,
+          fused_x=True, values_x=True,
+          config=pr.RHTConfig(block_tokens=c[0], block_features=c[1],
+                              num_warps=c[2]))),
+      row=(4, lambda v, c: pq.quantize(
+          v, amax=a_x, rounding="stochastic", key=kx, with_codes=False,
+          config=pq.QuantizeConfig(block_rows=c[0], block_cols=c[1],
+                                   num_warps=c[2]))))
+  rows = []
+  for name, (bpe, fn) in kernels.items():
+    want = None
+    for cfg in USED_CONFIGS[name]:
+      f = jax.jit(functools.partial(fn, c=cfg))
+      label = f"{name} {cfg[0]}x{cfg[1]} w{cfg[2]}"
+      try:
+        got = f(xs[0])
+        want = got if want is None else want
+        g = timing.gpu_seconds(f, [(x,) for x in xs])
+      except Exception as e:  # pylint: disable=broad-except
+        rows.append(dict(shape=f"{tokens}x{features}", kernel=label,
+                         exact=f"failed: {type(e).__name__}"))
+        continue
+      rows.append(dict(shape=f"{tokens}x{features}", kernel=label,
+                       gpu_us=g * 1e6, of_copy=bpe / 4 * copy_s / g,
+                       exact=_same(got, want)))
+  return rows
+
+
+def sweep_amax_programs(tokens: int, features: int,
+                        programs=(128, 256, 512, 1024, 2048, 8192)
+                        ) -> list[dict]:
+  """The amax pass at the default tile with other floors on its program
+  count (`quantize_rht_t.AMAX_PROGRAMS`: programs loop over fewer tiles
+  where the grid would drop below it), by GPU time against XLA's reduction
+  of `max |x|` alone. Every row is checked equal to the default's."""
+  xs = [jax.random.normal(jax.random.key(i), (tokens, features),
+                          jnp.float32).astype(jnp.bfloat16) for i in range(2)]
+  f = jax.jit(lambda x: nvfp4.tensor_amax(nm.ftz(x.astype(jnp.float32))))
+  xla = timing.gpu_seconds(f, [(x,) for x in xs])
+  rows = [dict(shape=f"{tokens}x{features}", kernel="max |x| (XLA)",
+               gpu_us=xla * 1e6, vs_xla=1.0)]
+  default = pr.AMAX_PROGRAMS
+  want = jax.jit(functools.partial(pr.rht_amax, with_x=True))(xs[0])
+  try:
+    for n in programs:
+      pr.AMAX_PROGRAMS = n
+      f = jax.jit(functools.partial(pr.rht_amax, with_x=True))
+      g = timing.gpu_seconds(f, [(x,) for x in xs])
+      rows.append(dict(shape=f"{tokens}x{features}",
+                       kernel=f"rht_amax, >= {n} programs"
+                       + (" (default)" if n == default else ""),
+                       gpu_us=g * 1e6, vs_xla=xla / g,
+                       exact=_same(f(xs[0]), want)))
+  finally:
+    pr.AMAX_PROGRAMS = default
+  return rows
+
+
 COLS = ("kernel", "bytes_per_elem", "us", "tbps", "of_copy", "gpu_us",
         "gpu_of_copy", "xla_us", "vs_xla", "exact")
 
@@ -367,7 +454,27 @@ if __name__ == "__main__":
   p.add_argument("--encoders", action="store_true",
                  help="also time each kernel with its jnp encoders "
                       "(before the GPU encoder), in the same run")
+  p.add_argument("--used-sweep", default=None, metavar="TxF,...",
+                 help="only the quantizers as the layers run them, at "
+                      "several tiles, for these shapes (e.g. 16384x768)")
+  p.add_argument("--amax-programs", default=None, metavar="TxF,...",
+                 help="only the amax pass at several floors on its program "
+                      "count, for these shapes")
   a = p.parse_args()
+  if a.amax_programs:
+    rows = []
+    for shape in a.amax_programs.split(","):
+      rows += sweep_amax_programs(*(int(v) for v in shape.split("x")))
+    print(timing.table(rows, ("shape", "kernel", "gpu_us", "vs_xla",
+                              "exact")))
+    raise SystemExit(0)
+  if a.used_sweep:
+    rows = []
+    for shape in a.used_sweep.split(","):
+      rows += sweep_used(*(int(v) for v in shape.split("x")))
+    print(timing.table(rows, ("shape", "kernel", "gpu_us", "of_copy",
+                              "exact")))
+    raise SystemExit(0)
   bw = timing.copy_bandwidth()
   print(f"copy bandwidth: {bw / 1e12:.3f} TB/s")
   if a.amax_sweep:

@@ -4,7 +4,9 @@ The recipe's NVFP4 pair of a tensor `x: [tokens, features]` — `q(x)` 1x16
 along features and `q(rht(x.T))` along tokens — comes from two passes over `x`
 (`pallas_kernels.quantize_rht_t`: the amaxes of both from one read, then both
 encodes from one read; or, when both round stochastically, two encode
-kernels, which is faster: see `_split`). A Wgrad operand without RHT (the
+kernels, which is faster: see `_split`. The first of them, the row kernel,
+then also reduces the amax of `rht(x.T)` from its tiles, and `max|x|` is an
+XLA reduction that XLA fuses into `x`'s producer, so no amax pass reads `x`). A Wgrad operand without RHT (the
 `--no-rht` ablation) is the 1x16 quantizer's kernel on `x.T` (an XLA
 transpose), with the one amax both operands share. A pair with only one
 quantized operand runs that operand's kernel; either may use Four-over-Six.
@@ -84,26 +86,33 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
         sign_vector=sign_vector, size=rht_size, placement=placement,
         amax_axes=amax_axes, config=config,
         four_over_six=wgrad.four_over_six, values=values[1])
+  if config is None and _split(row, wgrad):
+    # `max|x|` is an XLA reduction, which XLA fuses into the producer of `x`
+    # (the backward's elementwise fusion that writes dY); the row kernel
+    # reduces `max|rht(x.T)|` from the tiles it reads anyway. No amax pass.
+    amax_x = spmd.reduce_amax(tile.abs_max(nm.ftz(x.astype(jnp.float32))),
+                              amax_axes)
+    q_x, amax_t = pallas_quantize.quantize(
+        x, rounding=row.rounding, key=_key(row, key_row), amax=amax_x,
+        four_over_six=row.four_over_six, placement=placement,
+        with_codes=not values[0], rht_amax_size=rht_size,
+        sign_vector=sign_vector)
+    q_t = pallas_rht.quantize_call(
+        x, amax_t=spmd.reduce_amax(amax_t, amax_axes),
+        key_t=_key(wgrad, key_t), size=rht_size, sign_vector=sign_vector,
+        fused_x=False, config=None, placement=placement,
+        four_over_six_t=wgrad.four_over_six, values_t=values[1])
+    return q_x, q_t
   amaxes = pallas_rht.rht_amax(x, sign_vector=sign_vector, size=rht_size,
                                with_x=True, config=config)
   if amax_axes:  # One collective for both.
     amaxes = spmd.reduce_amax(jnp.stack(amaxes), amax_axes)
-  if config is None and _split(row, wgrad):
-    q_t = pallas_rht.quantize_call(
-        x, amax_t=amaxes[1], key_t=_key(wgrad, key_t), size=rht_size,
-        sign_vector=sign_vector, fused_x=False, config=None,
-        placement=placement, four_over_six_t=wgrad.four_over_six,
-        values_t=values[1])
-    q_x = pallas_quantize.quantize(
-        x, rounding=row.rounding, key=_key(row, key_row), amax=amaxes[0],
-        four_over_six=row.four_over_six, placement=placement,
-        with_codes=not values[0])
-    return q_x, q_t
   t, f = x.shape
   return pallas_rht.quantize_call(
       x, amax_t=amaxes[1], key_t=_key(wgrad, key_t), amax_x=amaxes[0],
       key_x=_key(row, key_row), size=rht_size, sign_vector=sign_vector,
-      fused_x=True, config=config or pair_config(t, f, rht_size),
+      fused_x=True,
+      config=config or pair_config(t, f, rht_size, values_x=values[0]),
       placement=placement, four_over_six_t=wgrad.four_over_six,
       four_over_six_x=row.four_over_six, values_t=values[1],
       values_x=values[0])
@@ -120,12 +129,20 @@ def _split(row: Operand, wgrad: Operand) -> bool:
   return row.rounding == "stochastic" and wgrad.rounding == "stochastic"
 
 
-def pair_config(tokens: int, features: int, size: int = 16) -> RHTConfig:
-  """The fused pair kernel's tiles: 32 tokens x 64 features, 4 warps.
+def pair_config(tokens: int, features: int, size: int = 16, *,
+                values_x: bool = False) -> RHTConfig:
+  """The fused pair kernel's tiles, 4 warps: 64 tokens x 64 features where
+  `x` is written as block values (the emulated GEMM's operand), 32 x 64
+  where both operands are written as codes.
 
-  Measured with the sweep above (RTNE pair, 8192^2): 32x64 243 us, the
-  single-operand default 64x64 260 us; two kernels 243 us.
+  Measured on the H100 (RTNE pair, amaxes given):
+  - codes for both, 8192^2 (`python -m benchmarks.bench_quantize
+    --pair-sweep`): 32x64 243 us, 64x64 260 us; two kernels 243 us;
+  - `x` as values (`--used-sweep`, GPU time), 64x64 against 32x64: 83.5 vs
+    86.2 us at 8192x4096, 35.6 vs 36.5 at 16384x768, 83.1 vs 86.9 at
+    16384x2048, 93.7 vs 97.2 at 16384x2304, 161 vs 167 at 16384x4096.
   """
   cfg = pallas_rht.default_config(tokens, features, size)
-  return RHTConfig(block_tokens=max(size, min(32, cfg.block_tokens)),
+  bt = 64 if values_x else 32
+  return RHTConfig(block_tokens=max(size, min(bt, cfg.block_tokens)),
                    block_features=cfg.block_features, num_warps=4)

@@ -1,0 +1,148 @@
+"""Does XLA fuse an NVFP4 decode into its GEMM (a dequantizing prologue)?
+
+On hardware without FP4 tensor cores the block-scaled GEMM multiplies bf16
+block values. Today a quantizer (or a dequantize pass) writes those values to
+memory and the GEMM reads them back. If XLA fused the decode of codes and
+scales into its own Triton GEMM fusion, the values would never be written.
+
+For `a @ b` with `a: [M, K]` quantized 1x16 along K and `b: [K, N]` bf16
+block values, this compiles and times several ways of writing the decode of
+`a` in jnp, prints whether the decode landed inside the GEMM's fusion, and
+times each against cuBLAS on the values (same run):
+
+  python -m benchmarks.probe_prologue [--shapes 8192x4096x4096,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import timing
+from nvfp4_jax import numerics as nm
+from nvfp4_jax import tile
+
+SHAPES = ((8192, 4096, 4096), (16384, 2304, 768), (16384, 768, 2048),
+          (16384, 4096, 768))
+
+
+def _operands(m: int, n: int, k: int, seed: int):
+  rng = np.random.default_rng(seed)
+  codes = rng.integers(0, 16, size=(m, k), dtype=np.uint8)
+  scales = rng.integers(8, 120, size=(m, k // 16), dtype=np.uint8)
+  scales = jax.lax.bitcast_convert_type(jnp.asarray(scales),
+                                        jnp.float8_e4m3fn)
+  codes = jnp.asarray(codes)
+  values = (nm.e2m1_decode(codes).reshape(m, k // 16, 16)
+            * scales.astype(jnp.float32)[..., None]).reshape(m, k)
+  b = jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16)
+  packed = nm.pack_e2m1(codes.reshape(m, k // 16, 16)).reshape(m, k // 2)
+  f4 = nm.e2m1_decode(codes).astype(jnp.float4_e2m1fn)
+  return dict(values=values.astype(jnp.bfloat16), codes=codes, packed=packed,
+              f4=f4, scales=scales, b=b)
+
+
+def _scaled(v, scales):
+  m, k = v.shape
+  s = scales.astype(jnp.bfloat16)[..., None]
+  return (v.reshape(m, k // 16, 16) * s).reshape(m, k)
+
+
+def _decode_u8(c):
+  """E2M1 code per byte -> bf16 by integer bits (no table lookup)."""
+  c = c.astype(jnp.uint16)
+  mag = c & 7
+  bits = jnp.where(mag >= 2, (((mag >> 1) + 126) << 7) | ((mag & 1) << 6),
+                   jnp.where(mag == 1, jnp.uint16(126 << 7), jnp.uint16(0)))
+  bits = bits | ((c >> 3) << 15)
+  return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def _dot(a, b):
+  return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(
+      jnp.bfloat16)
+
+
+VARIANTS = {
+    # name: (inputs, fn)
+    "cublas on values": (("values", "b"), _dot),
+    "packed u8 -> tile.block_values": (
+        ("packed", "scales", "b"),
+        lambda p, s, b: _dot(tile.block_values(
+            p.reshape(p.shape[0], -1, 8), s).reshape(p.shape[0], -1), b)),
+    "f4e2m1fn -> convert * scale": (
+        ("f4", "scales", "b"),
+        lambda f, s, b: _dot(_scaled(f.astype(jnp.bfloat16), s), b)),
+    "f4e2m1fn -> convert (no scale)": (
+        ("f4", "b"), lambda f, b: _dot(f.astype(jnp.bfloat16), b)),
+    "u8 code -> int bits * scale": (
+        ("codes", "scales", "b"),
+        lambda c, s, b: _dot(_scaled(_decode_u8(c), s), b)),
+}
+
+
+def _fused(hlo: str) -> str:
+  """Which compiled kernels the module has: GEMM fusions (and whether any
+  holds a convert/bitcast/and of the codes), cuBLAS calls, loop fusions."""
+  triton = len(re.findall(r'"kind":"__triton_gemm"|__triton_gemm', hlo))
+  cublas = len(re.findall(r'custom_call_target="__cublas', hlo))
+  # The fused computations whose dot also reads a narrow type.
+  prologue = bool(re.search(r"fused_computation[^{]*\{[^}]*(f4e2m1fn|u8\[)"
+                            r"[^}]*dot\(", hlo))
+  fusions = len(re.findall(r"^\s*\S+ = \S+ fusion\(", hlo, re.M))
+  return f"triton {triton}, cublas {cublas}, fusions {fusions}, " \
+         f"decode in a dot fusion {prologue}"
+
+
+def run(shapes=SHAPES, dump: str | None = None) -> list[dict]:
+  rows = []
+  for m, n, k in shapes:
+    sets = [_operands(m, n, k, s) for s in range(2)]
+    base = None
+    ref = None
+    for name, (inputs, fn) in VARIANTS.items():
+      f = jax.jit(fn)
+      args = [tuple(d[i] for i in inputs) for d in sets]
+      compiled = f.lower(*args[0]).compile()
+      hlo = compiled.as_text()
+      if dump:
+        import os  # pylint: disable=g-import-not-at-top
+        os.makedirs(dump, exist_ok=True)
+        tag = re.sub(r"\W+", "_", f"{m}x{n}x{k}_{name}")
+        with open(os.path.join(dump, tag + ".hlo"), "w") as fh:
+          fh.write(hlo)
+      out = np.asarray(f(*args[0]).astype(jnp.float32))
+      if ref is None:
+        ref = out
+      t = timing.bench(f, args, calls=5, reps=7)
+      base = base or t
+      rows.append(dict(
+          shape=f"{m}x{n}x{k}", variant=name, us=round(t * 1e6, 1),
+          of_cublas=round(base / t, 3),
+          max_diff=float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))),
+          kernels=_fused(hlo)))
+      print(rows[-1], flush=True)
+  return rows
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--shapes", default=None,
+                 help="comma-separated MxNxK (default: the layer and three "
+                      "GPT base shapes)")
+  p.add_argument("--dump", default=None, help="write each HLO here")
+  a = p.parse_args()
+  shapes = SHAPES if a.shapes is None else tuple(
+      tuple(int(v) for v in s.split("x")) for s in a.shapes.split(","))
+  print(jax.devices()[0].device_kind, jax.__version__)
+  rows = run(shapes, a.dump)
+  print(timing.table(rows, ["shape", "variant", "us", "of_cublas",
+                            "max_diff", "kernels"]))
+
+
+if __name__ == "__main__":
+  main()
