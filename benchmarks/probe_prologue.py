@@ -7,8 +7,9 @@ scales into its own Triton GEMM fusion, the values would never be written.
 
 For `a @ b` with `a: [M, K]` quantized 1x16 along K and `b: [K, N]` bf16
 block values, this compiles and times several ways of writing the decode of
-`a` in jnp, prints whether the decode landed inside the GEMM's fusion, and
-times each against cuBLAS on the values (same run):
+`a` in jnp, counts the kernels XLA made (a decode fused into the GEMM leaves
+one GEMM fusion and no other fusion), and times each against the GEMM on
+the values (same run):
 
   python -m benchmarks.probe_prologue [--shapes 8192x4096x4096,...]
 """
@@ -69,7 +70,7 @@ def _dot(a, b):
 
 VARIANTS = {
     # name: (inputs, fn)
-    "cublas on values": (("values", "b"), _dot),
+    "GEMM on the values": (("values", "b"), _dot),
     "packed u8 -> tile.block_values": (
         ("packed", "scales", "b"),
         lambda p, s, b: _dot(tile.block_values(
@@ -77,7 +78,7 @@ VARIANTS = {
     "f4e2m1fn -> convert * scale": (
         ("f4", "scales", "b"),
         lambda f, s, b: _dot(_scaled(f.astype(jnp.bfloat16), s), b)),
-    "f4e2m1fn -> convert (no scale)": (
+    "f4e2m1fn -> convert, no scale (other values)": (
         ("f4", "b"), lambda f, b: _dot(f.astype(jnp.bfloat16), b)),
     "u8 code -> int bits * scale": (
         ("codes", "scales", "b"),
@@ -85,17 +86,20 @@ VARIANTS = {
 }
 
 
-def _fused(hlo: str) -> str:
-  """Which compiled kernels the module has: GEMM fusions (and whether any
-  holds a convert/bitcast/and of the codes), cuBLAS calls, loop fusions."""
-  triton = len(re.findall(r'"kind":"__triton_gemm"|__triton_gemm', hlo))
-  cublas = len(re.findall(r'custom_call_target="__cublas', hlo))
-  # The fused computations whose dot also reads a narrow type.
-  prologue = bool(re.search(r"fused_computation[^{]*\{[^}]*(f4e2m1fn|u8\[)"
-                            r"[^}]*dot\(", hlo))
-  fusions = len(re.findall(r"^\s*\S+ = \S+ fusion\(", hlo, re.M))
-  return f"triton {triton}, cublas {cublas}, fusions {fusions}, " \
-         f"decode in a dot fusion {prologue}"
+def entry_kernels(hlo: str) -> dict[str, int]:
+  """The kernels of a compiled module's entry computation, by kind: GEMM
+  fusions (XLA's Triton GEMMs, `gemm_fusion*`), other fusions (a decode
+  that did not land in a GEMM runs as one of these), library calls."""
+  entry = hlo[hlo.index("\nENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  counts = {"gemm fusions": 0, "other fusions": 0, "library calls": 0}
+  for line in entry.splitlines():
+    if re.search(r" fusion\(", line):
+      gemm = re.search(r"calls=%?gemm_fusion", line)
+      counts["gemm fusions" if gemm else "other fusions"] += 1
+    elif re.search(r" custom-call\(", line):
+      counts["library calls"] += 1
+  return counts
 
 
 def run(shapes=SHAPES, dump: str | None = None) -> list[dict]:
@@ -122,9 +126,9 @@ def run(shapes=SHAPES, dump: str | None = None) -> list[dict]:
       base = base or t
       rows.append(dict(
           shape=f"{m}x{n}x{k}", variant=name, us=round(t * 1e6, 1),
-          of_cublas=round(base / t, 3),
+          vs_values=round(base / t, 3),
           max_diff=float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))),
-          kernels=_fused(hlo)))
+          **entry_kernels(hlo)))
       print(rows[-1], flush=True)
   return rows
 
@@ -140,8 +144,9 @@ def main():
       tuple(int(v) for v in s.split("x")) for s in a.shapes.split(","))
   print(jax.devices()[0].device_kind, jax.__version__)
   rows = run(shapes, a.dump)
-  print(timing.table(rows, ["shape", "variant", "us", "of_cublas",
-                            "max_diff", "kernels"]))
+  print(timing.table(rows, ["shape", "variant", "us", "vs_values",
+                            "max_diff", "gemm fusions", "other fusions",
+                            "library calls"]))
 
 
 if __name__ == "__main__":

@@ -30,9 +30,7 @@ from nvfp4_jax import prng
 from nvfp4_jax import tile
 from nvfp4_jax.qarray import NVFP4Array
 from nvfp4_jax.qarray import NVFP4Values
-from nvfp4_jax.hadamard import rht_matrix
 from pallas_kernels import common
-from pallas_kernels import quantize_rht_t as pallas_rht
 
 B = nm.NVFP4_BLOCK
 
@@ -82,17 +80,15 @@ def tile_masks(rows: int, nb: int, m: int, nb_total: int):
 def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
                      with_codes: bool, with_values: bool, interpret: bool,
                      m: int, nb_total: int, four_over_six: bool,
-                     words_per_row: int, rht: bool):
+                     words_per_row: int):
   refs = list(refs)
   amax_ref = refs.pop(0)
   seeds_ref = refs.pop(0) if stochastic else None
   origin_ref = refs.pop(0) if stochastic else None
-  h_ref = refs.pop(0) if rht else None
   x_ref = refs.pop(0)
   codes_ref, scales_ref = (refs.pop(0), refs.pop(0)) if with_codes else (
       None, None)
   values_ref = refs.pop(0) if with_values else None
-  rht_ref = refs.pop(0) if rht else None
   divide = common.exact_divide(interpret)
   # Shape (1,), not scalars: the inline-asm division needs tensor operands.
   s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
@@ -100,11 +96,7 @@ def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
   rows, nb, _ = x_ref.shape
   mask = tile_masks(rows, nb, m, nb_total)
 
-  x = common.load(x_ref, mask[B])
-  if rht:  # The tile's rows are runs of whole Hadamard tiles of tokens.
-    rht_ref[...] = pallas_rht.tile_rht_partial(
-        x.reshape(rows, nb * B), h_ref[...], interpret)
-  x = x.astype(jnp.float32)  # Flushed when scaled.
+  x = common.load(x_ref, mask[B]).astype(jnp.float32)  # Flushed when scaled.
   rwords = None
   if stochastic:
     # The tile's place in the (whole, maybe sharded) tensor's stream.
@@ -130,9 +122,7 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
              amax: jax.Array | None = None, with_values: bool = False,
              with_codes: bool = True, four_over_six: bool = False,
              placement: prng.Placement | None = None,
-             config: QuantizeConfig | None = None,
-             rht_amax_size: int | None = None,
-             sign_vector=None):
+             config: QuantizeConfig | None = None):
   """`nvfp4_jax.quantize` as a Pallas-Triton kernel (interpreted on CPU).
 
   Args:
@@ -144,16 +134,10 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
     with_codes: False: write the values only (not the codes and scales) and
       return them as `NVFP4Values` (`with_values` is then implied).
     config: tile sizes; defaults to `default_config`.
-    rht_amax_size: for `x: [tokens, features]` (tokens a multiple of it),
-      also compute `max |rht(x.T)|` with this Hadamard size and
-      `sign_vector` (`pallas_kernels.quantize_rht_t.rht_amax`'s result,
-      bit for bit) from the tiles this pass reads anyway: the amax of the
-      tensor's Wgrad operand, when its row operand is quantized here.
 
   Returns:
     An `NVFP4Array`, or `(NVFP4Array, values)` with `with_values`, or
-    `NVFP4Values` without `with_codes`; with `rht_amax_size`, a pair of
-    that and the FP32 amax of `rht(x.T)`.
+    `NVFP4Values` without `with_codes`.
 
   Raises:
     NotImplementedError: on a backend the kernels do not support.
@@ -166,24 +150,6 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
     amax = tile.abs_max(nm.ftz(x.astype(jnp.float32)))
   stochastic = rounding == "stochastic"
   cfg = config or default_config(m, k, block_2d)
-  rht = rht_amax_size is not None
-  if rht:
-    pallas_rht.check_size(rht_amax_size, "quantize(rht_amax_size=)")
-    if x.ndim != 2 or m % rht_amax_size or block_2d:
-      raise ValueError(
-          f"rht_amax_size={rht_amax_size} needs 1x16 blocks of a 2-D "
-          f"[tokens, features] x with tokens a multiple of it; got shape "
-          f"{shape}{' and 16x16 blocks' if block_2d else ''}.")
-    if cfg.block_rows % rht_amax_size:
-      if config is not None:
-        raise ValueError(
-            f"rht_amax_size={rht_amax_size} needs block_rows to be a "
-            f"multiple of it; got {cfg}.")
-      # Whole Hadamard runs of tokens per program, at most 4K elements.
-      cfg = QuantizeConfig(
-          block_rows=rht_amax_size,
-          block_cols=min(cfg.block_cols, max(B, 4096 // rht_amax_size)),
-          num_warps=cfg.num_warps)
   if block_2d and cfg.block_rows % B:
     raise ValueError(
         f"16x16 scaling needs block_rows to be a multiple of {B}; got "
@@ -200,10 +166,6 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   if stochastic:
     in_specs += [common.scalar_spec(2), common.scalar_spec(2)]
     args += [prng.seeds_from_key(key), origin]
-  if rht:
-    in_specs.append(pl.BlockSpec((rht_amax_size, rht_amax_size),
-                                 lambda i, j: (0, 0)))
-    args.append(jnp.asarray(rht_matrix(sign_vector, rht_amax_size)))
   in_specs.append(pl.BlockSpec((br, bnb, B), lambda i, j: (i, j, 0)))
   args.append(x.reshape(m, nb_total, B))
   with_values = with_values or not with_codes
@@ -216,32 +178,26 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   if with_values:
     out_shape.append(jax.ShapeDtypeStruct((m, nb_total, B // 2), jnp.uint32))
     out_specs.append(pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)))
-  if rht:  # Each program's partial amax of rht(x.T).
-    out_shape.append(jax.ShapeDtypeStruct(grid, jnp.uint32))
-    out_specs.append(pl.BlockSpec((1, 1), lambda i, j: (i, j)))
 
   kernel = functools.partial(
       _quantize_kernel, block_2d=block_2d, stochastic=stochastic,
       with_codes=with_codes, with_values=with_values, interpret=interpret,
       m=m, nb_total=nb_total, four_over_six=four_over_six,
-      words_per_row=words_per_row, rht=rht)
+      words_per_row=words_per_row)
   name = "nvfp4_quantize_2d" if block_2d else "nvfp4_quantize"
   outs = list(common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
       name=name if with_codes else name + "_values",
       grid=grid, in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape)(*args))
-  if rht:
-    amax_rht = common.combine_partial_amax(outs.pop())
   if with_values:
     outs[-1] = tile.values_from_pairs(outs[-1]).reshape(shape)
   if not with_codes:
-    q = NVFP4Values(outs[0], amax, four_over_six=four_over_six)
-  else:
-    lead = shape[:-1]
-    q = NVFP4Array(codes=outs[0].reshape(*lead, k // 2),
-                   scales=outs[1].reshape(*lead, nb_total), amax=amax,
-                   block_2d=block_2d, four_over_six=four_over_six)
-    if with_values:
-      q = (q, outs[2])
-  return (q, amax_rht) if rht else q
+    return NVFP4Values(outs[0], amax, four_over_six=four_over_six)
+  lead = shape[:-1]
+  q = NVFP4Array(codes=outs[0].reshape(*lead, k // 2),
+                 scales=outs[1].reshape(*lead, nb_total), amax=amax,
+                 block_2d=block_2d, four_over_six=four_over_six)
+  if with_values:
+    return q, outs[2]
+  return q

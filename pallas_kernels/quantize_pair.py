@@ -4,9 +4,7 @@ The recipe's NVFP4 pair of a tensor `x: [tokens, features]` — `q(x)` 1x16
 along features and `q(rht(x.T))` along tokens — comes from two passes over `x`
 (`pallas_kernels.quantize_rht_t`: the amaxes of both from one read, then both
 encodes from one read; or, when both round stochastically, two encode
-kernels, which is faster: see `_split`. The first of them, the row kernel,
-then also reduces the amax of `rht(x.T)` from its tiles, and `max|x|` is an
-XLA reduction that XLA fuses into `x`'s producer, so no amax pass reads `x`). A Wgrad operand without RHT (the
+kernels, which is faster: see `_split`). A Wgrad operand without RHT (the
 `--no-rht` ablation) is the 1x16 quantizer's kernel on `x.T` (an XLA
 transpose), with the one amax both operands share. A pair with only one
 quantized operand runs that operand's kernel; either may use Four-over-Six.
@@ -86,27 +84,21 @@ def quantize_pair(x: jax.Array, row: Operand, wgrad: Operand, *,
         sign_vector=sign_vector, size=rht_size, placement=placement,
         amax_axes=amax_axes, config=config,
         four_over_six=wgrad.four_over_six, values=values[1])
-  if config is None and _split(row, wgrad):
-    # `max|x|` is an XLA reduction, which XLA fuses into the producer of `x`
-    # (the backward's elementwise fusion that writes dY); the row kernel
-    # reduces `max|rht(x.T)|` from the tiles it reads anyway. No amax pass.
-    amax_x = spmd.reduce_amax(tile.abs_max(nm.ftz(x.astype(jnp.float32))),
-                              amax_axes)
-    q_x, amax_t = pallas_quantize.quantize(
-        x, rounding=row.rounding, key=_key(row, key_row), amax=amax_x,
-        four_over_six=row.four_over_six, placement=placement,
-        with_codes=not values[0], rht_amax_size=rht_size,
-        sign_vector=sign_vector)
-    q_t = pallas_rht.quantize_call(
-        x, amax_t=spmd.reduce_amax(amax_t, amax_axes),
-        key_t=_key(wgrad, key_t), size=rht_size, sign_vector=sign_vector,
-        fused_x=False, config=None, placement=placement,
-        four_over_six_t=wgrad.four_over_six, values_t=values[1])
-    return q_x, q_t
   amaxes = pallas_rht.rht_amax(x, sign_vector=sign_vector, size=rht_size,
                                with_x=True, config=config)
   if amax_axes:  # One collective for both.
     amaxes = spmd.reduce_amax(jnp.stack(amaxes), amax_axes)
+  if config is None and _split(row, wgrad):
+    q_t = pallas_rht.quantize_call(
+        x, amax_t=amaxes[1], key_t=_key(wgrad, key_t), size=rht_size,
+        sign_vector=sign_vector, fused_x=False, config=None,
+        placement=placement, four_over_six_t=wgrad.four_over_six,
+        values_t=values[1])
+    q_x = pallas_quantize.quantize(
+        x, rounding=row.rounding, key=_key(row, key_row), amax=amaxes[0],
+        four_over_six=row.four_over_six, placement=placement,
+        with_codes=not values[0])
+    return q_x, q_t
   t, f = x.shape
   return pallas_rht.quantize_call(
       x, amax_t=amaxes[1], key_t=_key(wgrad, key_t), amax_x=amaxes[0],

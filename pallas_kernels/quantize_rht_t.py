@@ -122,22 +122,6 @@ def rht_transposed(x: jax.Array, h: jax.Array, interpret: bool) -> jax.Array:
   return common.round_hadamard(interpret)(y).reshape(f, t)
 
 
-def rht_partial(sums: jax.Array) -> jax.Array:
-  """A program's partial amax of `rht(x.T)`, `(1, 1)` uint32 bits (see
-  `common.combine_partial_amax`), from FP32 Hadamard sums (or a running
-  maximum of their magnitudes): the flush and the bf16 rounding run once,
-  on the maximum (each monotone in the magnitude, `tile.round_hadamard`)."""
-  amax_t = tile.round_hadamard(tile.abs_max(sums))
-  return jnp.full((1, 1), common.abs_max_bits(amax_t), jnp.uint32)
-
-
-def tile_rht_partial(x: jax.Array, h: jax.Array, interpret: bool
-                     ) -> jax.Array:
-  """`rht_partial` of a `[tokens, features]` tile `x` (runs of `size`
-  tokens, zeros where out of bounds), as loaded: flushed here."""
-  return rht_partial(rht_sums_transposed(_flush(x, interpret), h))
-
-
 # Programs the amax pass keeps at least (where the tensor has that many
 # tiles): its loop runs one program's tiles one after another, so too few
 # programs leave SMs idle (GPT small's 32768 x 768 in 384 programs of 16
@@ -172,7 +156,8 @@ def _amax_kernel(h_ref, x_ref, *out_refs, with_x: bool, tokens: int,
   m_t, m_x = jax.lax.fori_loop(
       0, bt_all // bt, body, (jnp.zeros((bf * bt // n, n), jnp.float32),
                               jnp.zeros((bt, bf), x_ref.dtype)))
-  out_refs[0][...] = rht_partial(m_t)
+  amax_t = tile.round_hadamard(tile.abs_max(m_t))
+  out_refs[0][...] = jnp.full((1, 1), common.abs_max_bits(amax_t), jnp.uint32)
   if with_x:  # The flushed maximum is the maximum's flush.
     amax_x = nm.ftz(tile.abs_max(m_x.astype(jnp.float32)))
     out_refs[1][...] = jnp.full((1, 1), common.abs_max_bits(amax_x), jnp.uint32)

@@ -150,3 +150,24 @@ def test_bench_memory_refuses_a_state_searched_under_another_limit():
                                  "s.json") == 19.8 * gib
   with pytest.raises(SystemExit, match=r"s\.json .* 19\.80 GiB.* 59\.40 GiB"):
     bench_memory.same_limit({"limit": 19.8 * gib}, 59.4 * gib, "s.json")
+
+
+def test_probe_prologue_counts_the_entry_kernels():
+  """A decode left outside the GEMM is a fusion of its own beside the GEMM
+  fusion; kernels of other computations are not counted."""
+  from benchmarks import probe_prologue
+  hlo = """
+%fused_multiply (p: u8[4,32]) -> bf16[4,32] {
+  %x = bf16[4,32]{1,0} fusion(%p), kind=kLoop, calls=%inner
+}
+
+ENTRY %main.3 (c.1: u8[4,32], b.1: bf16[32,8]) -> bf16[4,8] {
+  %loop_multiply_fusion = bf16[4,32]{1,0} fusion(%c.1), kind=kLoop, calls=%fused_multiply
+  ROOT %gemm_fusion_dot.1 = bf16[4,8]{1,0} fusion(%loop_multiply_fusion, %b.1), kind=kCustom, calls=%gemm_fusion_dot.1_computation
+}
+"""
+  assert probe_prologue.entry_kernels(hlo) == {
+      "gemm fusions": 1, "other fusions": 1, "library calls": 0}
+  fused = hlo.replace("  %loop_multiply_fusion = bf16[4,32]{1,0} fusion(%c.1), "
+                      "kind=kLoop, calls=%fused_multiply\n", "")
+  assert probe_prologue.entry_kernels(fused)["other fusions"] == 0

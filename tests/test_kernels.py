@@ -589,67 +589,10 @@ def test_pair_amaxes_and_seeds_reach_the_encoders_whole(pair):
   jaxpr = jax.make_jaxpr(f)(jnp.ones((64, 64), jnp.bfloat16)).jaxpr
   names = [e.params["name"] for e in jaxpr.eqns
            if e.primitive.name == "pallas_call"]
-  if pair == "x":
-    assert names == ["nvfp4_rht_amax", "nvfp4_quantize_x_and_rht_t_values"]
-  else:
-    # dY: no amax pass. max|dY| is an XLA reduction (on the GPU XLA fuses it
-    # into the fusion that writes dY), and the row kernel reduces the amax
-    # of rht(dY^T) from the tiles it reads anyway.
-    assert names == ["nvfp4_quantize_values", "nvfp4_quantize_rht_t_values"]
-    assert "reduce_max" in {e.primitive.name for e in jaxpr.eqns}
+  assert names[0] == "nvfp4_rht_amax" and len(names) == (2 if pair == "x"
+                                                         else 3), names
   for e in jaxpr.eqns:
     assert e.primitive.name not in ("stack", "concatenate", "pad"), e
-
-
-@pytest.mark.parametrize("shape,dtype,size,cfg", [
-    ((80, 48), jnp.bfloat16, 16, None),  # Partial tiles in both axes.
-    ((64, 400), jnp.bfloat16, 16, dict(block_rows=16, block_cols=32)),
-    ((128, 64), jnp.float32, 64, None),  # Rows raised to 64-token runs.
-])
-@pytest.mark.parametrize("peak", ["first", "last"])
-def test_row_kernel_reduces_the_rht_amax(shape, dtype, size, cfg, peak):
-  """`quantize(..., rht_amax_size=)`: the row kernel's amax of `rht(x.T)`,
-  reduced from its own tiles, is the reference's bit for bit, with the
-  tensor's largest magnitude in the first or the last (partial) program; its
-  codes and scales are those of the kernel without it."""
-  x = np.array(rht_input(shape, dtype, seed=shape[1]), np.float32)
-  row = 0 if peak == "first" else shape[0] - 1
-  x[row] *= 64.0  # Exact: a power of two (rht_input's sums stay exact).
-  x = jnp.asarray(x, dtype)
-  config = pallas_quantize.QuantizeConfig(**cfg) if cfg else None
-  amax = jnp.float32(300.0)
-  q, got = jax.jit(lambda x: pallas_quantize.quantize(
-      x, amax=amax, rht_amax_size=size, config=config))(x)
-  want = truth(lambda x: tile.abs_max(
-      nf.rht(x.T, size=size).astype(jnp.float32)))(x)
-  np.testing.assert_array_equal(f32_bits(got), f32_bits(want))
-  assert_same(q, jax.jit(lambda x: pallas_quantize.quantize(
-      x, amax=amax, config=config))(x))
-
-
-@pytest.mark.parametrize("special", [np.nan, np.inf])
-def test_row_kernel_rht_amax_nan_and_inf(special):
-  x = np.array(rht_input((96, 32), jnp.bfloat16, seed=5), np.float32)
-  x[70, 3] = special  # In the fifth of six programs.
-  cfg = pallas_quantize.QuantizeConfig(block_rows=16, block_cols=16)
-  _, got = jax.jit(lambda x: pallas_quantize.quantize(
-      x, amax=jnp.float32(1.0), rht_amax_size=16, config=cfg))(
-          jnp.asarray(x, jnp.bfloat16))
-  if np.isnan(special):
-    assert np.isnan(float(got))
-  else:  # An infinity plus or minus finite values stays infinite.
-    assert float(got) == np.inf
-
-
-def test_row_kernel_rht_amax_refuses_what_it_cannot_block():
-  x = jnp.ones((40, 32), jnp.bfloat16)
-  with pytest.raises(ValueError, match=r"rht_amax_size=16.*\(40, 32\)"):
-    pallas_quantize.quantize(x, amax=jnp.float32(1.0), rht_amax_size=16)
-  with pytest.raises(ValueError, match="block_rows to be a multiple"):
-    pallas_quantize.quantize(
-        jnp.ones((64, 32), jnp.bfloat16), amax=jnp.float32(1.0),
-        rht_amax_size=16,
-        config=pallas_quantize.QuantizeConfig(block_rows=8, block_cols=32))
 
 
 def _explicit_mesh():
@@ -673,8 +616,6 @@ def test_kernels_lower_to_triton(claim_sm90, mesh):
       lambda x: pallas_block_dequantize.block_values(
           pallas_quantize.quantize(x)),
       lambda x: pallas_rht.quantize_rht_t(x.astype(jnp.float32)),
-      lambda x: pallas_quantize.quantize(x, rht_amax_size=16, key=KEY,
-                                         rounding="stochastic")[1],
       lambda x: pallas_pair.quantize_pair(
           x, Operand(rounding="stochastic"),
           Operand(rounding="stochastic", rht=True), key_row=KEY,
