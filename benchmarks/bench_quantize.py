@@ -355,7 +355,7 @@ def sweep_pair(tokens: int = 8192, features: int = 8192, *, copy_bw: float
 USED_CONFIGS = dict(
     rht_t=((64, 64, 4), (32, 64, 4), (64, 32, 4), (32, 32, 2), (64, 128, 4),
            (128, 64, 8), (64, 64, 8), (32, 128, 4), (128, 32, 4)),
-    pair=((32, 64, 4), (64, 64, 4), (32, 32, 2), (32, 128, 4), (64, 128, 8),
+    pair=((64, 64, 4), (32, 64, 4), (32, 32, 2), (32, 128, 4), (64, 128, 8),
           (16, 64, 2), (32, 64, 2)),
     row=((16, 256, 4), (8, 256, 2), (32, 256, 4), (16, 512, 4), (8, 512, 4),
          (32, 128, 4), (16, 128, 2)))
@@ -370,7 +370,6 @@ def sweep_used(tokens: int, features: int) -> list[dict]:
   to it (the tiles change no numbers)."""
   xs = [jax.random.normal(jax.random.key(i), (tokens, features),
                           jnp.float32).astype(jnp.bfloat16) for i in range(2)]
-  n = tokens * features
   copy_s = timing.gpu_seconds(jax.jit(lambda a: a * jnp.bfloat16(1.0001)),
                               [(x,) for x in xs])
   a_x, a_t = pr.rht_amax(xs[0], with_x=True)
@@ -461,20 +460,15 @@ if __name__ == "__main__":
                  help="only the amax pass at several floors on its program "
                       "count, for these shapes")
   a = p.parse_args()
-  if a.amax_programs:
-    rows = []
-    for shape in a.amax_programs.split(","):
-      rows += sweep_amax_programs(*(int(v) for v in shape.split("x")))
-    print(timing.table(rows, ("shape", "kernel", "gpu_us", "vs_xla",
-                              "exact")))
-    raise SystemExit(0)
-  if a.used_sweep:
-    rows = []
-    for shape in a.used_sweep.split(","):
-      rows += sweep_used(*(int(v) for v in shape.split("x")))
-    print(timing.table(rows, ("shape", "kernel", "gpu_us", "of_copy",
-                              "exact")))
-    raise SystemExit(0)
+  for shapes, sweep_fn, col in ((a.amax_programs, sweep_amax_programs,
+                                  "vs_xla"),
+                                 (a.used_sweep, sweep_used, "of_copy")):
+    if shapes:  # Per shape "TxF", GPU time only.
+      print(timing.table(
+          [r for s in shapes.split(",")
+           for r in sweep_fn(*(int(v) for v in s.split("x")))],
+          ("shape", "kernel", "gpu_us", col, "exact")))
+      raise SystemExit(0)
   bw = timing.copy_bandwidth()
   print(f"copy bandwidth: {bw / 1e12:.3f} TB/s")
   if a.amax_sweep:
