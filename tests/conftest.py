@@ -66,34 +66,6 @@ def pytest_configure(config):
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-# The suite's longest tests (seconds on 2 CPU cores, `pytest -n 2
-# --durations=20`, 2026-11-25), started first: xdist hands tests to its
-# workers in collection order, and these sat late in it (test_mesh,
-# test_notebooks, test_study, test_tools_cli), where one of them could run
-# alone at the end while the other worker idled.
-SLOWEST_FIRST = (
-    "test_mesh.py::test_gpt_step_on_each_mesh_and_resumed_on_another",  # 93
-    "test_mesh.py::test_cli_mesh_run_matches_one_device",  # 65
-    "test_notebooks.py::test_notebook_runs_top_to_bottom[04_precision_rules]",
-    "test_crash_safety.py::test_sigkill_at_any_save_then_resume_equals_an_"
-    "uninterrupted_run",  # 48
-    "test_study.py::test_runs_skips_finished_and_writes_results",  # 45
-    "test_notebooks.py::test_notebook_runs_top_to_bottom[03_gpt_bf16_vs_nvfp4]",
-    "test_remat.py::test_quantized_remat_keeps_gradients_and_saves_only_fp4",
-    "test_tools_cli.py::test_sensitivity_cli",  # 34
-    "test_cli.py::test_compare_prints_table_and_one_plot_then_resumes",  # 31
-    "test_tools_cli.py::test_export_a_run_and_generate",  # 30
-)
-
-
-def pytest_collection_modifyitems(config, items):
-  """Runs `SLOWEST_FIRST` before the rest (otherwise in collection order)."""
-  del config
-  rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-  items.sort(key=lambda item: rank.get(
-      item.nodeid.split("/")[-1], len(rank)))
-
-
 def pytest_unconfigure(config):
   path = config.stash.get(_CACHE_DIR, None)
   if path is not None:

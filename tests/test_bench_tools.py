@@ -171,3 +171,16 @@ ENTRY %main.3 (c.1: u8[4,32], b.1: bf16[32,8]) -> bf16[4,8] {
   fused = hlo.replace("  %loop_multiply_fusion = bf16[4,32]{1,0} fusion(%c.1), "
                       "kind=kLoop, calls=%fused_multiply\n", "")
   assert probe_prologue.entry_kernels(fused)["other fusions"] == 0
+
+
+def test_probe_prologue_integer_decode_is_e2m1_decode():
+  """The probe's integer-bit decode is `numerics.e2m1_decode` for all 16
+  codes (signed zero included), so its timings are of the same values."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from benchmarks import probe_prologue
+  from nvfp4_jax import numerics as nm
+  codes = jnp.arange(16, dtype=jnp.uint8)
+  got = np.asarray(probe_prologue._decode_u8(codes).astype(jnp.float32))
+  want = np.asarray(nm.e2m1_decode(codes))
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
