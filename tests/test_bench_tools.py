@@ -4,6 +4,7 @@ import json
 import subprocess
 import types
 
+import jax
 import pytest
 
 from benchmarks import bench_step
@@ -184,3 +185,40 @@ def test_probe_prologue_integer_decode_is_e2m1_decode():
   got = np.asarray(probe_prologue._decode_u8(codes).astype(jnp.float32))
   want = np.asarray(nm.e2m1_decode(codes))
   np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_probe_decode_gemm_byte_decode_is_exact():
+  """The decoding GEMM's byte decode is `numerics.e2m1_decode` for all 16
+  codes (signed zero included), and block values times their E4M3 scale
+  are exact in f16, so the probe's kernel multiplies the recipe's values."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from benchmarks import probe_decode_gemm as pdg
+  from nvfp4_jax import numerics as nm
+  codes = jnp.arange(16, dtype=jnp.uint8)
+  got = np.asarray(pdg.byte_values(pdg.code_bytes(codes)).astype(jnp.float32))
+  want = np.asarray(nm.e2m1_decode(codes))
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+  # Every code times every finite E4M3 scale: f16 holds the FP32 product.
+  scales = jax.lax.bitcast_convert_type(
+      jnp.arange(127, dtype=jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+  prod = want[:, None] * np.asarray(scales)[None, :]
+  np.testing.assert_array_equal(prod.astype(np.float16).astype(np.float32),
+                                prod)
+
+
+def test_probe_decode_gemm_lowers_for_hopper():
+  """The Mosaic GPU kernel lowers for CUDA on a CPU-only machine (layouts,
+  wgmma shapes and shared memory are checked at lowering), in both forms
+  the probe times."""
+  import functools  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from benchmarks import probe_decode_gemm as pdg
+  m, n, k = 256, 512, 256
+  args = (jax.ShapeDtypeStruct((k // 16, m, 16), jnp.uint8),
+          jax.ShapeDtypeStruct((k // 16, m), jnp.float8_e4m3fn),
+          jax.ShapeDtypeStruct((k, n), jnp.float16))
+  for cfg in (pdg.CONFIGS[0], pdg.Config(tile_k=64, assemble=False)):
+    f = jax.jit(functools.partial(pdg.decode_matmul, config=cfg, num_sms=132))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
