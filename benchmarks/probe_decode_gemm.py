@@ -382,13 +382,70 @@ def run(shapes, configs, *, stock: bool = True):
   return rows
 
 
+STEP_SHAPES = (
+    # GPT base, 16 x 1024 tokens: Fprop, Dgrad, Wgrad of qkv, out, up, down.
+    (16384, 2304, 768), (16384, 768, 768), (16384, 4096, 768),
+    (16384, 768, 2048), (16384, 768, 2304), (16384, 768, 4096),
+    (16384, 2048, 768), (768, 2304, 16384), (768, 768, 16384),
+    (768, 4096, 16384), (2048, 768, 16384), (8192, 4096, 4096))
+
+
+def mosaic_sweep(shapes):
+  """XLA's GEMM against JAX's Mosaic GPU matmul on the same bf16 block
+  values (`[M, K] @ [K, N]`, bf16 out), a few tilings each, one run."""
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # pylint: disable=g-import-not-at-top
+  rows = []
+  for m, n, k in shapes:
+    sets = [operands(m, n, k, s) for s in range(2)]
+    args = [(d["values"].astype(jnp.bfloat16), d["b_bf16"]) for d in sets]
+    xla = jax.jit(lambda a, b: _xla_dot(a, b, jnp.bfloat16))
+    ref = np.asarray(xla(*args[0]).astype(jnp.float32))
+    t_xla = timing.bench(xla, args, calls=5, reps=7)
+    row = dict(shape=f"{m}x{n}x{k}", xla_us=round(t_xla * 1e6, 1))
+    best = None
+    for tm, tn, wgd, width in ((128, 128, "N", 8), (128, 128, "M", 8),
+                               (128, 64, "M", 8), (128, 128, "M", 4),
+                               (64, 128, "M", 8)):
+      cfg = hm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=64,
+                            max_concurrent_steps=4, grid_tile_width=width,
+                            wg_dimension=hm.MatmulDimension[wgd],
+                            epi_tile_n=min(64, tn), epi_tile_m=min(64, tm))
+      try:
+        f = jax.jit(lambda a, b, cfg=cfg: hm.matmul(a, b, None, cfg))
+        out = np.asarray(f(*args[0]).astype(jnp.float32))
+        err = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+        t = timing.bench(f, args, calls=5, reps=7)
+      except Exception as e:  # pylint: disable=broad-except
+        print(m, n, k, cfg, str(e).splitlines()[0][:120], flush=True)
+        continue
+      if best is None or t < best[0]:
+        best = (t, f"{tm}x{tn} wg{wgd} w{width}", err)
+    if best:
+      row.update(mosaic_us=round(best[0] * 1e6, 1), config=best[1],
+                 rel_err=best[2], xla_over_mosaic=round(t_xla / best[0], 3))
+    rows.append(row)
+    print(row, flush=True)
+  return rows
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--shapes", default=None)
   p.add_argument("--configs", default=None,
                  help="comma-separated indices into CONFIGS")
   p.add_argument("--no-stock", action="store_true")
+  p.add_argument("--mosaic-sweep", action="store_true",
+                 help="only XLA's GEMM against JAX's Mosaic GPU matmul on "
+                      "bf16 values, at GPT base's GEMM shapes (or --shapes)")
   a = p.parse_args()
+  if a.mosaic_sweep:
+    shapes = STEP_SHAPES if a.shapes is None else tuple(
+        tuple(int(v) for v in s.split("x")) for s in a.shapes.split(","))
+    print(jax.devices()[0].device_kind, jax.__version__)
+    print(timing.table(mosaic_sweep(shapes), [
+        "shape", "xla_us", "mosaic_us", "xla_over_mosaic", "config",
+        "rel_err"]))
+    return
   shapes = SHAPES if a.shapes is None else tuple(
       tuple(int(v) for v in s.split("x")) for s in a.shapes.split(","))
   configs = CONFIGS if a.configs is None else tuple(
