@@ -104,7 +104,10 @@ def decode_matmul(a_codes, a_scales, b, *, config: Config,
   from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mm  # pylint: disable=g-import-not-at-top
   kc, m, _ = a_codes.shape
   k, n = b.shape
-  assert kc * 16 == k and a_scales.shape == (kc, m)
+  if kc * 16 != k or a_scales.shape != (kc, m):
+    raise ValueError(
+        f"a_codes {a_codes.shape}, a_scales {a_scales.shape} and b {b.shape}"
+        " do not fit: want [K/16, M, 16], [K/16, M] and [K, N]")
   c = config
   tile_m, tile_n, tile_k = c.tile_m, c.tile_n, c.tile_k
   chunks = tile_k // 16
@@ -224,15 +227,7 @@ def decode_matmul(a_codes, a_scales, b, *, config: Config,
               plgpu.wgmma_wait(0)
             return acc_ref
           for j in range(chunks):
-            if c.a_values:
-              v = a_smem[j, wg_m]
-            else:
-              code = a_smem[j, wg_m]                      # [tile_m, 16] u8
-              bits = code.astype(jnp.uint16) << 8
-              v = (lax.bitcast_convert_type(bits, jnp.float16)
-                   * jnp.float16(2**14))
-              s = s_smem[j, wg_m].astype(jnp.float16)     # [tile_m]
-              v = v * lax.broadcast_in_dim(s, (v.shape[0], 16), (0,))
+            v = decode_chunk(a_smem, s_smem, j)
             plgpu.wgmma(acc_ref, v, b_smem.at[pl.ds(16 * j, 16), wg_n])
             if c.wait_each:
               plgpu.wgmma_wait(0)
