@@ -286,6 +286,75 @@ def profile_weight_only(shapes=DECODE_SHAPES) -> list[dict]:
 
 PROFILE_COLS = ("shape", "impl", "kernel", "calls", "us", "wall_us")
 
+# The emulated GEMMs as the layers call `block_values_matmul`: (gemm, M, K,
+# N, vb_kn, out dtype). GPT base at 16 x 1024 tokens (Fprop: `x @ V`, bf16
+# out; Dgrad: `dY @ W^T` from the weight's [in, out] values, FP32 out;
+# Wgrad: `q(rht(X^T)) @ q(rht(dY^T))^T`, FP32 out), then the layer
+# benchmark's three (8192 tokens, 4096 x 4096).
+VALUES_CASES = (
+    ("qkv fprop", 16384, 768, 2304, True, "bf16"),
+    ("out fprop", 16384, 768, 768, True, "bf16"),
+    ("up fprop", 16384, 768, 4096, True, "bf16"),
+    ("down fprop", 16384, 2048, 768, True, "bf16"),
+    ("qkv dgrad", 16384, 2304, 768, False, "f32"),
+    ("out dgrad", 16384, 768, 768, False, "f32"),
+    ("up dgrad", 16384, 4096, 768, False, "f32"),
+    ("down dgrad", 16384, 768, 2048, False, "f32"),
+    ("qkv wgrad", 768, 16384, 2304, False, "f32"),
+    ("down wgrad", 2048, 16384, 768, False, "f32"),
+    ("layer fprop", 8192, 4096, 4096, True, "bf16"),
+    ("layer dgrad", 8192, 4096, 4096, False, "f32"),
+    ("layer wgrad", 4096, 8192, 4096, False, "f32"),
+)
+VALUES_COLS = ("gemm", "shape", "xla_us", "pallas_us", "xla_over_pallas",
+               "config", "max_diff", "note")
+
+
+def run_values_matmul(cases=VALUES_CASES) -> list[dict]:
+  """`block_values_matmul`: XLA's GEMM against the Mosaic GPU kernel
+  (`pallas_kernels.values_matmul`, both warpgroup splits), by GPU time of
+  the call's kernels, on the same block values; `max_diff` is the largest
+  difference relative to the output's largest magnitude."""
+  from pallas_kernels import values_matmul as vm  # pylint: disable=g-import-not-at-top
+  rows = []
+  for name, m, k, n, vb_kn, out in cases:
+    out_dtype = jnp.bfloat16 if out == "bf16" else jnp.float32
+    sets = []
+    for s in range(2):
+      ka, kb = jax.random.split(jax.random.key(s))
+      _, va = fused.quantize_with_values(
+          jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16))
+      qb, vb = fused.quantize_with_values(
+          jax.random.normal(kb, (n, k), jnp.float32).astype(jnp.bfloat16),
+          block_2d=True)
+      sets.append((va, vb.T if vb_kn else vb, qb.amax * 1e-3))
+    xla = jax.jit(functools.partial(gemm.block_values_matmul,
+                                    out_dtype=out_dtype, vb_kn=vb_kn,
+                                    implementation="xla"))
+    want = np.asarray(xla(*sets[0]), np.float32)
+    t_xla = timing.gpu_seconds(xla, sets)
+    row = dict(gemm=name, shape=f"{m}x{k}x{n}" + (" kn" if vb_kn else " nk"),
+               xla_us=round(t_xla * 1e6, 1))
+    best = None
+    for cfg in (vm.Config(), vm.Config(wg_split_n=False)):
+      f = jax.jit(functools.partial(vm.values_matmul, out_dtype=out_dtype,
+                                    vb_kn=vb_kn, config=cfg))
+      try:
+        got = np.asarray(f(*sets[0]), np.float32)
+      except NotImplementedError as e:
+        row["note"] = str(e)[:90]
+        break
+      t = timing.gpu_seconds(f, sets)
+      diff = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+      if best is None or t < best[0]:
+        best = (t, "wgN" if cfg.wg_split_n else "wgM", diff)
+    if best:
+      row.update(pallas_us=round(best[0] * 1e6, 1), config=best[1],
+                 max_diff=best[2], xla_over_pallas=round(t_xla / best[0], 3))
+    rows.append(row)
+    print(row, flush=True)
+  return rows
+
 
 if __name__ == "__main__":
   p = argparse.ArgumentParser()
@@ -299,7 +368,13 @@ if __name__ == "__main__":
                  help="decode shapes MxNxK,... for the sweep and the profile")
   p.add_argument("--weight-only-sweep", action="store_true",
                  help="tile sweep of the weight-only kernel at decode shapes")
+  p.add_argument("--values-matmul", action="store_true",
+                 help="block_values_matmul: XLA's GEMM against the Mosaic GPU "
+                      "kernel at the layers' shapes and layouts")
   args = p.parse_args()
+  if args.values_matmul:
+    print(timing.table(run_values_matmul(), VALUES_COLS), flush=True)
+    raise SystemExit(0)
   decode = (tuple(tuple(int(v) for v in s.split("x"))
                   for s in args.decode_shapes.split(","))
             if args.decode_shapes else DECODE_SHAPES)

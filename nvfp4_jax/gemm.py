@@ -123,8 +123,8 @@ def _matmul_values(a, b, *, out_dtype, implementation):
 
 
 def block_values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
-                        out_dtype=jnp.float32, vb_kn: bool = False
-                        ) -> jax.Array:
+                        out_dtype=jnp.float32, vb_kn: bool = False,
+                        implementation: str | None = None) -> jax.Array:
   """`(va @ vb.T) * alpha`: bf16 block values `[M, K]`, `[N, K]`, FP32 acc.
 
   The GEMM of the exact emulation, for callers that already hold the block
@@ -132,11 +132,29 @@ def block_values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
   is `[K, N]` instead (`va @ vb`; e.g. a 16x16-scaled weight's values in
   flax's `[in, out]` layout, the transpose of its `[out, in]` quantization):
   the same products, and the GEMM reads the layout as it is.
+
+  implementation: "xla" (`lax.dot_general`, FP32 accumulation, then
+  `* alpha` and the cast), "pallas" (a Pallas Mosaic GPU GEMM with `alpha`
+  in its epilogue, Hopper only: `pallas_kernels.values_matmul`), or None:
+  "pallas" on a GPU where it runs the call and is measured to win (large
+  outputs), "xla" otherwise. Both multiply exact products; results differ
+  only by the FP32 summation order.
   """
+  return VALUES_MATMUL(implementation, va, vb, alpha, out_dtype=out_dtype,
+                       vb_kn=vb_kn)
+
+
+def _values_matmul_xla(va, vb, alpha, *, out_dtype, vb_kn):
   acc = jax.lax.dot_general(
       va, vb, (((1,), (0 if vb_kn else 1,)), ((), ())),
       preferred_element_type=jnp.float32)
   return (acc * alpha).astype(out_dtype)
+
+
+VALUES_MATMUL = dispatch.Op("block_values_matmul", {
+    "xla": _values_matmul_xla,
+    "pallas": "pallas_kernels.values_matmul:values_matmul",
+})
 
 
 def _matmul_xla(a, b, *, out_dtype):

@@ -353,19 +353,21 @@ def _linear_bwd(recipe: Recipe, precision, out_dtype, x_dtype, name, impl,
         f"step).")
   with dispatch.maybe_default_implementation(impl):
     if shard is None:
-      dx, dw = _backward(recipe, precision, out_dtype, res, dy, _WHOLE)
+      dx, dw = _backward(recipe, precision, out_dtype, x_dtype, res, dy,
+                         _WHOLE)
     else:
       ctx = _Shard(shard)
       dx, dw = spmd.shard_map(
-          lambda res, dy: _backward(recipe, precision, out_dtype, res, dy,
-                                    ctx),
+          lambda res, dy: _backward(recipe, precision, out_dtype, x_dtype,
+                                    res, dy, ctx),
           mesh=shard.mesh,
           in_specs=(_residual_specs(shard, recipe), shard.y_spec),
           out_specs=(shard.x_spec, shard.kernel_spec))(res, dy)
   return dx.astype(x_dtype), dw.astype(w.dtype), None
 
 
-def _backward(recipe: Recipe, precision, out_dtype, res, dy, ctx: _Whole):
+def _backward(recipe: Recipe, precision, out_dtype, x_dtype, res, dy,
+              ctx: _Whole):
   x_saved, w, qw_fprop, key = res
   dgrad_q = recipe.gemm_format("dgrad") != "bf16"
   wgrad_q = recipe.gemm_format("wgrad") != "bf16"
@@ -387,7 +389,11 @@ def _backward(recipe: Recipe, precision, out_dtype, res, dy, ctx: _Whole):
           w, recipe.dgrad_w, k, placement=ctx.place_w(w),
           amax_axes=ctx.w_axes))(w, keys["dgrad_w"])
       qw = ctx.gather_w(qw, False)
-    dx = _gemm("nvfp4_dgrad", jnp.float32)(qdy, qw)
+    # dX in x's dtype straight from the FP32 accumulator (one rounding, as
+    # the cast after it): the GEMM's epilogue writes it, not an FP32 copy.
+    # A sum across shards stays FP32 and rounds once after it.
+    dx = _gemm("nvfp4_dgrad", jnp.float32 if ctx.reduces_dx else x_dtype)(
+        qdy, qw)
   else:
     acc_dtype = jnp.float32 if ctx.reduces_dx else out_dtype
     dx = _named("bf16_dgrad", lambda dy, w: _hp_matmul(

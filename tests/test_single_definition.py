@@ -273,7 +273,7 @@ def test_validation_is_the_same_for_every_implementation(impl, call, match):
 def test_one_platform_preference_for_every_op():
   from nvfp4_jax import gemm  # pylint: disable=g-import-not-at-top
   ops = [nvfp4.QUANTIZE, fused.QUANTIZE_RHT_T, fused.QUANTIZE_PAIR,
-         fused.QUANTIZE_WITH_VALUES]
+         fused.QUANTIZE_WITH_VALUES, gemm.VALUES_MATMUL]
   for op in ops:
     assert op.preferred is None, op.name  # All read dispatch.PREFERRED.
     assert "xla" in op.implementations and "pallas" in op.implementations
