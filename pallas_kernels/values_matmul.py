@@ -94,7 +94,11 @@ def _check_device() -> int:
     raise NotImplementedError(
         f"values_matmul: wgmma needs compute capability 9.x, got {cc}. Use "
         "implementation='xla' (None falls back to it).")
-  return jax.devices("gpu")[0].core_count
+  try:
+    return jax.devices("gpu")[0].core_count
+  except (RuntimeError, IndexError, AttributeError) as e:
+    raise NotImplementedError(
+        f"values_matmul: no GPU device to run on ({e}).") from e
 
 
 def values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,

@@ -85,6 +85,15 @@ def test_dispatch_falls_back_to_the_reference_off_hopper(monkeypatch):
   monkeypatch.setattr(dispatch, "compute_capability", lambda: (10, 0))
   got = gemm.block_values_matmul(va, vb, alpha)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  if jax.default_backend() != "gpu":  # A claimed Hopper with no GPU device.
+    monkeypatch.setattr(dispatch, "platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "compute_capability", lambda: (9, 0))
+    big_a = jnp.zeros((4096, 128), jnp.bfloat16)
+    big_b = jnp.zeros((4096, 128), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="no GPU device"):
+      gemm.block_values_matmul(big_a, big_b, alpha, implementation="pallas")
+    got = gemm.block_values_matmul(va, vb, alpha)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def _operands(m, k, n, vb_kn, seed):
