@@ -30,11 +30,6 @@ from pallas_kernels import common
 TRANSFORMER_DIMS = (2048, 4096, 8192, 14336)
 
 
-def _rel_err(got, want) -> float:
-  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-
-
 def run_shape(m: int, n: int, k: int, *, full: bool) -> list[dict]:
   flops = 2.0 * m * n * k
   ka, kb = jax.random.split(jax.random.key(m + n + k))
@@ -53,7 +48,7 @@ def run_shape(m: int, n: int, k: int, *, full: bool) -> list[dict]:
     try:
       f = jax.jit(fn)
       out = f(*args)
-      err = _rel_err(out, ref) if check else float("nan")
+      err = timing.max_rel_diff(out, ref) if check else float("nan")
       t = timing.bench(f, [args], calls=5, reps=5)
     except Exception as e:  # pylint: disable=broad-except
       rows.append(dict(shape=shape, gemm=name,
@@ -189,7 +184,7 @@ def run_weight_only(shapes=DECODE_SHAPES,
       finally:
         common.ASM_DECODE = True
       rows.append(row(name, t, g or None, 0.5625,
-                      rel_err=_rel_err(out, ref)))
+                      rel_err=timing.max_rel_diff(out, ref)))
   return rows
 
 
@@ -345,7 +340,7 @@ def run_values_matmul(cases=VALUES_CASES) -> list[dict]:
         row["note"] = str(e)[:90]
         break
       t = timing.gpu_seconds(f, sets)
-      diff = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+      diff = timing.max_rel_diff(got, want)
       if best is None or t < best[0]:
         best = (t, "wgN" if cfg.wg_split_n else "wgM", diff)
     if best:

@@ -48,6 +48,7 @@ from jax.experimental import pallas as pl
 
 from benchmarks import timing
 from nvfp4_jax import numerics as nm
+from pallas_kernels import values_matmul
 
 SHAPES = ((8192, 4096, 4096), (16384, 2048, 768), (16384, 768, 2048))
 
@@ -116,18 +117,14 @@ def decode_matmul(a_codes, a_scales, b, *, config: Config,
   if m % cta_tile_m or n % cta_tile_n or k % tile_k:
     raise ValueError(f"{(m, n, k)} not divisible by {(cta_tile_m, cta_tile_n, tile_k)}")
   m_iters, n_iters, k_iters = m // cta_tile_m, n // cta_tile_n, k // tile_k
-  out_bits = jnp.dtype(out_dtype).itemsize * 8
   # wgmma issues K in groups of swizzle / 2 elements: a 32-byte swizzle on
   # b lets each 16-wide chunk (one block scale per row of a) be one wgmma.
   b_swizzle = plgpu.find_swizzle(tile_n * 16, "rhs") if c.assemble else 32
   group = b_swizzle // 2 // 16 if c.assemble else 1  # chunks per wgmma
-  out_swizzle = plgpu.find_swizzle(c.epi_tile * out_bits, "out")
   b_transforms = (plgpu.TilingTransform((8, b_swizzle // 2)),
                   plgpu.SwizzleTransform(b_swizzle))
   a_transforms = ((plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
                   if c.a_values else (plgpu.TilingTransform((8, 16)),))
-  out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)),
-                    plgpu.SwizzleTransform(out_swizzle))
   minor = mm.MatmulDimension.N if c.grid_minor_n else mm.MatmulDimension.M
 
   def kernel(a_gmem, s_gmem, b_gmem, out_gmem, out_smem, dec_smem=None):
@@ -175,19 +172,9 @@ def decode_matmul(a_codes, a_scales, b, *, config: Config,
                              acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
           def _acc(acc_ref):
             eval_pipeline(acc_ref)
-            acc = acc_ref[...].astype(out_dtype)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            e = c.epi_tile
-            for mi in range(tile_m // e):
-              for ni in range(tile_n // e):
-                ms, ns = slice(mi * e, (mi + 1) * e), slice(ni * e, (ni + 1) * e)
-                slot = (mi * (tile_n // e) + ni) % 2
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                out_smem[wg_idx, slot] = acc[ms, ns]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    out_smem.at[wg_idx, slot],
-                    out_gmem.at[cta_m, cta_n].at[wg_m, wg_n].at[ms, ns])
+            values_matmul.store_output(
+                acc_ref[...].astype(out_dtype), out_smem, wg_idx,
+                out_gmem.at[cta_m, cta_n].at[wg_m, wg_n])
 
         if group > 1:
           from jax.experimental.mosaic import gpu as mgpu  # pylint: disable=g-import-not-at-top
@@ -244,8 +231,8 @@ def decode_matmul(a_codes, a_scales, b, *, config: Config,
   if num_sms is None:
     num_sms = jax.devices()[0].core_count
   slots = min(2, (tile_m * tile_n) // (c.epi_tile * c.epi_tile))
-  scratch = dict(out_smem=plgpu.SMEM((2, slots, c.epi_tile, c.epi_tile),
-                                     out_dtype, transforms=out_transforms))
+  scratch = dict(out_smem=values_matmul.output_smem(slots, c.epi_tile,
+                                                   out_dtype))
   if c.a_smem:  # Two [tile_m, 64] f16 buffers per compute warpgroup.
     scratch["dec_smem"] = plgpu.SMEM(
         (2, 2, tile_m, 64), jnp.float16,
@@ -364,7 +351,7 @@ def run(shapes, configs, *, stock: bool = True):
         a_key = "a_planes" if cfg.a_values else "a_codes"
         out = np.asarray(f(sets[0][a_key], sets[0]["a_scales"], sets[0]["b"])
                          .astype(jnp.float32))
-        err = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+        err = timing.max_rel_diff(out, ref)
         t = timing.bench(f, [(d[a_key], d["a_scales"], d["b"]) for d in sets],
                          calls=5, reps=7)
         rows.append(dict(shape=shape, kernel=name, us=round(t * 1e6, 1),
@@ -408,7 +395,7 @@ def mosaic_sweep(shapes):
       try:
         f = jax.jit(lambda a, b, cfg=cfg: hm.matmul(a, b, None, cfg))
         out = np.asarray(f(*args[0]).astype(jnp.float32))
-        err = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+        err = timing.max_rel_diff(out, ref)
         t = timing.bench(f, args, calls=5, reps=7)
       except Exception as e:  # pylint: disable=broad-except
         print(m, n, k, cfg, str(e).splitlines()[0][:120], flush=True)

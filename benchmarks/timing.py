@@ -85,6 +85,14 @@ def bf16_matmul(m: int, n: int, k: int):
       preferred_element_type=jnp.float32).astype(jnp.bfloat16))
 
 
+def max_rel_diff(got, want) -> float:
+  """The largest |got - want| relative to the largest |want| (FP32): how the
+  benchmarks report a result against its reference."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
 def table(rows: list[dict], cols: Sequence[str]) -> str:
   """A Markdown table of `rows` (dicts) with the given column order."""
   def fmt(v):

@@ -57,7 +57,9 @@ def block_scaled_matmul(a: QArray, b: QArray, *, out_dtype=jnp.float32,
       FP32 accumulation; results differ only by FP32 summation order):
       - "xla": the reference: block-dequantize in jnp, `lax.dot_general`.
       - "pallas": the Pallas block-dequantize kernel, then a bf16 GEMM with
-        FP32 accumulation (cuBLAS on GPU). NVFP4 only.
+        FP32 accumulation (`block_values_matmul`'s default: XLA's GEMM, or
+        on Hopper our Mosaic GPU kernel where it is measured to win). NVFP4
+        only.
       - "triton": a jax-triton kernel with `tl.dot_scaled` (FP4 tensor cores;
         compute capability >= 10 only). NVFP4 only.
       - "scaled_matmul": `jax.nn.scaled_matmul` on float4_e2m1fn operands

@@ -142,6 +142,36 @@ def values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
                num_sms=num_sms)
 
 
+def output_smem(slots: int, epi_tile: int, out_dtype):
+  """The epilogue's SMEM: `slots` swizzled `[epi_tile, epi_tile]` tiles per
+  compute warpgroup (`store_output` writes through them)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  bits = jnp.dtype(out_dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(epi_tile * bits, "out")
+  return plgpu.SMEM((2, slots, epi_tile, epi_tile), out_dtype,
+                    transforms=(plgpu.TilingTransform((8, swizzle * 8 // bits)),
+                                plgpu.SwizzleTransform(swizzle)))
+
+
+def store_output(acc, out_smem, wg_idx, out_tile):
+  """Writes a warpgroup's output tile `acc` (registers, the output dtype)
+  to `out_tile` (its view of the output in GMEM) by TMA, in square pieces
+  through its `out_smem` slots (`output_smem`), one store in flight while
+  the next piece is staged."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  _, slots, e, _ = out_smem.shape
+  tile_m, tile_n = acc.shape
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  for mi in range(tile_m // e):
+    for ni in range(tile_n // e):
+      ms, ns = slice(mi * e, (mi + 1) * e), slice(ni * e, (ni + 1) * e)
+      slot = (mi * (tile_n // e) + ni) % slots
+      plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+      out_smem[wg_idx, slot] = acc[ms, ns]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], out_tile.at[ms, ns])
+
+
 def _call(va, vb, alpha, *, out_dtype, vb_kn, config: Config, num_sms):
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   c = config
@@ -156,10 +186,6 @@ def _call(va, vb, alpha, *, out_dtype, vb_kn, config: Config, num_sms):
   b_swizzle = plgpu.find_swizzle((tile_n if vb_kn else tile_k) * 16, "vb")
   b_transforms = (plgpu.TilingTransform((8, b_swizzle // 2)),
                   plgpu.SwizzleTransform(b_swizzle))
-  out_bits = out_dtype.itemsize * 8
-  out_swizzle = plgpu.find_swizzle(e * out_bits, "out")
-  out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)),
-                    plgpu.SwizzleTransform(out_swizzle))
   slots = min(2, (tile_m * tile_n) // (e * e))
   steps = c.max_concurrent_steps or (4 if out_dtype.itemsize == 2 else 3)
   if vb_kn:
@@ -217,17 +243,8 @@ def _call(va, vb, alpha, *, out_dtype, vb_kn, config: Config, num_sms):
             eval_pipeline(acc_ref)
             plgpu.barrier_wait(alpha_barrier.at[wg_idx])
             acc = (acc_ref[...] * alpha_smem[wg_idx, 0]).astype(out_dtype)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            for mi in range(tile_m // e):
-              for ni in range(tile_n // e):
-                ms, ns = slice(mi * e, (mi + 1) * e), slice(ni * e, (ni + 1) * e)
-                slot = (mi * (tile_n // e) + ni) % slots
-                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-                out_smem[wg_idx, slot] = acc[ms, ns]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    out_smem.at[wg_idx, slot],
-                    out_gmem.at[cta_m, cta_n].at[wg_m, wg_n].at[ms, ns])
+            store_output(acc, out_smem, wg_idx,
+                         out_gmem.at[cta_m, cta_n].at[wg_m, wg_n])
 
         def mma_body(_, a_smem, b_smem, acc_ref):
           if vb_kn:
@@ -252,8 +269,7 @@ def _call(va, vb, alpha, *, out_dtype, vb_kn, config: Config, num_sms):
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       scratch_types=dict(
-          out_smem=plgpu.SMEM((2, slots, e, e), out_dtype,
-                              transforms=out_transforms),
+          out_smem=output_smem(slots, e, out_dtype),
           # One 128-byte row per warpgroup: TMA destinations are aligned.
           alpha_smem=plgpu.SMEM((2, 32), jnp.float32),
           alpha_barrier=plgpu.Barrier(num_barriers=2)))

@@ -235,6 +235,22 @@ def test_jaxpr_of_train_step_quantizes_all_three_gemms_of_quantized_layers():
   assert not _eqns_named(jaxpr, "bf16_fprop")  # Layer "hp" uses plain dots.
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_dgrad_gemm_writes_dx_in_x_dtype(dtype):
+  """dX leaves the Dgrad GEMM region in x's dtype: one rounding of its FP32
+  accumulator, as the cast after it would be, so a GEMM kernel of our own
+  writes dX in its epilogue instead of an FP32 copy of it."""
+  x = heavy(jax.random.key(12), (T, K), dtype)
+  kern = heavy(jax.random.key(13), (K, N)) * 0.05
+  dims = (((1,), (0,)), ((), ()))
+  dx = jax.grad(lambda x: nv.dot_general(
+      x, kern, dims, recipe=nv.Recipe.nvfp4(),
+      key=jax.random.key(0)).astype(jnp.float32).sum())
+  jaxpr = jax.make_jaxpr(dx)(x).jaxpr
+  (dgrad,) = _eqns_named(jaxpr, "nvfp4_dgrad")
+  assert [v.aval.dtype for v in dgrad.outvars] == [jnp.dtype(dtype)]
+
+
 def test_weight_in_kernel_layout_is_the_transposed_quantization(monkeypatch):
   """The weight quantized once in its `[in, out]` layout (the emulated
   GEMM's path) gives the operands, outputs and gradients of quantizing
