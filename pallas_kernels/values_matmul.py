@@ -44,7 +44,9 @@ class Config:
 
   Attributes:
     tile_m, tile_n, tile_k: a warpgroup's output tile and K step.
-    wg_split_n: the two compute warpgroups of a CTA split N (else M).
+    wg_split_n: the two compute warpgroups of a CTA split N (else M). The
+      two were within 1.3% of each other at every shape timed (GPT base's
+      Fprop and Dgrad, the 4096² layer: BENCHMARKS.md, 2026-11-26).
     max_concurrent_steps: K steps in flight in shared memory; None: 4 with a
       bf16 output, 3 with FP32 (its epilogue tiles take the fourth's room).
     grid_tile_width: width of the planar snake over output tiles.
@@ -120,11 +122,11 @@ def values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
     NotImplementedError: not on a Hopper GPU, or a call `supported` turns
       down (other dtypes, shapes off the tiles, too few output tiles).
   """
+  m, k = va.shape
+  n = vb.shape[1] if vb_kn else vb.shape[0]
   c = config or Config()
   if num_sms is None:
     num_sms = _check_device()
-  m, k = va.shape
-  n = vb.shape[1] if vb_kn else vb.shape[0]
   if va.dtype != jnp.bfloat16 or vb.dtype != jnp.bfloat16:
     raise NotImplementedError(
         f"values_matmul: bf16 operands only, got {va.dtype}, {vb.dtype}.")
@@ -137,7 +139,7 @@ def values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
         f"values_matmul: [{m}, {k}] x [{k}, {n}] is off the {c.cta_tile} x "
         f"{c.tile_k} tiles or has fewer than {MIN_WAVES} x {num_sms} output "
         "tiles; XLA's GEMM runs it.")
-  return _call(va, vb, jnp.reshape(alpha, (1,)).astype(jnp.float32),
+  return _call(va, vb, jnp.reshape(alpha, ()).astype(jnp.float32),
                out_dtype=jnp.dtype(out_dtype), vb_kn=vb_kn, config=c,
                num_sms=num_sms)
 
@@ -197,8 +199,7 @@ def _call(va, vb, alpha, *, out_dtype, vb_kn, config: Config, num_sms):
                              transforms=b_transforms,
                              memory_space=plgpu.SMEM)
 
-  def kernel(a_gmem, b_gmem, alpha_gmem, out_gmem, out_smem, alpha_smem,
-             alpha_barrier):
+  def kernel(a_gmem, b_gmem, alpha_gmem, out_gmem, out_smem):
     def get_pipeline(body, compute_context):
       return plgpu.emit_pipeline_warp_specialized(
           body, grid=(k_iters,), memory_registers=40,
@@ -237,12 +238,10 @@ def _call(va, vb, alpha, *, out_dtype, vb_kn, config: Config, num_sms):
           @functools.partial(pl.run_scoped,
                              acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
           def _acc(acc_ref):
-            # alpha into this warpgroup's SMEM while the K loop runs.
-            plgpu.copy_gmem_to_smem(alpha_gmem, alpha_smem.at[wg_idx],
-                                    alpha_barrier.at[wg_idx])
             eval_pipeline(acc_ref)
-            plgpu.barrier_wait(alpha_barrier.at[wg_idx])
-            acc = (acc_ref[...] * alpha_smem[wg_idx, 0]).astype(out_dtype)
+            # alpha: one scalar load from GMEM (a 0-d operand; no copy into
+            # SMEM, no broadcast kernel before the call).
+            acc = (acc_ref[...] * alpha_gmem[...]).astype(out_dtype)
             store_output(acc, out_smem, wg_idx,
                          out_gmem.at[cta_m, cta_n].at[wg_m, wg_n])
 
@@ -268,11 +267,5 @@ def _call(va, vb, alpha, *, out_dtype, vb_kn, config: Config, num_sms):
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      scratch_types=dict(
-          out_smem=output_smem(slots, e, out_dtype),
-          # One 128-byte row per warpgroup: TMA destinations are aligned.
-          alpha_smem=plgpu.SMEM((2, 32), jnp.float32),
-          alpha_barrier=plgpu.Barrier(num_barriers=2)))
-  # alpha goes as a 128-byte row of copies (one TMA into each warpgroup's
-  # aligned row).
-  return f(va, vb, jnp.broadcast_to(alpha, (32,)))
+      scratch_types=dict(out_smem=output_smem(slots, e, out_dtype)))
+  return f(va, vb, alpha)

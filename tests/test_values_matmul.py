@@ -57,6 +57,9 @@ def test_lowers_for_hopper(vb_kn, out_dtype):
                                   vb_kn=vb_kn, config=cfg, num_sms=132))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+    # alpha goes in as the 0-d scalar it is, read by the kernel's epilogue:
+    # no broadcast (a kernel launch of its own on the GPU) before the call.
+    assert "stablehlo.broadcast_in_dim" not in text
 
 
 def test_refuses_what_it_does_not_run():
