@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 # (class, regex on the kernel name), first match wins.
 CLASSES = (
@@ -48,8 +49,29 @@ def classify(name: str) -> str:
   return "other"
 
 
-def gpu_kernels(xplane: str) -> dict[str, tuple[int, float]]:
-  """{kernel name: (calls, total ns)} over the GPU planes of a trace."""
+def busy_and_span(intervals) -> tuple[float, float]:
+  """(time covered by the union of `[start, end)` intervals, time from the
+  first start to the last end): the GPU's busy time and the span it fell
+  in. Kernels of several streams may overlap; the union counts once."""
+  busy, cur_s, cur_e = 0.0, None, None
+  first = last = None
+  for s, e in sorted(intervals):
+    first = s if first is None else first
+    last = e if last is None else max(last, e)
+    if cur_e is None or s > cur_e:
+      busy += 0.0 if cur_e is None else cur_e - cur_s
+      cur_s, cur_e = s, e
+    else:
+      cur_e = max(cur_e, e)
+  if cur_e is not None:
+    busy += cur_e - cur_s
+  return busy, (0.0 if first is None else last - first)
+
+
+def gpu_kernels(xplane: str, intervals: list | None = None
+                ) -> dict[str, tuple[int, float]]:
+  """{kernel name: (calls, total ns)} over the GPU planes of a trace;
+  each kernel's `(start_ns, end_ns)` is appended to `intervals` if given."""
   from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
   out: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
   for plane in ProfileData.from_file(xplane).planes:
@@ -64,6 +86,8 @@ def gpu_kernels(xplane: str) -> dict[str, tuple[int, float]]:
       for ev in line.events:
         out[ev.name][0] += 1
         out[ev.name][1] += ev.duration_ns
+        if intervals is not None:
+          intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns))
   return {k: (v[0], v[1]) for k, v in out.items()}
 
 
@@ -123,6 +147,11 @@ def _child(preset: str, precision: str, batch: int, seq: int,
   for _ in range(3):  # Warm-up.
     state, m = step(state, b)
   jax.block_until_ready(m)
+  t0 = time.perf_counter()  # The wall clock, untraced, same step count.
+  for _ in range(steps):
+    state, m = step(state, b)
+  jax.block_until_ready(m)
+  wall_us = (time.perf_counter() - t0) / steps * 1e6
   d = tempfile.mkdtemp()
   jax.profiler.start_trace(d)
   for _ in range(steps):
@@ -130,9 +159,13 @@ def _child(preset: str, precision: str, batch: int, seq: int,
   jax.block_until_ready(m)
   jax.profiler.stop_trace()
   (xplane,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-  kernels = gpu_kernels(xplane)
+  intervals = []
+  kernels = gpu_kernels(xplane, intervals)
+  busy, span = busy_and_span(intervals)
   return {"kernels": {k: [c / steps, ns / steps / 1e3]
                       for k, (c, ns) in kernels.items()},
+          "clocks": {"wall_us": wall_us, "busy_us": busy / steps / 1e3,
+                     "span_us": span / steps / 1e3},
           "device": jax.devices()[0].device_kind, "jax": jax.__version__}
 
 
@@ -211,6 +244,19 @@ def main(argv=None):
         f"{a.preset} {a.batch}x{a.seq}; GPU time per step (us), mean of "
         f"{a.steps} traced steps")
   print(timing.table(rows, cols))
+  print("\nthe two clocks, per step: wall (untraced), the GPU busy (union of "
+        "its kernels) and idle (traced span less busy)")
+  print(timing.table(
+      [{"precision": prec,
+        "wall_us": runs[prec]["clocks"]["wall_us"],
+        "gpu_busy_us": runs[prec]["clocks"]["busy_us"],
+        "gpu_idle_us": (runs[prec]["clocks"]["span_us"]
+                        - runs[prec]["clocks"]["busy_us"]),
+        "wall_minus_busy_us": (runs[prec]["clocks"]["wall_us"]
+                               - runs[prec]["clocks"]["busy_us"])}
+       for prec in precs],
+      ("precision", "wall_us", "gpu_busy_us", "gpu_idle_us",
+       "wall_minus_busy_us")))
   if a.hlo_dir and "nvfp4" in runs:
     print_layer_ops(a.hlo_dir, a.preset, runs["nvfp4"]["kernels"], a.top)
   for prec in precs:

@@ -222,3 +222,13 @@ def test_probe_decode_gemm_lowers_for_hopper():
     f = jax.jit(functools.partial(pdg.decode_matmul, config=cfg, num_sms=132))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_profile_step_busy_and_span_count_overlaps_once():
+  """The GPU's busy time is the union of its kernels' intervals (streams may
+  overlap), the span runs from the first start to the last end."""
+  f = profile_step.busy_and_span
+  assert f([]) == (0.0, 0.0)
+  assert f([(0, 10)]) == (10, 10)
+  # Overlapping and nested kernels count once; the gap (25-30) is idle.
+  assert f([(20, 25), (0, 10), (5, 15), (6, 7), (30, 40)]) == (30, 40)
