@@ -307,11 +307,13 @@ VALUES_COLS = ("gemm", "shape", "xla_us", "pallas_us", "xla_over_pallas",
 
 def run_values_matmul(cases=VALUES_CASES) -> list[dict]:
   """`block_values_matmul`: XLA's GEMM against the Mosaic GPU kernel
-  (`pallas_kernels.values_matmul`) with its default config (`pallas_us`;
-  `default` names its warpgroup split), by GPU time of the
-  call's kernels, on the same block values. `wgN_us` and `wgM_us` time both
-  splits; `max_diff` is the largest difference relative to the output's
-  largest magnitude (the worst of the configs)."""
+  (`pallas_kernels.values_matmul`), by GPU time of the call's kernels, on
+  the same block values.
+
+  `wgN_us` and `wgM_us` time the two warpgroup splits, `pallas_us` the
+  default config's (`default` names its split); `max_diff` is the largest
+  difference relative to the output's largest magnitude, the worst of the
+  two."""
   from pallas_kernels import values_matmul as vm  # pylint: disable=g-import-not-at-top
   rows = []
   for name, m, k, n, vb_kn, out in cases:

@@ -122,11 +122,11 @@ def values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
     NotImplementedError: not on a Hopper GPU, or a call `supported` turns
       down (other dtypes, shapes off the tiles, too few output tiles).
   """
-  m, k = va.shape
-  n = vb.shape[1] if vb_kn else vb.shape[0]
   c = config or Config()
   if num_sms is None:
     num_sms = _check_device()
+  m, k = va.shape
+  n = vb.shape[1] if vb_kn else vb.shape[0]
   if va.dtype != jnp.bfloat16 or vb.dtype != jnp.bfloat16:
     raise NotImplementedError(
         f"values_matmul: bf16 operands only, got {va.dtype}, {vb.dtype}.")
