@@ -358,22 +358,29 @@ USED_CONFIGS = dict(
     pair=((64, 64, 4), (32, 64, 4), (32, 32, 2), (32, 128, 4), (64, 128, 8),
           (16, 64, 2), (32, 64, 2)),
     row=((16, 256, 4), (8, 256, 2), (32, 256, 4), (16, 512, 4), (8, 512, 4),
-         (32, 128, 4), (16, 128, 2)))
+         (32, 128, 4), (16, 128, 2)),
+    dequant=((16, 256, 4), (32, 256, 4), (32, 256, 8), (64, 256, 8),
+             (16, 512, 4), (16, 512, 8), (32, 512, 8), (8, 256, 2),
+             (64, 128, 4)))
 
 
-def sweep_used(tokens: int, features: int) -> list[dict]:
+def sweep_used(tokens: int, features: int,
+               kernels_swept: str | None = None) -> list[dict]:
   """The quantizers as the layers run them, at several tiles, by GPU time
   (`timing.gpu_seconds`), against an XLA copy of the same tensor timed the
   same way: dY's Wgrad operand (rht_t, SR, values), the X pair (RTNE, x
-  values + rht_t codes) and dY's Dgrad operand (1x16, SR, values), amaxes
-  given. The first tile of each is the default; every row is checked equal
-  to it (the tiles change no numbers)."""
+  values + rht_t codes), dY's Dgrad operand (1x16, SR, values), amaxes
+  given, and the dequantize pass (`block_values` of the tensor's 1x16 codes:
+  Wgrad's saved `q(rht(X^T))` is `[features, tokens]`, so sweep that shape
+  for it). The first tile of each is the default; every row is checked
+  equal to it (the tiles change no numbers)."""
   xs = [jax.random.normal(jax.random.key(i), (tokens, features),
                           jnp.float32).astype(jnp.bfloat16) for i in range(2)]
   copy_s = timing.gpu_seconds(jax.jit(lambda a: a * jnp.bfloat16(1.0001)),
                               [(x,) for x in xs])
   a_x, a_t = pr.rht_amax(xs[0], with_x=True)
   kx, kt = jax.random.split(jax.random.key(1))
+  codes = {id(x): pq.quantize(x, amax=a_x) for x in xs}
   kernels = dict(
       rht_t=(4, lambda v, c: pr.quantize_call(
           v, amax_t=a_t, key_t=kt, size=16, sign_vector=None, fused_x=False,
@@ -387,17 +394,24 @@ def sweep_used(tokens: int, features: int) -> list[dict]:
       row=(4, lambda v, c: pq.quantize(
           v, amax=a_x, rounding="stochastic", key=kx, with_codes=False,
           config=pq.QuantizeConfig(block_rows=c[0], block_cols=c[1],
-                                   num_warps=c[2]))))
+                                   num_warps=c[2]))),
+      dequant=(4 - 2 + Q_BYTES, lambda q, c: pbd.block_values(
+          q, config=pq.QuantizeConfig(block_rows=c[0], block_cols=c[1],
+                                      num_warps=c[2]))))
   rows = []
   for name, (bpe, fn) in kernels.items():
+    if kernels_swept and name not in kernels_swept.split(","):
+      continue
     want = None
+    # The dequantize pass reads codes, the quantizers the bf16 tensor.
+    ins = [codes[id(x)] for x in xs] if name == "dequant" else xs
     for cfg in USED_CONFIGS[name]:
       f = jax.jit(functools.partial(fn, c=cfg))
       label = f"{name} {cfg[0]}x{cfg[1]} w{cfg[2]}"
       try:
-        got = f(xs[0])
+        got = f(ins[0])
         want = got if want is None else want
-        g = timing.gpu_seconds(f, [(x,) for x in xs])
+        g = timing.gpu_seconds(f, [(x,) for x in ins])
       except Exception as e:  # pylint: disable=broad-except
         rows.append(dict(shape=f"{tokens}x{features}", kernel=label,
                          exact=f"failed: {type(e).__name__}"))
@@ -456,13 +470,18 @@ if __name__ == "__main__":
   p.add_argument("--used-sweep", default=None, metavar="TxF,...",
                  help="only the quantizers as the layers run them, at "
                       "several tiles, for these shapes (e.g. 16384x768)")
+  p.add_argument("--used-kernels", default=None,
+                 metavar="rht_t,pair,row,dequant",
+                 help="with --used-sweep: only these kernels")
   p.add_argument("--amax-programs", default=None, metavar="TxF,...",
                  help="only the amax pass at several floors on its program "
                       "count, for these shapes")
   a = p.parse_args()
-  for shapes, sweep_fn, col in ((a.amax_programs, sweep_amax_programs,
-                                  "vs_xla"),
-                                 (a.used_sweep, sweep_used, "of_copy")):
+  for shapes, sweep_fn, col in (
+      (a.amax_programs, sweep_amax_programs, "vs_xla"),
+      (a.used_sweep, functools.partial(sweep_used,
+                                       kernels_swept=a.used_kernels),
+       "of_copy")):
     if shapes:  # Per shape "TxF", GPU time only.
       print(timing.table(
           [r for s in shapes.split(",")
