@@ -232,3 +232,19 @@ def test_profile_step_busy_and_span_count_overlaps_once():
   assert f([(0, 10)]) == (10, 10)
   # Overlapping and nested kernels count once; the gap (25-30) is idle.
   assert f([(20, 25), (0, 10), (5, 15), (6, 7), (30, 40)]) == (30, 40)
+
+
+def test_bench_quantize_used_sweep_checks_every_tile_against_the_default(
+    monkeypatch):
+  """The used-tile sweep runs each picked kernel at each tile (interpreted
+  here) and marks a row exact only if it equals the default tile's output;
+  `kernels_swept` keeps the others out."""
+  from benchmarks import bench_quantize  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(bench_quantize, "USED_CONFIGS", {
+      "dequant": ((16, 256, 4), (8, 128, 2)),
+      "row": ((16, 256, 4), (8, 128, 2))})
+  rows = bench_quantize.sweep_used(32, 256, kernels_swept="dequant,row")
+  assert [r["kernel"] for r in rows] == [
+      "row 16x256 w4", "row 8x128 w2", "dequant 16x256 w4",
+      "dequant 8x128 w2"]
+  assert all(r["exact"] is True for r in rows)
