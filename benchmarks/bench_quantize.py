@@ -380,7 +380,6 @@ def sweep_used(tokens: int, features: int,
                               [(x,) for x in xs])
   a_x, a_t = pr.rht_amax(xs[0], with_x=True)
   kx, kt = jax.random.split(jax.random.key(1))
-  codes = {id(x): pq.quantize(x, amax=a_x) for x in xs}
   kernels = dict(
       rht_t=(4, lambda v, c: pr.quantize_call(
           v, amax_t=a_t, key_t=kt, size=16, sign_vector=None, fused_x=False,
@@ -404,7 +403,8 @@ def sweep_used(tokens: int, features: int,
       continue
     want = None
     # The dequantize pass reads codes, the quantizers the bf16 tensor.
-    ins = [codes[id(x)] for x in xs] if name == "dequant" else xs
+    ins = ([pq.quantize(x, amax=a_x) for x in xs] if name == "dequant"
+           else xs)
     for cfg in USED_CONFIGS[name]:
       f = jax.jit(functools.partial(fn, c=cfg))
       label = f"{name} {cfg[0]}x{cfg[1]} w{cfg[2]}"

@@ -158,14 +158,8 @@ def decode_matmul(a_codes, a_scales, b, *, config: Config,
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
       def _mn_loop(info):
         (lin,) = info.index
-        m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), minor,
-                                          c.grid_tile_width)
-        cta_m = pl.ds(m_idx * cta_tile_m, cta_tile_m)
-        cta_n = pl.ds(n_idx * cta_tile_n, cta_tile_n)
-        if c.wg_split_n:
-          wg_m, wg_n = slice(None), pl.ds(wg_idx * tile_n, tile_n)
-        else:
-          wg_m, wg_n = pl.ds(wg_idx * tile_m, tile_m), slice(None)
+        cta_m, cta_n, wg_m, wg_n = values_matmul.output_tile(
+            lin, (m_iters, n_iters), minor, c, wg_idx)
 
         def compute_context(eval_pipeline):
           @functools.partial(pl.run_scoped,

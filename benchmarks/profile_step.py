@@ -53,19 +53,19 @@ def busy_and_span(intervals) -> tuple[float, float]:
   """(time covered by the union of `[start, end)` intervals, time from the
   first start to the last end): the GPU's busy time and the span it fell
   in. Kernels of several streams may overlap; the union counts once."""
-  busy, cur_s, cur_e = 0.0, None, None
-  first = last = None
-  for s, e in sorted(intervals):
-    first = s if first is None else first
-    last = e if last is None else max(last, e)
-    if cur_e is None or s > cur_e:
-      busy += 0.0 if cur_e is None else cur_e - cur_s
+  ivs = sorted(intervals)
+  if not ivs:
+    return 0.0, 0.0
+  busy, (cur_s, cur_e) = 0.0, ivs[0]
+  last = cur_e
+  for s, e in ivs[1:]:
+    last = max(last, e)
+    if s > cur_e:  # A gap: close the current run.
+      busy += cur_e - cur_s
       cur_s, cur_e = s, e
     else:
       cur_e = max(cur_e, e)
-  if cur_e is not None:
-    busy += cur_e - cur_s
-  return busy, (0.0 if first is None else last - first)
+  return busy + cur_e - cur_s, last - ivs[0][0]
 
 
 def gpu_kernels(xplane: str, intervals: list | None = None

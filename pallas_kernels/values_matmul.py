@@ -155,6 +155,25 @@ def output_smem(slots: int, epi_tile: int, out_dtype):
                                 plgpu.SwizzleTransform(swizzle)))
 
 
+def output_tile(lin, grid, minor, config, wg_idx):
+  """The persistent grid's `lin`-th output tile, walked in a planar snake
+  over `grid` (M tiles, N tiles) with `minor` (a `MatmulDimension`) the
+  minor dimension: `(cta_m, cta_n, wg_m, wg_n)`, the CTA's rows and columns
+  of the output and warpgroup `wg_idx`'s within them. `config` has
+  `tile_m`, `tile_n` (a warpgroup's tile), `wg_split_n` and
+  `grid_tile_width` (`Config`, and the decode probe's)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  c = config
+  cta_m_size = c.tile_m * (1 if c.wg_split_n else 2)
+  cta_n_size = c.tile_n * (2 if c.wg_split_n else 1)
+  m_idx, n_idx = plgpu.planar_snake(lin, grid, minor, c.grid_tile_width)
+  cta_m = pl.ds(m_idx * cta_m_size, cta_m_size)
+  cta_n = pl.ds(n_idx * cta_n_size, cta_n_size)
+  if c.wg_split_n:
+    return cta_m, cta_n, slice(None), pl.ds(wg_idx * c.tile_n, c.tile_n)
+  return cta_m, cta_n, pl.ds(wg_idx * c.tile_m, c.tile_m), slice(None)
+
+
 def store_output(acc, out_smem, wg_idx, out_tile):
   """Writes a warpgroup's output tile `acc` (registers, the output dtype)
   to `out_tile` (its view of the output in GMEM) by TMA, in square pieces
@@ -224,15 +243,9 @@ def _call(va, vb, alpha, *, out_dtype, vb_kn, config: Config, num_sms):
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
       def _mn_loop(info):
         (lin,) = info.index
-        # Planar snake over (M, N) tiles, N minor (JAX's MatmulDimension.N).
-        m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), 1,
-                                          c.grid_tile_width)
-        cta_m = pl.ds(m_idx * cta_m_size, cta_m_size)
-        cta_n = pl.ds(n_idx * cta_n_size, cta_n_size)
-        if c.wg_split_n:
-          wg_m, wg_n = slice(None), pl.ds(wg_idx * tile_n, tile_n)
-        else:
-          wg_m, wg_n = pl.ds(wg_idx * tile_m, tile_m), slice(None)
+        # N minor (JAX's MatmulDimension.N).
+        cta_m, cta_n, wg_m, wg_n = output_tile(lin, (m_iters, n_iters), 1, c,
+                                               wg_idx)
 
         def compute_context(eval_pipeline):
           @functools.partial(pl.run_scoped,
