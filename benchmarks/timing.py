@@ -19,6 +19,13 @@ import jax.numpy as jnp
 def bench(fn: Callable, arg_sets: Sequence[tuple], *, calls: int = 10,
           reps: int = 9, warmup_s: float = 0.1) -> float:
   """Median seconds per call of `fn(*args)` over rotating `arg_sets`."""
+  return statistics.median(bench_samples(fn, arg_sets, calls=calls, reps=reps,
+                                         warmup_s=warmup_s))
+
+
+def bench_samples(fn: Callable, arg_sets: Sequence[tuple], *, calls: int = 10,
+                  reps: int = 9, warmup_s: float = 0.1) -> list[float]:
+  """`bench`'s samples: seconds per call of each of the `reps` repetitions."""
   for args in arg_sets:  # Compile.
     jax.block_until_ready(fn(*args))
   t_end = time.perf_counter() + warmup_s  # Let the clocks ramp up.
@@ -32,7 +39,7 @@ def bench(fn: Callable, arg_sets: Sequence[tuple], *, calls: int = 10,
       out = fn(*arg_sets[i % len(arg_sets)])
     jax.block_until_ready(out)
     per_call.append((time.perf_counter() - t0) / calls)
-  return statistics.median(per_call)
+  return per_call
 
 
 def gpu_kernels(fn: Callable, arg_sets: Sequence[tuple], *, calls: int = 10

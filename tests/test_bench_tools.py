@@ -7,6 +7,7 @@ import types
 import jax
 import pytest
 
+from benchmarks import bench_dense
 from benchmarks import bench_step
 from benchmarks import profile_step
 
@@ -36,6 +37,47 @@ def test_bench_step_weak_scaling_rows(monkeypatch):
   assert "data=2" in rows[1]["config"]
   # With the attention FLOPs: (6 * 1000 + 3000) / (6 * 1000) of the 6N MFU.
   assert abs(rows[0]["mfu_attn"] / rows[0]["mfu"] - 1.5) < 1e-12
+
+
+def test_bench_dense_shapes_rows(monkeypatch):
+  """`--shapes`: a process per (shape, layer) per round, interleaved; the
+  ratio is of the medians over all rounds, its spread of the per-round
+  ratios."""
+  calls = []
+  ms = {"bf16": [0.010, 0.012], "nvfp4": [0.012, 0.0156]}  # Per round.
+
+  def fake_run(cmd, **_):
+    t, i, o, layer = json.loads(cmd[-1])
+    calls.append(((t, i, o), layer))
+    r = sum(c == ((t, i, o), layer) for c in calls) - 1
+    out = {"times": [ms[layer][r]] * 3, "peak": 100 if layer == "bf16"
+           else 120, "device": "NVIDIA H100", "jax": "x"}
+    return types.SimpleNamespace(returncode=0, stdout=json.dumps(out),
+                                 stderr="")
+
+  monkeypatch.setattr(subprocess, "run", fake_run)
+  shapes = bench_dense.parse_shapes("gpt-base,64x32x48")
+  assert shapes[-1] == (64, 32, 48) and len(shapes) == 5
+  rows = bench_dense.run_shapes(shapes[-2:], repeats=2, log=None)
+  # Interleaved: both layers of each shape, shape after shape, round after
+  # round.
+  assert [c[1] for c in calls] == ["bf16", "nvfp4"] * 4
+  assert [c[0] for c in calls[:4]] == [shapes[-2]] * 2 + [shapes[-1]] * 2
+  (row,) = [r for r in rows if r["shape"] == "64x32x48"]
+  # Medians over both rounds' samples: (0.012 + 0.0156) / 2 over 0.011.
+  assert abs(row["ratio"] - 0.0138 / 0.011) < 1e-12
+  assert row["ratio_spread"] == "1.200-1.300"
+  assert row["peak_ratio"] == 1.2
+
+
+def test_bench_dense_rejects_a_bad_shape():
+  with pytest.raises(SystemExit, match="TOKENSxINxOUT"):
+    bench_dense.parse_shapes("gpt-base,8192x4096")
+
+
+def test_bench_dense_child_times_a_layer():
+  out = bench_dense._child(32, 32, 16, "nvfp4")
+  assert len(out["times"]) == 7 and out["peak"] > 0
 
 
 def test_profile_step_classes():
