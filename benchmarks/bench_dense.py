@@ -187,6 +187,7 @@ def run_shapes(shapes: list[tuple[int, int, int]], repeats: int = 3,
 SHAPE_COLS = ("shape", "bf16_ms", "bf16_spread", "nvfp4_ms", "nvfp4_spread",
               "ratio", "ratio_spread", "peak_ratio")
 
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--tokens", type=int, default=8192)
@@ -199,6 +200,8 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--child", help=argparse.SUPPRESS)
   a = p.parse_args(argv)
+  if a.repeats < 1:
+    p.error(f"--repeats must be at least 1, got {a.repeats}.")
   if a.child:
     print(json.dumps(_child(*json.loads(a.child))))
     return
