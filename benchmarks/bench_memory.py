@@ -48,9 +48,11 @@ from benchmarks import bench_step
 
 MULTIPLE = 8  # Micro-batches searched are multiples of this.
 # A step whose XLA peak is within the allocator limit can still run out of
-# memory: on the H100 at a 19.8 GiB limit, steps failed from 17.3 GiB of XLA
-# peak without the remat policy and from 14.3 GiB with it (BENCHMARKS.md).
-# After a failed run, the next targets this much less.
+# memory. On the H100 at a 19.8 GiB limit, with preallocation off, steps
+# failed from 17.3 GiB of XLA peak without the remat policy and from 14.3
+# GiB with it (BENCHMARKS.md); with the default preallocation (see
+# `child_env`) none has yet. After a failed run, the next targets this much
+# less.
 RUN_MARGIN = 2.5 * 2**30
 MAX_RUNS = 4
 
@@ -263,6 +265,25 @@ def next_run(summary: dict, margin: float = RUN_MARGIN) -> int | None:
   return max(nb, MULTIPLE)
 
 
+def child_env(environ, state_dir: str) -> dict[str, str]:
+  """The children's environment: the persistent compilation cache in
+  `state_dir` (unless set), and JAX's default preallocation of the
+  allocator's whole arena, even where the caller turned it off. With
+  `XLA_PYTHON_CLIENT_PREALLOCATE=false` the arena grows in pieces, and a
+  step's temporaries, one contiguous buffer of up to the limit, may find no
+  piece to fit: on the H100 at 19.8 GiB such runs failed from 14.3 GiB of
+  XLA's count, where the default arena runs every batch whose count is
+  within the limit (BENCHMARKS.md, 2026-11-26, later). Users run with the
+  default."""
+  env = dict(environ)
+  env.setdefault("JAX_COMPILATION_CACHE_DIR",
+                 os.path.join(state_dir, "jax_cache"))
+  env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+  env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
+  return env
+
+
 def _child_cmd(c: bench_step.StepConfig, extra=()) -> list[str]:
   return [sys.executable, "-m", "benchmarks.bench_memory", "--child",
           json.dumps(dataclasses.asdict(c)), *extra]
@@ -331,11 +352,7 @@ def main(argv=None):
   os.makedirs(a.state_dir, exist_ok=True)
   # A rerun of a configuration compiles the same programs again: the
   # persistent compilation cache makes those hits.
-  env = dict(os.environ)
-  env.setdefault("JAX_COMPILATION_CACHE_DIR",
-                 os.path.join(a.state_dir, "jax_cache"))
-  env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-  env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+  env = child_env(os.environ, a.state_dir)
   extra = ["--compiles", str(a.compiles)] + (
       [] if a.limit_gib is None else ["--limit-gib", str(a.limit_gib)]) + (
           [] if run else ["--no-run"])

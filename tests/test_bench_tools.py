@@ -182,6 +182,18 @@ def test_bench_memory_runs_step_down_after_out_of_memory():
   assert nr([], fits=0) is None
 
 
+def test_bench_memory_children_preallocate_the_arena():
+  """The children run with JAX's default preallocation even where the
+  caller turned it off, and keep a cache the caller set."""
+  from benchmarks import bench_memory  # pylint: disable=g-import-not-at-top
+  env = bench_memory.child_env({"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                                "JAX_COMPILATION_CACHE_DIR": "/c"}, "/s")
+  assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+  assert env["JAX_COMPILATION_CACHE_DIR"] == "/c"
+  assert bench_memory.child_env({}, "/s")["JAX_COMPILATION_CACHE_DIR"] == (
+      "/s/jax_cache")
+
+
 def test_bench_memory_refuses_a_state_searched_under_another_limit():
   # XLA compiles (and rematerializes) for the limit it is given, so a
   # state's peaks and bracket belong to the limit it was searched under.
