@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import json
 import statistics
-import subprocess
 import sys
 
 import flax.linen as nn
@@ -44,6 +43,15 @@ def _step(module):
     y, vjp = jax.vjp(apply, params, x)
     return y, vjp(dy)
   return f
+
+
+def _inputs(tokens: int, d_in: int, d_out: int):
+  """The step's bf16 `x`, its bf16 cotangent `dy` and the NVFP4 key."""
+  x = jax.random.normal(jax.random.key(0), (tokens, d_in),
+                        jnp.float32).astype(jnp.bfloat16)
+  dy = jax.random.normal(jax.random.key(1), (tokens, d_out),
+                         jnp.float32).astype(jnp.bfloat16)
+  return x, dy, jax.random.key(2)
 
 
 def _peak_bytes(compiled) -> float:
@@ -63,11 +71,7 @@ def run(tokens: int = 8192, d_in: int = 4096, d_out: int = 4096,
     dense4 = nf.NVFP4Dense
   except (ImportError, AttributeError) as e:
     return [dict(layer="NVFP4Dense", note=f"unavailable: {e}")]
-  x = jax.random.normal(jax.random.key(0), (tokens, d_in),
-                        jnp.float32).astype(jnp.bfloat16)
-  dy = jax.random.normal(jax.random.key(1), (tokens, d_out),
-                         jnp.float32).astype(jnp.bfloat16)
-  key = jax.random.key(2)
+  x, dy, key = _inputs(tokens, d_in, d_out)
   flops = 3 * 2.0 * tokens * d_in * d_out
   rows = []
   cases = [
@@ -135,11 +139,7 @@ def _child(tokens: int, d_in: int, d_out: int, layer: str) -> dict:
   import nvfp4_jax as nf  # pylint: disable=g-import-not-at-top
   module = (nn.Dense(d_out, dtype=jnp.bfloat16) if layer == "bf16"
             else nf.NVFP4Dense(d_out, dtype=jnp.bfloat16))
-  x = jax.random.normal(jax.random.key(0), (tokens, d_in),
-                        jnp.float32).astype(jnp.bfloat16)
-  dy = jax.random.normal(jax.random.key(1), (tokens, d_out),
-                         jnp.float32).astype(jnp.bfloat16)
-  key = jax.random.key(2)
+  x, dy, key = _inputs(tokens, d_in, d_out)
   params = module.init(jax.random.key(3), x)
   compiled = jax.jit(_step(module)).lower(params, x, dy, key).compile()
   times = timing.bench_samples(compiled, [(params, x, dy, key)], calls=5,
@@ -156,12 +156,8 @@ def run_shapes(shapes: list[tuple[int, int, int]], repeats: int = 3,
   for _ in range(repeats):
     for s in shapes:
       for l in LAYERS:
-        out = subprocess.run(
-            [sys.executable, "-m", "benchmarks.bench_dense", "--child",
-             json.dumps([*s, l])], capture_output=True, text=True, check=False)
-        if out.returncode:
-          raise RuntimeError(f"{s} {l} failed:\n{out.stderr[-2000:]}")
-        res[s, l].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        res[s, l].append(timing.run_child("benchmarks.bench_dense", [*s, l],
+                                          f"{s} {l}"))
         print(f"{'x'.join(map(str, s))} {l}: "
               f"{statistics.median(res[s, l][-1]['times']) * 1e3:.3f} ms",
               file=log, flush=True)

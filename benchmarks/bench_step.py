@@ -25,7 +25,6 @@ import dataclasses
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 
@@ -133,16 +132,12 @@ def attention_flops_per_token(mc, seq: int) -> int:
 def run(configs: list[StepConfig], repeats: int = 3) -> list[dict]:
   """Times every configuration in a fresh process, interleaved, `repeats`
   rounds; returns one row per configuration."""
+  from benchmarks import timing  # pylint: disable=g-import-not-at-top
   results: dict[str, list[dict]] = {c.label: [] for c in configs}
   for _ in range(repeats):
     for c in configs:
-      out = subprocess.run(
-          [sys.executable, "-m", "benchmarks.bench_step", "--child",
-           json.dumps(dataclasses.asdict(c))],
-          capture_output=True, text=True, check=False)
-      if out.returncode:
-        raise RuntimeError(f"{c.label} failed:\n{out.stderr[-2000:]}")
-      results[c.label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+      results[c.label].append(timing.run_child(
+          "benchmarks.bench_step", dataclasses.asdict(c), c.label))
       # Progress, so a run cut short still shows what it timed.
       print(f"{c.label}: median "
             f"{statistics.median(results[c.label][-1]['times']) * 1e3:.1f} ms",

@@ -112,8 +112,7 @@ def decode_matmul(a_codes, a_scales, b, *, config: Config,
   c = config
   tile_m, tile_n, tile_k = c.tile_m, c.tile_n, c.tile_k
   chunks = tile_k // 16
-  cta_tile_m = tile_m * (1 if c.wg_split_n else 2)
-  cta_tile_n = tile_n * (2 if c.wg_split_n else 1)
+  cta_tile_m, cta_tile_n = values_matmul.cta_tile(c)
   if m % cta_tile_m or n % cta_tile_n or k % tile_k:
     raise ValueError(f"{(m, n, k)} not divisible by {(cta_tile_m, cta_tile_n, tile_k)}")
   m_iters, n_iters, k_iters = m // cta_tile_m, n // cta_tile_n, k // tile_k

@@ -8,12 +8,28 @@ larger than L2 so repeated calls do not hit in cache.
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
+import sys
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+
+
+def run_child(module: str, payload: Any, label: str) -> dict:
+  """Runs `python -m module --child JSON(payload)` in a fresh process (the
+  benchmarks time each configuration in its own) and returns the JSON
+  object its last line of output prints; raises with the child's stderr,
+  under `label`, if it fails."""
+  out = subprocess.run(
+      [sys.executable, "-m", module, "--child", json.dumps(payload)],
+      capture_output=True, text=True, check=False)
+  if out.returncode:
+    raise RuntimeError(f"{label} failed:\n{out.stderr[-2000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def bench(fn: Callable, arg_sets: Sequence[tuple], *, calls: int = 10,

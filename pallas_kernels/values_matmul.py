@@ -63,8 +63,7 @@ class Config:
 
   @property
   def cta_tile(self) -> tuple[int, int]:
-    return (self.tile_m * (1 if self.wg_split_n else 2),
-            self.tile_n * (2 if self.wg_split_n else 1))
+    return cta_tile(self)
 
 
 # Output tiles (CTA tiles) a call needs at least, as a multiple of the SMs:
@@ -155,6 +154,15 @@ def output_smem(slots: int, epi_tile: int, out_dtype):
                                 plgpu.SwizzleTransform(swizzle)))
 
 
+def cta_tile(config) -> tuple[int, int]:
+  """A CTA's output tile `(rows, columns)`: two warpgroup tiles side by side
+  along the split dimension. `config` has `tile_m`, `tile_n` and
+  `wg_split_n` (`Config`, and the decode probe's)."""
+  c = config
+  return (c.tile_m * (1 if c.wg_split_n else 2),
+          c.tile_n * (2 if c.wg_split_n else 1))
+
+
 def output_tile(lin, grid, minor, config, wg_idx):
   """The persistent grid's `lin`-th output tile, walked in a planar snake
   over `grid` (M tiles, N tiles) with `minor` (a `MatmulDimension`) the
@@ -164,8 +172,7 @@ def output_tile(lin, grid, minor, config, wg_idx):
   `grid_tile_width` (`Config`, and the decode probe's)."""
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   c = config
-  cta_m_size = c.tile_m * (1 if c.wg_split_n else 2)
-  cta_n_size = c.tile_n * (2 if c.wg_split_n else 1)
+  cta_m_size, cta_n_size = cta_tile(c)
   m_idx, n_idx = plgpu.planar_snake(lin, grid, minor, c.grid_tile_width)
   cta_m = pl.ds(m_idx * cta_m_size, cta_m_size)
   cta_n = pl.ds(n_idx * cta_n_size, cta_n_size)
