@@ -1,7 +1,10 @@
 """README's quick-start code runs as written and trains."""
 
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,3 +25,22 @@ def test_readme_quickstart_runs():
                                                jnp.int32(step))
     losses.append(float(loss))
   assert losses[-1] < losses[0]
+
+
+def test_test_processes_share_a_gpu():
+  """README's GPU test command runs several processes on one GPU: the test
+  configuration turns JAX's preallocation off in each, unless the user set
+  it (checked in fresh interpreters, as each xdist worker starts)."""
+  def preallocate(value):
+    env = {k: v for k, v in os.environ.items()
+           if k != "XLA_PYTHON_CLIENT_PREALLOCATE"}
+    if value is not None:
+      env["XLA_PYTHON_CLIENT_PREALLOCATE"] = value
+    out = subprocess.run(
+        [sys.executable, "-c", "import os, conftest; "
+         "print(os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])"],
+        cwd=pathlib.Path(__file__).parent, env=env, capture_output=True,
+        text=True, check=True)
+    return out.stdout.strip()
+  assert preallocate(None) == "false"
+  assert preallocate("true") == "true"
