@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -495,9 +496,23 @@ def abs_max_bits(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(tile.abs_max(x), jnp.uint32)
 
 
-def combine_partial_amax(bits: jax.Array) -> jax.Array:
-  """Reduces per-program amax bit patterns (uint32) to the FP32 tensor amax."""
-  return jax.lax.bitcast_convert_type(jnp.max(bits), jnp.float32)
+def combine_partial_amax(*bits: jax.Array) -> tuple[jax.Array, ...]:
+  """Reduces per-program amax bit patterns (uint32) to FP32 tensor amaxes.
+
+  Several partial arrays (one kernel's, of one shape) are reduced by one
+  variadic reduction: one XLA kernel for all, not one per amax. The bit
+  patterns of non-negative floats order as the floats, and a NaN's
+  (`abs_max_bits`) above Inf's, so the maximum propagates NaN.
+
+  Returns:
+    One FP32 scalar per argument.
+  """
+  zero = np.uint32(0)
+  maxes = jax.lax.reduce(
+      bits, (zero,) * len(bits),
+      lambda a, b: tuple(jnp.maximum(u, v) for u, v in zip(a, b)),
+      tuple(range(bits[0].ndim)))
+  return tuple(jax.lax.bitcast_convert_type(m, jnp.float32) for m in maxes)
 
 
 def check_powers_of_two(config: Any, fields: tuple[str, ...]) -> None:

@@ -194,10 +194,10 @@ def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
                 pl.BlockSpec((bt * steps, bf), lambda i, j: (i, j))],
       out_specs=[pl.BlockSpec((1, 1), lambda i, j: (i, j))] * n_out,
       out_shape=[part] * n_out)(h, x)
-  amax_t = common.combine_partial_amax(outs[0])
-  if with_x:
-    return common.combine_partial_amax(outs[1]), amax_t
-  return amax_t
+  if with_x:  # Both from one reduction.
+    amax_t, amax_x = common.combine_partial_amax(outs[0], outs[1])
+    return amax_x, amax_t
+  return common.combine_partial_amax(outs[0])[0]
 
 
 def _quantize_kernel(*refs, fused_x: bool, sr_t: bool, sr_x: bool,

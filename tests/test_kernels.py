@@ -629,3 +629,29 @@ def test_kernels_lower_to_triton(claim_sm90, mesh):
     with mesh():
       text = jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the kernels are compiled for real")
+def test_amax_pass_reduces_its_partials_in_one_reduction(claim_sm90):
+  """The RHT amax pass with `x`'s amax writes two arrays of per-program
+  partials; one variadic reduction folds both (one XLA kernel per pass, not
+  one per amax)."""
+  x = jax.ShapeDtypeStruct((4096, 768), jnp.bfloat16)
+  text = jax.jit(functools.partial(pallas_rht.rht_amax, with_x=True)).trace(
+      x).lower(lowering_platforms=("cuda",)).as_text()
+  assert "xla.gpu.triton" in text
+  reduces = [l for l in text.splitlines() if "stablehlo.reduce" in l]
+  assert len(reduces) == 1 and ":2 = stablehlo.reduce" in reduces[0], reduces
+
+
+def test_combine_partial_amax_orders_bits_as_floats_and_keeps_nan():
+  bits = lambda v: jax.lax.bitcast_convert_type(
+      jnp.asarray(v, jnp.float32), jnp.uint32)
+  a = bits([[0.0, 3.5], [2.0**-126, 1e30]])
+  b = bits([[np.inf, 1.0], [0.5, 2.0]])
+  c = bits([[np.nan, 1.0], [np.inf, 2.0]])  # abs_max_bits of a NaN max.
+  got = common.combine_partial_amax(a, b, c)
+  assert [float(g) for g in got[:2]] == [float(np.float32(1e30)), np.inf]
+  assert np.isnan(float(got[2]))
+  (one,) = common.combine_partial_amax(a)
+  assert float(one) == float(np.float32(1e30))
