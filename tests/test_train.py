@@ -281,14 +281,14 @@ def term_sums(fns, params, terms1, terms2):
 
 def test_gradient_accumulation_matches_one_big_batch():
   # On XLA:CPU, whatever the machine's backend. The bound below takes each
-  # path's per-token terms from a replay of it, and on XLA:CPU a replay
-  # computes them as the gradient does (measured: |g1 - g2| is at most 1/40
-  # of the bound). A GPU picks GEMM algorithms per program and per machine
-  # (autotuning): the replay is then only a proxy for the gradient's own
-  # terms, and on one lent H100 of two it missed them by ~1e-12, so the
-  # bound failed with correct accumulation. What the test checks (the
-  # mean over micro-batches, every micro-batch counted, the optimizer
-  # applied to it) is the same JAX program on every backend.
+  # path's per-token terms from a replay of it. XLA:CPU chooses its GEMMs by
+  # shape, without autotuning, and there the replay's terms stay close to
+  # the gradient's own (measured: |g1 - g2| is at most 1/40 of the bound).
+  # A GPU picks GEMM algorithms per program and per machine: the replay is
+  # then a looser proxy, and on one lent H100 of two the bound failed by
+  # ~1e-12 with correct accumulation. What the test checks (the mean over
+  # micro-batches, every micro-batch counted, the optimizer applied to it)
+  # is the same JAX program on every backend.
   with jax.default_device(jax.local_devices(backend="cpu")[0]):
     _check_gradient_accumulation()
 
