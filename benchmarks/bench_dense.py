@@ -167,17 +167,20 @@ def run_shapes(shapes: list[tuple[int, int, int]], repeats: int = 3,
     med = lambda runs: statistics.median(t for r in runs for t in r["times"])
     per_round = [statistics.median(rq["times"]) / statistics.median(rb["times"])
                  for rb, rq in zip(b, q)]
-    spread = lambda runs: [statistics.median(r["times"]) * 1e3 for r in runs]
     tb, tq = med(b), med(q)
     rows.append(dict(
-        shape="x".join(map(str, s)), bf16_ms=tb * 1e3,
-        bf16_spread=f"{min(spread(b)):.4g}-{max(spread(b)):.4g}",
-        nvfp4_ms=tq * 1e3,
-        nvfp4_spread=f"{min(spread(q)):.4g}-{max(spread(q)):.4g}",
+        shape="x".join(map(str, s)), bf16_ms=tb * 1e3, bf16_spread=_span(b),
+        nvfp4_ms=tq * 1e3, nvfp4_spread=_span(q),
         ratio=tq / tb, ratio_spread=f"{min(per_round):.3f}-{max(per_round):.3f}",
         peak_ratio=q[0]["peak"] / b[0]["peak"],
         device=b[0]["device"], jax=b[0]["jax"]))
   return rows
+
+
+def _span(runs: list[dict]) -> str:
+  """`min-max` ms of the runs' (rounds') median step times."""
+  ms = [statistics.median(r["times"]) * 1e3 for r in runs]
+  return f"{min(ms):.4g}-{max(ms):.4g}"
 
 
 SHAPE_COLS = ("shape", "bf16_ms", "bf16_spread", "nvfp4_ms", "nvfp4_spread",

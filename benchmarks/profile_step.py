@@ -20,8 +20,6 @@ import gzip
 import json
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -203,22 +201,15 @@ def main(argv=None):
       kernels = json.load(f)["nvfp4"]["kernels"]
     print_layer_ops(a.from_hlo_dir, a.preset, kernels, a.top)
     return
-  if a.child:
-    print(json.dumps(_child(a.preset, a.child, a.batch, a.seq, a.steps,
-                            a.hlo_dir)))
+  if a.child:  # `_child`'s arguments, as `timing.run_child` passes them.
+    print(json.dumps(_child(*json.loads(a.child))))
     return
   from benchmarks import timing  # pylint: disable=g-import-not-at-top
   runs = {}
   for prec in a.precisions.split(","):
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.profile_step", "--child", prec,
-         "--preset", a.preset, "--batch", str(a.batch), "--seq", str(a.seq),
-         "--steps", str(a.steps), "--hlo-dir", a.hlo_dir],
-        capture_output=True, text=True,
-        check=False)
-    if out.returncode:
-      raise RuntimeError(f"{prec} failed:\n{out.stderr[-2000:]}")
-    runs[prec] = json.loads(out.stdout.strip().splitlines()[-1])
+    runs[prec] = timing.run_child(
+        "benchmarks.profile_step",
+        [a.preset, prec, a.batch, a.seq, a.steps, a.hlo_dir], prec)
   precs = list(runs)
   if a.hlo_dir:  # Every kernel's time, beside the HLO that names them.
     with open(f"{a.hlo_dir}/{a.preset}-kernels.json", "w") as f:
