@@ -130,10 +130,14 @@ def variants(key):
 
 
 def run(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
-        n_inputs: int = 2, encoders: bool = False) -> list[dict]:
+        n_inputs: int = 2, encoders: bool = False,
+        tensor_cores: bool = False) -> list[dict]:
   """The table. `encoders`: also time every Pallas row with the kernels'
   jnp encoders instead of the GPU encoder (`common.ASM_ENCODE = False`),
-  marked "(jnp encode)": the before and after of one run."""
+  marked "(jnp encode)": the before and after of one run. `tensor_cores`:
+  also time every RHT row with the tensor-core RHT kernels instead of the
+  columns ones (`quantize_rht_t.COLUMNS = False`), marked "(tensor
+  cores)"."""
   key = jax.random.key(0)
   xs = [jax.random.normal(jax.random.key(i), (tokens, features),
                           jnp.float32).astype(jnp.bfloat16)
@@ -158,11 +162,21 @@ def run(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
   rows.append(dict(kernel="amax pass (XLA reduction)", bytes_per_elem=2.0,
                    us=t * 1e6, tbps=2 * n / t / 1e12,
                    of_copy=2 * n / t / copy_bw))
-  f_amax_t = jax.jit(functools.partial(pr.rht_amax, with_x=True))
-  t = timing.bench(f_amax_t, [(x,) for x in xs])
-  rows.append(dict(kernel="amax pass (x and rht(x.T), Pallas)",
-                   bytes_per_elem=2.0, us=t * 1e6, tbps=2 * n / t / 1e12,
-                   of_copy=2 * n / t / copy_bw))
+  for suffix, columns in ([("", True), (" (tensor cores)", False)]
+                          if tensor_cores else [("", True)]):
+    pr.COLUMNS = columns
+    try:  # A new function each time: jit traces again.
+      f_amax_t = jax.jit(lambda x: pr.rht_amax(x, with_x=True))
+      t = timing.bench(f_amax_t, [(x,) for x in xs])
+      g = (timing.gpu_seconds(f_amax_t, [(x,) for x in xs]) if gpu_copy_s
+           else float("nan"))
+    finally:
+      pr.COLUMNS = True
+    rows.append(dict(kernel="amax pass (x and rht(x.T), Pallas)" + suffix,
+                     bytes_per_elem=2.0, us=t * 1e6, tbps=2 * n / t / 1e12,
+                     of_copy=2 * n / t / copy_bw, gpu_us=g * 1e6,
+                     gpu_of_copy=(2 * n / g) * gpu_copy_s / (8 * n)
+                     if gpu_copy_s else float("nan")))
 
   qs = [nvfp4.quantize(x, implementation="pallas") for x in xs]
   f_x = jax.jit(lambda q: nvfp4.block_dequantize_nvfp4(q)[0])
@@ -196,16 +210,21 @@ def run(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
     jx = jax.jit(fx)
     t_x = timing.bench(jx, args)
     b = bpe * n
-    for asm in (True, False) if encoders else (True,):
-      pcommon.ASM_ENCODE = asm
+    modes = [("", True, True)]  # (suffix, ASM_ENCODE, COLUMNS)
+    if encoders:
+      modes.append((" (jnp encode)", False, True))
+    if tensor_cores and ("rht" in name or "pair" in name):
+      modes.append((" (tensor cores)", True, False))
+    for suffix, asm, columns in modes:
+      pcommon.ASM_ENCODE, pr.COLUMNS = asm, columns
       try:  # A new function each time: jit traces again.
         jp = jax.jit(lambda *a, fp=fp: fp(*a))
         exact = exact_vs_cpu(lambda *a, fp=fp: fp(*a), fx, small_args)
         t_p = timing.bench(jp, args)
         g_p = timing.gpu_seconds(jp, args) if gpu_copy_s else float("nan")
       finally:
-        pcommon.ASM_ENCODE = True
-      rows.append(dict(kernel=name + ("" if asm else " (jnp encode)"),
+        pcommon.ASM_ENCODE, pr.COLUMNS = True, True
+      rows.append(dict(kernel=name + suffix,
                        bytes_per_elem=bpe, us=t_p * 1e6,
                        tbps=b / t_p / 1e12, of_copy=b / t_p / copy_bw,
                        gpu_us=g_p * 1e6,
@@ -467,6 +486,9 @@ if __name__ == "__main__":
   p.add_argument("--encoders", action="store_true",
                  help="also time each kernel with its jnp encoders "
                       "(before the GPU encoder), in the same run")
+  p.add_argument("--tensor-cores", action="store_true",
+                 help="also time each RHT kernel as the tensor-core one "
+                      "(before the columns kernels), in the same run")
   p.add_argument("--used-sweep", default=None, metavar="TxF,...",
                  help="only the quantizers as the layers run them, at "
                       "several tiles, for these shapes (e.g. 16384x768)")
@@ -503,4 +525,5 @@ if __name__ == "__main__":
     print(timing.table(sweep(a.tokens, a.features, copy_bw=bw),
                        ("kernel", "us", "of_copy")))
   print(timing.table(run(a.tokens, a.features, copy_bw=bw,
-                         encoders=a.encoders), COLS))
+                         encoders=a.encoders, tensor_cores=a.tensor_cores),
+                     COLS))

@@ -77,13 +77,30 @@ def tile_words(row0: jax.Array | int, rows: int, blk0: jax.Array | int,
   c` and rounds with byte `n % 4` of hash word `n // 4`.
   """
   shape = (rows, nb, block // 4)
-  r = (row0 + jax.lax.broadcasted_iota(jnp.int32, shape, 0)).astype(jnp.uint32)
-  blk = (blk0 + jax.lax.broadcasted_iota(jnp.int32, shape, 1)).astype(
-      jnp.uint32)
+  r = row0 + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+  blk = blk0 + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
   lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 2)
-  words = (r * jnp.uint32(words_per_row) + blk * jnp.uint32(block // 4)
-           + lane)
-  return sr_hash(words, seed0, seed1)
+  return sr_hash(block_word_base(r, blk, words_per_row, block=block) + lane,
+                 seed0, seed1)
+
+
+def block_word_base(row: jax.Array, blk: jax.Array, words_per_row: int, *,
+                    block: int = 16) -> jax.Array:
+  """The index of the first hash word of block `blk` of row `row` (`block`
+  elements along the row, `4 * words_per_row` elements per row): its word
+  `w` is this plus `w` (`tile_words` takes every block's words at once,
+  `block_words` one word of a block at a time)."""
+  return (row.astype(jnp.uint32) * jnp.uint32(words_per_row)
+          + blk.astype(jnp.uint32) * jnp.uint32(block // 4))
+
+
+def block_words(base: jax.Array, seed0: jax.Array, seed1: jax.Array, *,
+                block: int = 16) -> list[jax.Array]:
+  """The hash words of blocks, one array per word: word `w` of every block
+  whose first word index is in `base` (`block_word_base`), as `tile_words`
+  gives them. For kernels that hold a block's elements in separate arrays."""
+  return [sr_hash(base + jnp.uint32(w), seed0, seed1)
+          for w in range(block // 4)]
 
 
 def tile_bytes(row0: jax.Array | int, rows: int, blk0: jax.Array | int,

@@ -15,7 +15,7 @@ lower differently take the difference as an argument (`divide`, `barrier`,
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -158,6 +158,20 @@ def values_from_pairs(pairs: jax.Array) -> jax.Array:
   return v.reshape(*pairs.shape[:-1], -1)
 
 
+def block_scales(bamax: jax.Array, s_enc_over_6: jax.Array,
+                 inv_s_enc: jax.Array, *, divide: Callable = nm.divide,
+                 expansion: float | None = None,
+                 barrier: Callable = _identity
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """NVFP4_SPEC section 2, steps 2-3, per block: `(scales, d, enc)`, the E4M3
+  scales, their FP32 values and the encode scales the blocks are multiplied
+  by (arguments as `encode_blocks`; elementwise in `bamax`)."""
+  scales = barrier(nm.nvfp4_block_decode_scale(bamax, s_enc_over_6,
+                                               expansion=expansion))
+  d = scales.astype(jnp.float32)
+  return scales, d, nm.nvfp4_block_encode_scale(d, inv_s_enc, divide=divide)
+
+
 def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
                   inv_s_enc: jax.Array, *, divide: Callable = nm.divide,
                   rbits: jax.Array | None = None,
@@ -224,10 +238,9 @@ def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
 
   def scaled(expansion):
     """Steps 2-3: the E4M3 scales, their FP32 values, the scaled blocks."""
-    scales = barrier(nm.nvfp4_block_decode_scale(bamax, s_enc_over_6,
-                                                 expansion=expansion))
-    d = scales.astype(jnp.float32)
-    enc = nm.nvfp4_block_encode_scale(d, inv_s_enc, divide=divide)
+    scales, d, enc = block_scales(bamax, s_enc_over_6, inv_s_enc,
+                                  divide=divide, expansion=expansion,
+                                  barrier=barrier)
     return scales, d, multiply(xf, enc[..., None])
 
   if encoder is not None and not four_over_six:
@@ -328,6 +341,36 @@ def hadamard_sums(v: jax.Array, h: jax.Array, *,
   return jnp.dot(v.astype(jnp.float32), h.astype(jnp.float32),
                  precision=jax.lax.Precision.HIGHEST,
                  preferred_element_type=jnp.float32)
+
+
+def hadamard_butterfly(vs: Sequence[jax.Array], sign_vector: Sequence[int],
+                       *, multiply: Callable = jnp.multiply
+                       ) -> list[jax.Array]:
+  """`hadamard_sums` of blocks held as separate arrays, one per element of
+  the block (`vs[k]`: element `k` of every block; FP32, flushed, or
+  unflushed with an FTZ `multiply`): the fast Walsh-Hadamard transform.
+
+  Element `k` is first multiplied by its entry's magnitude and sign,
+  `s[k] / sqrt(size)` (exact: a power of two for sizes that are powers of
+  4; the product flushed, as the dot's), then `log2(size)` rounds of
+  additions and subtractions give `(v * s) @ H_size / sqrt(size)`, the
+  Sylvester matrix's sums in its natural order. They are `hadamard_sums`'
+  wherever those are exact; only the FP32 summation order differs.
+  """
+  n = len(vs)
+  if len(sign_vector) != n or n & (n - 1) or round(np.sqrt(n)) ** 2 != n:
+    raise ValueError(f"hadamard_butterfly needs a power-of-4 block with one "
+                     f"sign per element; got {n} arrays, "
+                     f"{len(sign_vector)} signs.")
+  scale = 1.0 / np.sqrt(n)
+  y = [multiply(v, np.float32(s * scale)) for v, s in zip(vs, sign_vector)]
+  h = 1
+  while h < n:
+    for start in range(0, n, 2 * h):
+      for k in range(start, start + h):
+        y[k], y[k + h] = y[k] + y[k + h], y[k] - y[k + h]
+    h *= 2
+  return y
 
 
 def round_hadamard(y: jax.Array) -> jax.Array:

@@ -1,7 +1,28 @@
 """Pallas-Triton kernels of `nvfp4_jax.fused.quantize_rht_t`, the Wgrad operand.
 
 Two passes over `x: [tokens, features]`, as the data flow needs (the amax of
-the transformed tensor must be complete before any block is encoded):
+the transformed tensor must be complete before any block is encoded): an
+amax pass (`rht_amax`), then an encode pass (`quantize_call`). Each comes in
+two layouts.
+
+The columns kernels (`_columns_amax_kernel`, `_columns_kernel`; the default
+for 16-point RHT, `COLUMNS`) hold each 16-token block of a feature in one
+thread. `x` is viewed as `[tokens / 16, 16, features]`, and row `k` of every
+block in a tile is loaded along the features as its own array; the Hadamard
+transform is then the butterfly's additions on these arrays
+(`nvfp4_jax.tile.hadamard_butterfly`), and stacked along a new, thread-local
+last axis they are the reference's `[rows, blocks, 16]` tiles for
+`tile.encode_blocks`. No transpose through shared memory and no shuffles:
+on the H100 the encode pass runs 10-16% faster than the tensor-core one at
+8192^2 and at GPT base's shapes, the amax pass 7-16% (BENCHMARKS.md,
+2026-11-26).
+
+The tensor-core kernels (`_amax_kernel`, `_quantize_kernel`) transpose a
+tile and multiply it by `H` on the tensor cores. They run the rest: the fused
+pair (`fused_x=True`: the same read of `x` also produces the Fprop operand,
+`x` quantized 1x16 along `features`, TE's fused cast + transpose, whose
+blocks lie along the features), Four-over-Six, 64-point RHT, and any call
+given an `RHTConfig`:
 
 1. `_amax_kernel`: each program transforms `amax_steps` tiles in a loop
    (transpose + 16-point Hadamard on the tensor cores), keeps a running
@@ -10,19 +31,19 @@ the transformed tensor must be complete before any block is encoded):
    the same read.
 2. `_quantize_kernel`: transforms the tile again and quantizes it along the
    token axis (RTNE or SR), writing `[features, tokens/2]` codes and
-   `[features, tokens/16]` scales. With `fused_x=True` the same read of `x` also
-   produces the Fprop operand, `x` quantized 1x16 along `features` (TE's fused
-   cast + transpose).
+   `[features, tokens/16]` scales.
 
-The RHT matrix is an input (closed-over constants do not lower). The tile math
-is the reference's: the halves of `nvfp4_jax.tile.hadamard_rows` (the RHT
-step of `nvfp4_jax.rht`), `hadamard_sums` and `round_hadamard`, then
-`tile.encode_blocks` and `prng.tile_words`. The kernels
-support the Hadamard sizes whose matrix is exact in bf16 and fills a tensor-core
-dot (16 and 64): with them every product is exact, so the FP32 sums are the
-reference's wherever they are exact. Other sizes raise `NotImplementedError`
-(dispatch falls back to the reference). Arguments are validated by the public
-ops before dispatch.
+The RHT matrix is an input (closed-over constants do not lower); the columns
+kernels take the sign vector as Python constants. The tile math is the
+reference's: the halves of `nvfp4_jax.tile.hadamard_rows` (the RHT step of
+`nvfp4_jax.rht`), `hadamard_sums` (or its butterfly) and `round_hadamard`,
+then `tile.encode_blocks` and `prng.tile_words` (`prng.block_words`). The
+FP32 sums are the reference's wherever they are exact (every product is
+exact; only the summation order differs, as between any two
+implementations, TE's included). The tensor-core kernels support the
+Hadamard sizes whose matrix is exact in bf16 and fills a tensor-core dot (16
+and 64). Other sizes raise `NotImplementedError` (dispatch falls back to the
+reference). Arguments are validated by the public ops before dispatch.
 """
 
 from __future__ import annotations
@@ -39,6 +60,7 @@ from nvfp4_jax import numerics as nm
 from nvfp4_jax import prng
 from nvfp4_jax import spmd
 from nvfp4_jax import tile
+from nvfp4_jax.hadamard import default_sign_vector
 from nvfp4_jax.hadamard import rht_matrix
 from nvfp4_jax.qarray import NVFP4Array
 from nvfp4_jax.qarray import NVFP4Values
@@ -165,13 +187,22 @@ def _amax_kernel(h_ref, x_ref, *out_refs, with_x: bool, tokens: int,
 
 def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
              size: int = 16, with_x: bool = False,
-             config: RHTConfig | None = None):
+             config: RHTConfig | ColumnsConfig | None = None):
   """`max |rht(x.T)|` (and `max |x|` with `with_x`) from one read of `x`.
 
   Returns:
     FP32 scalar amax of `rht(x.T)`, or `(amax_x, amax_rht)` with `with_x`.
   """
   check_size(size, "rht_amax")
+  _check_columns_config(config, size == B, "rht_amax")
+  if COLUMNS and size == B and (config is None
+                                or isinstance(config, ColumnsConfig)):
+    outs = _columns_amax(x, sign_vector=sign_vector, with_x=with_x,
+                         config=config)
+    if with_x:
+      amax_t, amax_x = common.combine_partial_amax(*outs)
+      return amax_x, amax_t
+    return common.combine_partial_amax(*outs)[0]
   interpret = common.check_backend("rht_amax")
   t, f = x.shape
   cfg = config or default_config(t, f, size)
@@ -272,8 +303,237 @@ def _store_operand(refs, as_values: bool, packed, scales, vals, block_dims,
     common.store(refs.pop(0), a, common.bounds_mask(a.shape, *block_dims))
 
 
+# Whether `quantize_call` runs the Wgrad operand alone (16-point RHT, no
+# Four-over-Six) in `_columns_kernel` (benchmarks switch it off to time the
+# tensor-core kernel in the same run).
+COLUMNS = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ColumnsConfig:
+  """Tile of `_columns_kernel` (powers of two).
+
+  Attributes:
+    blocks: 16-token blocks per program (its tokens: 16 x this); in the
+      amax pass, per step of a program's loop.
+    block_features: features per program.
+    num_warps: Triton warps per program.
+    amax_steps: tiles one program of the amax pass reduces at most (as
+      `RHTConfig.amax_steps`).
+  """
+
+  blocks: int = 4
+  block_features: int = 128
+  num_warps: int = 4
+  amax_steps: int = 16
+
+  def __post_init__(self):
+    common.check_powers_of_two(self, ("blocks", "block_features",
+                                      "num_warps", "amax_steps"))
+
+
+def columns_supported(size: int, fused_x: bool, four_over_six: bool) -> bool:
+  """Whether `_columns_kernel` encodes this Wgrad operand."""
+  return COLUMNS and size == B and not fused_x and not four_over_six
+
+
+def _check_columns_config(config, applies: bool, what: str) -> None:
+  """A `ColumnsConfig` only where the columns kernels run."""
+  if isinstance(config, ColumnsConfig) and not (applies and COLUMNS):
+    raise ValueError(
+        f"{what}: a ColumnsConfig tiles the columns kernels, which run the "
+        f"Wgrad operand alone with 16-point RHT and no Four-over-Six; this "
+        f"call runs the tensor-core kernels: pass an RHTConfig or None.")
+
+
+def _tree_stack(parts: list[jax.Array]) -> jax.Array:
+  """`jnp.stack(parts, axis=-1)` for a power-of-two count of arrays, from
+  pairwise stacks along the last axis only (Triton's `join`): the first
+  round pairs `k` with `k + n/2`, so the nested pairs flatten in order."""
+  shape = parts[0].shape
+  while len(parts) > 1:
+    h = len(parts) // 2
+    parts = [jnp.stack([parts[k], parts[k + h]], axis=-1) for k in range(h)]
+  return parts[0].reshape(*shape, -1)
+
+
+def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
+                    tokens: int, features: int, words_t: int,
+                    sign_vector: tuple[int, ...]):
+  """`q(rht(x.T))` of `nb` 16-token blocks x `bf` features, each 16-token
+  block in the registers of the thread that owns its feature.
+
+  `x_ref` is the tile `[nb, 16, bf]` of `x` viewed as `[tokens / 16, 16,
+  features]`; element `k` of every block is loaded as its own `[nb, bf]`
+  array (row `k` of each block, along the features). The Hadamard transform
+  is the butterfly (`tile.hadamard_butterfly`) on these arrays; stacked
+  along a new last axis, which Triton keeps in each thread, they are the
+  `[nb, bf, 16]` blocks of the reference's tile math (`tile.encode_blocks`,
+  as `_quantize_kernel` calls it): no transpose through shared memory, no
+  shuffles for the block amax, one scale and one division per block. The
+  outputs are `[bf, nb, 8]` (value pairs or bytes of codes) and the scales
+  `[bf, nb]`, a transpose of thread-local axes.
+  """
+  refs = list(refs)
+  amax_ref = refs.pop(0)
+  seeds_ref = refs.pop(0) if sr else None
+  origin_ref = refs.pop(0) if sr else None
+  x_ref = refs.pop(0)
+  out_ref, scales_ref = refs
+  nb, _, bf = x_ref.shape
+  i, j = pl.program_id(0), pl.program_id(1)  # block tile, feature tile
+  blocks = tokens // B
+  blk_dim = lambda axis: (axis, i * nb, blocks, nb)
+  feat_dim = lambda axis: (axis, j * bf, features, bf)
+  mask = common.bounds_mask((nb, 1, bf), blk_dim(0), feat_dim(2))
+  sums = _butterfly(_load_rows(x_ref, 0, mask, nb, bf), sign_vector,
+                    interpret)
+  # The blocks as `[nb, bf, 16]`: the stacked axis stays in each thread's
+  # registers, so what follows is the reference's tile math as it is.
+  z = common.round_hadamard(interpret)(_tree_stack(sums))
+  divide = common.exact_divide(interpret)
+  rwords = None
+  if sr:
+    row = origin_ref[0] + j * bf + jax.lax.broadcasted_iota(
+        jnp.int32, (nb, bf), 1)
+    blk = origin_ref[1] + i * nb + jax.lax.broadcasted_iota(
+        jnp.int32, (nb, bf), 0)
+    rwords = _tree_stack(prng.block_words(
+        prng.block_word_base(row, blk, words_t), seeds_ref[0], seeds_ref[1]))
+  packed, scales, vals = tile.encode_blocks(
+      z, tile.block_amax(z, False),
+      *nm.nvfp4_scale_constants(amax_ref[...], divide=divide), divide=divide,
+      rwords=rwords, split_pack=True, with_values=values,
+      with_codes=not values, values_as_pairs=True,
+      encoder=common.block_encoder(interpret))
+  out = jnp.transpose(vals if values else packed, (1, 0, 2))
+  common.store(out_ref, out, common.bounds_mask(out.shape, feat_dim(0),
+                                                blk_dim(1)))
+  common.store(scales_ref, scales.T, common.bounds_mask(
+      (bf, nb), feat_dim(0), blk_dim(1)))
+
+
+def _load_rows(x_ref, blk0, mask, nb: int, bf: int) -> list[jax.Array]:
+  """Row `k` of each of `nb` 16-token blocks from block `blk0` of the tile
+  `x_ref` (`[nb', 16, bf]`), as `[nb, bf]` arrays, for `k` = 0 .. 15."""
+  return [common.load_at(x_ref, (pl.ds(blk0, nb), pl.ds(k, 1), slice(None)),
+                         mask).reshape(nb, bf) for k in range(B)]
+
+
+def _butterfly(rows: list[jax.Array], sign_vector: tuple[int, ...],
+               interpret: bool) -> list[jax.Array]:
+  """`tile.hadamard_butterfly` of loaded rows: each multiplied by its sign
+  and 1/4 with an FTZ multiplication (the input's flush and the product's,
+  as the reference's flush and dot)."""
+  return tile.hadamard_butterfly([r.astype(jnp.float32) for r in rows],
+                                 sign_vector,
+                                 multiply=common.ftz_multiply(interpret))
+
+
+def _columns_amax_kernel(x_ref, *out_refs, with_x: bool, tokens: int,
+                         features: int, blocks: int, interpret: bool,
+                         sign_vector: tuple[int, ...]):
+  """`_amax_kernel` in `_columns_kernel`'s layout: each program reduces its
+  steps of `blocks` 16-token blocks x `bf` features one after another,
+  keeping a running elementwise maximum of the butterfly's sums (and of
+  `x`); one reduction, flush and bf16 rounding at the end."""
+  nb_all, _, bf = x_ref.shape
+  nb = blocks
+  i, j = pl.program_id(0), pl.program_id(1)
+  keep = common.max_magnitude(interpret)
+  n_blocks = tokens // B
+
+  def body(k, carry):
+    m_t, m_x = carry
+    mask = common.bounds_mask((nb, 1, bf), (0, i * nb_all + k * nb, n_blocks,
+                                            nb_all),
+                              (2, j * bf, features, bf))
+    rows = _load_rows(x_ref, pl.multiple_of(k * nb, nb), mask, nb, bf)
+    for y in _butterfly(rows, sign_vector, interpret):
+      m_t = keep(m_t, y)
+    if with_x:  # In x's dtype: bf16 pairs at a time.
+      for r in rows:
+        m_x = keep(m_x, r)
+    return m_t, m_x
+
+  m_t, m_x = jax.lax.fori_loop(0, nb_all // nb, body,
+                               (jnp.zeros((nb, bf), jnp.float32),
+                                jnp.zeros((nb, bf), x_ref.dtype)))
+  amax_t = tile.round_hadamard(tile.abs_max(m_t))
+  out_refs[0][...] = jnp.full((1, 1), common.abs_max_bits(amax_t), jnp.uint32)
+  if with_x:  # The flushed maximum is the maximum's flush.
+    amax_x = nm.ftz(tile.abs_max(m_x.astype(jnp.float32)))
+    out_refs[1][...] = jnp.full((1, 1), common.abs_max_bits(amax_x), jnp.uint32)
+
+
+def _columns_amax(x, *, sign_vector, with_x: bool,
+                  config: ColumnsConfig | None):
+  """`rht_amax` by `_columns_amax_kernel`: the per-program partials."""
+  interpret = common.check_backend("rht_amax")
+  t, f = x.shape
+  cfg = config or ColumnsConfig()
+  blocks = t // B
+  nb = min(cfg.blocks, common.next_pow2(blocks))
+  bf = max(B, min(cfg.block_features, common.next_pow2(f)))
+  tiles = common.cdiv(blocks, nb) * common.cdiv(f, bf)
+  steps = min(cfg.amax_steps, common.next_pow2(common.cdiv(blocks, nb)),
+              1 << (max(1, tiles // AMAX_PROGRAMS).bit_length() - 1))
+  grid = (common.cdiv(blocks, nb * steps), common.cdiv(f, bf))
+  part = jax.ShapeDtypeStruct(grid, jnp.uint32)
+  n_out = 2 if with_x else 1
+  kernel = functools.partial(
+      _columns_amax_kernel, with_x=with_x, tokens=t, features=f, blocks=nb,
+      interpret=interpret,
+      sign_vector=tuple(sign_vector or default_sign_vector(B)))
+  return common.pallas_call(
+      kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
+      name="nvfp4_rht_amax_columns", grid=grid,
+      in_specs=[pl.BlockSpec((nb * steps, B, bf), lambda i, j: (i, 0, j))],
+      out_specs=[pl.BlockSpec((1, 1), lambda i, j: (i, j))] * n_out,
+      out_shape=[part] * n_out)(x.reshape(blocks, B, f))
+
+
+def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
+                  config: ColumnsConfig | None):
+  """`quantize_call` of the Wgrad operand alone by `_columns_kernel`."""
+  interpret = common.check_backend("quantize_rht_t")
+  t, f = x.shape
+  cfg = config or ColumnsConfig()
+  nb = min(cfg.blocks, common.next_pow2(t // B))
+  bf = max(B, min(cfg.block_features, common.next_pow2(f)))
+  sr = key_t is not None
+  args = [jnp.reshape(amax_t, (1,)).astype(jnp.float32)]
+  in_specs = [common.scalar_spec(1)]
+  origin_t, words_t = prng.stream_origin(
+      None if placement is None else placement.T, t)
+  if sr:
+    args += [prng.seeds_from_key(key_t), origin_t]
+    in_specs += [common.scalar_spec(2)] * 2
+  args.append(x.reshape(t // B, B, f))
+  in_specs.append(pl.BlockSpec((nb, B, bf), lambda i, j: (i, 0, j)))
+  n = B // 2  # Value pairs (uint32) or bytes of codes per block.
+  out_shape = [jax.ShapeDtypeStruct((f, t // B, n),
+                                    jnp.uint32 if values_t else jnp.uint8),
+               jax.ShapeDtypeStruct((f, t // B), jnp.float8_e4m3fn)]
+  out_specs = [pl.BlockSpec((bf, nb, n), lambda i, j: (j, i, 0)),
+               pl.BlockSpec((bf, nb), lambda i, j: (j, i))]
+  kernel = functools.partial(
+      _columns_kernel, sr=sr, values=values_t, interpret=interpret, tokens=t,
+      features=f, words_t=words_t,
+      sign_vector=tuple(sign_vector or default_sign_vector(B)))
+  name = "nvfp4_quantize_rht_t_columns" + ("_values" if values_t else "")
+  out, scales = common.pallas_call(
+      kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
+      name=name, grid=(common.cdiv(t // B, nb), common.cdiv(f, bf)),
+      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape)(*args)
+  if values_t:
+    return NVFP4Values(tile.values_from_pairs(out.reshape(f, t // 2)), amax_t)
+  return NVFP4Array(codes=out.reshape(f, t // 2), scales=scales, amax=amax_t)
+
+
 def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
-                  sign_vector, fused_x: bool, config: RHTConfig | None,
+                  sign_vector, fused_x: bool,
+                  config: RHTConfig | ColumnsConfig | None,
                   placement: prng.Placement | None = None,
                   four_over_six_t: bool = False,
                   four_over_six_x: bool = False,
@@ -287,6 +547,13 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
   instead of its codes and scales.
   """
   check_size(size, "quantize_rht_t")
+  _check_columns_config(config, size == B and not fused_x
+                        and not four_over_six_t, "quantize_rht_t")
+  if columns_supported(size, fused_x, four_over_six_t) and (
+      config is None or isinstance(config, ColumnsConfig)):
+    return _columns_call(x, amax_t=amax_t, key_t=key_t,
+                         sign_vector=sign_vector, placement=placement,
+                         values_t=values_t, config=config)
   interpret = common.check_backend("quantize_rht_t")
   t, f = x.shape
   cfg = config or default_config(t, f, size)
@@ -369,7 +636,7 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
                    sign_vector: Sequence[int] | None = None, size: int = 16,
                    placement: prng.Placement | None = None,
                    amax_axes: Sequence[str] = (),
-                   config: RHTConfig | None = None,
+                   config: RHTConfig | ColumnsConfig | None = None,
                    four_over_six: bool = False,
                    values: bool = False) -> NVFP4Array | NVFP4Values:
   """`quantize(rht(x.T))` for `x: [tokens, features]`: the Wgrad operand.
@@ -383,7 +650,8 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
     sign_vector, size: as `nvfp4_jax.rht`.
     placement: `x`'s place in the whole tensor, for a shard (see
       `nvfp4_jax.fused.quantize_rht_t`).
-    config: tile sizes.
+    config: tile sizes: a `ColumnsConfig` for the columns kernels, an
+      `RHTConfig` for the tensor-core ones (chosen by it).
     four_over_six: Four-over-Six block scaling (as `nvfp4_jax.quantize`).
     values: write the bf16 block values instead of codes and scales.
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import nvfp4_jax as nf
+from nvfp4_jax import tile
 import te_reference as ref
 from conftest import JNP_DTYPES, make_heavy_tailed
 
@@ -187,3 +188,53 @@ def test_bad_shapes_and_dtypes():
     nf.rht(jnp.float32(1.0))
   with pytest.raises(TypeError, match="int32"):
     nf.rht(jnp.ones((4, 16), jnp.int32))
+
+
+# ----------------------------------------------------------------------------
+# The butterfly (the columns kernels' transform).
+# ----------------------------------------------------------------------------
+
+
+def exact_sum_blocks(n_rows: int, size: int, seed: int) -> np.ndarray:
+  """Small integers times powers of two: every Hadamard sum is exact in
+  FP32 (< 2^18 units), whatever the order of the additions."""
+  rng = np.random.default_rng(seed)
+  k = rng.integers(-127, 128, (n_rows, size)).astype(F32)
+  return k * np.exp2(rng.integers(-20, 20, (n_rows, 1))).astype(F32)
+
+
+@pytest.mark.parametrize("size", [4, 16, 64])
+@pytest.mark.parametrize("signs", ["default", "random"])
+def test_butterfly_equals_the_matrix_where_sums_are_exact(size, signs):
+  """`hadamard_butterfly` on a block held as one array per element gives
+  `v @ H` (the reference's `hadamard_sums`), in the Sylvester order."""
+  v = exact_sum_blocks(48, size, seed=size)
+  s = (nf.default_sign_vector(size) if signs == "default" else tuple(
+      int(c) for c in np.random.default_rng(1).choice([-1, 1], size)))
+  h = nf.rht_matrix(s, size)
+  got = np.stack([np.asarray(a) for a in tile.hadamard_butterfly(
+      [jnp.asarray(v[:, k]) for k in range(size)], s)], axis=-1)
+  want = (v.astype(np.float64) @ h.astype(np.float64)).astype(F32)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got, np.asarray(tile.hadamard_sums(
+      jnp.asarray(v), jnp.asarray(h), bf16_operands=False)))
+
+
+def test_butterfly_products_flush_as_the_dot():
+  """Element times `s/4` is flushed when subnormal, as the reference's dot
+  flushes its products: 16 x 2^-125 transforms to 0, not 2^-123."""
+  v = [jnp.full((3,), 2.0**-125, jnp.float32) for _ in range(16)]
+  ftz_mul = lambda x, e: nf.numerics.ftz(nf.numerics.ftz(x) * e)
+  got = tile.hadamard_butterfly(v, nf.default_sign_vector(16),
+                                multiply=ftz_mul)
+  want = np.asarray(nf.rht(jnp.stack(v, -1).astype(jnp.bfloat16)), F32)
+  np.testing.assert_array_equal(np.stack([np.asarray(a) for a in got], -1),
+                                want)
+  assert not want.any()
+
+
+def test_butterfly_bad_blocks():
+  with pytest.raises(ValueError, match="power-of-4 block.*8 arrays"):
+    tile.hadamard_butterfly([jnp.ones(2)] * 8, (1,) * 8)
+  with pytest.raises(ValueError, match="16 arrays, 4 signs"):
+    tile.hadamard_butterfly([jnp.ones(2)] * 16, (1,) * 4)

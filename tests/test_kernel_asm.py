@@ -138,15 +138,29 @@ def test_max_magnitude(dtype):
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the kernels are compiled for real")
-def test_rht_kernels_lower_with_the_assembly(claim_sm90):
+@pytest.mark.parametrize("columns", [True, False],
+                         ids=["columns", "tensor_cores"])
+def test_rht_kernels_lower_with_the_assembly(claim_sm90, monkeypatch,
+                                             columns):
   """The amax pass and the rht_t quantizer, lowered for CUDA, use the
-  helpers (the flush of bf16 pairs, the running maximum, the rounding)."""
+  helpers (the running maximum, the flush of bf16 pairs or the flushing
+  product, the rounding)."""
+  monkeypatch.setattr(pallas_rht, "COLUMNS", columns)
   x = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
   lower = lambda fn: jax.jit(fn).trace(x).lower(
       lowering_platforms=("cuda",)).as_text()
   amax = lower(lambda x: pallas_rht.rht_amax(x, with_x=True))
+  assert ("nvfp4_rht_amax_columns" in amax) == columns
   assert "max.NaN.xorsign.abs.f32" in amax
   assert "max.NaN.xorsign.abs.bf16x2" in amax
-  assert "prmt.b32" in amax and "cvt.ftz.f32.f32" in amax
+  if columns:  # The sign and 1/4 in one flushing product per element.
+    assert "mul.ftz.f32" in amax
+  else:
+    assert "prmt.b32" in amax and "cvt.ftz.f32.f32" in amax
   quant = lower(lambda x: pallas_rht.quantize_rht_t(x, amax=jnp.float32(1)))
-  assert "cvt.rn.bf16x2.f32" in quant and "prmt.b32" in quant
+  assert ("nvfp4_quantize_rht_t_columns" in quant) == columns
+  assert "cvt.rn.bf16x2.f32" in quant  # The sums' rounding.
+  if columns:
+    assert "mul.ftz.f32" in quant
+  else:  # The bf16 tile's flush.
+    assert "prmt.b32" in quant

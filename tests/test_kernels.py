@@ -324,6 +324,17 @@ class TestFusedPallas(FusedBase):
   impl = "pallas"
 
 
+class TestFusedPallasTensorCores(FusedBase):
+  """The tensor-core RHT kernels, which the Wgrad operand alone no longer
+  uses by default (`COLUMNS`), on the same cases: they still run Four-over-
+  Six, 64-point RHT and the fused X pair."""
+  impl = "pallas"
+
+  @pytest.fixture(autouse=True)
+  def _tensor_cores(self, monkeypatch):
+    monkeypatch.setattr(pallas_rht, "COLUMNS", False)
+
+
 # ----------------------------------------------------------------------------
 # Block-scaled GEMM (nvfp4_jax.gemm.block_scaled_matmul).
 # ----------------------------------------------------------------------------
@@ -530,6 +541,106 @@ def test_rht_small_tiles_many_grid_steps():
   assert_same(got, jit_xla(fused.quantize_rht_t)(x))
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_rht_columns_small_tiles_many_grid_steps(rounding):
+  """The columns kernel on one 16-token block x 16 features per program
+  (partial tiles along both axes), codes and block values."""
+  x = rht_input((112, 72), jnp.bfloat16, seed=23)
+  key = KEY if rounding == "stochastic" else None
+  cfg = pallas_rht.ColumnsConfig(blocks=2, block_features=16)
+  f = lambda values: jax.jit(lambda x: pallas_rht.quantize_rht_t(
+      x, rounding=rounding, key=key, config=cfg, values=values))(x)
+  got, vals = f(False), f(True)
+  assert_same(got, jit_xla(fused.quantize_rht_t, rounding=rounding,
+                           key=key)(x))
+  np.testing.assert_array_equal(bf16_bits(vals.values),
+                                bf16_bits(block_values(got)))
+  assert f32_bits(vals.amax) == f32_bits(got.amax)
+
+
+def _kernel_names(fn, x):
+  # A new function each time: tracing caches by function, not by the
+  # module switches the tests flip.
+  jaxpr = jax.make_jaxpr(lambda x: fn(x))(x).jaxpr  # pylint: disable=unnecessary-lambda
+  return [e.params["name"] for e in jaxpr.eqns
+          if e.primitive.name == "pallas_call"]
+
+
+@pytest.mark.parametrize("columns", [True, False], ids=["on", "switched_off"])
+def test_rht_columns_kernel_is_the_default_where_it_applies(columns,
+                                                            monkeypatch):
+  """The Wgrad operand alone with 16-point RHT, and every amax pass of it,
+  run the columns kernels; the fused X pair, Four-over-Six, other Hadamard
+  sizes and an `RHTConfig` run the tensor-core ones (as does everything
+  with `COLUMNS` off)."""
+  monkeypatch.setattr(pallas_rht, "COLUMNS", columns)
+  x = jnp.ones((64, 64), jnp.bfloat16)
+  col = lambda n: n + "_columns" if columns else n
+  names = lambda fn: _kernel_names(fn, x)
+  assert names(pallas_rht.quantize_rht_t) == [
+      col("nvfp4_rht_amax"), col("nvfp4_quantize_rht_t")]
+  assert names(functools.partial(pallas_rht.quantize_rht_t, values=True,
+                                 rounding="stochastic", key=KEY)) == [
+      col("nvfp4_rht_amax"), col("nvfp4_quantize_rht_t") + "_values"]
+  assert names(functools.partial(pallas_rht.quantize_rht_t,
+                                 four_over_six=True)) == [
+      col("nvfp4_rht_amax"), "nvfp4_quantize_rht_t"]
+  assert names(functools.partial(pallas_rht.quantize_rht_t, size=64)) == [
+      "nvfp4_rht_amax", "nvfp4_quantize_rht_t"]
+  assert names(functools.partial(
+      pallas_rht.quantize_rht_t, config=pallas_rht.RHTConfig())) == [
+          "nvfp4_rht_amax", "nvfp4_quantize_rht_t"]
+  assert names(lambda x: fused.quantize_x_and_rht_t(
+      x, implementation="pallas")) == [col("nvfp4_rht_amax"),
+                                       "nvfp4_quantize_x_and_rht_t"]
+
+
+def test_columns_config_where_the_columns_kernels_do_not_run():
+  x = jnp.ones((64, 64), jnp.bfloat16)
+  cfg = pallas_rht.ColumnsConfig()
+  for call in (lambda: pallas_rht.quantize_rht_t(x, four_over_six=True,
+                                                 config=cfg),
+               lambda: pallas_rht.rht_amax(x, size=64, config=cfg),
+               lambda: pallas_rht.quantize_call(
+                   x, amax_t=1.0, key_t=None, amax_x=1.0, size=16,
+                   sign_vector=None, fused_x=True, config=cfg)):
+    with pytest.raises(ValueError, match="ColumnsConfig tiles the columns "
+                       "kernels.*pass an RHTConfig or None"):
+      call()
+
+
+def test_rht_columns_kernel_has_no_dot():
+  """The columns kernels transform with the butterfly's additions: their
+  kernel bodies have no dot (the tensor-core kernels' transform) and no
+  transpose of the input tile."""
+  x = jnp.ones((64, 64), jnp.bfloat16)
+
+  def walk(jaxpr, found):  # Every primitive, nested jaxprs included.
+    for e in jaxpr.eqns:
+      found.add(e.primitive.name)
+      for v in e.params.values():
+        for sub in v if isinstance(v, (tuple, list)) else (v,):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            walk(sub, found)
+    return found
+
+  def prims(fn):
+    jaxpr = jax.make_jaxpr(lambda x: fn(x))(x).jaxpr  # pylint: disable=unnecessary-lambda
+    return {e.params["name"]: walk(e.params["jaxpr"], set())
+            for e in jaxpr.eqns if e.primitive.name == "pallas_call"}
+
+  got = prims(functools.partial(pallas_rht.quantize_rht_t,
+                                rounding="stochastic", key=KEY))
+  assert set(got) == {"nvfp4_rht_amax_columns",
+                      "nvfp4_quantize_rht_t_columns"}
+  for name, p in got.items():
+    assert "dot_general" not in p, name
+  old = prims(functools.partial(pallas_rht.quantize_rht_t,
+                                config=pallas_rht.RHTConfig()))
+  assert all("dot_general" in p for p in old.values()), old
+
+
 @pytest.mark.parametrize("shape,dtype,cfg", [
     # Several loop steps per program, the last tile partial, several programs.
     ((208, 48), jnp.bfloat16, dict(block_tokens=32, block_features=16,
@@ -537,6 +648,13 @@ def test_rht_small_tiles_many_grid_steps():
     ((96, 80), jnp.bfloat16, dict(block_tokens=16, block_features=32,
                                   amax_steps=4)),
     ((64, 96), jnp.float32, dict(block_tokens=16, block_features=32,
+                                 amax_steps=2)),
+    # The columns kernel (the default for 16-point RHT): the same loops.
+    ((208, 48), jnp.bfloat16, dict(blocks=1, block_features=16,
+                                   amax_steps=4)),
+    ((96, 80), jnp.bfloat16, dict(blocks=2, block_features=32,
+                                  amax_steps=2)),
+    ((64, 96), jnp.float32, dict(blocks=1, block_features=32,
                                  amax_steps=2)),
     ((80, 48), jnp.bfloat16, {}),  # The default: one program, 2 steps.
 ])
@@ -550,7 +668,10 @@ def test_rht_amax_over_its_loop(shape, dtype, cfg, peak, monkeypatch):
   row = 0 if peak == "first" else shape[0] - 1
   x[row] *= 64.0  # Exact: a power of two (rht_input's sums stay exact).
   x = jnp.asarray(x, dtype)
-  config = pallas_rht.RHTConfig(**cfg) if cfg else None
+  config = None
+  if cfg:
+    config = (pallas_rht.ColumnsConfig(**cfg) if "blocks" in cfg
+              else pallas_rht.RHTConfig(**cfg))
   got_x, got_t = jax.jit(lambda x: pallas_rht.rht_amax(
       x, with_x=True, config=config))(x)
   want_t = truth(lambda x: tile.abs_max(nf.rht(x.T).astype(jnp.float32)))(x)
@@ -561,11 +682,14 @@ def test_rht_amax_over_its_loop(shape, dtype, cfg, peak, monkeypatch):
 
 
 @pytest.mark.parametrize("special", [np.nan, np.inf])
-def test_rht_amax_nan_and_inf(special, monkeypatch):
+@pytest.mark.parametrize("cfg", [
+    pallas_rht.RHTConfig(block_tokens=16, block_features=16, amax_steps=2),
+    pallas_rht.ColumnsConfig(blocks=1, block_features=16, amax_steps=2)],
+                         ids=["tensor_cores", "columns"])
+def test_rht_amax_nan_and_inf(special, cfg, monkeypatch):
   monkeypatch.setattr(pallas_rht, "AMAX_PROGRAMS", 1)
   x = np.array(rht_input((96, 32), jnp.bfloat16, seed=5), np.float32)
   x[70, 3] = special  # In the second program's second step.
-  cfg = pallas_rht.RHTConfig(block_tokens=16, block_features=16, amax_steps=2)
   got_x, got_t = jax.jit(lambda x: pallas_rht.rht_amax(
       x, with_x=True, config=cfg))(jnp.asarray(x, jnp.bfloat16))
   if np.isnan(special):
@@ -589,8 +713,8 @@ def test_pair_amaxes_and_seeds_reach_the_encoders_whole(pair):
   jaxpr = jax.make_jaxpr(f)(jnp.ones((64, 64), jnp.bfloat16)).jaxpr
   names = [e.params["name"] for e in jaxpr.eqns
            if e.primitive.name == "pallas_call"]
-  assert names[0] == "nvfp4_rht_amax" and len(names) == (2 if pair == "x"
-                                                         else 3), names
+  assert names[0].startswith("nvfp4_rht_amax") and len(names) == (
+      2 if pair == "x" else 3), names
   for e in jaxpr.eqns:
     assert e.primitive.name not in ("stack", "concatenate", "pad"), e
 

@@ -279,3 +279,15 @@ def test_mxfp4_stochastic_neighbours():
   mag = np.abs(ref.e2m1_value(np.asarray(nf.unpack_e2m1(qs.data))))
   assert np.all((mag == lo) | (mag == hi))
   assert np.any(np.asarray(qs.data) != np.asarray(qn.data))
+
+
+def test_block_words_are_tile_words():
+  """The words a kernel holding one array per word of a block draws
+  (`block_words`) are `tile_words`' for the same blocks."""
+  s0, s1 = jnp.uint32(0xDEADBEEF), jnp.uint32(12345)
+  want = prng.tile_words(3, 5, 7, 6, 40, s0, s1)  # [5 rows, 6 blocks, 4]
+  row = 3 + jax.lax.broadcasted_iota(jnp.int32, (5, 6), 0)
+  blk = 7 + jax.lax.broadcasted_iota(jnp.int32, (5, 6), 1)
+  got = prng.block_words(prng.block_word_base(row, blk, 40), s0, s1)
+  np.testing.assert_array_equal(np.stack([np.asarray(w) for w in got], -1),
+                                np.asarray(want))
