@@ -558,6 +558,20 @@ def test_rht_columns_small_tiles_many_grid_steps(rounding):
   assert f32_bits(vals.amax) == f32_bits(got.amax)
 
 
+@pytest.mark.parametrize("value,nonzero", [(2.0**-125, False),
+                                           (-1.5 * 2.0**-124, True)])
+def test_rht_columns_flushes_products_as_the_reference(value, nonzero):
+  """Tokens of 2^-125 (normal in bf16) times 1/4 are subnormal products,
+  which the reference's dot flushes (XLA:CPU): a tensor of them transforms
+  to zeros (amax 0), not to 2^-123. The columns kernels flush them in the
+  product (`mul.ftz`). Products of 1.5 x 2^-126 are normal and kept."""
+  x = jnp.full((32, 48), value, jnp.bfloat16)
+  want = jit_xla(fused.quantize_rht_t)(x)
+  assert (float(want.amax) > 0) == nonzero
+  assert f32_bits(jax.jit(pallas_rht.rht_amax)(x)) == f32_bits(want.amax)
+  assert_same(jax.jit(pallas_rht.quantize_rht_t)(x), want)
+
+
 def _kernel_names(fn, x):
   # A new function each time: tracing caches by function, not by the
   # module switches the tests flip.
