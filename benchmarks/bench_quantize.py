@@ -252,12 +252,18 @@ def sweep(tokens: int = 8192, features: int = 8192, *, copy_bw: float
     rows.append(dict(kernel=f"quantize 1x16 {br}x{bc} w{w}", us=t * 1e6,
                      of_copy=(2 + Q_BYTES) * n / t / copy_bw))
   at = pr.rht_amax(x)
+  for nb, bf, w in COLUMNS_CONFIGS:
+    cfg = pr.ColumnsConfig(blocks=nb, block_features=bf, num_warps=w)
+    f = jax.jit(lambda x, cfg=cfg: pr.quantize_rht_t(x, amax=at, config=cfg))
+    t = timing.bench(f, [(v,) for v in xs])
+    rows.append(dict(kernel=f"rht_t columns {nb} blocks x{bf} w{w}",
+                     us=t * 1e6, of_copy=(2 + Q_BYTES) * n / t / copy_bw))
   for bt, bf, w in [(64, 64, 4), (32, 64, 2), (64, 32, 2), (32, 32, 2),
                     (64, 64, 8), (128, 32, 4), (32, 128, 4)]:
     cfg = pr.RHTConfig(block_tokens=bt, block_features=bf, num_warps=w)
     f = jax.jit(lambda x, cfg=cfg: pr.quantize_rht_t(x, amax=at, config=cfg))
     t = timing.bench(f, [(v,) for v in xs])
-    rows.append(dict(kernel=f"rht_t {bt}x{bf} w{w}", us=t * 1e6,
+    rows.append(dict(kernel=f"rht_t tensor cores {bt}x{bf} w{w}", us=t * 1e6,
                      of_copy=(2 + Q_BYTES) * n / t / copy_bw))
     f = jax.jit(lambda x, cfg=cfg: pr.rht_amax(x, with_x=True, config=cfg))
     t = timing.bench(f, [(v,) for v in xs])
@@ -266,6 +272,13 @@ def sweep(tokens: int = 8192, features: int = 8192, *, copy_bw: float
   return rows
 
 
+# Tiles of the columns kernels, (blocks, block_features, num_warps), the
+# default first (BENCHMARKS.md, 2026-11-26, fourth).
+COLUMNS_CONFIGS = ((4, 128, 4), (4, 64, 4), (8, 64, 4), (2, 256, 4),
+                   (8, 128, 8), (4, 256, 8), (2, 128, 4))
+AMAX_COLUMNS_CONFIGS = (  # (blocks, block_features, amax_steps, warps)
+    (4, 128, 16, 4), (4, 128, 8, 4), (4, 64, 16, 4), (8, 64, 8, 4),
+    (2, 256, 16, 4), (8, 128, 8, 8))
 AMAX_CONFIGS = (  # (block_tokens, block_features, amax_steps, stages, warps)
     (64, 64, 1, 1, 4), (64, 64, 8, 1, 4), (64, 64, 8, 2, 4), (64, 64, 16, 2, 4),
     (32, 64, 16, 2, 4), (64, 128, 8, 2, 4), (64, 128, 8, 2, 8),
@@ -311,12 +324,18 @@ def sweep_amax(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
   if old is not None:
     f = jax.jit(functools.partial(old, with_x=True))
     rows.append(row("rht_amax, previous kernel", f, same(f)))
+  for nb, bf, steps, w in AMAX_COLUMNS_CONFIGS:
+    cfg = pr.ColumnsConfig(blocks=nb, block_features=bf, num_warps=w,
+                           amax_steps=steps)
+    f = jax.jit(functools.partial(pr.rht_amax, with_x=True, config=cfg))
+    rows.append(row(f"rht_amax columns {nb} blocks x{bf} x{steps} w{w}", f,
+                    same(f)))
   for bt, bf, steps, stages, w in AMAX_CONFIGS:
     cfg = pr.RHTConfig(block_tokens=bt, block_features=bf, num_warps=w,
                        amax_steps=steps, amax_stages=stages)
     f = jax.jit(functools.partial(pr.rht_amax, with_x=True, config=cfg))
-    rows.append(row(f"rht_amax {bt}x{bf} x{steps} s{stages} w{w}", f,
-                    same(f)))
+    rows.append(row(f"rht_amax tensor cores {bt}x{bf} x{steps} s{stages} "
+                    f"w{w}", f, same(f)))
   return rows
 
 
@@ -372,8 +391,7 @@ def sweep_pair(tokens: int = 8192, features: int = 8192, *, copy_bw: float
 
 
 USED_CONFIGS = dict(
-    rht_t=((64, 64, 4), (32, 64, 4), (64, 32, 4), (32, 32, 2), (64, 128, 4),
-           (128, 64, 8), (64, 64, 8), (32, 128, 4), (128, 32, 4)),
+    rht_t=COLUMNS_CONFIGS,
     pair=((64, 64, 4), (32, 64, 4), (32, 32, 2), (32, 128, 4), (64, 128, 8),
           (16, 64, 2), (32, 64, 2)),
     row=((16, 256, 4), (8, 256, 2), (32, 256, 4), (16, 512, 4), (8, 512, 4),
@@ -387,7 +405,8 @@ def sweep_used(tokens: int, features: int,
                kernels_swept: str | None = None) -> list[dict]:
   """The quantizers as the layers run them, at several tiles, by GPU time
   (`timing.gpu_seconds`), against an XLA copy of the same tensor timed the
-  same way: dY's Wgrad operand (rht_t, SR, values), the X pair (RTNE, x
+  same way: dY's Wgrad operand (rht_t, SR, values; the columns kernel's
+  tiles), the X pair (RTNE, x
   values + rht_t codes), dY's Dgrad operand (1x16, SR, values), amaxes
   given, and the dequantize pass (`block_values` of the tensor's 1x16 codes:
   Wgrad's saved `q(rht(X^T))` is `[features, tokens]`, so sweep that shape
@@ -402,8 +421,8 @@ def sweep_used(tokens: int, features: int,
   kernels = dict(
       rht_t=(4, lambda v, c: pr.quantize_call(
           v, amax_t=a_t, key_t=kt, size=16, sign_vector=None, fused_x=False,
-          config=pr.RHTConfig(block_tokens=c[0], block_features=c[1],
-                              num_warps=c[2]), values_t=True)),
+          config=pr.ColumnsConfig(blocks=c[0], block_features=c[1],
+                                  num_warps=c[2]), values_t=True)),
       pair=(4 + Q_BYTES, lambda v, c: pr.quantize_call(
           v, amax_t=a_t, amax_x=a_x, key_t=None, size=16, sign_vector=None,
           fused_x=True, values_x=True,
@@ -426,7 +445,8 @@ def sweep_used(tokens: int, features: int,
            else xs)
     for cfg in USED_CONFIGS[name]:
       f = jax.jit(functools.partial(fn, c=cfg))
-      label = f"{name} {cfg[0]}x{cfg[1]} w{cfg[2]}"
+      label = (f"{name} {cfg[0]} blocks x{cfg[1]} w{cfg[2]}"
+               if name == "rht_t" else f"{name} {cfg[0]}x{cfg[1]} w{cfg[2]}")
       try:
         got = f(ins[0])
         want = got if want is None else want
