@@ -158,20 +158,6 @@ def values_from_pairs(pairs: jax.Array) -> jax.Array:
   return v.reshape(*pairs.shape[:-1], -1)
 
 
-def block_scales(bamax: jax.Array, s_enc_over_6: jax.Array,
-                 inv_s_enc: jax.Array, *, divide: Callable = nm.divide,
-                 expansion: float | None = None,
-                 barrier: Callable = _identity
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """NVFP4_SPEC section 2, steps 2-3, per block: `(scales, d, enc)`, the E4M3
-  scales, their FP32 values and the encode scales the blocks are multiplied
-  by (arguments as `encode_blocks`; elementwise in `bamax`)."""
-  scales = barrier(nm.nvfp4_block_decode_scale(bamax, s_enc_over_6,
-                                               expansion=expansion))
-  d = scales.astype(jnp.float32)
-  return scales, d, nm.nvfp4_block_encode_scale(d, inv_s_enc, divide=divide)
-
-
 def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
                   inv_s_enc: jax.Array, *, divide: Callable = nm.divide,
                   rbits: jax.Array | None = None,
@@ -238,9 +224,10 @@ def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
 
   def scaled(expansion):
     """Steps 2-3: the E4M3 scales, their FP32 values, the scaled blocks."""
-    scales, d, enc = block_scales(bamax, s_enc_over_6, inv_s_enc,
-                                  divide=divide, expansion=expansion,
-                                  barrier=barrier)
+    scales = barrier(nm.nvfp4_block_decode_scale(bamax, s_enc_over_6,
+                                                 expansion=expansion))
+    d = scales.astype(jnp.float32)
+    enc = nm.nvfp4_block_encode_scale(d, inv_s_enc, divide=divide)
     return scales, d, multiply(xf, enc[..., None])
 
   if encoder is not None and not four_over_six:

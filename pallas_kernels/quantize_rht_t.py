@@ -13,9 +13,9 @@ transform is then the butterfly's additions on these arrays
 (`nvfp4_jax.tile.hadamard_butterfly`), and stacked along a new, thread-local
 last axis they are the reference's `[rows, blocks, 16]` tiles for
 `tile.encode_blocks`. No transpose through shared memory and no shuffles:
-on the H100 the encode pass runs 10-16% faster than the tensor-core one at
-8192^2 and at GPT base's shapes, the amax pass 7-16% (BENCHMARKS.md,
-2026-11-26).
+on the H100 the encode pass writes codes 10-16% faster than the tensor-core
+one at 8192^2 and at GPT base's shapes (block values up to 6%), and the amax
+pass runs 7-16% faster (BENCHMARKS.md, 2026-11-26, fourth).
 
 The tensor-core kernels (`_amax_kernel`, `_quantize_kernel`) transpose a
 tile and multiply it by `H` on the tensor cores. They run the rest: the fused
@@ -194,41 +194,51 @@ def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
     FP32 scalar amax of `rht(x.T)`, or `(amax_x, amax_rht)` with `with_x`.
   """
   check_size(size, "rht_amax")
-  _check_columns_config(config, size == B, "rht_amax")
-  if COLUMNS and size == B and (config is None
-                                or isinstance(config, ColumnsConfig)):
+  if _use_columns(config, size == B, "rht_amax"):
     outs = _columns_amax(x, sign_vector=sign_vector, with_x=with_x,
                          config=config)
-    if with_x:
-      amax_t, amax_x = common.combine_partial_amax(*outs)
-      return amax_x, amax_t
-    return common.combine_partial_amax(*outs)[0]
+  else:
+    outs = _tensor_core_amax(x, sign_vector=sign_vector, size=size,
+                             with_x=with_x, config=config)
+  if with_x:  # Both from one reduction.
+    amax_t, amax_x = common.combine_partial_amax(*outs)
+    return amax_x, amax_t
+  return common.combine_partial_amax(*outs)[0]
+
+
+def _amax_grid(units: int, unit_tile: int, features: int, bf: int,
+               amax_steps: int) -> tuple[int, tuple[int, int]]:
+  """`(steps, grid)` of an amax pass over `units` token units (tokens or
+  16-token blocks) in tiles of `unit_tile` x `bf`: tiles per program as
+  configured, but no more than the tokens need, nor so many that fewer than
+  `AMAX_PROGRAMS` programs remain."""
+  tiles = common.cdiv(units, unit_tile) * common.cdiv(features, bf)
+  steps = min(amax_steps, common.next_pow2(common.cdiv(units, unit_tile)),
+              1 << (max(1, tiles // AMAX_PROGRAMS).bit_length() - 1))
+  return steps, (common.cdiv(units, unit_tile * steps),
+                 common.cdiv(features, bf))
+
+
+def _tensor_core_amax(x, *, sign_vector, size: int, with_x: bool,
+                      config: RHTConfig | None):
+  """`rht_amax` by `_amax_kernel`: the per-program partials."""
   interpret = common.check_backend("rht_amax")
   t, f = x.shape
   cfg = config or default_config(t, f, size)
   bt, bf = cfg.block_tokens, cfg.block_features
-  # Token tiles per program: as configured, but no more than the tokens need,
-  # nor so many that fewer than AMAX_PROGRAMS programs remain.
-  tiles = common.cdiv(t, bt) * common.cdiv(f, bf)
-  steps = min(cfg.amax_steps, common.next_pow2(common.cdiv(t, bt)),
-              1 << (max(1, tiles // AMAX_PROGRAMS).bit_length() - 1))
-  grid = (common.cdiv(t, bt * steps), common.cdiv(f, bf))
+  steps, grid = _amax_grid(t, bt, f, bf, cfg.amax_steps)
   h = jnp.asarray(rht_matrix(sign_vector, size))
   part = jax.ShapeDtypeStruct(grid, jnp.uint32)
   n_out = 2 if with_x else 1
   kernel = functools.partial(_amax_kernel, with_x=with_x, tokens=t,
                              features=f, block_tokens=bt, interpret=interpret)
-  outs = common.pallas_call(
+  return common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps,
       num_stages=cfg.amax_stages, name="nvfp4_rht_amax", grid=grid,
       in_specs=[pl.BlockSpec((size, size), lambda i, j: (0, 0)),
                 pl.BlockSpec((bt * steps, bf), lambda i, j: (i, j))],
       out_specs=[pl.BlockSpec((1, 1), lambda i, j: (i, j))] * n_out,
       out_shape=[part] * n_out)(h, x)
-  if with_x:  # Both from one reduction.
-    amax_t, amax_x = common.combine_partial_amax(outs[0], outs[1])
-    return amax_x, amax_t
-  return common.combine_partial_amax(outs[0])[0]
 
 
 def _quantize_kernel(*refs, fused_x: bool, sr_t: bool, sr_x: bool,
@@ -332,18 +342,18 @@ class ColumnsConfig:
                                       "num_warps", "amax_steps"))
 
 
-def columns_supported(size: int, fused_x: bool, four_over_six: bool) -> bool:
-  """Whether `_columns_kernel` encodes this Wgrad operand."""
-  return COLUMNS and size == B and not fused_x and not four_over_six
-
-
-def _check_columns_config(config, applies: bool, what: str) -> None:
-  """A `ColumnsConfig` only where the columns kernels run."""
-  if isinstance(config, ColumnsConfig) and not (applies and COLUMNS):
+def _use_columns(config, applies: bool, what: str) -> bool:
+  """Whether a call runs the columns kernels: where they apply (16-point
+  RHT; the Wgrad operand alone, without Four-over-Six) and `COLUMNS` is on,
+  unless an `RHTConfig` asks for the tensor-core ones. A `ColumnsConfig`
+  anywhere else is an error."""
+  applies = applies and COLUMNS
+  if isinstance(config, ColumnsConfig) and not applies:
     raise ValueError(
         f"{what}: a ColumnsConfig tiles the columns kernels, which run the "
         f"Wgrad operand alone with 16-point RHT and no Four-over-Six; this "
         f"call runs the tensor-core kernels: pass an RHTConfig or None.")
+  return applies and not isinstance(config, RHTConfig)
 
 
 def _tree_stack(parts: list[jax.Array]) -> jax.Array:
@@ -475,10 +485,7 @@ def _columns_amax(x, *, sign_vector, with_x: bool,
   blocks = t // B
   nb = min(cfg.blocks, common.next_pow2(blocks))
   bf = max(B, min(cfg.block_features, common.next_pow2(f)))
-  tiles = common.cdiv(blocks, nb) * common.cdiv(f, bf)
-  steps = min(cfg.amax_steps, common.next_pow2(common.cdiv(blocks, nb)),
-              1 << (max(1, tiles // AMAX_PROGRAMS).bit_length() - 1))
-  grid = (common.cdiv(blocks, nb * steps), common.cdiv(f, bf))
+  steps, grid = _amax_grid(blocks, nb, f, bf, cfg.amax_steps)
   part = jax.ShapeDtypeStruct(grid, jnp.uint32)
   n_out = 2 if with_x else 1
   kernel = functools.partial(
@@ -547,10 +554,8 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
   instead of its codes and scales.
   """
   check_size(size, "quantize_rht_t")
-  _check_columns_config(config, size == B and not fused_x
-                        and not four_over_six_t, "quantize_rht_t")
-  if columns_supported(size, fused_x, four_over_six_t) and (
-      config is None or isinstance(config, ColumnsConfig)):
+  if _use_columns(config, size == B and not fused_x and not four_over_six_t,
+                  "quantize_rht_t"):
     return _columns_call(x, amax_t=amax_t, key_t=key_t,
                          sign_vector=sign_vector, placement=placement,
                          values_t=values_t, config=config)
