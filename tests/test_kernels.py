@@ -236,7 +236,9 @@ def rht_input(shape, dtype, seed):
   `rht` accumulates 16 products in FP32 and rounds to bf16; when a sum is not
   exact its bf16 result depends on the summation order, which differs between
   XLA:CPU, cuBLAS and the tensor cores (TE's kernel included), so no two
-  implementations can promise the same bytes there. Small integers times
+  implementations can promise the same bytes there (a flushed subnormal
+  product or partial sum is such a rounding: see
+  `test_rht_of_tiny_tokens_decodes_as_the_reference`). Small integers times
   per-column (2^-12..2^12) and per-token (2^0..2^6) powers of two keep every
   sum exact (< 2^17 units), while the block scales still spread widely.
   """
@@ -570,6 +572,45 @@ def test_rht_columns_flushes_products_as_the_reference(value, nonzero):
   assert (float(want.amax) > 0) == nonzero
   assert f32_bits(jax.jit(pallas_rht.rht_amax)(x)) == f32_bits(want.amax)
   assert_same(jax.jit(pallas_rht.quantize_rht_t)(x), want)
+
+
+@pytest.mark.parametrize("kernel,size", [("columns", 16),
+                                         ("tensor_cores", 16),
+                                         ("tensor_cores", 64)])
+def test_rht_of_tiny_tokens_decodes_as_the_reference(kernel, size):
+  """Tokens below 2^-124 (2^-123 for 64 points) have subnormal RHT products.
+  Where they land, which partial sums flush depends on the summation order,
+  as a sum's rounding does (`rht_input`): XLA:CPU flushes products and
+  partial sums, the butterfly flushes products, tensor cores keep both. So
+  the bytes of those outputs are not comparable across implementations.
+  What is, in a tensor whose amax is normal-sized: the amax, every scale
+  byte and every decoded value (a zero's sign aside). Outputs of blocks of
+  tiny tokens have zero scales; tiny tokens beside normal ones vanish in
+  the sums, or, where the normal ones cancel exactly, leave an output that
+  encodes to a zero."""
+  rng = np.random.default_rng(29)
+  x = np.array(rht_input((128, 96), jnp.float32, seed=29))
+  tiny = rng.choice([-1.0, 1.0], x.shape) * np.exp2(
+      rng.uniform(-133.0, -122.0, x.shape))
+  x[:32, :48] = tiny[:32, :48]  # Whole 16- and 64-token blocks of them.
+  mixed = rng.random(x.shape) < 0.3
+  x[64:] = np.where(mixed[64:], tiny[64:], x[64:])  # Beside normal tokens.
+  x = jnp.asarray(x, jnp.bfloat16)
+  cfg = (pallas_rht.ColumnsConfig() if kernel == "columns"
+         else pallas_rht.RHTConfig(block_tokens=64, block_features=32))
+  want = jit_xla(fused.quantize_rht_t, size=size)(x)
+  gots = [jax.jit(lambda x: pallas_rht.quantize_rht_t(x, size=size,
+                                                      config=cfg))(x)]
+  if kernel == "tensor_cores":
+    gots.append(jax.jit(lambda x: fused.quantize_x_and_rht_t(
+        x, size=size, implementation="pallas"))(x)[1])
+  for got in gots:
+    assert f32_bits(got.amax) == f32_bits(want.amax)
+    np.testing.assert_array_equal(np.asarray(got.scales).view(np.uint8),
+                                  np.asarray(want.scales).view(np.uint8))
+    np.testing.assert_array_equal(  # As numbers: -0 == +0.
+        np.asarray(block_values(got), np.float32),
+        np.asarray(block_values(want), np.float32))
 
 
 def _kernel_names(fn, x):
