@@ -33,7 +33,9 @@ CLASSES = (
     ("pallas: block values (dequantize)", r"nvfp4_block_values"),
     ("pallas: other", r"nvfp4_"),
     ("attention (cuDNN)", r"cudnn|flash|fmha|sdpa"),
-    ("GEMM (cuBLAS/CUTLASS)", r"gemm|xmma|cutlass|sm\d+_.*_tn|nvjet|wgmma"),
+    # `kernel_mosaic_gpu_kernel`: `pallas_kernels.values_matmul`.
+    ("GEMM (cuBLAS/CUTLASS/Mosaic)",
+     r"gemm|xmma|cutlass|sm\d+_.*_tn|nvjet|wgmma|mosaic_gpu"),
     ("XLA reduction fusions", r"reduce|reduction"),
     ("XLA fusions", r"fusion|wrapped_|loop_|input_"),
     ("copies and transposes", r"copy|transpose|memcpy|memset"),

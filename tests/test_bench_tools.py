@@ -90,8 +90,10 @@ def test_profile_step_classes():
   assert c("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == (
       "attention (cuDNN)")
   assert c("nvjet_sm90_tst_128x64_64x8_1x2_h_bz_NNT") == (
-      "GEMM (cuBLAS/CUTLASS)")
-  assert c("gemm_fusion_dot_284") == "GEMM (cuBLAS/CUTLASS)"
+      "GEMM (cuBLAS/CUTLASS/Mosaic)")
+  assert c("gemm_fusion_dot_284") == "GEMM (cuBLAS/CUTLASS/Mosaic)"
+  # The emulated GEMM's Mosaic GPU kernel (`values_matmul`).
+  assert c("kernel_mosaic_gpu_kernel") == "GEMM (cuBLAS/CUTLASS/Mosaic)"
   assert c("input_add_reduce_fusion_2") == "XLA reduction fusions"
   assert c("loop_convert_fusion") == "XLA fusions"
 
