@@ -583,11 +583,12 @@ def test_rht_of_tiny_tokens_decodes_as_the_reference(kernel, size):
   as a sum's rounding does (`rht_input`): XLA:CPU flushes products and
   partial sums, the butterfly flushes products, tensor cores keep both. So
   the bytes of those outputs are not comparable across implementations.
-  What is, in a tensor whose amax is normal-sized: the amax, every scale
-  byte and every decoded value (a zero's sign aside). Outputs of blocks of
-  tiny tokens have zero scales; tiny tokens beside normal ones vanish in
-  the sums, or, where the normal ones cancel exactly, leave an output that
-  encodes to a zero."""
+  What is, in a tensor whose other sums are exact and whose amax is
+  normal-sized: the amax, every scale byte and every decoded value (codes
+  may differ only where they decode to zero). Blocks of tiny tokens get
+  zero scales, whatever their codes; tiny tokens beside normal ones vanish
+  in the sums, or, where the normal ones cancel exactly, leave an output
+  that encodes to a zero of either sign."""
   rng = np.random.default_rng(29)
   x = np.array(rht_input((128, 96), jnp.float32, seed=29))
   tiny = rng.choice([-1.0, 1.0], x.shape) * np.exp2(
