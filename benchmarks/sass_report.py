@@ -224,6 +224,17 @@ def _cases() -> list[Case]:
   q_tile = f"{qc.block_rows}x{qc.block_cols}"
   r_tile = f"{rc.block_tokens}x{rc.block_features} (tok x feat)"
   r_elems = rc.block_tokens * rc.block_features
+  # The columns kernels (the default for 16-point RHT): 16-token blocks x
+  # features per program (per step of the amax pass's loop).
+  cc = pr.ColumnsConfig()
+  c_tile = f"{cc.blocks} blocks x {cc.block_features} feat (x16 tok)"
+  c_elems = cc.blocks * 16 * cc.block_features
+  c_steps = pr._amax_grid(n // 16, cc.blocks, n, cc.block_features,  # pylint: disable=protected-access
+                          cc.amax_steps)[0]
+
+  def rht_t(config=None, **kw):
+    return lambda: (lambda x, a: pr.quantize_rht_t(
+        x, amax=a, config=config, **kw), (x, amax))
 
   def block_values():
     def fn(codes, scales, a):
@@ -235,14 +246,17 @@ def _cases() -> list[Case]:
   p_tile = f"{pc.block_tokens}x{pc.block_features} (tok x feat)"
   p_elems = pc.block_tokens * pc.block_features
 
-  def pair(rounding):
+  pv = pp.pair_config(n, n, values_x=True)
+  pv_tile = f"{pv.block_tokens}x{pv.block_features} (tok x feat)"
+
+  def pair(rounding, config=pc, values_x=False):
     # The fused X/dY kernel itself (`quantize_pair` runs both-SR pairs as
     # two kernels, the rows above), on the pair tiles.
     def fn(x, a):
       k = (lambda i: key(i)) if rounding == "stochastic" else (lambda i: None)
       return pr.quantize_call(x, amax_t=a, key_t=k(1), amax_x=a, key_x=k(0),
                               size=16, sign_vector=None, fused_x=True,
-                              config=pc)
+                              config=config, values_x=values_x)
     return lambda: (fn, (x, amax))
 
   wm, wn, wk = 16, 4096, 4096
@@ -266,20 +280,31 @@ def _cases() -> list[Case]:
            qc.block_rows * qc.block_cols),
       Case("block_values", "nvfp4_block_values", block_values, q_tile,
            qc.block_rows * qc.block_cols),
-      Case("rht_t_rtne", "nvfp4_quantize_rht_t",
-           lambda: (lambda x, a: pr.quantize_rht_t(x, amax=a), (x, amax)),
-           r_tile, r_elems),
-      Case("rht_t_sr", "nvfp4_quantize_rht_t",
-           lambda: (lambda x, a: pr.quantize_rht_t(
-               x, rounding="stochastic", key=key(0), amax=a), (x, amax)),
-           r_tile, r_elems),
+      Case("quantize_sr_values", "nvfp4_quantize_values",  # dY's Dgrad op.
+           q(rounding="stochastic", key=key(0), with_values=True,
+             with_codes=False), q_tile, qc.block_rows * qc.block_cols),
+      Case("rht_t_rtne", "nvfp4_quantize_rht_t_columns", rht_t(), c_tile,
+           c_elems),
+      Case("rht_t_sr", "nvfp4_quantize_rht_t_columns",
+           rht_t(rounding="stochastic", key=key(0)), c_tile, c_elems),
+      Case("rht_t_sr_values", "nvfp4_quantize_rht_t_columns_values",
+           rht_t(rounding="stochastic", key=key(0), values=True), c_tile,
+           c_elems),  # dY's Wgrad operand, as the layers run it on Hopper.
+      Case("rht_t_sr_tc", "nvfp4_quantize_rht_t",
+           rht_t(rc, rounding="stochastic", key=key(0)), r_tile, r_elems),
       Case("pair_rtne", "nvfp4_quantize_x_and_rht_t", pair("nearest"),
            p_tile, p_elems),
       Case("pair_sr", "nvfp4_quantize_x_and_rht_t", pair("stochastic"),
            p_tile, p_elems),
-      Case("rht_amax_x", "nvfp4_rht_amax",
-           lambda: (lambda x: pr.rht_amax(x, with_x=True), (x,)), r_tile,
-           r_elems),
+      Case("pair_rtne_values", "nvfp4_quantize_x_and_rht_t_values",
+           pair("nearest", pv, values_x=True), pv_tile,
+           pv.block_tokens * pv.block_features),  # X's pair on Hopper.
+      Case("rht_amax_x", "nvfp4_rht_amax_columns",
+           lambda: (lambda x: pr.rht_amax(x, with_x=True), (x,)),
+           f"{c_tile}, {c_steps} steps", c_elems * c_steps, c_elems, c_steps),
+      Case("rht_amax_x_tc", "nvfp4_rht_amax",
+           lambda: (lambda x: pr.rht_amax(x, with_x=True, config=rc), (x,)),
+           r_tile, r_elems),
       Case("weight_only", "nvfp4_weight_only_matmul", weight_only,
            f"bn{wc.block_n} bk{wc.block_k} split{wc.split_k} (x {wm}x{wk})",
            wc.block_n * wk // wc.split_k, wc.block_n * wc.block_k,

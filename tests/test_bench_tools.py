@@ -304,3 +304,19 @@ def test_bench_quantize_used_sweep_checks_every_tile_against_the_default(
       "row 16x256 w4", "row 8x128 w2", "dequant 16x256 w4",
       "dequant 8x128 w2"]
   assert all(r["exact"] is True for r in rows)
+
+
+def test_sass_report_cases_lower_to_the_kernels_they_name():
+  """Every `benchmarks.sass_report` case lowers (for CUDA, off-GPU) to the
+  `pallas_call` it names: a kernel renamed or moved to another layout (as
+  the columns RHT kernels did) breaks the report, not silently its rows."""
+  from benchmarks import sass_report  # pylint: disable=g-import-not-at-top
+  names = set()
+  for case in sass_report._cases():  # pylint: disable=protected-access
+    lowered = sass_report.lower_case(case, (9, 0))
+    assert lowered.name == case.kernel and "tt.func" in lowered.ttir
+    names.add(case.kernel)
+  # The kernels the layers run on Hopper are all reported.
+  assert {"nvfp4_quantize_rht_t_columns_values", "nvfp4_quantize_values",
+          "nvfp4_quantize_x_and_rht_t_values",
+          "nvfp4_rht_amax_columns"} <= names
