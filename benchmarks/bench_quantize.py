@@ -11,6 +11,7 @@ TB/s is effective throughput, the ratio what a caller gets.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 
 import jax
@@ -129,6 +130,19 @@ def variants(key):
   ]
 
 
+@contextlib.contextmanager
+def _kernels(*, asm: bool = True, decode: bool = True, columns: bool = True):
+  """Runs the block with the kernels' module switches set
+  (`common.ASM_ENCODE`, `common.ASM_DECODE`, `quantize_rht_t.COLUMNS`),
+  then back on: the before and after of one run. Trace a new function
+  inside (jit caches traces by function, not by these switches)."""
+  pcommon.ASM_ENCODE, pcommon.ASM_DECODE, pr.COLUMNS = asm, decode, columns
+  try:
+    yield
+  finally:
+    pcommon.ASM_ENCODE, pcommon.ASM_DECODE, pr.COLUMNS = True, True, True
+
+
 def run(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
         n_inputs: int = 2, encoders: bool = False,
         tensor_cores: bool = False) -> list[dict]:
@@ -164,14 +178,11 @@ def run(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
                    of_copy=2 * n / t / copy_bw))
   for suffix, columns in ([("", True), (" (tensor cores)", False)]
                           if tensor_cores else [("", True)]):
-    pr.COLUMNS = columns
-    try:  # A new function each time: jit traces again.
+    with _kernels(columns=columns):  # A new function: jit traces again.
       f_amax_t = jax.jit(lambda x: pr.rht_amax(x, with_x=True))
       t = timing.bench(f_amax_t, [(x,) for x in xs])
       g = (timing.gpu_seconds(f_amax_t, [(x,) for x in xs]) if gpu_copy_s
            else float("nan"))
-    finally:
-      pr.COLUMNS = True
     rows.append(dict(kernel="amax pass (x and rht(x.T), Pallas)" + suffix,
                      bytes_per_elem=2.0, us=t * 1e6, tbps=2 * n / t / 1e12,
                      of_copy=2 * n / t / copy_bw, gpu_us=g * 1e6,
@@ -184,13 +195,10 @@ def run(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
   b = (Q_BYTES + 2) * n
   q_small = nvfp4.quantize(check_input(), implementation="pallas")
   for asm in (True, False):  # The kernels' decode, and the jnp one.
-    pcommon.ASM_DECODE = asm
-    try:
+    with _kernels(decode=asm):
       f_p = jax.jit(lambda q: pbd.block_values(q))  # pylint: disable=unnecessary-lambda
       t_p = timing.bench(f_p, [(q,) for q in qs])
       exact = exact_vs_cpu(f_p, f_x, (q_small,))
-    finally:
-      pcommon.ASM_DECODE = True
     rows.append(dict(
         kernel="dequantize to bf16 values" + ("" if asm else
                                               " (jnp decode)"),
@@ -216,14 +224,11 @@ def run(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
     if tensor_cores and ("rht" in name or "pair" in name):
       modes.append((" (tensor cores)", True, False))
     for suffix, asm, columns in modes:
-      pcommon.ASM_ENCODE, pr.COLUMNS = asm, columns
-      try:  # A new function each time: jit traces again.
+      with _kernels(asm=asm, columns=columns):  # A new function: jit traces.
         jp = jax.jit(lambda *a, fp=fp: fp(*a))
         exact = exact_vs_cpu(lambda *a, fp=fp: fp(*a), fx, small_args)
         t_p = timing.bench(jp, args)
         g_p = timing.gpu_seconds(jp, args) if gpu_copy_s else float("nan")
-      finally:
-        pcommon.ASM_ENCODE, pr.COLUMNS = True, True
       rows.append(dict(kernel=name + suffix,
                        bytes_per_elem=bpe, us=t_p * 1e6,
                        tbps=b / t_p / 1e12, of_copy=b / t_p / copy_bw,

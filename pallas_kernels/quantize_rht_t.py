@@ -178,9 +178,18 @@ def _amax_kernel(h_ref, x_ref, *out_refs, with_x: bool, tokens: int,
   m_t, m_x = jax.lax.fori_loop(
       0, bt_all // bt, body, (jnp.zeros((bf * bt // n, n), jnp.float32),
                               jnp.zeros((bt, bf), x_ref.dtype)))
+  _store_amax_partials(out_refs, m_t, m_x if with_x else None)
+
+
+def _store_amax_partials(out_refs, m_t: jax.Array, m_x: jax.Array | None):
+  """Writes an amax program's partials from its running maxima: the FP32
+  sums' (`m_t`), flushed and rounded to bf16 once (`tile.round_hadamard` is
+  monotone in the magnitude: the rounded maximum is the maximum rounded),
+  and `x`'s (`m_x`, if given), flushed (the flushed maximum is the
+  maximum's flush); as uint32 bit patterns (`common.abs_max_bits`)."""
   amax_t = tile.round_hadamard(tile.abs_max(m_t))
   out_refs[0][...] = jnp.full((1, 1), common.abs_max_bits(amax_t), jnp.uint32)
-  if with_x:  # The flushed maximum is the maximum's flush.
+  if m_x is not None:
     amax_x = nm.ftz(tile.abs_max(m_x.astype(jnp.float32)))
     out_refs[1][...] = jnp.full((1, 1), common.abs_max_bits(amax_x), jnp.uint32)
 
@@ -469,11 +478,7 @@ def _columns_amax_kernel(x_ref, *out_refs, with_x: bool, tokens: int,
   m_t, m_x = jax.lax.fori_loop(0, nb_all // nb, body,
                                (jnp.zeros((nb, bf), jnp.float32),
                                 jnp.zeros((nb, bf), x_ref.dtype)))
-  amax_t = tile.round_hadamard(tile.abs_max(m_t))
-  out_refs[0][...] = jnp.full((1, 1), common.abs_max_bits(amax_t), jnp.uint32)
-  if with_x:  # The flushed maximum is the maximum's flush.
-    amax_x = nm.ftz(tile.abs_max(m_x.astype(jnp.float32)))
-    out_refs[1][...] = jnp.full((1, 1), common.abs_max_bits(amax_x), jnp.uint32)
+  _store_amax_partials(out_refs, m_t, m_x if with_x else None)
 
 
 def _columns_amax(x, *, sign_vector, with_x: bool,
