@@ -114,7 +114,6 @@ SHAPES = {
     "gpt-base": [(16384, 768, 2304), (16384, 768, 768), (16384, 768, 4096),
                  (16384, 2048, 768)],
 }
-LAYERS = ("bf16", "nvfp4")
 
 
 def parse_shapes(spec: str) -> list[tuple[int, int, int]]:
@@ -137,8 +136,13 @@ def parse_shapes(spec: str) -> list[tuple[int, int, int]]:
 def _child(tokens: int, d_in: int, d_out: int, layer: str) -> dict:
   """Times one layer's step at one shape in this process."""
   import nvfp4_jax as nf  # pylint: disable=g-import-not-at-top
-  module = (nn.Dense(d_out, dtype=jnp.bfloat16) if layer == "bf16"
-            else nf.NVFP4Dense(d_out, dtype=jnp.bfloat16))
+  if layer == "bf16":
+    module = nn.Dense(d_out, dtype=jnp.bfloat16)
+  else:  # "nvfp4" (the default recipe) or "nvfp4-RESIDUALS".
+    recipe = None
+    if layer != "nvfp4":
+      recipe = nf.Recipe.nvfp4(residuals=layer.split("-", 1)[1])
+    module = nf.NVFP4Dense(d_out, dtype=jnp.bfloat16, recipe=recipe)
   x, dy, key = _inputs(tokens, d_in, d_out)
   params = module.init(jax.random.key(3), x)
   compiled = jax.jit(_step(module)).lower(params, x, dy, key).compile()
@@ -149,27 +153,32 @@ def _child(tokens: int, d_in: int, d_out: int, layer: str) -> dict:
 
 
 def run_shapes(shapes: list[tuple[int, int, int]], repeats: int = 3,
-               log=sys.stderr) -> list[dict]:
+               log=sys.stderr, residuals: tuple[str, ...] = ("codes",)
+               ) -> list[dict]:
   """Each (shape, layer) in a fresh process, interleaved, `repeats` rounds;
-  one row per shape."""
-  res = {(s, l): [] for s in shapes for l in LAYERS}
+  one row per shape and NVFP4 `residuals` choice (`Recipe.residuals`)."""
+  layers = ["bf16"] + ["nvfp4" if r == "codes" else f"nvfp4-{r}"
+                       for r in residuals]
+  res = {(s, l): [] for s in shapes for l in layers}
   for _ in range(repeats):
     for s in shapes:
-      for l in LAYERS:
+      for l in layers:
         res[s, l].append(timing.run_child("benchmarks.bench_dense", [*s, l],
                                           f"{s} {l}"))
         print(f"{'x'.join(map(str, s))} {l}: "
               f"{statistics.median(res[s, l][-1]['times']) * 1e3:.3f} ms",
               file=log, flush=True)
   rows = []
-  for s in shapes:
-    b, q = res[s, "bf16"], res[s, "nvfp4"]
+  for s, l in ((s, l) for s in shapes for l in layers[1:]):
+    b, q = res[s, "bf16"], res[s, l]
     med = lambda runs: statistics.median(t for r in runs for t in r["times"])
     per_round = [statistics.median(rq["times"]) / statistics.median(rb["times"])
                  for rb, rq in zip(b, q)]
     tb, tq = med(b), med(q)
     rows.append(dict(
-        shape="x".join(map(str, s)), bf16_ms=tb * 1e3, bf16_spread=_span(b),
+        shape="x".join(map(str, s)) + ("" if l == "nvfp4" else
+                                        f" residuals={l.split('-', 1)[1]}"),
+        bf16_ms=tb * 1e3, bf16_spread=_span(b),
         nvfp4_ms=tq * 1e3, nvfp4_spread=_span(q),
         ratio=tq / tb, ratio_spread=f"{min(per_round):.3f}-{max(per_round):.3f}",
         peak_ratio=q[0]["peak"] / b[0]["peak"],
@@ -197,6 +206,9 @@ def main(argv=None):
                  help="comma list of presets (" + ", ".join(SHAPES) +
                  ") and TOKENSxINxOUT: each in fresh processes (see above)")
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--residuals", default="codes",
+                 help="with --shapes: comma list of the NVFP4 layer's "
+                 "Recipe.residuals to time (codes, values), a row each")
   p.add_argument("--child", help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   if a.repeats < 1:
@@ -205,7 +217,8 @@ def main(argv=None):
     print(json.dumps(_child(*json.loads(a.child))))
     return
   if a.shapes:
-    rows = run_shapes(parse_shapes(a.shapes), a.repeats)
+    rows = run_shapes(parse_shapes(a.shapes), a.repeats,
+                      residuals=tuple(a.residuals.split(",")))
     print(f"device: {rows[0]['device']}; jax {rows[0]['jax']}; {a.repeats} "
           f"rounds, a fresh process per (shape, layer); fwd+bwd per step")
     print(timing.table(rows, SHAPE_COLS))

@@ -43,6 +43,7 @@ class StepConfig:
   remat: str = "none"
   steps: int = 15
   mesh: str = ""  # "" one device; else `--mesh` syntax, e.g. "data=2".
+  residuals: str = "codes"  # `Recipe.residuals` of the NVFP4 layers.
 
   @property
   def mesh_sizes(self) -> dict[str, int]:
@@ -57,6 +58,8 @@ class StepConfig:
   @property
   def label(self) -> str:
     extra = "" if self.remat == "none" else f" remat={self.remat}"
+    if self.residuals != "codes":
+      extra += f" residuals={self.residuals}"
     where = f" {self.mesh}" if self.mesh else ""
     return (f"{self.preset} {self.precision} {self.batch}x{self.seq} "
             f"{self.attention}{extra}{where}")
@@ -81,7 +84,7 @@ def build(cfg: StepConfig):
                        vocab_size=256, source="random")
   tc = TrainConfig(preset=cfg.preset, precision=cfg.precision,
                    steps=1000, batch_size=cfg.batch, seq_len=cfg.seq,
-                   diagnostics=False)
+                   diagnostics=False, residuals=cfg.residuals)
   mc = model_config(tc, 256).replace(attention=cfg.attention,
                                      remat=cfg.remat)
   mesh = (sharding.make_mesh(jax.devices()[:cfg.devices], **cfg.mesh_sizes)
@@ -196,6 +199,9 @@ def main(argv=None):
   p.add_argument("--attention", default="fused",
                  help="comma list of fused,reference")
   p.add_argument("--remat", default="none", help="comma list of none,quantized")
+  p.add_argument("--residuals", default="codes",
+                 help="comma list of codes,values: the NVFP4 layers' "
+                 "Recipe.residuals (BF16 runs once)")
   p.add_argument("--steps", type=int, default=15)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--meshes", default="",
@@ -211,10 +217,12 @@ def main(argv=None):
   for att in a.attention.split(","):
     for remat in a.remat.split(","):
       for prec in a.precisions.split(","):
-        for mesh in meshes:
-          c = StepConfig(a.preset, prec, a.batch, a.seq, att, remat, a.steps,
-                         mesh)
-          configs.append(dataclasses.replace(c, batch=a.batch * c.devices))
+        for res in (a.residuals.split(",") if prec == "nvfp4" else
+                    ["codes"]):
+          for mesh in meshes:
+            c = StepConfig(a.preset, prec, a.batch, a.seq, att, remat,
+                           a.steps, mesh, res)
+            configs.append(dataclasses.replace(c, batch=a.batch * c.devices))
   from benchmarks import timing  # pylint: disable=g-import-not-at-top
   rows = run(configs, a.repeats)
   print(f"device: {rows[0]['device']}; jax {rows[0]['jax']}; {a.repeats} "

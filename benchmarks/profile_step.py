@@ -133,13 +133,15 @@ def layer_ops(hlo_text: str, kernels: dict[str, tuple[float, float]]
 
 
 def _child(preset: str, precision: str, batch: int, seq: int,
-           steps: int, hlo_dir: str = "") -> dict:
+           steps: int, hlo_dir: str = "", residuals: str = "codes") -> dict:
   import jax  # pylint: disable=g-import-not-at-top
 
   from benchmarks import bench_step  # pylint: disable=g-import-not-at-top
 
   trainer, state, b = bench_step.build(
-      bench_step.StepConfig(preset, precision, batch, seq))
+      bench_step.StepConfig(preset, precision, batch, seq,
+                            residuals=residuals if precision == "nvfp4"
+                            else "codes"))
   step = trainer.train_step.lower(state, b).compile()
   if hlo_dir:  # The compiled HLO: kernel names in the trace are its fusions.
     with open(f"{hlo_dir}/{preset}-{precision}.hlo.txt", "w") as f:
@@ -191,6 +193,8 @@ def main(argv=None):
   bench_step.step_arguments(p)
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--top", type=int, default=15)
+  p.add_argument("--residuals", default="codes",
+                 help="the NVFP4 layers' Recipe.residuals: codes or values")
   p.add_argument("--hlo-dir", default="",
                  help="write each precision's compiled HLO here, to look up "
                  "the XLA fusions the tables name")
@@ -211,7 +215,8 @@ def main(argv=None):
   for prec in a.precisions.split(","):
     runs[prec] = timing.run_child(
         "benchmarks.profile_step",
-        [a.preset, prec, a.batch, a.seq, a.steps, a.hlo_dir], prec)
+        [a.preset, prec, a.batch, a.seq, a.steps, a.hlo_dir, a.residuals],
+        prec)
   precs = list(runs)
   if a.hlo_dir:  # Every kernel's time, beside the HLO that names them.
     with open(f"{a.hlo_dir}/{a.preset}-kernels.json", "w") as f:

@@ -7,7 +7,10 @@ applied as one FP32 `alpha`).
 
 Residuals are saved quantized: the Wgrad operand `q(rht(X^T))` (0.5625 bytes
 per element instead of 2 for bf16 X) and the quantized weight, so the
-activation memory of a linear layer drops by ~3.5x. Where the GEMM is the
+activation memory of a linear layer drops by ~3.5x. With
+`Recipe(residuals="values")` the emulation saves them as their bf16 block
+values instead (`_saves_values`): the same numbers, no dequantize pass in the
+backward pass, and the activation memory of bf16. Where the GEMM is the
 exact emulation (Hopper, CPU: `gemm.consumes_values`), the operands used at
 once (Fprop's X, Dgrad's dY, Wgrad's `rht(dY^T)`) come from their quantizer
 as `NVFP4Values`, the bf16 block values the GEMM multiplies, so no
@@ -275,11 +278,13 @@ def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, ctx: _Whole):
   # A sum across shards runs in FP32 and rounds once, as the whole GEMM.
   acc_dtype = jnp.float32 if ctx.reduces_y else out_dtype
   # Fprop's X is multiplied at once; Wgrad's q(rht(X^T)) is the residual
-  # (codes: 4.5 bits per element).
+  # (codes: 4.5 bits per element; or its values, see `_saves_values`).
   qx, qxt = _named("nvfp4_quantize_x", lambda x, kr, kt: _pair(
       x, recipe.fprop_x, recipe.wgrad_x, recipe, kr, kt, ctx.place_x(x),
-      ctx.x_axes, values=(_as_values(recipe.fprop_x), False)))(
+      ctx.x_axes, values=(_as_values(recipe.fprop_x),
+                          _saves_values(recipe, recipe.wgrad_x))))(
           x, keys["fprop_x"], keys["wgrad_x"])
+  vw = None
   if _weight_in_kernel_layout(recipe, ctx):
     # One pass over the kernel: the Dgrad operand's codes (saved) and the
     # block values Fprop multiplies as `x @ V`.
@@ -309,8 +314,25 @@ def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, ctx: _Whole):
   # the backward pass from `w`, alive anyway.
   reuse_w = (qw is not None and recipe.dgrad_w == recipe.fprop_w
              and recipe.fprop_w.block_2d)
+  if reuse_w and vw is not None and _saves_values(recipe, recipe.dgrad_w):
+    # `vw` are `qw`'s block values in its own `[in, out]` layout: Dgrad's
+    # operand as it is.
+    qw = NVFP4Values(vw, qw.amax, four_over_six=qw.four_over_six)
   return y, (_residual(qxt) if wgrad_q else x, w,
              _residual(qw) if reuse_w else None, key)
+
+
+def _saves_values(recipe: Recipe, op) -> bool:
+  """Whether the residual of operand `op` is saved as its block values.
+
+  `Recipe(residuals="values")`, where the backward GEMM is the exact
+  emulation and `op` is NVFP4 (`_as_values`): the bf16 block values the
+  GEMM multiplies, 2 bytes per element against 0.5625 for codes and scales,
+  and no dequantize pass before Wgrad (X's operand) and Dgrad (the weight,
+  where it is Fprop's quantized in the kernel layout). The numbers are
+  those of the codes.
+  """
+  return recipe.residuals == "values" and _as_values(op)
 
 
 def _weight_in_kernel_layout(recipe: Recipe, ctx: _Whole) -> bool:

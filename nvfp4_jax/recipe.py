@@ -27,6 +27,7 @@ from nvfp4_jax.hadamard import rht_matrix
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "bf16")
 FOUR_OVER_SIX_MODES = ("none", "weights", "activations", "all")
+RESIDUALS = ("codes", "values")
 OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
 _GEMMS = {"fprop": ("fprop_x", "fprop_w"), "dgrad": ("dgrad_dy", "dgrad_w"),
           "wgrad": ("wgrad_dy", "wgrad_x")}
@@ -94,6 +95,15 @@ class Recipe:
     fprop_x, fprop_w, dgrad_dy, dgrad_w, wgrad_dy, wgrad_x: `Operand`s.
     rht_size: Hadamard size of the Wgrad RHT (16 in the recipe).
     rht_sign_vector: its sign vector; None = `default_sign_vector(rht_size)`.
+    residuals: how the forward pass saves the quantized operands the
+      backward pass multiplies (Wgrad's `q(rht(X^T))`, and Dgrad's weight
+      where it is Fprop's): "codes" (4.5 bits per element; decoded by a
+      dequantize pass before the emulated GEMM) or "values" (their exact
+      bf16 block values, 16 bits per element, multiplied as they are: no
+      dequantize pass). The numbers are the same; "values" trades activation
+      memory for speed, and applies where the GEMM is the exact emulation
+      (Hopper, CPU: `gemm.consumes_values`) and to NVFP4 operands; elsewhere
+      the codes are saved.
     name: a label for tables and plots.
   """
 
@@ -105,6 +115,7 @@ class Recipe:
   wgrad_x: Operand = _HP
   rht_size: int = 16
   rht_sign_vector: tuple[int, ...] | None = None
+  residuals: str = "codes"
   name: str = "custom"
 
   def __post_init__(self):
@@ -129,10 +140,16 @@ class Recipe:
     if self.rht_sign_vector is not None:
       object.__setattr__(self, "rht_sign_vector", tuple(self.rht_sign_vector))
     rht_matrix(self.rht_sign_vector, self.rht_size)  # Validates both.
+    if self.residuals not in RESIDUALS:
+      raise ValueError(
+          f"unknown residuals {self.residuals!r}; use 'codes' (4.5 bits per "
+          f"saved element) or 'values' (bf16 block values: no dequantize "
+          f"pass in the backward pass, 16 bits per saved element).")
 
   def __repr__(self) -> str:
     gemms = ", ".join(t.replace(",", "/") for t in self.tag.split(" "))
-    return f"Recipe({self.name!r}: {gemms})"
+    saved = "" if self.residuals == "codes" else f"; {self.residuals}"
+    return f"Recipe({self.name!r}: {gemms}{saved})"
 
   @property
   def tag(self) -> str:
@@ -207,7 +224,8 @@ class Recipe:
   def nvfp4(cls, *, rht: bool = True, stochastic_rounding: bool = True,
             two_d_weights: bool = True, rht_size: int = 16,
             rht_sign_vector: Sequence[int] | None = None,
-            four_over_six: str | bool = "none") -> "Recipe":
+            four_over_six: str | bool = "none",
+            residuals: str = "codes") -> "Recipe":
     """The paper's NVFP4 recipe (NVFP4_SPEC section 5).
 
     Args:
@@ -219,6 +237,7 @@ class Recipe:
       rht_sign_vector: RHT signs; default TE's vector.
       four_over_six: Four-over-Six block scaling on "none", "weights",
         "activations" (X and dY) or "all" operands (True: "all").
+      residuals: "codes" or "values" (see `Recipe`).
     """
     fos = {True: "all", False: "none"}.get(four_over_six, four_over_six)
     if fos not in FOUR_OVER_SIX_MODES:
@@ -235,6 +254,7 @@ class Recipe:
                          four_over_six=on_a),
         wgrad_x=Operand(format="nvfp4", rht=rht, four_over_six=on_a),
         rht_size=rht_size, rht_sign_vector=rht_sign_vector,
+        residuals=residuals,
         name="nvfp4" if fos == "none" else f"nvfp4-4o6-{fos}")
 
   @classmethod

@@ -245,14 +245,14 @@ def _check_collectives(compiled, sh, k, n):
   print(f"  collectives (bytes per device): {summary}")
 
 
-def check_dot_general(impl, names):
+def check_dot_general(impl, names, residuals="codes"):
   m = mesh(data=2, fsdp=2, model=2)
   t, k, n = 128, 64, 96
   x = jnp.asarray(make_heavy_tailed((t, k), seed=1))
   w = jnp.asarray(make_heavy_tailed((k, n), seed=2)) * 0.01
   dy = jnp.asarray(make_heavy_tailed((t, n), seed=3))
   key = jax.random.key(7)
-  recipe = nv.Recipe.nvfp4()
+  recipe = nv.Recipe.nvfp4(residuals=residuals)
 
   def compiled(sharding):
     def f(x, w, dy):
@@ -290,6 +290,13 @@ def check_dot_general_xla():
 
 def check_dot_general_pallas():
   check_dot_general("pallas", ("column+fsdp", "row+fsdp"))
+
+
+def check_dot_general_values():
+  """Residuals saved as block values (`Recipe(residuals="values")`): the
+  same results on every layout, and the FSDP weight still travels as codes
+  (values apply to shards' own residuals, never to what is gathered)."""
+  check_dot_general("xla", ("data", "column+fsdp", "row+fsdp"), "values")
 
 
 # ----------------------------------------------------------------------------

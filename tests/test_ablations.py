@@ -1,11 +1,13 @@
 """Ablation and model switches of the trainer (--no-sr, --no-rht, --no-2d,
---four-over-six, --all-quantized, --attention, --remat) reach the traced step."""
+--four-over-six, --residuals, --all-quantized, --attention, --remat) reach
+the traced step."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from models import preset
+from train import build
 from train import cli
 from train.config import TrainConfig
 from train.loop import Trainer
@@ -58,12 +60,15 @@ def test_all_quantized_quantizes_every_projection():
 def test_cli_applies_ablations_to_the_precisions_they_concern():
   args = cli.build_parser().parse_args(
       ["--compare", "bf16,nvfp4,mxfp4", "--no-rht", "--no-sr",
-       "--remat", "quantized", "--attention", "reference"])
+       "--remat", "quantized", "--attention", "reference",
+       "--residuals", "values"])
   cfgs = {c.precision: c for c in cli.make_configs(
       args, ["bf16", "nvfp4", "mxfp4"])}
   assert cfgs["bf16"].rht and cfgs["bf16"].sr
   assert not cfgs["nvfp4"].rht and not cfgs["nvfp4"].sr
   assert cfgs["mxfp4"].rht and not cfgs["mxfp4"].sr
+  assert [c.residuals for c in cfgs.values()] == ["codes", "values", "codes"]
+  assert build.run_recipe(cfgs["nvfp4"]).residuals == "values"
   assert all(c.remat == "quantized" and c.attention == "reference"
              for c in cfgs.values())
   with pytest.raises(cli.UsageError, match="--no-2d has no effect"):
@@ -71,6 +76,8 @@ def test_cli_applies_ablations_to_the_precisions_they_concern():
         ["--precision", "mxfp4", "--no-2d"]), ["mxfp4"])
   with pytest.raises(ValueError, match="--four-over-six has no effect"):
     TrainConfig(precision="bf16", four_over_six="all")
+  with pytest.raises(ValueError, match="--residuals has no effect"):
+    TrainConfig(precision="mxfp4", residuals="values")
 
 
 def test_remat_and_attention_reach_the_model_and_train():

@@ -133,10 +133,12 @@ def test_values_only_where_the_gemm_is_emulated(monkeypatch, cc, values):
 
 @pytest.mark.parametrize("recipe", [
     nv.Recipe.nvfp4(), nv.Recipe.nvfp4(stochastic_rounding=False),
-    nv.Recipe.nvfp4(four_over_six="all")])
+    nv.Recipe.nvfp4(four_over_six="all"), nv.Recipe.nvfp4(residuals="values"),
+    nv.Recipe.nvfp4(four_over_six="all", residuals="values")])
 def test_layer_bit_equal_to_the_codes_path(monkeypatch, recipe):
   """Outputs and gradients of the values path equal those with every
-  operand as codes (the values switched off), bit for bit."""
+  operand as codes (the values switched off), bit for bit; with
+  `residuals="values"` the saved operands are values too."""
   x = heavy((48, 64), jnp.bfloat16, seed=5)
   w = heavy((64, 32), jnp.float32, seed=6) * 0.1
 
@@ -154,3 +156,48 @@ def test_layer_bit_equal_to_the_codes_path(monkeypatch, recipe):
     np.testing.assert_array_equal(np.asarray(g, np.float32),
                                   np.asarray(wv, np.float32))
   assert np.any(np.asarray(got[1][0]) != 0)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_values_residuals_are_saved_and_multiplied_undecoded(monkeypatch,
+                                                             impl):
+  """`Recipe(residuals="values")`: the forward pass saves Wgrad's
+  `q(rht(X^T))` and Dgrad's weight as bf16 block values, and the backward
+  pass decodes nothing; with "codes" it saves codes and scales and decodes
+  both (one `BLOCK_VALUES` call each). Gradients are equal bit for bit."""
+  x = heavy((48, 64), jnp.bfloat16, seed=8)
+  w = heavy((64, 32), jnp.float32, seed=9) * 0.1
+  dy = heavy((48, 32), jnp.float32, seed=10)  # y is FP32, as w is.
+  decoded = []
+  block_values = gemm.BLOCK_VALUES
+  monkeypatch.setattr(gemm, "BLOCK_VALUES", lambda impl, q: (
+      decoded.append(q.shape), block_values(impl, q))[1])
+  grads, saved = {}, {}
+  for residuals in ("codes", "values"):
+    recipe = nv.Recipe.nvfp4(residuals=residuals)
+    with nv.default_implementation(impl):
+      _, vjp = jax.vjp(lambda x, w: nv.dot_general(
+          x, w, (((1,), (0,)), ((), ())), recipe=recipe,
+          key=jax.random.key(7)), x, w)
+      saved[residuals] = {(str(a.dtype), a.shape)
+                          for a in jax.tree.leaves(vjp) if a.ndim == 2}
+      decoded.clear()
+      grads[residuals] = jax.jit(vjp)(dy)
+      saved[residuals, "decoded"] = sorted(decoded)
+  # q(rht(X^T)) is [in, tokens], the weight's values [in, out].
+  assert {("bfloat16", (64, 48)), ("bfloat16", (64, 32))} <= saved["values"]
+  assert not [s for s in saved["values"] if s[0] in ("uint8", "float8_e4m3fn")]
+  assert ("uint8", (64, 24)) in saved["codes"]  # q(rht(X^T))'s codes.
+  assert ("uint8", (64, 16)) in saved["codes"]  # The weight's codes.
+  assert saved["values", "decoded"] == []
+  assert saved["codes", "decoded"] == [(64, 32), (64, 48)]
+  for g, want in zip(grads["values"], grads["codes"]):
+    np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                  np.asarray(want, np.float32))
+
+
+def test_residuals_choice_is_validated():
+  with pytest.raises(ValueError, match="unknown residuals 'bf16'; use "
+                     "'codes'"):
+    nv.Recipe.nvfp4(residuals="bf16")
+  assert "values" in repr(nv.Recipe.nvfp4(residuals="values"))

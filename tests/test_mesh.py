@@ -44,8 +44,10 @@ def test_sharded_quantizers_equal_whole_tensor_and_split_blocks_raise():
 
 
 def test_sharded_dot_general_reference():
-  out = run_checks("dot_general_xla")
+  out = run_checks("dot_general_xla", "dot_general_values")
   assert "3.97x fewer" in out  # FSDP weights travel as 4-bit codes.
+  # With residuals saved as values, too.
+  assert out.split("[dot_general_values]")[1].count("3.97x fewer") == 2
 
 
 def test_sharded_dot_general_pallas():

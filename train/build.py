@@ -70,7 +70,8 @@ def run_recipe(cfg: TrainConfig) -> nvfp4_jax.Recipe:
   if cfg.precision == "nvfp4":
     return nvfp4_jax.Recipe.nvfp4(rht=cfg.rht, stochastic_rounding=cfg.sr,
                                   two_d_weights=cfg.two_d,
-                                  four_over_six=cfg.four_over_six)
+                                  four_over_six=cfg.four_over_six,
+                                  residuals=cfg.residuals)
   if cfg.precision == "mxfp4":
     return nvfp4_jax.Recipe.mxfp4(stochastic_rounding=cfg.sr)
   return nvfp4_jax.Recipe.from_name(cfg.precision)

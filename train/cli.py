@@ -22,6 +22,7 @@ from models import PRESETS
 from models.gpt import ATTENTION_KINDS
 from models.gpt import REMAT_KINDS
 from nvfp4_jax.recipe import FOUR_OVER_SIX_MODES
+from nvfp4_jax.recipe import RESIDUALS
 from train.config import MAX_SEED
 from train.config import MAX_STEPS
 from train.config import PRECISIONS
@@ -131,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
   ab.add_argument("--four-over-six", choices=FOUR_OVER_SIX_MODES[1:],
                   metavar="{weights,activations,all}",
                   help="Four-over-Six block scaling on these NVFP4 operands")
+  ab.add_argument("--residuals", choices=RESIDUALS,
+                  help="how NVFP4 layers save the operands their backward "
+                  "pass multiplies: codes (4.5 bits, the default) or values "
+                  "(bf16 block values: no dequantize pass where the GEMM is "
+                  "emulated, as on Hopper; bf16's activation memory)")
   ab.add_argument("--all-quantized", action="store_true",
                   help="quantize every projection (no BF16 blocks)")
   ab.add_argument("--bf16-layers", metavar="PATHS",
@@ -232,6 +238,7 @@ _ABLATIONS = {  # flag -> (TrainConfig field, value, precisions it concerns)
     "no_rht": ("rht", False, ("nvfp4",)),
     "no_2d": ("two_d", False, ("nvfp4",)),
     "four_over_six": ("four_over_six", None, ("nvfp4",)),
+    "residuals": ("residuals", None, ("nvfp4",)),
     "all_quantized": ("all_quantized", True, ("nvfp4", "mxfp4", "mxfp8")),
     "bf16_layers": ("bf16_layers", None, ("nvfp4", "mxfp4", "mxfp8")),
 }

@@ -13,6 +13,7 @@ from models.gpt import ATTENTION_KINDS
 from models.gpt import REMAT_KINDS
 from models.gpt import check_choice
 from nvfp4_jax.recipe import FOUR_OVER_SIX_MODES
+from nvfp4_jax.recipe import RESIDUALS
 
 PRECISIONS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
 # The step counter is an int32 on the device; seeds feed NumPy's and JAX's
@@ -88,6 +89,9 @@ class TrainConfig:
       "reference" (explicit FP32 scores).
     remat: "none" or "quantized" (blocks save only the quantized residuals of
       their NVFP4 layers and recompute the rest; `nvfp4_jax.remat_policy`).
+    residuals: "codes" or "values": how NVFP4 layers save the operands their
+      backward pass multiplies (`nvfp4_jax.Recipe`: values skip the
+      dequantize pass where the GEMM is emulated, at bf16's memory).
   """
 
   preset: str = "tiny"
@@ -120,6 +124,7 @@ class TrainConfig:
   bf16_layers: str | None = None
   attention: str = "fused"
   remat: str = "none"
+  residuals: str = "codes"
 
   def __post_init__(self):
     if self.preset not in PRESETS:
@@ -176,6 +181,7 @@ class TrainConfig:
         ("--no-rht", not self.rht, ("nvfp4",)),
         ("--no-2d", not self.two_d, ("nvfp4",)),
         ("--four-over-six", self.four_over_six != "none", ("nvfp4",)),
+        ("--residuals", self.residuals != "codes", ("nvfp4",)),
         ("--all-quantized", self.all_quantized, ("nvfp4", "mxfp4", "mxfp8")),
         ("--bf16-layers", self.bf16_layers is not None,
          ("nvfp4", "mxfp4", "mxfp8"))):
@@ -197,6 +203,7 @@ class TrainConfig:
             f"train.sensitivity prints them).")
     check_choice("attention", self.attention, ATTENTION_KINDS)
     check_choice("remat", self.remat, REMAT_KINDS)
+    check_choice("residuals", self.residuals, RESIDUALS)
 
   @property
   def micro_batch(self) -> int:
