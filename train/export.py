@@ -17,7 +17,7 @@ import argparse
 import json
 import pathlib
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
