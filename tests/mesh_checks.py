@@ -296,7 +296,7 @@ def check_dot_general_values():
   """Residuals saved as block values (`Recipe(residuals="values")`): the
   same results on every layout, and the FSDP weight still travels as codes
   (values apply to shards' own residuals, never to what is gathered)."""
-  check_dot_general("xla", ("data", "column+fsdp", "row+fsdp"), "values")
+  check_dot_general("xla", ("column+fsdp", "row+fsdp"), "values")
 
 
 # ----------------------------------------------------------------------------
