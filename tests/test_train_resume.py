@@ -1,10 +1,13 @@
 """Checkpoints: a run killed and resumed continues bit-identically on CPU."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
 
 from test_train import MODEL, config, small_corpus
+from train.checkpoint import config_changes
 from train.loop import Trainer
 from train.metrics import read_metrics, select
 
@@ -64,3 +67,27 @@ def test_resume_refuses_other_settings_and_missing_checkpoints(tmp_path):
   again = Trainer(cfg, corpus, MODEL).run(tmp_path / "run", resume=True,
                                           progress=False)
   assert [r["step"] for r in select(again.records, "train")] == [1, 2]
+  # A checkpoint of an older version, which lacked a field added since
+  # (`residuals`), resumes where the field keeps its default.
+  meta = tmp_path / "run" / "checkpoints" / "2" / "config" / "metadata"
+  saved = json.loads(meta.read_text())
+  del saved["train"]["residuals"]
+  meta.write_text(json.dumps(saved))
+  again = Trainer(cfg, corpus, MODEL).run(tmp_path / "run", resume=True,
+                                          progress=False)
+  assert [r["step"] for r in select(again.records, "train")] == [1, 2]
+
+
+def test_config_changes_of_fields_an_older_checkpoint_lacks():
+  saved = {"train": {"lr": 0.003}, "model": {"d_model": 64}}
+  now = {"train": {"lr": 0.003, "residuals": "codes"},
+         "model": {"d_model": 64, "remat": "none"}}
+  defaults = {"train": {"lr": 0.003, "residuals": "codes"},
+              "model": {"remat": "none"}}
+  assert config_changes(saved, now, defaults) == []
+  # Without defaults, or with a value other than the default, it changed.
+  assert config_changes(saved, now) == [
+      "model.remat: None -> 'none'", "train.residuals: None -> 'codes'"]
+  now["train"]["residuals"] = "values"
+  assert config_changes(saved, now, defaults) == [
+      "train.residuals: None -> 'values'"]

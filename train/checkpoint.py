@@ -43,15 +43,23 @@ def _flatten(config: dict[str, Any]) -> dict[str, Any]:
   return flat
 
 
-def config_changes(saved: dict[str, Any], current: dict[str, Any]
-                   ) -> list[str]:
-  """`"group.field: saved -> current"` for each field that differs."""
+def config_changes(saved: dict[str, Any], current: dict[str, Any],
+                   defaults: dict[str, Any] | None = None) -> list[str]:
+  """`"group.field: saved -> current"` for each field that differs.
+
+  `defaults` (grouped like `current`): a field the saved configuration does
+  not have (one a later version added) is unchanged where its current value
+  is its default, which reproduces the older version's behaviour.
+  """
   # Through JSON, as the saved one was: a tuple compares equal to its list.
   current = json.loads(json.dumps(current))
+  defaults = _flatten(json.loads(json.dumps(defaults or {})))
   saved, current = _flatten(saved), _flatten(current)
   return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
           for k in sorted(set(saved) | set(current))
-          if saved.get(k) != current.get(k)]
+          if saved.get(k) != current.get(k)
+          and not (k not in saved and k in defaults
+                   and current.get(k) == defaults[k])]
 
 
 class Checkpointer:
@@ -109,7 +117,8 @@ class Checkpointer:
     return dict(out["config"])
 
   def restore(self, step: int, like: Any, *,
-              config: dict[str, Any] | None = None
+              config: dict[str, Any] | None = None,
+              config_defaults: dict[str, Any] | None = None
               ) -> tuple[Any, dict[str, Any]]:
     """The state saved at `step`, shaped and typed like `like`, and its config.
 
@@ -120,6 +129,9 @@ class Checkpointer:
       config: the configuration the caller runs with: checked against the
         saved one before the state is read (a different model would not
         even have the same parameter shapes).
+      config_defaults: the defaults of `config`'s fields (`config_changes`):
+        a checkpoint of an older version resumes where the fields it lacks
+        keep their defaults.
 
     Raises:
       ConfigMismatchError: `config` differs from the saved configuration;
@@ -127,7 +139,7 @@ class Checkpointer:
     """
     saved = self.saved_config(step)
     if config is not None:
-      changes = config_changes(saved, config)
+      changes = config_changes(saved, config, config_defaults)
       if changes:
         hint = ""
         if any(c.startswith("model.vocab_size:") for c in changes):

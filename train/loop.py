@@ -266,7 +266,10 @@ class Trainer:
       raise NoCheckpointError(
           f"--resume: no complete checkpoint in {ckpt.directory}; run without "
           f"--resume to start this run.")
-    state, _ = ckpt.restore(step, self.abstract_state(), config=config)
+    state, _ = ckpt.restore(step, self.abstract_state(), config=config,
+                            config_defaults={
+                                "train": _field_defaults(self.cfg),
+                                "model": _field_defaults(self.model_cfg)})
     return TrainState(*state)
 
   def _loop(self, state, start, log, ckpt, config, progress, label,
@@ -316,3 +319,9 @@ class Trainer:
     flush()
     bar.close()
     return state
+
+
+def _field_defaults(obj) -> dict:
+  """The dataclass `obj`'s fields that have a default, with their defaults."""
+  return {f.name: f.default for f in dataclasses.fields(obj)
+          if f.default is not dataclasses.MISSING}
