@@ -314,9 +314,9 @@ def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, ctx: _Whole):
   # the backward pass from `w`, alive anyway.
   reuse_w = (qw is not None and recipe.dgrad_w == recipe.fprop_w
              and recipe.fprop_w.block_2d)
-  if reuse_w and vw is not None and _saves_values(recipe, recipe.dgrad_w):
-    # `vw` are `qw`'s block values in its own `[in, out]` layout: Dgrad's
-    # operand as it is.
+  if vw is not None and _saves_values(recipe, recipe.dgrad_w):
+    # `vw` (the kernel-layout pass, which implies `reuse_w`) are `qw`'s
+    # block values in its own `[in, out]` layout: Dgrad's operand as it is.
     qw = NVFP4Values(vw, qw.amax, four_over_six=qw.four_over_six)
   return y, (_residual(qxt) if wgrad_q else x, w,
              _residual(qw) if reuse_w else None, key)
