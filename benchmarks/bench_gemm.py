@@ -23,8 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import timing
-from nvfp4_jax import fused
-from nvfp4_jax import gemm
+from nvfp4_jax.ops.quantize import api as quantize_api
+from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
+from nvfp4_jax.ops.block_scaled_matmul import reference as gemm_ref
+from nvfp4_jax.ops.weight_only_matmul import api as weight_only_api
 from pallas_kernels import common
 
 TRANSFORMER_DIMS = (2048, 4096, 8192, 14336)
@@ -35,9 +37,9 @@ def run_shape(m: int, n: int, k: int, *, full: bool) -> list[dict]:
   ka, kb = jax.random.split(jax.random.key(m + n + k))
   a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
   b = jax.random.normal(kb, (n, k), jnp.float32).astype(jnp.bfloat16)
-  qa, va = fused.quantize_with_values(a)
-  qb, vb = fused.quantize_with_values(b, block_2d=True)
-  alpha = gemm.gemm_alpha(qa, qb)
+  qa, va = quantize_api.quantize_with_values(a)
+  qb, vb = quantize_api.quantize_with_values(b, block_2d=True)
+  alpha = gemm_ref.gemm_alpha(qa, qb)
   bf16 = jnp.bfloat16
   shape = f"{m}x{n}x{k}"
   rows = []
@@ -58,29 +60,29 @@ def run_shape(m: int, n: int, k: int, *, full: bool) -> list[dict]:
                      tflops=flops / t / 1e12, of_cublas=t_cublas / t,
                      rel_err=err))
 
-  ref = jax.jit(functools.partial(gemm.block_scaled_matmul, out_dtype=bf16,
+  ref = jax.jit(functools.partial(gemm_api.block_scaled_matmul, out_dtype=bf16,
                                   implementation="xla"))(qa, qb)
   rows.append(dict(shape=shape, gemm="cuBLAS bf16", ms=t_cublas * 1e3,
                    tflops=flops / t_cublas / 1e12, of_cublas=1.0))
-  add("pallas excl. prep", functools.partial(gemm.block_values_matmul,
+  add("pallas excl. prep", functools.partial(gemm_api.block_values_matmul,
                                              out_dtype=bf16), (va, vb, alpha))
   add("pallas incl. prep", functools.partial(
-      gemm.block_scaled_matmul, out_dtype=bf16, implementation="pallas"),
+      gemm_api.block_scaled_matmul, out_dtype=bf16, implementation="pallas"),
       (qa, qb))
-  add("xla", functools.partial(gemm.block_scaled_matmul, out_dtype=bf16,
+  add("xla", functools.partial(gemm_api.block_scaled_matmul, out_dtype=bf16,
                                implementation="xla"), (qa, qb))
   if full:
     add("triton", functools.partial(
-        gemm.block_scaled_matmul, out_dtype=bf16, implementation="triton"),
+        gemm_api.block_scaled_matmul, out_dtype=bf16, implementation="triton"),
         (qa, qb))
     add("scaled_matmul", functools.partial(
-        gemm.block_scaled_matmul, out_dtype=bf16,
+        gemm_api.block_scaled_matmul, out_dtype=bf16,
         implementation="scaled_matmul"), (qa, qb))
 
     def e2e(x, w):
-      qx, vx = fused.quantize_with_values(x)
-      qw, vw = fused.quantize_with_values(w, block_2d=True)
-      return gemm.block_values_matmul(vx, vw, gemm.gemm_alpha(qx, qw),
+      qx, vx = quantize_api.quantize_with_values(x)
+      qw, vw = quantize_api.quantize_with_values(w, block_2d=True)
+      return gemm_api.block_values_matmul(vx, vw, gemm_ref.gemm_alpha(qx, qw),
                                       out_dtype=bf16)
     add("quantize+GEMM (from bf16)", e2e, (a, b))
   return rows
@@ -119,7 +121,7 @@ def _decode_case(m: int, n: int, k: int, layers: int = DECODE_LAYERS):
   x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
   ws = [jax.random.normal(kw, (n, k), jnp.float32).astype(jnp.bfloat16)
         for kw in keys[1:]]
-  qws = [fused.quantize(w, block_2d=True) for w in ws]
+  qws = [quantize_api.quantize(w, block_2d=True) for w in ws]
   t_cublas = per_layer(lambda x, w: x @ w.T, x, ws)
   return x, ws, qws, t_cublas
 
@@ -158,7 +160,7 @@ def run_weight_only(shapes=DECODE_SHAPES,
     g_cublas = sum(t for _, t in gpu_kernels_per_layer(
         lambda x, w: x @ w.T, x, ws).values()) or None
     shape = f"{m}x{n}x{k}"
-    ref = jax.jit(functools.partial(gemm.weight_only_matmul,
+    ref = jax.jit(functools.partial(weight_only_api.weight_only_matmul,
                                     implementation="xla"))(x, qws[0])
 
     def row(name, t, g, nbytes, **kw):
@@ -170,7 +172,7 @@ def run_weight_only(shapes=DECODE_SHAPES,
 
     rows.append(row("cuBLAS bf16 weight", t_cublas, g_cublas, 2))
     for impl, asm in (("pallas", True), ("pallas", False), ("xla", True)):
-      fn = functools.partial(gemm.weight_only_matmul, implementation=impl)
+      fn = functools.partial(weight_only_api.weight_only_matmul, implementation=impl)
       name = f"weight-only {impl}" + ("" if asm else " (jnp decode)")
       common.ASM_DECODE = asm
       try:
@@ -203,7 +205,7 @@ def sweep_weight_only(shapes=DECODE_SHAPES, top: int = 3) -> list[dict]:
   (a run cut short keeps them).
   """
   import itertools  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import weight_only_matmul as wo  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.weight_only_matmul import pallas_triton as wo  # pylint: disable=g-import-not-at-top
   rows = []
   for m, n, k in shapes:
     x, _, qws, t_cublas = _decode_case(m, n, k)
@@ -266,7 +268,7 @@ def profile_weight_only(shapes=DECODE_SHAPES) -> list[dict]:
     x, ws, qws, _ = _decode_case(m, n, k)
     for name, fn, weights in (
         ("cuBLAS bf16", lambda x, w: x @ w.T, ws),
-        ("pallas", functools.partial(gemm.weight_only_matmul,
+        ("pallas", functools.partial(weight_only_api.weight_only_matmul,
                                      implementation="pallas"), qws)):
       wall = per_layer(fn, x, weights)
       kernels = gpu_kernels_per_layer(fn, x, weights)
@@ -307,27 +309,27 @@ VALUES_COLS = ("gemm", "shape", "xla_us", "pallas_us", "xla_over_pallas",
 
 def run_values_matmul(cases=VALUES_CASES) -> list[dict]:
   """`block_values_matmul`: XLA's GEMM against the Mosaic GPU kernel
-  (`pallas_kernels.values_matmul`), by GPU time of the call's kernels, on
+  (`nvfp4_jax.ops.block_scaled_matmul.pallas_mosaic_gpu`), by GPU time of the call's kernels, on
   the same block values.
 
   `wgN_us` and `wgM_us` time the two warpgroup splits, `pallas_us` the
   default config's (`default` names its split); `max_diff` is the largest
   difference relative to the output's largest magnitude, the worst of the
   two."""
-  from pallas_kernels import values_matmul as vm  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.block_scaled_matmul import pallas_mosaic_gpu as vm  # pylint: disable=g-import-not-at-top
   rows = []
   for name, m, k, n, vb_kn, out in cases:
     out_dtype = jnp.bfloat16 if out == "bf16" else jnp.float32
     sets = []
     for s in range(2):
       ka, kb = jax.random.split(jax.random.key(s))
-      _, va = fused.quantize_with_values(
+      _, va = quantize_api.quantize_with_values(
           jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16))
-      qb, vb = fused.quantize_with_values(
+      qb, vb = quantize_api.quantize_with_values(
           jax.random.normal(kb, (n, k), jnp.float32).astype(jnp.bfloat16),
           block_2d=True)
       sets.append((va, vb.T if vb_kn else vb, qb.amax * 1e-3))
-    xla = jax.jit(functools.partial(gemm.block_values_matmul,
+    xla = jax.jit(functools.partial(gemm_api.block_values_matmul,
                                     out_dtype=out_dtype, vb_kn=vb_kn,
                                     implementation="xla"))
     want = np.asarray(xla(*sets[0]), np.float32)

@@ -20,14 +20,17 @@ import numpy as np
 
 from benchmarks import timing
 import nvfp4_jax as nf
-from nvfp4_jax import fused
-from nvfp4_jax import numerics as nm
-from nvfp4_jax import nvfp4
-from nvfp4_jax.recipe import Operand
-from pallas_kernels import quantize as pq
-from pallas_kernels import block_dequantize as pbd
+from nvfp4_jax.ops.quantize import api as quantize_api
+from nvfp4_jax.ops.quantize_pair import api as pair_api
+from nvfp4_jax.ops.quantize_rht_t import api as rht_t_api
+from nvfp4_jax.core import numerics as nm
+from nvfp4_jax.ops.block_values import reference as values_ref
+from nvfp4_jax.ops.quantize import reference as quantize_ref
+from nvfp4_jax.core.recipe import Operand
+from nvfp4_jax.ops.quantize import pallas_triton as pq
+from nvfp4_jax.ops.block_values import pallas_triton as pbd
 from pallas_kernels import common as pcommon
-from pallas_kernels import quantize_rht_t as pr
+from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pr
 
 Q_BYTES = 0.5 + 1 / 16  # Codes + scales written per element.
 
@@ -68,64 +71,64 @@ SR_RHT = Operand(format="nvfp4", rounding="stochastic", rht=True)
 def variants(key):
   """(name, bytes/elem, pallas fn, xla fn, needs_amax_t?) over x [T, F]."""
   q = functools.partial
-  k_row, k_t = fused.split_key(key)
+  k_row, k_t = pair_api.split_key(key)
   return [
       ("quantize 1x16 RTNE", 2 + Q_BYTES,
-       lambda x, a: nvfp4.quantize(x, amax=a, implementation="pallas"),
-       lambda x, a: nvfp4.quantize(x, amax=a, implementation="xla"), "x"),
+       lambda x, a: quantize_api.quantize(x, amax=a, implementation="pallas"),
+       lambda x, a: quantize_api.quantize(x, amax=a, implementation="xla"), "x"),
       ("quantize 1x16 RTNE +amax", 2 + Q_BYTES,
-       q(nvfp4.quantize, implementation="pallas"),
-       q(nvfp4.quantize, implementation="xla"), None),
+       q(quantize_api.quantize, implementation="pallas"),
+       q(quantize_api.quantize, implementation="xla"), None),
       ("quantize 1x16 SR", 2 + Q_BYTES,
-       lambda x, a: nvfp4.quantize(x, amax=a, rounding="stochastic", key=key,
+       lambda x, a: quantize_api.quantize(x, amax=a, rounding="stochastic", key=key,
                                    implementation="pallas"),
-       lambda x, a: nvfp4.quantize(x, amax=a, rounding="stochastic", key=key,
+       lambda x, a: quantize_api.quantize(x, amax=a, rounding="stochastic", key=key,
                                    implementation="xla"), "x"),
       ("quantize 1x16 SR +amax", 2 + Q_BYTES,
-       q(nvfp4.quantize, rounding="stochastic", key=key,
+       q(quantize_api.quantize, rounding="stochastic", key=key,
          implementation="pallas"),
-       q(nvfp4.quantize, rounding="stochastic", key=key,
+       q(quantize_api.quantize, rounding="stochastic", key=key,
          implementation="xla"), None),
       ("quantize 16x16 RTNE +amax", 2 + Q_BYTES,
-       q(nvfp4.quantize, block_2d=True, implementation="pallas"),
-       q(nvfp4.quantize, block_2d=True, implementation="xla"), None),
+       q(quantize_api.quantize, block_2d=True, implementation="pallas"),
+       q(quantize_api.quantize, block_2d=True, implementation="xla"), None),
       ("quantize 1x16 + bf16 values +amax", 4 + Q_BYTES,
-       q(fused.quantize_with_values, implementation="pallas"),
-       q(fused.quantize_with_values, implementation="xla"), None),
+       q(quantize_api.quantize_with_values, implementation="pallas"),
+       q(quantize_api.quantize_with_values, implementation="xla"), None),
       ("rht_t RTNE", 2 + Q_BYTES,
-       lambda x, a: fused.quantize_rht_t(x, amax=a, implementation="pallas"),
-       lambda x, a: fused.quantize_rht_t(x, amax=a, implementation="xla"),
+       lambda x, a: rht_t_api.quantize_rht_t(x, amax=a, implementation="pallas"),
+       lambda x, a: rht_t_api.quantize_rht_t(x, amax=a, implementation="xla"),
        "t"),
       ("rht_t RTNE +amax", 2 + Q_BYTES,
-       q(fused.quantize_rht_t, implementation="pallas"),
-       q(fused.quantize_rht_t, implementation="xla"), None),
+       q(rht_t_api.quantize_rht_t, implementation="pallas"),
+       q(rht_t_api.quantize_rht_t, implementation="xla"), None),
       ("rht_t SR", 2 + Q_BYTES,
-       lambda x, a: fused.quantize_rht_t(x, amax=a, rounding="stochastic",
+       lambda x, a: rht_t_api.quantize_rht_t(x, amax=a, rounding="stochastic",
                                          key=key, implementation="pallas"),
-       lambda x, a: fused.quantize_rht_t(x, amax=a, rounding="stochastic",
+       lambda x, a: rht_t_api.quantize_rht_t(x, amax=a, rounding="stochastic",
                                          key=key, implementation="xla"), "t"),
       ("rht_t SR +amax", 2 + Q_BYTES,
-       q(fused.quantize_rht_t, rounding="stochastic", key=key,
+       q(rht_t_api.quantize_rht_t, rounding="stochastic", key=key,
          implementation="pallas"),
-       q(fused.quantize_rht_t, rounding="stochastic", key=key,
+       q(rht_t_api.quantize_rht_t, rounding="stochastic", key=key,
          implementation="xla"), None),
       ("x + rht_t RTNE +amax", 2 + 2 * Q_BYTES,
-       q(fused.quantize_x_and_rht_t, implementation="pallas"),
-       q(fused.quantize_x_and_rht_t, implementation="xla"), None),
+       q(pair_api.quantize_x_and_rht_t, implementation="pallas"),
+       q(pair_api.quantize_x_and_rht_t, implementation="xla"), None),
       ("x + rht_t SR +amax", 2 + 2 * Q_BYTES,
-       q(fused.quantize_x_and_rht_t, key=key, implementation="pallas"),
-       q(fused.quantize_x_and_rht_t, key=key, implementation="xla"), None),
+       q(pair_api.quantize_x_and_rht_t, key=key, implementation="pallas"),
+       q(pair_api.quantize_x_and_rht_t, key=key, implementation="xla"), None),
       # The pairs as the layer quantizes them on Hopper (`NVFP4Values` for
       # the operands multiplied at once: no dequantize pass follows).
       ("X pair as used: x values + rht_t codes, RTNE +amax", 4 + Q_BYTES,
-       q(fused.quantize_pair, row=RTNE, wgrad=RTNE_RHT, values=(True, False),
+       q(pair_api.quantize_pair, row=RTNE, wgrad=RTNE_RHT, values=(True, False),
          implementation="pallas"),
-       q(fused.quantize_pair, row=RTNE, wgrad=RTNE_RHT, values=(True, False),
+       q(pair_api.quantize_pair, row=RTNE, wgrad=RTNE_RHT, values=(True, False),
          implementation="xla"), None),
       ("dY pair as used: both values, SR +amax", 6.0,
-       q(fused.quantize_pair, row=SR, wgrad=SR_RHT, key_row=k_row, key_t=k_t,
+       q(pair_api.quantize_pair, row=SR, wgrad=SR_RHT, key_row=k_row, key_t=k_t,
          values=(True, True), implementation="pallas"),
-       q(fused.quantize_pair, row=SR, wgrad=SR_RHT, key_row=k_row, key_t=k_t,
+       q(pair_api.quantize_pair, row=SR, wgrad=SR_RHT, key_row=k_row, key_t=k_t,
          values=(True, True), implementation="xla"), None),
   ]
 
@@ -171,7 +174,7 @@ def run(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
     del ys
 
   # The amax pass alone and the dequantize kernel, for reference.
-  f_amax = jax.jit(lambda x: nvfp4.tensor_amax(nm.ftz(x.astype(jnp.float32))))
+  f_amax = jax.jit(lambda x: quantize_ref.tensor_amax(nm.ftz(x.astype(jnp.float32))))
   t = timing.bench(f_amax, [(x,) for x in xs])
   rows.append(dict(kernel="amax pass (XLA reduction)", bytes_per_elem=2.0,
                    us=t * 1e6, tbps=2 * n / t / 1e12,
@@ -189,11 +192,11 @@ def run(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
                      gpu_of_copy=(2 * n / g) * gpu_copy_s / (8 * n)
                      if gpu_copy_s else float("nan")))
 
-  qs = [nvfp4.quantize(x, implementation="pallas") for x in xs]
-  f_x = jax.jit(lambda q: nvfp4.block_dequantize_nvfp4(q)[0])
+  qs = [quantize_api.quantize(x, implementation="pallas") for x in xs]
+  f_x = jax.jit(lambda q: values_ref.block_dequantize_nvfp4(q)[0])
   t_x = timing.bench(f_x, [(q,) for q in qs])
   b = (Q_BYTES + 2) * n
-  q_small = nvfp4.quantize(check_input(), implementation="pallas")
+  q_small = quantize_api.quantize(check_input(), implementation="pallas")
   for asm in (True, False):  # The kernels' decode, and the jnp one.
     with _kernels(decode=asm):
       f_p = jax.jit(lambda q: pbd.block_values(q))  # pylint: disable=unnecessary-lambda
@@ -309,8 +312,8 @@ def sweep_amax(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
   cpu = jax.devices("cpu")[0]
   with jax.default_device(cpu):
     want = jax.jit(lambda x: (
-        nvfp4.tensor_amax(nm.ftz(x.astype(jnp.float32))),
-        nvfp4.tensor_amax(nf.rht(x.T).astype(jnp.float32))))(
+        quantize_ref.tensor_amax(nm.ftz(x.astype(jnp.float32))),
+        quantize_ref.tensor_amax(nf.rht(x.T).astype(jnp.float32))))(
             jax.device_put(small, cpu))
 
   def row(name, f, exact):
@@ -324,7 +327,7 @@ def sweep_amax(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
     got = f(small)
     return all(_same(a, b) for a, b in zip(got, want))
 
-  f = jax.jit(lambda x: nvfp4.tensor_amax(nm.ftz(x.astype(jnp.float32))))
+  f = jax.jit(lambda x: quantize_ref.tensor_amax(nm.ftz(x.astype(jnp.float32))))
   rows = [row("amax of x alone (XLA reduction)", f, "")]
   if old is not None:
     f = jax.jit(functools.partial(old, with_x=True))
@@ -475,7 +478,7 @@ def sweep_amax_programs(tokens: int, features: int,
   of `max |x|` alone. Every row is checked equal to the default's."""
   xs = [jax.random.normal(jax.random.key(i), (tokens, features),
                           jnp.float32).astype(jnp.bfloat16) for i in range(2)]
-  f = jax.jit(lambda x: nvfp4.tensor_amax(nm.ftz(x.astype(jnp.float32))))
+  f = jax.jit(lambda x: quantize_ref.tensor_amax(nm.ftz(x.astype(jnp.float32))))
   xla = timing.gpu_seconds(f, [(x,) for x in xs])
   rows = [dict(shape=f"{tokens}x{features}", kernel="max |x| (XLA)",
                gpu_us=xla * 1e6, vs_xla=1.0)]

@@ -38,16 +38,18 @@ from benchmarks import bench_step
 from benchmarks import timing
 from benchmarks.bench_quantize import check_input
 from benchmarks.bench_quantize import exact_vs_cpu
-from nvfp4_jax import dispatch
-from nvfp4_jax import fused
-from nvfp4_jax import gemm
-from nvfp4_jax import nvfp4
-from nvfp4_jax.recipe import Operand
+from nvfp4_jax.core import dispatch
+from nvfp4_jax.ops.quantize import api as quantize_api
+from nvfp4_jax.ops.quantize_pair import api as pair_api
+from nvfp4_jax.ops.quantize_rht_t import api as rht_t_api
+from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
+from nvfp4_jax.ops.block_scaled_matmul import reference as gemm_ref
+from nvfp4_jax.core.recipe import Operand
 
-_OPS = {"quantize": nvfp4.QUANTIZE, "quantize_rht_t": fused.QUANTIZE_RHT_T,
-        "quantize_pair": fused.QUANTIZE_PAIR,
-        "quantize_with_values": fused.QUANTIZE_WITH_VALUES,
-        "block_scaled_matmul": gemm.BLOCK_SCALED_MATMUL}
+_OPS = {"quantize": quantize_api.QUANTIZE, "quantize_rht_t": rht_t_api.QUANTIZE_RHT_T,
+        "quantize_pair": pair_api.QUANTIZE_PAIR,
+        "quantize_with_values": quantize_api.QUANTIZE_WITH_VALUES,
+        "block_scaled_matmul": gemm_api.BLOCK_SCALED_MATMUL}
 
 
 def _version(pkg: str) -> str:
@@ -80,10 +82,10 @@ def exactness(shape) -> list[dict]:
       ("quantize 1x16 SR", functools.partial(nv.quantize,
                                              rounding="stochastic", key=key)),
       ("quantize 16x16", functools.partial(nv.quantize, block_2d=True)),
-      ("quantize_with_values", fused.quantize_with_values),
+      ("quantize_with_values", quantize_api.quantize_with_values),
       ("quantize_rht_t SR", functools.partial(
-          fused.quantize_rht_t, rounding="stochastic", key=key)),
-      ("quantize_pair (dY: SR + RHT)", lambda x: fused.quantize_pair(
+          rht_t_api.quantize_rht_t, rounding="stochastic", key=key)),
+      ("quantize_pair (dY: SR + RHT)", lambda x: pair_api.quantize_pair(
           x, sr, sr_t, key_row=key, key_t=jax.random.key(8))),
       ("block_dequantize", lambda x: nv.block_dequantize(nv.quantize(x))),
   ]
@@ -115,17 +117,17 @@ def gemm_exactness(k: int) -> list[dict]:
   hb = nv.quantize(jnp.asarray(check_input((64, k), 2), jnp.float32),
                    block_2d=True)
   want_exact = np.asarray(jax.jit(functools.partial(
-      gemm.block_scaled_matmul, implementation="xla"))(a, b))
+      gemm_api.block_scaled_matmul, implementation="xla"))(a, b))
   want = np.asarray(jax.jit(functools.partial(
-      gemm.block_scaled_matmul, implementation="xla"))(ha, hb), np.float64)
+      gemm_api.block_scaled_matmul, implementation="xla"))(ha, hb), np.float64)
   va = np.abs(np.asarray(nv.block_dequantize(ha)[0], np.float64))
   vb = np.abs(np.asarray(nv.block_dequantize(hb)[0], np.float64))
-  bound = (va @ vb.T) * float(gemm.gemm_alpha(ha, hb)) * k * 2.0**-23
+  bound = (va @ vb.T) * float(gemm_ref.gemm_alpha(ha, hb)) * k * 2.0**-23
   rows = []
   for impl in (None, "pallas", "triton", "scaled_matmul"):
     name = impl or "default"
     try:
-      f = jax.jit(functools.partial(gemm.block_scaled_matmul,
+      f = jax.jit(functools.partial(gemm_api.block_scaled_matmul,
                                     implementation=impl))
       exact = np.array_equal(np.asarray(f(a, b)), want_exact)
       within = bool(np.all(np.abs(np.asarray(f(ha, hb), np.float64) - want)

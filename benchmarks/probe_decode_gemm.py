@@ -47,8 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from benchmarks import timing
-from nvfp4_jax import numerics as nm
-from pallas_kernels import values_matmul
+from nvfp4_jax.core import numerics as nm
+from nvfp4_jax.ops.block_scaled_matmul import pallas_mosaic_gpu as values_matmul
 
 SHAPES = ((8192, 4096, 4096), (16384, 2048, 768), (16384, 768, 2048))
 

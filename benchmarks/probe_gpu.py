@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from nvfp4_jax import gemm
-from nvfp4_jax import nvfp4
+from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
+from nvfp4_jax.ops.quantize import api as quantize_api
+from nvfp4_jax.ops.quantize import reference as quantize_ref
 from pallas_kernels import common
 
 
@@ -50,11 +51,11 @@ def division() -> list[str]:
 def dot_scaled() -> list[str]:
   a = jax.random.normal(jax.random.key(0), (256, 512), jnp.float32)
   b = jax.random.normal(jax.random.key(1), (384, 512), jnp.float32)
-  qa, qb = nvfp4.quantize(a), nvfp4.quantize(b)
-  want = np.asarray(gemm.block_scaled_matmul(qa, qb, implementation="xla"))
+  qa, qb = quantize_api.quantize(a), quantize_api.quantize(b)
+  want = np.asarray(gemm_api.block_scaled_matmul(qa, qb, implementation="xla"))
   out = []
   try:
-    f = jax.jit(functools.partial(gemm.block_scaled_matmul,
+    f = jax.jit(functools.partial(gemm_api.block_scaled_matmul,
                                   implementation="triton"))
     got = np.asarray(f(qa, qb))
     err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
@@ -66,7 +67,7 @@ def dot_scaled() -> list[str]:
 
 
 def excess_precision() -> list[str]:
-  from nvfp4_jax.hadamard import rht  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.core.hadamard import rht  # pylint: disable=g-import-not-at-top
   cpu = jax.devices("cpu")[0]
   x = (jax.random.normal(jax.random.key(0), (2048, 1024), jnp.float32) * 3
        ).astype(jnp.bfloat16)
@@ -84,11 +85,11 @@ def excess_precision() -> list[str]:
              f"differ |")
   for name, fn in (
       ("quantize_reference(rht(x.T))",
-       lambda x: nvfp4.quantize_reference(rht(x.T))),
+       lambda x: quantize_ref.quantize_reference(rht(x.T))),
       ("quantize_reference(rht(x.T), SR)",
-       lambda x: nvfp4.quantize_reference(rht(x.T), rounding="stochastic",
+       lambda x: quantize_ref.quantize_reference(rht(x.T), rounding="stochastic",
                                           key=jax.random.key(3))),
-      ("quantize_reference(x)", nvfp4.quantize_reference)):
+      ("quantize_reference(x)", quantize_ref.quantize_reference)):
     g, c = both(fn)
     bad = [int(np.sum(np.atleast_1d(np.asarray(a)).view(np.uint8)
                       != np.atleast_1d(np.asarray(b)).view(np.uint8)))

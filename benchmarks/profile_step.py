@@ -33,7 +33,7 @@ CLASSES = (
     ("pallas: block values (dequantize)", r"nvfp4_block_values"),
     ("pallas: other", r"nvfp4_"),
     ("attention (cuDNN)", r"cudnn|flash|fmha|sdpa"),
-    # `kernel_mosaic_gpu_kernel`: `pallas_kernels.values_matmul`.
+    # `kernel_mosaic_gpu_kernel`: `nvfp4_jax.ops.block_scaled_matmul.pallas_mosaic_gpu`.
     ("GEMM (cuBLAS/CUTLASS/Mosaic)",
      r"gemm|xmma|cutlass|sm\d+_.*_tn|nvjet|wgmma|mosaic_gpu"),
     ("XLA reduction fusions", r"reduce|reduction"),
@@ -104,7 +104,7 @@ def layer_ops(hlo_text: str, kernels: dict[str, tuple[float, float]]
   Looks each kernel up in the compiled HLO (the trace names a fusion
   `loop_add_fusion_3` where the HLO has `%loop_add_fusion.3`) and reads the
   `op_name` its source path left: ops under an `nvfp4_layer[...]` scope
-  (`ops.layer_scope`) are keyed by the path after it, named regions
+  (`training.dot_general.layer_scope`) are keyed by the path after it, named regions
   unwrapped (`nvfp4_quantize_w/transpose`), with "bwd " in the backward
   pass. The library's Pallas kernels (named `nvfp4_*`) are keyed by name.
 

@@ -202,13 +202,13 @@ def _cases() -> list[Case]:
   # pylint: disable=g-import-not-at-top
   import jax
   import jax.numpy as jnp
-  from nvfp4_jax import fused
-  from nvfp4_jax.qarray import NVFP4Array
-  from pallas_kernels import block_dequantize as pbd
-  from pallas_kernels import quantize as pq
-  from pallas_kernels import quantize_pair as pp
-  from pallas_kernels import quantize_rht_t as pr
-  from pallas_kernels import weight_only_matmul as pwo
+  from nvfp4_jax.ops.quantize import api as quantize_api
+  from nvfp4_jax.core.arrays import NVFP4Array
+  from nvfp4_jax.ops.block_values import pallas_triton as pbd
+  from nvfp4_jax.ops.quantize import pallas_triton as pq
+  from nvfp4_jax.ops.quantize_pair import pallas_triton as pp
+  from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pr
+  from nvfp4_jax.ops.weight_only_matmul import pallas_triton as pwo
   # pylint: enable=g-import-not-at-top
   sds = jax.ShapeDtypeStruct
   n = ELEMS
@@ -264,7 +264,7 @@ def _cases() -> list[Case]:
 
   def weight_only():
     def fn(x, w):
-      return pwo.weight_only_matmul(x, fused.quantize(w, block_2d=True))
+      return pwo.weight_only_matmul(x, quantize_api.quantize(w, block_2d=True))
     return fn, (sds((wm, wk), jnp.bfloat16), sds((wn, wk), jnp.bfloat16))
 
   return [

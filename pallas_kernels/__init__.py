@@ -1,1 +1,15 @@
-"""Pallas-Triton kernels for NVFP4 (see nvfp4_jax for the reference)."""
+"""The Pallas plumbing every op's GPU kernel shares (`common`).
+
+Each op's kernels live in its folder, `nvfp4_jax/ops/<op>/pallas_triton.py`
+(and `pallas_mosaic_gpu.py`, `triton.py`), beside the op's reference; what
+they share sits here, below every op: backend checks, exact division,
+NaN-propagating maxima, inline-PTX E2M1 encoders and decoders, masked loads
+and the launch helper. It imports only `nvfp4_jax.core`.
+
+The kernels' old module paths (`pallas_kernels.quantize`, ...) keep importing
+(`nvfp4_jax._compat`).
+"""
+
+from nvfp4_jax import _compat
+
+_compat.install()

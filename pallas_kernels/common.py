@@ -1,7 +1,7 @@
 """Plumbing shared by the Pallas-Triton kernels: backend checks, exact division,
 NaN-propagating maxima and the launch helper.
 
-The numerics live in `nvfp4_jax.numerics` (and `nvfp4_jax.prng`); the kernels
+The numerics live in `nvfp4_jax.core.numerics` (and `nvfp4_jax.core.prng`); the kernels
 apply those same jnp functions to their tiles. What is here only makes them
 lower to Triton with the same results:
 
@@ -13,10 +13,10 @@ lower to Triton with the same results:
   corrupt them. `bounds_mask` + `load`/`store` mask partial tiles explicitly
   (interpret mode pads instead, which hid this on CPU).
 - Per-program partial amaxes travel as uint32 bit patterns (the form
-  `nvfp4_jax.tile.abs_max` reduces, NaN-propagating in Triton too).
+  `nvfp4_jax.core.tile.abs_max` reduces, NaN-propagating in Triton too).
 - `block_encoder` (E2M1 rounding, packing, block values) and `block_values`
   / `block_value_pairs` (decoding) are inline PTX on the GPU, bit for bit
-  the `nvfp4_jax.tile` functions they replace (tests/test_encoder.py,
+  the `nvfp4_jax.core.tile` functions they replace (tests/test_encoder.py,
   tests/test_kernels.py); interpreted, they are those functions.
 """
 
@@ -31,9 +31,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from nvfp4_jax import dispatch
-from nvfp4_jax import numerics as nm
-from nvfp4_jax import tile
+from nvfp4_jax.core import dispatch
+from nvfp4_jax.core import numerics as nm
+from nvfp4_jax.core import tile
 
 
 def backend() -> str:

@@ -12,8 +12,8 @@ from models import MLP_KINDS
 from models.gpt import ATTENTION_KINDS
 from models.gpt import REMAT_KINDS
 from models.gpt import check_choice
-from nvfp4_jax.recipe import FOUR_OVER_SIX_MODES
-from nvfp4_jax.recipe import RESIDUALS
+from nvfp4_jax.core.recipe import FOUR_OVER_SIX_MODES
+from nvfp4_jax.core.recipe import RESIDUALS
 
 PRECISIONS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
 # The step counter is an int32 on the device; seeds feed NumPy's and JAX's

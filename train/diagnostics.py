@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 import nvfp4_jax
-from nvfp4_jax.sensitivity import tensor_stats
+from nvfp4_jax.tools.sensitivity import tensor_stats
 
 
 def _get(tree: Any, path: str) -> Any:

@@ -31,7 +31,7 @@ def plot(results, path: pathlib.Path, title: str) -> str:
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  from nvfp4_jax.sensitivity import METRICS  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.tools.sensitivity import METRICS  # pylint: disable=g-import-not-at-top
   x = np.arange(len(results))
   fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(results)), 3.5))
   for i, m in enumerate(METRICS):
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   import nvfp4_jax as nv  # pylint: disable=g-import-not-at-top
   from models import GPT  # pylint: disable=g-import-not-at-top
-  from nvfp4_jax import sensitivity  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.tools import sensitivity  # pylint: disable=g-import-not-at-top
   from train import data as data_lib  # pylint: disable=g-import-not-at-top
   from train.config import TrainConfig  # pylint: disable=g-import-not-at-top
   from train.loop import cross_entropy  # pylint: disable=g-import-not-at-top

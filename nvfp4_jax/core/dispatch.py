@@ -1,0 +1,142 @@
+"""`implementation=` dispatch between the pure-jnp reference and the kernels.
+
+Every op with kernels is an `Op`: its implementations by name, registered in
+one place (the op's module), and one platform preference for all of them
+(`PREFERRED`). "xla" is the pure-jnp reference (the truth, and the CPU
+default); the other names select kernels, imported lazily (the GPU extras need
+not be installed to use the reference). `implementation=None` picks per
+platform: the first preferred implementation that supports the call, falling
+back when a kernel raises `NotImplementedError` (unsupported backend, size or
+combination). An explicit name never falls back: its `NotImplementedError`
+reaches the caller.
+
+The public ops validate their arguments before calling `Op.__call__`, so every
+implementation may trust its inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+from typing import Any, Callable, Iterator, Mapping
+
+import jax
+
+from nvfp4_jax.core.scope import ScopeStack
+
+_OVERRIDE: ScopeStack[str] = ScopeStack()
+
+# Platform -> implementation names tried in order before the reference. The
+# one preference of every op: kernels on GPUs, the reference elsewhere.
+PREFERRED: Mapping[str, tuple[str, ...]] = {"gpu": ("pallas",)}
+
+
+def platform() -> str:
+  """The default backend's platform: "cpu", "gpu", "tpu"."""
+  return jax.default_backend()
+
+
+def compute_capability() -> tuple[int, int] | None:
+  """`(major, minor)` of the first GPU, or None if unknown (or no GPU)."""
+  try:
+    cc = jax.devices("gpu")[0].compute_capability
+  except (RuntimeError, AttributeError, IndexError):
+    return None
+  major, minor = str(cc).split(".")[:2]
+  return int(major), int(minor)
+
+
+@contextlib.contextmanager
+def default_implementation(name: str) -> Iterator[None]:
+  """Within the block, `implementation=None` tries `name` first.
+
+  Applies while tracing: wrap the `jax.jit`/first call, e.g.
+  `with default_implementation("xla"): step(...)` runs the pure-jnp reference
+  everywhere (for comparisons and benchmarks) without touching model code.
+  Ops without that implementation, or that cannot run it, fall back to "xla".
+  """
+  with _OVERRIDE.push(name):
+    yield
+
+
+def current_default() -> str | None:
+  """The innermost `default_implementation` name in force, or None.
+
+  Code that traces later (a custom_vjp's backward pass, a cached trace) passes
+  it along, so the block's choice holds for everything it started.
+  """
+  return _OVERRIDE.current()
+
+
+@contextlib.contextmanager
+def maybe_default_implementation(name: str | None) -> Iterator[None]:
+  """`default_implementation(name)`, or nothing when `name` is None."""
+  if name is None:
+    yield
+  else:
+    with default_implementation(name):
+      yield
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """An op's implementations, dispatched by name.
+
+  Attributes:
+    name: the op's public name, for error messages.
+    implementations: implementation name -> the callable, or a
+      "module:function" string imported on first use. Must hold "xla".
+    preferred: a callable `platform -> names` overriding `PREFERRED` for this
+      op (e.g. a GEMM that prefers native FP4 on some GPUs); None uses
+      `PREFERRED`.
+  """
+
+  name: str
+  implementations: Mapping[str, Callable[..., Any] | str]
+  preferred: Callable[[str], tuple[str, ...]] | None = None
+
+  def __post_init__(self):
+    if "xla" not in self.implementations:
+      raise ValueError(f"{self.name}: the reference 'xla' is missing.")
+
+  def resolve(self, name: str) -> Callable[..., Any]:
+    impl = self.implementations[name]
+    if isinstance(impl, str):
+      module, fn = impl.split(":")
+      impl = getattr(importlib.import_module(module), fn)
+    return impl
+
+  def order(self) -> tuple[str, ...]:
+    """The names `implementation=None` tries here, the reference last."""
+    override = _OVERRIDE.current()
+    if override is not None:
+      names = (override,)
+    elif self.preferred is not None:
+      names = tuple(self.preferred(platform()))
+    else:
+      names = tuple(PREFERRED.get(platform(), ()))
+    return tuple(n for n in names if n in self.implementations
+                 and n != "xla") + ("xla",)
+
+  def __call__(self, implementation: str | None, *args, **kwargs) -> Any:
+    """Runs `implementation` (None: the platform's preference) on the args.
+
+    Raises:
+      ValueError: unknown implementation name.
+      NotImplementedError: the named implementation does not support the call.
+    """
+    if implementation is None:
+      *kernels, _ = self.order()
+      for name in kernels:
+        try:
+          return self.resolve(name)(*args, **kwargs)
+        except NotImplementedError:
+          continue
+      return self.resolve("xla")(*args, **kwargs)
+    if implementation not in self.implementations:
+      raise ValueError(
+          f"{self.name}: unknown implementation {implementation!r}; use one "
+          f"of {tuple(self.implementations)} or None (the platform's "
+          f"default).")
+    return self.resolve(implementation)(*args, **kwargs)

@@ -1,0 +1,243 @@
+"""Block-scaled GEMM on quantized operands, and its backends.
+
+`block_scaled_matmul(a, b)` computes `a @ b.T` for two arrays quantized along
+their shared last axis K (the TN layout of Blackwell's block-scaled GEMM). On
+hardware without FP4 tensor cores the exact emulation is: block-dequantize each
+operand to bf16 (exact: see `block_dequantize`), a bf16 GEMM with FP32
+accumulation, then the tensor scales as one FP32 factor
+`alpha = amax_a * amax_b / 2688^2`.
+
+Backends, one file each: `reference.py` ("xla"), the emulation with the
+Pallas block-values kernel ("pallas"; its GEMM `block_values_matmul` is XLA's
+or `pallas_mosaic_gpu.py`'s), `triton.py` (Triton `dot_scaled`, native FP4 on
+Blackwell) and `cudnn.py` (`jax.nn.scaled_matmul`, native FP4 on Blackwell).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+
+import jax
+import jax.numpy as jnp
+
+from nvfp4_jax.core import dispatch
+from nvfp4_jax.core.arrays import MXArray
+from nvfp4_jax.core.arrays import NVFP4Array
+from nvfp4_jax.core.arrays import NVFP4Values
+from nvfp4_jax.core.arrays import QArray
+
+from nvfp4_jax.ops.block_scaled_matmul.cudnn import _matmul_scaled_matmul
+from nvfp4_jax.ops.block_scaled_matmul.cudnn import _require_nvfp4
+from nvfp4_jax.ops.block_scaled_matmul.reference import _matmul_xla
+from nvfp4_jax.ops.block_scaled_matmul.reference import _values_matmul_xla
+from nvfp4_jax.ops.block_scaled_matmul.reference import gemm_alpha
+from nvfp4_jax.ops.block_values.api import BLOCK_VALUES
+
+
+# The implementations that multiply bf16 block values (the exact emulation).
+EMULATIONS = ("xla", "pallas")
+
+
+def block_scaled_matmul(a: QArray, b: QArray, *, out_dtype=jnp.float32,
+                        implementation: str | None = None) -> jax.Array:
+  """`a @ b.T` over the quantized last axis, FP32 accumulation.
+
+  Args:
+    a: quantized `[M, K]` (an `NVFP4Array` or `MXArray`; or `NVFP4Values`,
+      the block values a quantizer wrote for the exact emulation).
+    b: quantized `[N, K]`.
+    out_dtype: dtype of the result; the FP32 product is scaled by `alpha` in
+      FP32 and then cast.
+    implementation: how to run it (all exact: bf16 products of block values,
+      FP32 accumulation; results differ only by FP32 summation order):
+      - "xla": the reference: block-dequantize in jnp, `lax.dot_general`.
+      - "pallas": the Pallas block-dequantize kernel, then a bf16 GEMM with
+        FP32 accumulation (`block_values_matmul`'s default: XLA's GEMM, or
+        on Hopper our Mosaic GPU kernel where it is measured to win). NVFP4
+        only.
+      - "triton": a jax-triton kernel with `tl.dot_scaled` (FP4 tensor cores;
+        compute capability >= 10 only). NVFP4 only.
+      - "scaled_matmul": `jax.nn.scaled_matmul` on float4_e2m1fn operands
+        (cuDNN on Blackwell; XLA decomposes it elsewhere). NVFP4 on GPU only.
+      - None: a native FP4 path on Blackwell (compute capability >= 10;
+        see `gemm_preference`), "pallas" on other GPUs, "xla" elsewhere;
+        a path that cannot run the call falls back to the next.
+      With an `NVFP4Values` operand only the emulations ("xla", "pallas",
+      None) apply: the other operand's codes are block-dequantized by that
+      implementation and the values multiplied as they are.
+
+  Returns:
+    `[M, N]` in `out_dtype`.
+  """
+  for name, q in (("a", a), ("b", b)):
+    if not isinstance(q, (NVFP4Array, NVFP4Values, MXArray)):
+      raise TypeError(
+          f"block_scaled_matmul: {name} must be an NVFP4Array, NVFP4Values or "
+          f"MXArray, got {type(q).__name__}.")
+    if q.ndim != 2:
+      raise ValueError(
+          f"block_scaled_matmul: {name} must be 2-D [rows, K], got shape "
+          f"{q.shape}.")
+  if a.shape[1] != b.shape[1]:
+    raise ValueError(
+        f"block_scaled_matmul: contraction sizes differ, a {a.shape} vs b "
+        f"{b.shape} (both are quantized along their last axis: a @ b.T).")
+  if isinstance(a, NVFP4Values) or isinstance(b, NVFP4Values):
+    return _matmul_values(a, b, out_dtype=out_dtype,
+                          implementation=implementation)
+  return BLOCK_SCALED_MATMUL(implementation, a, b, out_dtype=out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+  """How a layer's block-scaled GEMMs run on one device, decided once.
+
+  Attributes:
+    impl: the `default_implementation` in force when the layer was traced
+      (None: the platform's preference); the backward pass, traced later,
+      runs under it too.
+    backend: what `block_scaled_matmul(implementation=None)` runs first.
+    values: the backend is the exact emulation, which multiplies bf16 block
+      values: a quantizer may hand it `NVFP4Values` (no dequantize pass).
+      A native FP4 GEMM (Blackwell) multiplies codes.
+    residuals: "codes" or "values": how the backward pass's NVFP4 operands
+      are saved. "values" only where `values` holds.
+  """
+
+  impl: str | None
+  backend: str
+  values: bool
+  residuals: str
+
+
+def gemm_plan(residuals: str = "codes", *, platform: str,
+              cc: tuple[int, int] | None,
+              impl: str | None = None) -> GemmPlan:
+  """The GEMM backend on `platform` (compute capability `cc`), and what it
+  means for the operands and the residuals.
+
+  `residuals="values"` (`Recipe(residuals="values")`) where a native FP4
+  GEMM runs saves codes, since that GEMM multiplies codes; a `UserWarning`
+  says so, once per call site.
+
+  Args:
+    residuals: the recipe's choice, "codes" or "values".
+    platform: "cpu", "gpu" or "tpu".
+    cc: the GPU's compute capability, None elsewhere.
+    impl: a `default_implementation` name in force, or None.
+  """
+  names = (impl,) if impl is not None else gemm_preference(platform, cc)
+  names = tuple(n for n in names if n in BLOCK_SCALED_MATMUL.implementations
+                and n != "xla") + ("xla",)
+  backend = names[0]
+  values = backend in EMULATIONS
+  if residuals == "values" and not values:
+    warnings.warn(
+        f"Recipe(residuals='values') saves codes here: the GEMM runs "
+        f"{backend!r}, a native FP4 GEMM that multiplies codes, not bf16 "
+        f"block values. Use residuals='codes' on this device (it saves "
+        f"memory and is what runs).", UserWarning, stacklevel=3)
+    residuals = "codes"
+  return GemmPlan(impl=impl, backend=backend, values=values,
+                  residuals=residuals)
+
+
+def consumes_values() -> bool:
+  """Whether `block_scaled_matmul(implementation=None)` runs the exact
+  emulation here (bf16 block values, then a bf16 GEMM): `gemm_plan` on this
+  process's default device, under the `default_implementation` in force.
+  """
+  return gemm_plan(platform=dispatch.platform(),
+                   cc=dispatch.compute_capability(),
+                   impl=dispatch.current_default()).values
+
+
+def _matmul_values(a, b, *, out_dtype, implementation):
+  if implementation not in (None, *EMULATIONS):
+    raise ValueError(
+        f"block_scaled_matmul: implementation={implementation!r} multiplies "
+        f"FP4 codes; an NVFP4Values operand holds block values, which only "
+        f"the emulation {EMULATIONS} (or None) multiplies. Quantize to an "
+        f"NVFP4Array (nvfp4_jax.quantize) for a native FP4 GEMM.")
+  for q in (a, b):
+    if not isinstance(q, (NVFP4Array, NVFP4Values)):
+      raise TypeError(
+          f"block_scaled_matmul: an NVFP4Values operand multiplies an NVFP4 "
+          f"operand, got {type(q).__name__}.")
+  def vals(q):
+    if isinstance(q, NVFP4Values):
+      return q.values
+    return BLOCK_VALUES(implementation, q)
+  return block_values_matmul(vals(a), vals(b), gemm_alpha(a, b),
+                             out_dtype=out_dtype)
+
+
+def block_values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
+                        out_dtype=jnp.float32, vb_kn: bool = False,
+                        implementation: str | None = None) -> jax.Array:
+  """`(va @ vb.T) * alpha`: bf16 block values `[M, K]`, `[N, K]`, FP32 acc.
+
+  The GEMM of the exact emulation, for callers that already hold the block
+  values (e.g. from `nvfp4_jax.quantize_with_values`). `vb_kn`: `vb`
+  is `[K, N]` instead (`va @ vb`; e.g. a 16x16-scaled weight's values in
+  flax's `[in, out]` layout, the transpose of its `[out, in]` quantization):
+  the same products, and the GEMM reads the layout as it is.
+
+  implementation: "xla" (`lax.dot_general`, FP32 accumulation, then
+  `* alpha` and the cast), "pallas" (a Pallas Mosaic GPU GEMM with `alpha`
+  in its epilogue, Hopper only: `nvfp4_jax.ops.block_scaled_matmul.pallas_mosaic_gpu`), or None:
+  "pallas" on a GPU where it runs the call and is measured to win (large
+  outputs), "xla" otherwise. Both multiply exact products; results differ
+  only by the FP32 summation order.
+  """
+  return VALUES_MATMUL(implementation, va, vb, alpha, out_dtype=out_dtype,
+                       vb_kn=vb_kn)
+
+
+VALUES_MATMUL = dispatch.Op("block_values_matmul", {
+    "xla": _values_matmul_xla,
+    "pallas": "nvfp4_jax.ops.block_scaled_matmul.pallas_mosaic_gpu:values_matmul",
+})
+
+
+def _matmul_pallas(a, b, *, out_dtype):
+  _require_nvfp4(a, b, "pallas")
+  return block_values_matmul(BLOCK_VALUES("pallas", a),
+                             BLOCK_VALUES("pallas", b),
+                             gemm_alpha(a, b), out_dtype=out_dtype)
+
+
+def _matmul_triton(a, b, *, out_dtype):
+  _require_nvfp4(a, b, "triton")
+  from nvfp4_jax.ops.block_scaled_matmul import triton as kernel  # pylint: disable=g-import-not-at-top
+  return kernel.block_scaled_matmul(a, b, gemm_alpha(a, b),
+                                    out_dtype=out_dtype)
+
+
+def gemm_preference(platform: str, cc: tuple[int, int] | None
+                    ) -> tuple[str, ...]:
+  """The implementations `block_scaled_matmul` tries first on a device.
+
+  Blackwell (compute capability 10.x data-center, 12.x consumer) has
+  block-scaled FP4 tensor cores: a native path first, the exact emulation
+  ("pallas") as the fallback. Data-center parts take cuDNN through
+  `jax.nn.scaled_matmul` first (JAX's own route to them), consumer parts
+  Triton's `tl.dot_scaled` first. Other GPUs (Hopper has no FP4 tensor cores)
+  take `dispatch.PREFERRED` (the emulation).
+  """
+  if platform == "gpu" and cc is not None and cc >= (10, 0):
+    native = (("triton", "scaled_matmul") if cc[0] >= 12
+              else ("scaled_matmul", "triton"))
+    return native + ("pallas",)
+  return tuple(dispatch.PREFERRED.get(platform, ()))
+
+
+BLOCK_SCALED_MATMUL = dispatch.Op("block_scaled_matmul", {
+    "xla": _matmul_xla,
+    "pallas": _matmul_pallas,
+    "triton": _matmul_triton,
+    "scaled_matmul": _matmul_scaled_matmul,
+}, preferred=lambda platform: gemm_preference(
+    platform, dispatch.compute_capability()))

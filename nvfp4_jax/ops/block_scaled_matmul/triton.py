@@ -1,0 +1,128 @@
+"""`nvfp4_jax.block_scaled_matmul` through jax-triton: `tl.dot_scaled` on FP4 tensor cores.
+
+`a @ b.T` for two `NVFP4Array`s quantized along K, FP32 accumulation, the
+tensor scales applied as one FP32 `alpha` at the end (as cuBLASLt/TE do).
+Operands are consumed as stored: packed E2M1 bytes (element `2k` in the low
+nibble, which is also `tl.dot_scaled`'s packing) and E4M3 block scales
+`[rows, K/16]`.
+
+The K-loop multiplies with `tl.dot_scaled(a, sa, "e2m1", b, sb, "e2m1")`:
+the block-scaled FP4 MMA of Blackwell (compute capability >= 10). Elsewhere
+the kernel raises `NotImplementedError` and dispatch takes the exact
+emulation ("pallas": block values + a bf16 GEMM), which is also the faster
+path on Hopper (Triton 3.6 cannot decompose `dot_scaled` with E4M3 scales
+there, and a K-loop that decodes the nibbles itself reached 22% of cuBLAS).
+No E2M1 decode is written here: the hardware decodes.
+
+jax-triton and triton are imported lazily: they are GPU-only extras.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from nvfp4_jax.core.arrays import NVFP4Array
+from pallas_kernels import common
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+  import triton  # pylint: disable=g-import-not-at-top
+  import triton.language as tl  # pylint: disable=g-import-not-at-top
+
+  @triton.jit
+  def nvfp4_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, alpha_ptr, c_ptr,
+                        M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_a = offs_m % M  # Clamp reads; the store is masked.
+    rows_b = offs_n % N
+    kp = tl.arange(0, BLOCK_K // 2)
+    ks = tl.arange(0, BLOCK_K // 16)
+    a_ptrs = a_ptr + rows_a[:, None] * (K // 2) + kp[None, :]
+    as_ptrs = as_ptr + rows_a[:, None] * (K // 16) + ks[None, :]
+    bs_ptrs = bs_ptr + rows_b[:, None] * (K // 16) + ks[None, :]
+    b_ptrs = b_ptr + rows_b[None, :] * (K // 2) + kp[:, None]  # [BK/2, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, K // BLOCK_K):
+      a = tl.load(a_ptrs)
+      b = tl.load(b_ptrs)
+      sa = tl.load(as_ptrs)
+      sb = tl.load(bs_ptrs)
+      acc = tl.dot_scaled(a, sa, "e2m1", b, sb, "e2m1", acc)
+      a_ptrs += BLOCK_K // 2
+      b_ptrs += BLOCK_K // 2
+      as_ptrs += BLOCK_K // 16
+      bs_ptrs += BLOCK_K // 16
+    alpha = tl.load(alpha_ptr)
+    out = acc * alpha
+    c_ptrs = c_ptr + offs_m[:, None] * N + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask)
+
+  return nvfp4_gemm_kernel
+
+
+def has_fp4_mma() -> bool:
+  """Whether the GPU has block-scaled FP4 MMA (compute capability >= 10)."""
+  cc = common.compute_capability()
+  return cc is not None and cc >= (10, 0)
+
+
+def block_scaled_matmul(a: NVFP4Array, b: NVFP4Array, alpha: jax.Array, *,
+                        out_dtype=jnp.float32, block_m: int = 128, block_n: int = 128,
+                        block_k: int = 128, num_warps: int = 8,
+                        num_stages: int = 3) -> jax.Array:
+  """`(a @ b.T) * alpha` on NVFP4 operands `a: [M, K]`, `b: [N, K]`.
+
+  Raises:
+    NotImplementedError: not on a GPU with FP4 MMA, jax-triton missing, MX
+      operands, or K not a multiple of 32.
+  """
+  if common.backend() != "gpu":
+    raise NotImplementedError(
+        "the jax-triton NVFP4 GEMM runs on NVIDIA GPUs only; use "
+        "implementation='xla' (or 'pallas') elsewhere.")
+  if not has_fp4_mma():
+    raise NotImplementedError(
+        f"implementation='triton' runs tl.dot_scaled on FP4 tensor cores "
+        f"(compute capability >= 10); this GPU is "
+        f"{common.compute_capability()}. Use 'pallas' (the exact emulation).")
+  if not (isinstance(a, NVFP4Array) and isinstance(b, NVFP4Array)):
+    raise NotImplementedError("the triton GEMM takes NVFP4Arrays only.")
+  try:
+    import jax_triton as jt  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise NotImplementedError(
+        "implementation='triton' needs jax-triton (pip install "
+        "'nvfp4-jax[gpu]').") from e
+  (m, k), (n, _) = a.shape, b.shape
+  if k % 32:
+    raise NotImplementedError(
+        f"the FP4 GEMM needs K to be a multiple of 32, got K={k}.")
+  bk = block_k
+  while k % bk:
+    bk //= 2
+  grid = (common.cdiv(m, block_m) * common.cdiv(n, block_n),)
+  return jt.triton_call(
+      a.codes, a.scales, b.codes, b.scales,
+      jnp.reshape(alpha.astype(jnp.float32), (1,)),
+      kernel=_kernel(),
+      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+      grid=grid, num_warps=num_warps, num_stages=num_stages,
+      M=m, N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
+      GROUP_M=8)

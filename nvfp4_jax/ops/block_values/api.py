@@ -1,0 +1,60 @@
+"""`dequantize`, `block_dequantize` and the `block_values` op (the emulated GEMM's operand).
+
+`block_dequantize(q)` is `(bf16 block values, FP32 tensor factor)`: exact, since
+`fp4 * f32(block scale)` needs at most 6 significant bits; a GEMM on the values
+with the factor applied to its FP32 output is the exact emulation of a
+block-scaled GEMM. `BLOCK_VALUES` dispatches the values of an NVFP4Array to the
+reference or the Pallas kernel (`pallas_triton.py`).
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+
+from nvfp4_jax.core import dispatch
+from nvfp4_jax.core.arrays import MXArray
+from nvfp4_jax.core.arrays import NVFP4Array
+from nvfp4_jax.core.arrays import NVFP4Values
+from nvfp4_jax.core.arrays import QArray
+
+from nvfp4_jax.ops.block_values.reference import block_dequantize_mx
+from nvfp4_jax.ops.block_values.reference import block_dequantize_nvfp4
+from nvfp4_jax.ops.block_values.reference import dequantize_mx
+from nvfp4_jax.ops.block_values.reference import dequantize_nvfp4
+
+
+def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
+  """Dequantizes an `NVFP4Array` or `MXArray` (FP32 arithmetic) to `dtype`."""
+  if isinstance(q, (NVFP4Array, NVFP4Values)):
+    return dequantize_nvfp4(q, dtype)
+  if isinstance(q, MXArray):
+    return dequantize_mx(q, dtype)
+  raise TypeError(f"dequantize needs an NVFP4Array, NVFP4Values or MXArray, "
+                  f"got {type(q)}.")
+
+
+def block_dequantize(q: QArray) -> tuple[jax.Array, jax.Array]:
+  """`(bf16 block-scaled values, FP32 tensor factor)`, exact (see NVFP4 docs).
+
+  The product of the two is `dequantize(q)`; a GEMM on the bf16 values with the
+  factors applied to its FP32 output is the exact emulation of a block-scaled
+  GEMM on hardware without FP4 tensor cores.
+  """
+  if isinstance(q, NVFP4Array):
+    return block_dequantize_nvfp4(q)
+  if isinstance(q, MXArray):
+    return block_dequantize_mx(q)
+  if isinstance(q, NVFP4Values):
+    return q.values, q.tensor_scale
+  raise TypeError(
+      f"block_dequantize needs an NVFP4Array, NVFP4Values or MXArray, got "
+      f"{type(q)}.")
+
+
+# The bf16 block values of an NVFP4Array: the emulated GEMM's operand.
+BLOCK_VALUES = dispatch.Op("block_values", {
+    "xla": lambda q: block_dequantize(q)[0],
+    "pallas": "nvfp4_jax.ops.block_values.pallas_triton:block_values",
+})

@@ -1,0 +1,170 @@
+"""Pallas-Triton kernel of `nvfp4_jax.quantize` (1x16 and 16x16 blocks).
+
+Data flow of `quantize`: the tensor amax is one XLA reduction (a global max
+must be complete before any block can be encoded); then one kernel reads each
+element once and writes the packed codes, the E4M3 scales and, optionally, the
+exact bf16 block-dequantized values that a Hopper GEMM consumes. Pass `amax=`
+(e.g. a `pmax` across shards, or an amax fused into the producer) to skip the
+reduction.
+
+The tile math is `nvfp4_jax.core.tile` (`block_amax`, `encode_blocks`) and
+`nvfp4_jax.core.prng.tile_words`, the functions the reference applies to the whole
+tensor: codes, scales and amax are the reference's by construction, and
+tests/test_kernels.py checks the plumbing. On the GPU the rounding and
+packing (step 4) is `common.block_encoder`'s assembly, bit for bit the
+reference's (tests/test_encoder.py). Arguments are validated by
+`nvfp4_jax.quantize` before dispatch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from nvfp4_jax.core import numerics as nm
+from nvfp4_jax.core import prng
+from nvfp4_jax.core import tile
+from nvfp4_jax.core.arrays import NVFP4Array
+from nvfp4_jax.core.arrays import NVFP4Values
+from pallas_kernels import common
+from nvfp4_jax.ops.quantize.config import QuantizeConfig
+from nvfp4_jax.ops.quantize.config import default_config
+
+B = nm.NVFP4_BLOCK
+
+
+def tile_masks(rows: int, nb: int, m: int, nb_total: int):
+  """Bounds masks of a `[rows, nb, ...]` tile (None where no tile is partial)."""
+  row0, blk0 = pl.program_id(0) * rows, pl.program_id(1) * nb
+  dims = ((0, row0, m, rows), (1, blk0, nb_total, nb))
+  return {w: common.bounds_mask((rows, nb, w), *dims) for w in (B, B // 2)} | {
+      0: common.bounds_mask((rows, nb), *dims)}
+
+
+def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
+                     with_codes: bool, with_values: bool, interpret: bool,
+                     m: int, nb_total: int, four_over_six: bool,
+                     words_per_row: int):
+  refs = list(refs)
+  amax_ref = refs.pop(0)
+  seeds_ref = refs.pop(0) if stochastic else None
+  origin_ref = refs.pop(0) if stochastic else None
+  x_ref = refs.pop(0)
+  codes_ref, scales_ref = (refs.pop(0), refs.pop(0)) if with_codes else (
+      None, None)
+  values_ref = refs.pop(0) if with_values else None
+  divide = common.exact_divide(interpret)
+  # Shape (1,), not scalars: the inline-asm division needs tensor operands.
+  s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
+      amax_ref[...], divide=divide, four_over_six=four_over_six)
+  rows, nb, _ = x_ref.shape
+  mask = tile_masks(rows, nb, m, nb_total)
+
+  x = common.load(x_ref, mask[B]).astype(jnp.float32)  # Flushed when scaled.
+  rwords = None
+  if stochastic:
+    # The tile's place in the (whole, maybe sharded) tensor's stream.
+    rwords = prng.tile_words(origin_ref[0] + pl.program_id(0) * rows, rows,
+                             origin_ref[1] + pl.program_id(1) * nb, nb,
+                             words_per_row, seeds_ref[0], seeds_ref[1])
+  packed, scales, values = tile.encode_blocks(
+      x, common.flushed_block_amax(x, block_2d), s_enc_over_6, inv_s_enc,
+      divide=divide, rwords=rwords, with_values=with_values,
+      with_codes=with_codes, values_as_pairs=True, split_pack=True,
+      four_over_six=four_over_six, block_2d=block_2d,
+      multiply=common.ftz_multiply(interpret),
+      flush=common.flush(interpret), encoder=common.block_encoder(interpret))
+  if with_codes:
+    common.store(codes_ref, packed, mask[B // 2])
+    common.store(scales_ref, scales, mask[0])
+  if with_values:  # bf16 pairs as uint32 (see `tile.value_pairs`).
+    common.store(values_ref, values, mask[B // 2])
+
+
+def quantize(x: jax.Array, *, block_2d: bool = False,
+             rounding: str = "nearest", key: jax.Array | None = None,
+             amax: jax.Array | None = None, with_values: bool = False,
+             with_codes: bool = True, four_over_six: bool = False,
+             placement: prng.Placement | None = None,
+             config: QuantizeConfig | None = None):
+  """`nvfp4_jax.quantize` as a Pallas-Triton kernel (interpreted on CPU).
+
+  Args:
+    x: float array `[..., K]`, validated by `nvfp4_jax.quantize`.
+    block_2d, rounding, key, amax, four_over_six, placement: as
+      `nvfp4_jax.quantize`.
+    with_values: also return the exact bf16 block-dequantized values
+      `[..., K]` (`fp4 * f32(scale)`, the Hopper GEMM's operand).
+    with_codes: False: write the values only (not the codes and scales) and
+      return them as `NVFP4Values` (`with_values` is then implied).
+    config: tile sizes; defaults to `default_config`.
+
+  Returns:
+    An `NVFP4Array`, or `(NVFP4Array, values)` with `with_values`, or
+    `NVFP4Values` without `with_codes`.
+
+  Raises:
+    NotImplementedError: on a backend the kernels do not support.
+  """
+  interpret = common.check_backend("quantize")
+  shape = x.shape
+  k = shape[-1]
+  m = x.size // k
+  if amax is None:
+    amax = tile.abs_max(nm.ftz(x.astype(jnp.float32)))
+  stochastic = rounding == "stochastic"
+  cfg = config or default_config(m, k, block_2d)
+  if block_2d and cfg.block_rows % B:
+    raise ValueError(
+        f"16x16 scaling needs block_rows to be a multiple of {B}; got "
+        f"{cfg.block_rows}.")
+  nb_total = k // B
+  br, bnb = cfg.block_rows, max(1, cfg.block_cols // B)
+  grid = (common.cdiv(m, br), common.cdiv(nb_total, bnb))
+
+  # The per-tensor constants are computed in the kernel, with its exact
+  # division (XLA:GPU's FP32 division is not correctly rounded).
+  in_specs = [common.scalar_spec(1)]
+  args = [amax.reshape(1)]
+  origin, words_per_row = prng.stream_origin(placement, k)
+  if stochastic:
+    in_specs += [common.scalar_spec(2), common.scalar_spec(2)]
+    args += [prng.seeds_from_key(key), origin]
+  in_specs.append(pl.BlockSpec((br, bnb, B), lambda i, j: (i, j, 0)))
+  args.append(x.reshape(m, nb_total, B))
+  with_values = with_values or not with_codes
+  out_shape, out_specs = [], []
+  if with_codes:
+    out_shape += [jax.ShapeDtypeStruct((m, nb_total, B // 2), jnp.uint8),
+                  jax.ShapeDtypeStruct((m, nb_total), jnp.float8_e4m3fn)]
+    out_specs += [pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)),
+                  pl.BlockSpec((br, bnb), lambda i, j: (i, j))]
+  if with_values:
+    out_shape.append(jax.ShapeDtypeStruct((m, nb_total, B // 2), jnp.uint32))
+    out_specs.append(pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)))
+
+  kernel = functools.partial(
+      _quantize_kernel, block_2d=block_2d, stochastic=stochastic,
+      with_codes=with_codes, with_values=with_values, interpret=interpret,
+      m=m, nb_total=nb_total, four_over_six=four_over_six,
+      words_per_row=words_per_row)
+  name = "nvfp4_quantize_2d" if block_2d else "nvfp4_quantize"
+  outs = list(common.pallas_call(
+      kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
+      name=name if with_codes else name + "_values",
+      grid=grid, in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape)(*args))
+  if with_values:
+    outs[-1] = tile.values_from_pairs(outs[-1]).reshape(shape)
+  if not with_codes:
+    return NVFP4Values(outs[0], amax, four_over_six=four_over_six)
+  lead = shape[:-1]
+  q = NVFP4Array(codes=outs[0].reshape(*lead, k // 2),
+                 scales=outs[1].reshape(*lead, nb_total), amax=amax,
+                 block_2d=block_2d, four_over_six=four_over_six)
+  if with_values:
+    return q, outs[2]
+  return q

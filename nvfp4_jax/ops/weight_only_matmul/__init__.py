@@ -1,0 +1,1 @@
+"""High-precision activations times a packed NVFP4 weight (inference)."""

@@ -1,0 +1,252 @@
+"""Packed NVFP4 export of a trained model, its loader, and inference with it.
+
+    nv.export.save("model.safetensors", model, params, rules, example_input)
+    packed = nv.export.load("model.safetensors")
+    logits = nv.export.apply(model, packed, tokens)            # W4A4, as trained
+    logits = nv.export.apply(model, packed, tokens, mode="weight_only")
+
+The file is safetensors in the layout common NVFP4 inference checkpoints use.
+For every NVFP4 layer whose Fprop GEMM the rules quantize (the weight is
+`W = kernel^T`, `[out, in]`):
+
+| tensor | dtype, shape | what |
+| --- | --- | --- |
+| `<path>.weight` | uint8 `[out, in/2]` | two E2M1 codes per byte, element `2k` in the low nibble |
+| `<path>.weight_scale` | float8_e4m3fn `[out, in/16]` | block decode scales (16x16 tiles replicated over their rows) |
+| `<path>.weight_scale_2` | float32 `[]` | the per-tensor factor `amax / 2688` (`amax / 1536` for Four-over-Six) |
+| `<path>.weight_amax` | float32 `[]` | the tensor amax (so the W4A4 GEMM's `alpha` is exactly training's) |
+| `<path>.bias` | as trained | if the layer has one |
+
+Every other parameter is stored unchanged under its path (`embed.embedding`,
+`head.kernel`, ...), in its training dtype. The metadata records the format
+and each quantized layer's scaling, so `load` rebuilds the `NVFP4Array`s
+exactly: a quantized weight costs 4.5 bits (4 for the code, 8 per 16 for its
+scale).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nvfp4_jax.tools import safetensors
+from nvfp4_jax.ops.block_scaled_matmul.api import block_scaled_matmul
+from nvfp4_jax.ops.weight_only_matmul.api import weight_only_matmul
+from nvfp4_jax.flax.linen import NVFP4Dense
+from nvfp4_jax.flax.linen import nvfp4_layer_paths
+from nvfp4_jax.ops.quantize.api import quantize
+from nvfp4_jax.core.arrays import NVFP4Array
+from nvfp4_jax.flax.rules import PrecisionRules
+from nvfp4_jax.flax.rules import precision_rules
+
+FORMAT = "nvfp4-jax/packed-v1"
+MODES = ("w4a4", "weight_only")
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in tree.items():
+    path = f"{prefix}/{k}" if prefix else str(k)
+    if isinstance(v, dict):
+      out.update(_flat(v, path))
+    else:
+      out[path] = v
+  return out
+
+
+def _unflat(flat: dict[str, Any]) -> dict[str, Any]:
+  tree: dict[str, Any] = {}
+  for path, v in flat.items():
+    node = tree
+    *parents, leaf = path.split("/")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = v
+  return tree
+
+
+def save(path: str | pathlib.Path, model: nn.Module, params: Any,
+         rules: PrecisionRules, *example_args, step: int | None = None
+         ) -> dict[str, Any]:
+  """Exports `params` of `model` with the quantized layers packed.
+
+  Args:
+    path: the `.safetensors` file to write (atomically).
+    model: the linen model (to find its NVFP4 layers).
+    params: its parameters (a "params" collection is unwrapped); FP32 master
+      weights give the training forward's exact quantized weights.
+    rules: the precision rules it was trained with: layers whose Fprop GEMM
+      they quantize at `step` are packed, the others stored unchanged.
+    *example_args: an input `model.init` accepts (traced abstractly).
+    step: the training step for the rules' late switch (None: before it).
+
+  Returns:
+    A summary: `{"quantized": [paths], "high_precision": [paths],
+    "bytes": file size, "bits_per_quantized_weight": ...}`.
+  """
+  if isinstance(params, dict) and set(params) == {"params"}:
+    params = params["params"]
+  params = jax.tree.map(np.asarray, jax.device_get(params))
+  flat = _flat(params)
+  layers = nvfp4_layer_paths(model, *example_args)
+  tensors, packed, quantized_elems, layer_meta = {}, set(), 0, {}
+  for layer in layers:
+    recipe = rules.recipe_at(layer, step)
+    op = recipe.fprop_w
+    if not op.quantized or op.format != "nvfp4":
+      continue
+    kernel = flat.get(f"{layer}/kernel")
+    if kernel is None or kernel.ndim != 2:
+      continue
+    q = quantize(jnp.asarray(kernel).T, block_2d=op.block_2d,
+                 four_over_six=op.four_over_six)
+    name = layer.replace("/", ".")
+    tensors[f"{name}.weight"] = np.asarray(q.codes)
+    tensors[f"{name}.weight_scale"] = np.asarray(q.scales)
+    tensors[f"{name}.weight_scale_2"] = np.asarray(q.tensor_scale,
+                                                   np.float32)
+    tensors[f"{name}.weight_amax"] = np.asarray(q.amax, np.float32)
+    layer_meta[layer] = {"block_2d": op.block_2d,
+                         "four_over_six": op.four_over_six,
+                         "recipe": recipe.tag}
+    packed.add(f"{layer}/kernel")
+    quantized_elems += kernel.size
+  for p, v in flat.items():
+    if p not in packed:
+      tensors[p.replace("/", ".")] = np.asarray(v)
+  metadata = {"format": FORMAT, "layers": json.dumps(layer_meta),
+              "paths": json.dumps(sorted(flat))}
+  safetensors.save(path, tensors, metadata)
+  size = pathlib.Path(path).stat().st_size
+  q_bytes = sum(tensors[f"{l.replace('/', '.')}.{t}"].nbytes
+                for l in layer_meta for t in ("weight", "weight_scale"))
+  return {"quantized": sorted(layer_meta),
+          "high_precision": sorted(set(layers) - set(layer_meta)),
+          "bytes": size,
+          "bits_per_quantized_weight": (8 * q_bytes / quantized_elems
+                                        if quantized_elems else float("nan"))}
+
+
+def load(path: str | pathlib.Path) -> dict[str, Any]:
+  """Reads an exported file: the parameter tree, each packed layer's
+  `kernel` replaced by its weight `W = kernel^T` as an `NVFP4Array` under
+  the key "packed" (and no "kernel").
+
+  Raises:
+    SafetensorsError: a truncated, damaged or foreign file.
+  """
+  tensors, meta = safetensors.load(path)
+  if meta.get("format") != FORMAT:
+    raise safetensors.SafetensorsError(
+        f"{path} is not an nvfp4-jax packed export (format "
+        f"{meta.get('format')!r}, expected {FORMAT!r}); export it with "
+        f"nvfp4_jax.export.save.")
+  try:
+    layers = json.loads(meta["layers"])
+    paths = json.loads(meta["paths"])
+  except (KeyError, json.JSONDecodeError) as e:
+    raise safetensors.SafetensorsError(
+        f"{path}: damaged export metadata ({e}); re-export it.") from None
+  flat = {}
+  for p in paths:
+    layer = p.rsplit("/", 1)[0]
+    if layer in layers and p.endswith("/kernel"):
+      name = layer.replace("/", ".")
+      try:
+        codes, scales, amax = (tensors[f"{name}.{t}"] for t in
+                               ("weight", "weight_scale", "weight_amax"))
+      except KeyError as e:
+        raise safetensors.SafetensorsError(
+            f"{path}: the packed layer {layer!r} lacks {e}; re-export "
+            f"it.") from None
+      flat[f"{layer}/packed"] = NVFP4Array(
+          jnp.asarray(codes), jnp.asarray(scales), jnp.asarray(amax),
+          block_2d=layers[layer]["block_2d"],
+          four_over_six=layers[layer]["four_over_six"])
+      continue
+    key = p.replace("/", ".")
+    if key not in tensors:
+      raise safetensors.SafetensorsError(
+          f"{path}: parameter {p!r} is missing; re-export it.")
+    flat[p] = jnp.asarray(tensors[key])
+  return _unflat(flat)
+
+
+def _get(tree, path):
+  for part in path.split("/"):
+    tree = tree[part]
+  return tree
+
+
+def apply(model: nn.Module, packed: dict[str, Any], *args,
+          mode: str = "w4a4", implementation: str | None = None,
+          **kwargs) -> Any:
+  """Runs `model` on exported parameters (`load`'s tree), forward only.
+
+  Each packed layer computes from its stored bytes, never a bf16 copy:
+  - "w4a4": `quantize(x)` (RTNE, 1x16) and the block-scaled GEMM with the
+    stored weight: the training forward's Fprop, bit for bit.
+  - "weight_only": `weight_only_matmul(x, W)` (activations in bf16).
+  The NVFP4 layers that were not packed run in high precision, as their
+  Fprop did in training; other modules run as trained.
+  """
+  if mode not in MODES:
+    raise ValueError(f"unknown mode {mode!r}; use one of {MODES}.")
+
+  def interceptor(next_fun, fargs, fkwargs, context):
+    m = context.module
+    if not (isinstance(m, NVFP4Dense) and context.method_name == "__call__"):
+      return next_fun(*fargs, **fkwargs)
+    path = "/".join(str(p) for p in m.scope.path)
+    try:
+      node = _get(packed, path)
+    except (KeyError, TypeError):
+      node = None
+    if not isinstance(node, dict) or "packed" not in node:
+      return next_fun(*fargs, **fkwargs)
+    x = fargs[0]
+    dtype = m.dtype or x.dtype
+    w = node["packed"]
+    xf = x.reshape(-1, x.shape[-1])
+    if mode == "w4a4":
+      y = block_scaled_matmul(quantize(xf.astype(dtype)), w, out_dtype=dtype,
+                              implementation=implementation)
+    else:
+      y = weight_only_matmul(xf.astype(dtype), w, out_dtype=dtype,
+                             implementation=implementation)
+    y = y.reshape(*x.shape[:-1], w.shape[0])
+    if "bias" in node:
+      y = y + jnp.asarray(node["bias"], dtype)
+    return y
+
+  # The layers that were not packed ran their Fprop in high precision.
+  with precision_rules(PrecisionRules.high_precision()), \
+      nn.intercept_methods(interceptor):
+    return model.apply({"params": packed}, *args, **kwargs)
+
+
+def generate(logits_fn: Callable[[jax.Array], jax.Array], prompt: jax.Array,
+             steps: int, key: jax.Array, *, temperature: float = 1.0
+             ) -> jax.Array:
+  """Samples `steps` tokens after `prompt` (`int [batch, seq]`).
+
+  `logits_fn(tokens) -> [batch, seq, vocab]`, e.g. `lambda t: apply(model,
+  packed, t, mode="weight_only")`; the context is the whole sequence so far
+  (no cache: for small models and examples).
+  """
+  tokens = prompt
+  for i in range(steps):
+    logits = logits_fn(tokens)[:, -1].astype(jnp.float32)
+    k = jax.random.fold_in(key, i)
+    if temperature <= 0:
+      nxt = jnp.argmax(logits, axis=-1)
+    else:
+      nxt = jax.random.categorical(k, logits / temperature, axis=-1)
+    tokens = jnp.concatenate([tokens, nxt[:, None].astype(tokens.dtype)], 1)
+  return tokens

@@ -1,0 +1,547 @@
+"""`dot_general` with the NVFP4 training recipe: a `jax.custom_vjp` over 3 GEMMs.
+
+The forward pass runs Fprop; the backward pass runs Dgrad and Wgrad; each GEMM
+quantizes its two operands as the `Recipe` says and multiplies them with the
+block-scaled GEMM (`block_scaled_matmul`: FP32 accumulation, tensor scales
+applied as one FP32 `alpha`).
+
+Residuals are saved quantized: the Wgrad operand `q(rht(X^T))` (0.5625 bytes
+per element instead of 2 for bf16 X) and the quantized weight, so the
+activation memory of a linear layer drops by ~3.5x. With
+`Recipe(residuals="values")` the emulation saves them as their bf16 block
+values instead (`_saves_values`): the same numbers, no dequantize pass in the
+backward pass, and the activation memory of bf16. Both are decided once per
+layer call by the GEMM op (`gemm_plan`, from the platform): where the GEMM
+is the exact emulation (Hopper, CPU), the operands used at
+once (Fprop's X, Dgrad's dY, Wgrad's `rht(dY^T)`) come from their quantizer
+as `NVFP4Values`, the bf16 block values the GEMM multiplies, so no
+dequantize pass runs between; the numbers are those of the codes. The
+16x16-scaled weight is quantized once in its `[in, out]` layout there: one
+pass writes Dgrad's codes (saved) and the values Fprop multiplies
+(`_weight_in_kernel_layout`).
+
+Layout. The kernel is flax's `[in, out]`; in TE's terms `W = kernel^T`:
+Fprop `Y = X @ W^T = bsm(q(X), q(kernel^T))`, Dgrad `dX = dY @ W =
+bsm(q(dY), q(kernel))`, Wgrad `dkernel = X^T @ dY = bsm(q(rht(X^T)),
+q(rht(dY^T)))`, where `bsm(a, b) = a @ b^T` over the quantized axis.
+
+On a device mesh (`nvfp4_jax.sharding`: a `LinearSharding` per layer) the
+forward and backward passes each run per shard inside `jax.shard_map`, the
+same code with explicit collectives: quantizers reduce their amax across the
+axes that split their tensor and take the shard's stochastic-rounding bytes
+at its global offset (the whole tensor's bytes), the FSDP weight is gathered
+quantized, row-parallel outputs and column-parallel input gradients are
+summed across `model` in FP32, and the weight gradient is reduce-scattered
+across `fsdp` and summed across the other batch axes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+import jax.numpy as jnp
+
+from jax.sharding import PartitionSpec as P
+
+from nvfp4_jax.core import dispatch
+from nvfp4_jax.core import numerics as nm
+from nvfp4_jax import parallel as sharding_lib
+from nvfp4_jax.core import spmd
+from nvfp4_jax.ops.quantize.api import block_size
+from nvfp4_jax.ops.quantize.api import quantize_operand
+from nvfp4_jax.ops.quantize_pair.api import quantize_pair
+from nvfp4_jax.ops.quantize.api import quantize_with_values
+from nvfp4_jax.ops.block_scaled_matmul.api import block_scaled_matmul
+from nvfp4_jax.ops.block_scaled_matmul.api import block_values_matmul
+from nvfp4_jax.ops.block_scaled_matmul.api import GemmPlan
+from nvfp4_jax.ops.block_scaled_matmul.api import gemm_plan
+from nvfp4_jax.ops.block_scaled_matmul.reference import gemm_alpha
+from nvfp4_jax.core.arrays import NVFP4Values
+from nvfp4_jax.core.recipe import Recipe
+from nvfp4_jax.parallel import LinearSharding
+
+
+RESIDUAL_NAME = "nvfp4_residual"
+
+
+def remat_policy():
+  """A `jax.checkpoint` policy that saves only the quantized residuals.
+
+  Inside a rematerialized block (`jax.checkpoint(..., policy=remat_policy())`
+  or `nn.remat(Block, policy=...)`) the backward pass keeps the NVFP4
+  layers' quantized Wgrad operands and weights (4.5 bits per element) and
+  recomputes everything else from the block's input.
+  """
+  return jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME)
+
+
+def _residual(tree):
+  """Names the leaves of a quantized residual for `remat_policy`."""
+  return jax.tree.map(lambda a: checkpoint_name(a, RESIDUAL_NAME), tree)
+
+
+def _named(name: str, fn: Callable) -> Callable:
+  """Jits `fn` under `name`, so each GEMM is a named region of the jaxpr."""
+  fn.__name__ = fn.__qualname__ = name
+  return jax.jit(fn)
+
+
+def _hp_matmul(a, b, dtype, precision):
+  return jax.lax.dot_general(a.astype(dtype), b.astype(dtype),
+                             (((1,), (0,)), ((), ())), precision=precision)
+
+
+def _check_dims(recipe: Recipe, gemm: str, dims, name: str) -> None:
+  """Raises a ValueError naming a dimension the quantized `gemm` cannot block."""
+  fmt = recipe.gemm_format(gemm)
+  if fmt == "bf16":
+    return
+  b = block_size(fmt)
+  for size, what in dims:
+    if size % b:
+      raise ValueError(
+          f"{name}{gemm} GEMM in {fmt}: the {what} is {size}, not a multiple "
+          f"of {b}; pad it to {-(-size // b) * b} or keep this layer in bf16 "
+          f"with a precision rule.")
+
+
+def _weight_dims(recipe: Recipe, op: str, k: int, n: int, name: str) -> None:
+  if getattr(recipe, op).block_2d and (k % nm.NVFP4_BLOCK or n % nm.NVFP4_BLOCK):
+    raise ValueError(
+        f"{name}16x16 weight scaling needs both weight dims to be multiples "
+        f"of 16, got in={k}, out={n}; pad them or disable two_d_weights.")
+
+
+def _pad_tokens(x: jax.Array, recipe: Recipe) -> jax.Array:
+  """Zero rows up to the Wgrad operands' token blocking (a no-op if aligned).
+
+  The Wgrad operands are quantized along tokens; zero tokens change neither
+  their amax nor the product, and the row operand of the same tensor keeps its
+  bytes (its rows are quantized independently and the SR stream's row-major
+  index of every real element is unchanged), so callers slice it back.
+  """
+  fmt = recipe.gemm_format("wgrad")
+  if fmt == "bf16":
+    return x
+  need = block_size(fmt)
+  if recipe.wgrad_x.rht:
+    need = max(need, recipe.rht_size)
+  pad = -x.shape[0] % need
+  return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+
+
+def _rows(q, n: int):
+  """The first `n` rows of a quantized `[rows, K]` operand (1x16 blocks)."""
+  if q is None or q.shape[0] == n:
+    return q
+  return jax.tree.map(lambda a: a[:n] if a.ndim else a, q)
+
+
+def _pair(x, row_op, wgrad_op, recipe: Recipe, key_row, key_t,
+          placement=None, amax_axes=(), values=(False, False)):
+  """Both quantized operands of `x` (see `nvfp4_jax.quantize_pair`), any token
+  count (a shard's tokens are aligned: `LinearSharding.check`)."""
+  q_row, q_t = quantize_pair(
+      _pad_tokens(x, recipe), row_op, wgrad_op, key_row=key_row, key_t=key_t,
+      rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector,
+      placement=placement, amax_axes=amax_axes, values=values)
+  return _rows(q_row, x.shape[0]), q_t
+
+
+def _as_values(op, plan: GemmPlan) -> bool:
+  """Whether operand `op`, multiplied right away (neither saved for the
+  backward pass nor gathered), is best quantized straight to its bf16 block
+  values: NVFP4 where the GEMM is the exact emulation (Hopper, CPU). The
+  quantizer then writes the values the GEMM reads and no dequantize pass
+  runs; on Blackwell's native FP4 GEMMs the codes are the operand."""
+  return op.format == "nvfp4" and plan.values
+
+
+class _Whole:
+  """The unsharded layer: whole tensors, no collectives."""
+
+  x_axes = y_axes = w_axes = ()
+  reduces_y = reduces_dx = False
+
+  def place_x(self, x):
+    del x
+
+  place_y = place_w = place_x
+
+  def gather_w(self, q, transposed: bool):
+    del transposed
+    return q
+
+  def sum_y(self, y):
+    return y
+
+  sum_dx = sum_dw = sum_y
+
+
+_WHOLE = _Whole()
+
+
+class _Shard(_Whole):
+  """One device's part of a sharded layer, inside `shard_map`: where its
+  shards sit, the mesh axes that split each tensor, and the collectives."""
+
+  def __init__(self, s: LinearSharding):
+    self.s = s
+    self.x_axes = spmd.spec_axes(s.x_spec)
+    self.y_axes = spmd.spec_axes(s.y_spec)
+    self.w_axes = spmd.spec_axes(s.kernel_spec)
+    self.reduces_y = bool(s.k_axes)
+    self.reduces_dx = bool(s.n_axes)
+
+  def place_x(self, x):
+    return spmd.placement(self.s.x_spec, x.shape)
+
+  def place_y(self, y):
+    return spmd.placement(self.s.y_spec, y.shape)
+
+  def place_w(self, w):
+    return spmd.placement(self.s.kernel_spec, w.shape)
+
+  def gather_w(self, q, transposed: bool):
+    """The weight in use from its stored shard (quantized or not), along
+    the dimension `fsdp` splits; `transposed`: `q` is `[out, in]`."""
+    axis = 1 - self.s.fsdp_dim if transposed else self.s.fsdp_dim
+    return spmd.all_gather(q, self.s.fsdp, axis)
+
+  def sum_y(self, y):  # Row-parallel: partial sums over `in`.
+    return jax.lax.psum(y, self.s.k_axes) if self.s.k_axes else y
+
+  def sum_dx(self, dx):  # Column-parallel: partial sums over `out`.
+    return jax.lax.psum(dx, self.s.n_axes) if self.s.n_axes else dx
+
+  def sum_dw(self, dw):
+    """Sums the weight gradient over the token shards: reduce-scatter into
+    the stored shard across `fsdp`, all-reduce across the other axes."""
+    s = self.s
+    if s.fsdp is not None:
+      dw = jax.lax.psum_scatter(dw, s.fsdp, scatter_dimension=s.fsdp_dim,
+                                tiled=True)
+    rest = tuple(a for a in s.tokens if a != s.fsdp)
+    return jax.lax.psum(dw, rest) if rest else dw
+
+
+
+def _residual_specs(shard: LinearSharding, recipe: Recipe):
+  """shard_map specs of `_fprop`'s residuals: `(q(rht(X^T)) or X, the
+  stored weight, its quantized transpose or None, key)`."""
+  wgrad_q = recipe.gemm_format("wgrad") != "bf16"
+  return (spmd.transposed(shard.x_spec) if wgrad_q else shard.x_spec,
+          shard.kernel_spec, spmd.transposed(shard.kernel_spec), P())
+
+
+# `plan` (the GEMM backend and the `default_implementation` in force when the
+# layer was called) and `shard` are static arguments: JAX caches custom_vjp
+# traces by their static arguments, and the backward pass is traced later,
+# maybe outside that block.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
+def _linear(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype,
+            name: str, plan: GemmPlan, shard: LinearSharding | None):
+  y, _ = _linear_fwd(x, w, key, recipe, precision, out_dtype, x_dtype, name,
+                     plan, shard)
+  return y
+
+
+def _gemm(name: str, out_dtype):
+  """A named block-scaled GEMM region taking quantized operands."""
+  return _named(name, lambda a, b: block_scaled_matmul(a, b,
+                                                       out_dtype=out_dtype))
+
+
+def _linear_fwd(x, w, key, recipe: Recipe, precision, out_dtype, x_dtype,
+                name, plan, shard):
+  del x_dtype
+  k, n = w.shape
+  _check_dims(recipe, "fprop", ((k, "contraction (in) dim K"),), name)
+  if recipe.gemm_format("fprop") != "bf16":
+    _weight_dims(recipe, "fprop_w", k, n, name)
+  with dispatch.maybe_default_implementation(plan.impl):
+    if shard is None:
+      return _fprop(x, w, key, recipe, precision, out_dtype, plan, _WHOLE)
+    shard.check(recipe, x.shape[0], k, n, name)
+    ctx = _Shard(shard)
+    return spmd.shard_map(
+        lambda x, w, key: _fprop(x, w, key, recipe, precision, out_dtype,
+                                 plan, ctx),
+        mesh=shard.mesh, in_specs=(shard.x_spec, shard.kernel_spec, P()),
+        out_specs=(shard.y_spec, _residual_specs(shard, recipe)))(x, w, key)
+
+
+def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, plan: GemmPlan,
+           ctx: _Whole):
+  keys = recipe.operand_keys(key)
+  wgrad_q = recipe.gemm_format("wgrad") != "bf16"
+  # A sum across shards runs in FP32 and rounds once, as the whole GEMM.
+  acc_dtype = jnp.float32 if ctx.reduces_y else out_dtype
+  # Fprop's X is multiplied at once; Wgrad's q(rht(X^T)) is the residual
+  # (codes: 4.5 bits per element; or its values, see `_saves_values`).
+  qx, qxt = _named("nvfp4_quantize_x", lambda x, kr, kt: _pair(
+      x, recipe.fprop_x, recipe.wgrad_x, recipe, kr, kt, ctx.place_x(x),
+      ctx.x_axes, values=(_as_values(recipe.fprop_x, plan),
+                          _saves_values(recipe.wgrad_x, plan))))(
+          x, keys["fprop_x"], keys["wgrad_x"])
+  vw = None
+  if _weight_in_kernel_layout(recipe, plan, ctx):
+    # One pass over the kernel: the Dgrad operand's codes (saved) and the
+    # block values Fprop multiplies as `x @ V`.
+    qw, vw = _named("nvfp4_quantize_w", lambda w: quantize_with_values(
+        w, block_2d=True))(w)
+    # `qw_vals`: the weight's values in the kernel layout with its amax
+    # (alpha needs the amax only; the codes stay out of this region).
+    y = _named("nvfp4_fprop", lambda qx, qw_vals: block_values_matmul(
+        qx.values, qw_vals.values, gemm_alpha(qx, qw_vals),
+        out_dtype=acc_dtype, vb_kn=True))(qx, NVFP4Values(vw, qw.amax))
+  elif recipe.fprop_x.quantized:
+    # The stored weight shard is quantized (amax across its shards) and the
+    # quantized bytes are gathered.
+    qw = _named("nvfp4_quantize_w", lambda w, k: quantize_operand(
+        w.T, recipe.fprop_w, k, placement=_t(ctx.place_w(w)),
+        amax_axes=ctx.w_axes))(w, keys["fprop_w"])
+    y = _gemm("nvfp4_fprop", acc_dtype)(qx, ctx.gather_w(qw, True))
+  else:
+    y = _named("bf16_fprop", functools.partial(
+        _hp_matmul, dtype=acc_dtype, precision=precision))(
+            x, ctx.gather_w(w, False))
+    qw = None
+  y = ctx.sum_y(y).astype(out_dtype)
+  # Dgrad's weight: with identical 16x16 settings it is Fprop's quantized W
+  # (transposed, unless quantized in the kernel layout already: exactly what
+  # quantizing the kernel along `out` gives); otherwise it is quantized in
+  # the backward pass from `w`, alive anyway.
+  reuse_w = (qw is not None and recipe.dgrad_w == recipe.fprop_w
+             and recipe.fprop_w.block_2d)
+  if vw is not None and _saves_values(recipe.dgrad_w, plan):
+    # `vw` (the kernel-layout pass, which implies `reuse_w`) are `qw`'s
+    # block values in its own `[in, out]` layout: Dgrad's operand as it is.
+    qw = NVFP4Values(vw, qw.amax, four_over_six=qw.four_over_six)
+  return y, (_residual(qxt) if wgrad_q else x, w,
+             _residual(qw) if reuse_w else None, key)
+
+
+def _saves_values(op, plan: GemmPlan) -> bool:
+  """Whether the residual of operand `op` is saved as its block values.
+
+  `Recipe(residuals="values")` where the backward GEMM is the exact
+  emulation (`plan.residuals`, resolved by `gemm_plan`) and `op` is NVFP4: the bf16 block values the
+  GEMM multiplies, 2 bytes per element against 0.5625 for codes and scales,
+  and no dequantize pass before Wgrad (X's operand) and Dgrad (the weight,
+  where it is Fprop's quantized in the kernel layout). The numbers are
+  those of the codes.
+  """
+  return plan.residuals == "values" and _as_values(op, plan)
+
+
+def _weight_in_kernel_layout(recipe: Recipe, plan: GemmPlan,
+                             ctx: _Whole) -> bool:
+  """Whether the weight is quantized once, in flax's `[in, out]` layout.
+
+  16x16 tiles are symmetric: the kernel quantized in 16x16 tiles along `out`
+  is the Dgrad operand `q(kernel)` itself, and its transpose is Fprop's
+  `q(kernel^T)`, code for code (the same tiles, amax and scales). Where the
+  GEMM is the exact emulation, one kernel then writes the Dgrad operand's
+  codes (the residual) and the block values Fprop multiplies as `x @ V`:
+  no transpose of the weight or of its codes, and no dequantize pass in
+  Fprop. It needs round-to-nearest (a stochastic stream runs over one
+  layout's row-major order), no Four-over-Six (its per-tile choice sums
+  errors in one layout's order), Dgrad reusing Fprop's weight, and the
+  whole tensor (a shard gathers codes, not values).
+  """
+  w = recipe.fprop_w
+  return (ctx is _WHOLE and _as_values(w, plan)
+          and _as_values(recipe.fprop_x, plan)
+          and w.block_2d and w.rounding == "nearest" and not w.four_over_six
+          and recipe.dgrad_w == w)
+
+
+def _t(placement):
+  return None if placement is None else placement.T
+
+
+def _linear_bwd(recipe: Recipe, precision, out_dtype, x_dtype, name, plan,
+                shard, res, dy):
+  _, w, qw_fprop, key = res
+  k, n = w.shape
+  dgrad_q = recipe.gemm_format("dgrad") != "bf16"
+  _check_dims(recipe, "dgrad", ((n, "output dim N"),), name)
+  if dgrad_q and qw_fprop is None:
+    _weight_dims(recipe, "dgrad_w", k, n, name)
+  if recipe.needs_key and key is None:
+    raise ValueError(
+        f"{name}this recipe uses stochastic rounding in the backward pass but "
+        f"no key was given: pass key= to nvfp4_jax.dot_general, or "
+        f"rngs={{'nvfp4': key}} to the NVFP4 layer's apply (a new key every "
+        f"step).")
+  with dispatch.maybe_default_implementation(plan.impl):
+    if shard is None:
+      dx, dw = _backward(recipe, precision, out_dtype, x_dtype, res, dy,
+                         plan, _WHOLE)
+    else:
+      ctx = _Shard(shard)
+      dx, dw = spmd.shard_map(
+          lambda res, dy: _backward(recipe, precision, out_dtype, x_dtype,
+                                    res, dy, plan, ctx),
+          mesh=shard.mesh,
+          in_specs=(_residual_specs(shard, recipe), shard.y_spec),
+          out_specs=(shard.x_spec, shard.kernel_spec))(res, dy)
+  return dx.astype(x_dtype), dw.astype(w.dtype), None
+
+
+def _backward(recipe: Recipe, precision, out_dtype, x_dtype, res, dy,
+              plan: GemmPlan, ctx: _Whole):
+  x_saved, w, qw_fprop, key = res
+  dgrad_q = recipe.gemm_format("dgrad") != "bf16"
+  wgrad_q = recipe.gemm_format("wgrad") != "bf16"
+  keys = recipe.operand_keys(key)
+  # Both operands of dY are multiplied at once.
+  qdy, qdyt = _named("nvfp4_quantize_dy", lambda dy, kr, kt: _pair(
+      dy, recipe.dgrad_dy, recipe.wgrad_dy, recipe, kr, kt, ctx.place_y(dy),
+      ctx.y_axes, values=(_as_values(recipe.dgrad_dy, plan),
+                          _as_values(recipe.wgrad_dy, plan))))(
+                              dy, keys["dgrad_dy"], keys["wgrad_dy"])
+
+  if dgrad_q:
+    if _weight_in_kernel_layout(recipe, plan, ctx):
+      qw = qw_fprop  # Already `q(kernel)`, `[in, out]` along `out`.
+    elif qw_fprop is not None:
+      qw = ctx.gather_w(qw_fprop, True).T
+    else:
+      qw = _named("nvfp4_quantize_w", lambda w, k: quantize_operand(
+          w, recipe.dgrad_w, k, placement=ctx.place_w(w),
+          amax_axes=ctx.w_axes))(w, keys["dgrad_w"])
+      qw = ctx.gather_w(qw, False)
+    # dX in x's dtype straight from the FP32 accumulator (one rounding, as
+    # the cast after it): the GEMM's epilogue writes it, not an FP32 copy.
+    # A sum across shards stays FP32 and rounds once after it.
+    dx = _gemm("nvfp4_dgrad", jnp.float32 if ctx.reduces_dx else x_dtype)(
+        qdy, qw)
+  else:
+    acc_dtype = jnp.float32 if ctx.reduces_dx else out_dtype
+    dx = _named("bf16_dgrad", lambda dy, w: _hp_matmul(
+        dy, w.T, acc_dtype, precision))(dy, ctx.gather_w(w, False))
+  if wgrad_q:
+    dw = _gemm("nvfp4_wgrad", jnp.float32)(x_saved, qdyt)
+  else:
+    dw = _named("bf16_wgrad", lambda x, dy: _hp_matmul(
+        x.T, dy, jnp.float32, precision))(x_saved, dy)
+  return ctx.sum_dx(dx), ctx.sum_dw(dw)
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
+                precision=None, preferred_element_type=None, *,
+                recipe: Recipe, key: jax.Array | None = None,
+                out_sharding=None, name: str | None = None,
+                sharding: LinearSharding | None = None) -> jax.Array:
+  """`jax.lax.dot_general` whose three GEMMs follow `recipe`.
+
+  Supports the contractions of linear layers (`nn.Dense`, `nn.DenseGeneral`,
+  `nn.Einsum` with a weight): no batch dimensions; the free dimensions of
+  `lhs` are flattened into tokens, those of `rhs` into output features.
+
+  Args:
+    lhs: activations, e.g. `[..., in]`.
+    rhs: weights, e.g. `[in, out]`; float32 weights are quantized directly, so
+      the weight gradient is produced in FP32.
+    dimension_numbers: as for `jax.lax.dot_general`.
+    recipe: the `Recipe`. With every GEMM in bf16 this is exactly
+      `jax.lax.dot_general` (same outputs and gradients).
+    precision: precision of the high-precision GEMMs.
+    preferred_element_type: output dtype; default the promoted input dtype.
+    recipe: the `Recipe` (keyword).
+    key: PRNG key for stochastic rounding; needed where the recipe uses it
+      (the backward pass, for the paper's recipe). Split per operand by
+      `Recipe.operand_keys`; pass a new key every step and layer.
+    out_sharding: as `jax.lax.dot_general` (flax passes it): the result's
+      sharding, applied as a sharding constraint.
+    name: the layer's name (its module path), for error messages and the
+      active `nvfp4_jax.sharding.mesh_rules`.
+    sharding: how to split the layer over a device mesh (see
+      `nvfp4_jax.sharding.LinearSharding`); default: what the active
+      `mesh_rules` give `name`, else unsharded. The sharded layer computes
+      the unsharded one's quantized operands bit for bit; results differ
+      only by the order of FP32 sums across shards.
+
+  Returns:
+    The result, with `jax.lax.dot_general`'s shape.
+  """
+  if not isinstance(recipe, Recipe):
+    raise TypeError(f"dot_general: recipe must be a Recipe, got {recipe!r}.")
+  # The traced program names every NVFP4 layer's GEMMs, for
+  # `nvfp4_jax.report`: the scope holds the layer and the recipe it traced.
+  with jax.named_scope(layer_scope(name, recipe)):
+    if sharding is None and (rules := sharding_lib.current_rules()):
+      sharding = rules.linear(name or "")
+    return _dot_general(lhs, rhs, dimension_numbers, precision,
+                        preferred_element_type, recipe, key, out_sharding,
+                        name, sharding)
+
+
+LAYER_SCOPE = "nvfp4_layer"
+
+
+def layer_scope(name: str | None, recipe: Recipe) -> str:
+  """`nvfp4_layer[<layer path>|<recipe tag>]`, the name scope of a layer's
+  GEMMs (parsed back by `nvfp4_jax.report`)."""
+  return f"{LAYER_SCOPE}[{name or '?'}|{recipe.tag}]"
+
+
+def _dot_general(lhs, rhs, dimension_numbers, precision,
+                 preferred_element_type, recipe, key, out_sharding, name,
+                 shard):
+  (lc, rc), (lb, rb) = dimension_numbers
+  lc, rc = tuple(lc), tuple(rc)
+  prefix = f"layer {name!r}: " if name else "dot_general: "
+  if len(lc) != len(rc) or any(lhs.shape[i] != rhs.shape[j]
+                               for i, j in zip(lc, rc)):
+    raise ValueError(
+        f"{prefix}contracting dims do not match: lhs {lhs.shape} on axes "
+        f"{lc} vs rhs {rhs.shape} on axes {rc}; pass an input whose "
+        f"contracted axes have the kernel's sizes "
+        f"{tuple(rhs.shape[j] for j in rc)}.")
+  if not recipe.quantized:
+    if preferred_element_type is not None:
+      lhs = lhs.astype(preferred_element_type)
+      rhs = rhs.astype(preferred_element_type)
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type,
+                               out_sharding=out_sharding)
+  if lb or rb:
+    raise NotImplementedError(
+        f"{prefix}nvfp4_jax.dot_general quantizes linear-layer GEMMs; batched "
+        f"GEMMs (attention scores and values) stay in high precision by the "
+        f"recipe. Use jax.lax.dot_general for them.")
+  for arg, a in (("lhs", lhs), ("rhs", rhs)):
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      raise TypeError(f"{prefix}{arg} must be floating, got {a.dtype}.")
+  if recipe.forward_needs_key and key is None:
+    raise ValueError(
+        f"{prefix}the recipe rounds a forward operand stochastically but no "
+        f"key was given: pass key= (a new one every step and layer).")
+  out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+  lhs_free = [d for d in range(lhs.ndim) if d not in lc]
+  rhs_free = [d for d in range(rhs.ndim) if d not in rc]
+  k = 1
+  for d in lc:
+    k *= lhs.shape[d]
+  free_shape = ([lhs.shape[d] for d in lhs_free]
+                + [rhs.shape[d] for d in rhs_free])
+  x = jnp.transpose(lhs, lhs_free + list(lc)).reshape(-1, k)
+  w = jnp.transpose(rhs, list(rc) + rhs_free).reshape(k, -1)
+  plan = gemm_plan(recipe.residuals, platform=dispatch.platform(),
+                   cc=dispatch.compute_capability(),
+                   impl=dispatch.current_default())
+  y = _linear(x, w, key, recipe, precision, out_dtype, x.dtype,
+              f"layer {name!r}: " if name else "", plan, shard)
+  y = y.reshape(free_shape)
+  if out_sharding is not None:
+    y = jax.lax.with_sharding_constraint(y, out_sharding)
+  return y
