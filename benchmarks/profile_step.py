@@ -23,6 +23,8 @@ import re
 import tempfile
 import time
 
+from benchmarks import timing
+
 # (class, regex on the kernel name), first match wins.
 CLASSES = (
     ("pallas: quantize x + rht_t (pair)", r"nvfp4_quantize_x_and_rht_t"),
@@ -68,27 +70,6 @@ def busy_and_span(intervals) -> tuple[float, float]:
   return busy + cur_e - cur_s, last - ivs[0][0]
 
 
-def gpu_kernels(xplane: str, intervals: list | None = None
-                ) -> dict[str, tuple[int, float]]:
-  """{kernel name: (calls, total ns)} over the GPU planes of a trace;
-  each kernel's `(start_ns, end_ns)` is appended to `intervals` if given."""
-  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
-  out: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-  for plane in ProfileData.from_file(xplane).planes:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    lines = list(plane.lines)
-    # Kernels sit on the stream lines; XLA's "XLA Ops"/"XLA Modules" lines
-    # repeat the same time under HLO names.
-    streams = [l for l in lines if "stream" in l.name.lower()] or [
-        l for l in lines if "xla" not in l.name.lower()]
-    for line in streams:
-      for ev in line.events:
-        out[ev.name][0] += 1
-        out[ev.name][1] += ev.duration_ns
-        if intervals is not None:
-          intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns))
-  return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 # An HLO instruction with its JAX source path: `%name = ... op_name="..."`.
@@ -162,7 +143,7 @@ def _child(preset: str, precision: str, batch: int, seq: int,
   jax.profiler.stop_trace()
   (xplane,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
   intervals = []
-  kernels = gpu_kernels(xplane, intervals)
+  kernels = timing.trace_kernels(xplane, intervals)
   busy, span = busy_and_span(intervals)
   return {"kernels": {k: [c / steps, ns / steps / 1e3]
                       for k, (c, ns) in kernels.items()},
@@ -173,7 +154,6 @@ def _child(preset: str, precision: str, batch: int, seq: int,
 
 def print_layer_ops(hlo_dir: str, preset: str, kernels, top: int) -> None:
   """Prints `layer_ops` of the NVFP4 step from its HLO in `hlo_dir`."""
-  from benchmarks import timing  # pylint: disable=g-import-not-at-top
   path = f"{hlo_dir}/{preset}-nvfp4.hlo.txt"
   if not os.path.exists(path):  # Saved gzipped (the base HLO is > 16 MB).
     path += ".gz"
@@ -210,7 +190,6 @@ def main(argv=None):
   if a.child:  # `_child`'s arguments, as `timing.run_child` passes them.
     print(json.dumps(_child(*json.loads(a.child))))
     return
-  from benchmarks import timing  # pylint: disable=g-import-not-at-top
   runs = {}
   for prec in a.precisions.split(","):
     runs[prec] = timing.run_child(

@@ -8,6 +8,7 @@ larger than L2 so repeated calls do not hit in cache.
 
 from __future__ import annotations
 
+import collections
 import json
 import statistics
 import subprocess
@@ -58,6 +59,29 @@ def bench_samples(fn: Callable, arg_sets: Sequence[tuple], *, calls: int = 10,
   return per_call
 
 
+def trace_kernels(xplane: str, intervals: list | None = None
+                ) -> dict[str, tuple[int, float]]:
+  """{kernel name: (calls, total ns)} over the GPU planes of a trace;
+  each kernel's `(start_ns, end_ns)` is appended to `intervals` if given."""
+  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+  out: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+  for plane in ProfileData.from_file(xplane).planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    lines = list(plane.lines)
+    # Kernels sit on the stream lines; XLA's "XLA Ops"/"XLA Modules" lines
+    # repeat the same time under HLO names.
+    streams = [l for l in lines if "stream" in l.name.lower()] or [
+        l for l in lines if "xla" not in l.name.lower()]
+    for line in streams:
+      for ev in line.events:
+        out[ev.name][0] += 1
+        out[ev.name][1] += ev.duration_ns
+        if intervals is not None:
+          intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns))
+  return {k: (v[0], v[1]) for k, v in out.items()}
+
+
 def gpu_kernels(fn: Callable, arg_sets: Sequence[tuple], *, calls: int = 10
                 ) -> dict[str, tuple[float, float]]:
   """{kernel: (launches, GPU seconds)} per call of `fn(*args)`, from a
@@ -66,7 +90,6 @@ def gpu_kernels(fn: Callable, arg_sets: Sequence[tuple], *, calls: int = 10
   gaps between kernels that wall time includes."""
   import glob  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
-  from benchmarks import profile_step  # pylint: disable=g-import-not-at-top
   for args in arg_sets:  # Compile.
     jax.block_until_ready(fn(*args))
   with tempfile.TemporaryDirectory() as d:
@@ -77,7 +100,7 @@ def gpu_kernels(fn: Callable, arg_sets: Sequence[tuple], *, calls: int = 10
     jax.block_until_ready(out)
     jax.profiler.stop_trace()
     (xplane,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-    kernels = profile_step.gpu_kernels(xplane)
+    kernels = trace_kernels(xplane)
   return {name: (n / calls, ns / calls / 1e9) for name, (n, ns) in
           kernels.items()}
 

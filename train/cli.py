@@ -20,11 +20,13 @@ from typing import Sequence
 
 from models import PRESETS
 from models.gpt import ATTENTION_KINDS
+from models.gpt import MLP_KINDS
 from models.gpt import REMAT_KINDS
 from nvfp4_jax.core.recipe import FOUR_OVER_SIX_MODES
 from nvfp4_jax.core.recipe import RESIDUALS
 from train.config import MAX_SEED
 from train.config import MAX_STEPS
+from train.config import ABLATIONS
 from train.config import PRECISIONS
 from train.config import SWITCH_MODES
 from train.config import TrainConfig
@@ -77,6 +79,11 @@ def _positive_float(text: str) -> float:
   return value
 
 
+def _one_of(choices) -> str:
+  """The metavar of a choice that `TrainConfig` validates (in one place)."""
+  return "{" + ",".join(choices) + "}"
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = _Parser(
       prog=PROG,
@@ -106,11 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
       0, MAX_SEED, what=f"an integer in [0, {MAX_SEED}]"),
                  help="seeds the initialization, the data order and the "
                  "stochastic rounding (default 0)")
-  p.add_argument("--mlp", choices=("swiglu", "relu2"),
+  p.add_argument("--mlp", metavar=_one_of(MLP_KINDS),
                  help="MLP type (default swiglu)")
   p.add_argument("--late-switch-step", type=_nonnegative, metavar="STEP",
                  help="switch quantized layers to BF16 from this step on")
-  p.add_argument("--late-switch-mode", choices=SWITCH_MODES, default="all",
+  p.add_argument("--late-switch-mode", metavar=_one_of(SWITCH_MODES),
+                 default="all",
                  help="what the late switch moves to BF16: all GEMMs "
                  "(default) or only the forward GEMM")
   p.add_argument("--eval-every", type=_positive,
@@ -129,10 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                   help="no Random Hadamard Transform on the Wgrad operands")
   ab.add_argument("--no-2d", action="store_true",
                   help="1x16 weight scales instead of 16x16 tiles")
-  ab.add_argument("--four-over-six", choices=FOUR_OVER_SIX_MODES[1:],
-                  metavar="{weights,activations,all}",
+  ab.add_argument("--four-over-six", metavar=_one_of(FOUR_OVER_SIX_MODES[1:]),
                   help="Four-over-Six block scaling on these NVFP4 operands")
-  ab.add_argument("--residuals", choices=RESIDUALS,
+  ab.add_argument("--residuals", metavar=_one_of(RESIDUALS),
                   help="how NVFP4 layers save the operands their backward "
                   "pass multiplies: codes (4.5 bits, the default) or values "
                   "(bf16 block values: no dequantize pass where the GEMM is "
@@ -143,10 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
                   help="keep exactly these comma-separated layers in BF16 "
                   "(e.g. block_0/attn/qkv,block_5/mlp/down) and quantize "
                   "the rest: the rules python -m train.sensitivity suggests")
-  p.add_argument("--attention", choices=ATTENTION_KINDS, default="fused",
+  p.add_argument("--attention", metavar=_one_of(ATTENTION_KINDS),
+                 default="fused",
                  help="fused: jax.nn.dot_product_attention (cuDNN on GPU); "
                  "reference: explicit FP32 scores")
-  p.add_argument("--remat", choices=REMAT_KINDS, default="none",
+  p.add_argument("--remat", metavar=_one_of(REMAT_KINDS), default="none",
                  help="quantized: blocks keep only the FP4 residuals of "
                  "their NVFP4 layers and recompute the rest (less memory)")
   p.add_argument("--data", metavar="PATH",
@@ -233,21 +241,10 @@ def parse_precisions(args) -> list[str]:
   return names
 
 
-_ABLATIONS = {  # flag -> (TrainConfig field, value, precisions it concerns)
-    "no_sr": ("sr", False, ("nvfp4", "mxfp4")),
-    "no_rht": ("rht", False, ("nvfp4",)),
-    "no_2d": ("two_d", False, ("nvfp4",)),
-    "four_over_six": ("four_over_six", None, ("nvfp4",)),
-    "residuals": ("residuals", None, ("nvfp4",)),
-    "all_quantized": ("all_quantized", True, ("nvfp4", "mxfp4", "mxfp8")),
-    "bf16_layers": ("bf16_layers", None, ("nvfp4", "mxfp4", "mxfp8")),
-}
-
-
 def _ablations(args, precisions: list[str]) -> dict[str, dict]:
   """Per precision, the ablation fields its config takes from the flags."""
   out = {p: {} for p in precisions}
-  for flag, (field, value, formats) in _ABLATIONS.items():
+  for flag, (field, value, formats) in ABLATIONS.items():
     given = getattr(args, flag)
     if not given:
       continue

@@ -11,11 +11,24 @@ from models import PRESETS
 from models import MLP_KINDS
 from models.gpt import ATTENTION_KINDS
 from models.gpt import REMAT_KINDS
-from models.gpt import check_choice
 from nvfp4_jax.core.recipe import FOUR_OVER_SIX_MODES
 from nvfp4_jax.core.recipe import RESIDUALS
 
 PRECISIONS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
+
+# The recipe ablations, once: CLI flag -> (TrainConfig field, the value the
+# flag sets (None: the flag's own value), the precisions it concerns). The CLI
+# builds its flags' effect from it and `TrainConfig` rejects an ablation of a
+# precision it does not concern.
+ABLATIONS: dict[str, tuple[str, Any, tuple[str, ...]]] = {
+    "no_sr": ("sr", False, ("nvfp4", "mxfp4")),
+    "no_rht": ("rht", False, ("nvfp4",)),
+    "no_2d": ("two_d", False, ("nvfp4",)),
+    "four_over_six": ("four_over_six", None, ("nvfp4",)),
+    "residuals": ("residuals", None, ("nvfp4",)),
+    "all_quantized": ("all_quantized", True, ("nvfp4", "mxfp4", "mxfp8")),
+    "bf16_layers": ("bf16_layers", None, ("nvfp4", "mxfp4", "mxfp8")),
+}
 # The step counter is an int32 on the device; seeds feed NumPy's and JAX's
 # generators as uint32.
 MAX_STEPS = 2**31 - 1
@@ -176,19 +189,12 @@ class TrainConfig:
     if self.four_over_six not in FOUR_OVER_SIX_MODES:
       raise ValueError(f"unknown four_over_six {self.four_over_six!r}; use "
                        f"one of {FOUR_OVER_SIX_MODES}.")
-    for name, flag, formats in (
-        ("--no-sr", not self.sr, ("nvfp4", "mxfp4")),
-        ("--no-rht", not self.rht, ("nvfp4",)),
-        ("--no-2d", not self.two_d, ("nvfp4",)),
-        ("--four-over-six", self.four_over_six != "none", ("nvfp4",)),
-        ("--residuals", self.residuals != "codes", ("nvfp4",)),
-        ("--all-quantized", self.all_quantized, ("nvfp4", "mxfp4", "mxfp8")),
-        ("--bf16-layers", self.bf16_layers is not None,
-         ("nvfp4", "mxfp4", "mxfp8"))):
-      if flag and self.precision not in formats:
+    for flag, (field, _, formats) in ABLATIONS.items():
+      if (getattr(self, field) != _FIELD_DEFAULTS[field]
+          and self.precision not in formats):
         raise ValueError(
-            f"{name} has no effect with precision {self.precision!r}; use it "
-            f"with {' or '.join(formats)}.")
+            f"--{flag.replace('_', '-')} has no effect with precision "
+            f"{self.precision!r}; use it with {' or '.join(formats)}.")
     if self.bf16_layers is not None:
       if self.all_quantized:
         raise ValueError("--bf16-layers and --all-quantized contradict each "
@@ -201,9 +207,11 @@ class TrainConfig:
             f"not a projection of the GPT; give comma-separated paths like "
             f"block_0/attn/qkv,block_5/mlp/down (as python -m "
             f"train.sensitivity prints them).")
-    check_choice("attention", self.attention, ATTENTION_KINDS)
-    check_choice("remat", self.remat, REMAT_KINDS)
-    check_choice("residuals", self.residuals, RESIDUALS)
+    for name, choices in (("attention", ATTENTION_KINDS),
+                          ("remat", REMAT_KINDS), ("residuals", RESIDUALS)):
+      if getattr(self, name) not in choices:
+        raise ValueError(f"unknown {name} {getattr(self, name)!r}; use one "
+                         f"of {choices}.")
 
   @property
   def micro_batch(self) -> int:
@@ -236,3 +244,6 @@ class TrainConfig:
     for name in ("eval_every", "ckpt_every"):
       fields.setdefault(name, interval)
     return cls(preset=preset, **fields)
+
+
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}

@@ -1,0 +1,190 @@
+"""The package's layout: one folder per op, layered one way, no import cycle.
+
+Layers, bottom up (README, "Layout"): `nvfp4_jax.core` and `pallas_kernels`
+(the shared numerics and Pallas plumbing) < `nvfp4_jax.ops` (one folder per
+op) < `nvfp4_jax.parallel` < `nvfp4_jax.training` < `nvfp4_jax.flax` <
+`nvfp4_jax.tools` < the package's `__init__`. A module imports only from its
+own layer or below; the kernels take primitive arguments (no `Recipe`).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("nvfp4_jax", "pallas_kernels")
+LAYERS = (("nvfp4_jax.core", 0), ("pallas_kernels", 0), ("nvfp4_jax._compat", 0),
+          ("nvfp4_jax.ops", 1),
+          ("nvfp4_jax.parallel", 2), ("nvfp4_jax.training", 3),
+          ("nvfp4_jax.flax", 4), ("nvfp4_jax.tools", 5))
+# The package's entry points and the map of old module paths (`_compat`,
+# which names modules as strings) sit above everything.
+TOP = 6
+KERNEL_FILES = ("pallas_triton", "pallas_mosaic_gpu", "triton")
+OP_FILES = {"__init__", "api", "reference", "config", "sharded", "mx",
+            "cudnn", *KERNEL_FILES}
+
+
+def module_name(path: pathlib.Path) -> str:
+  parts = path.relative_to(ROOT).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> int:
+  for prefix, level in LAYERS:
+    if module == prefix or module.startswith(prefix + "."):
+      return level
+  return TOP
+
+
+def imports(path: pathlib.Path) -> set[str]:
+  """The project modules `path` imports, anywhere in it (lazy ones too)."""
+  tree = ast.parse(path.read_text())
+  out = set()
+  package = module_name(path) if path.name == "__init__.py" else (
+      module_name(path).rpartition(".")[0])
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        base = ".".join(package.split(".")[:len(package.split(".")) + 1
+                                               - node.level] + [base])
+      # `from pkg import mod` imports the module `pkg.mod` where one exists.
+      names = [f"{base}.{a.name}" if _exists(f"{base}.{a.name}") else base
+               for a in node.names]
+    else:
+      continue
+    out.update(n for n in names if n.split(".")[0] in PACKAGES)
+  return out
+
+
+def _exists(module: str) -> bool:
+  path = ROOT.joinpath(*module.split("."))
+  return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def graph() -> dict[str, set[str]]:
+  return {module_name(p): imports(p) for pkg in PACKAGES
+          for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def upward(g: dict[str, set[str]]) -> list[str]:
+  return sorted(f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})"
+                for m, deps in g.items() for d in deps if layer(d) > layer(m))
+
+
+def cycle(g: dict[str, set[str]]) -> list[str] | None:
+  """One import cycle among the modules of `g`, or None."""
+  state: dict[str, int] = {}
+  stack: list[str] = []
+
+  def visit(m):
+    state[m] = 1
+    stack.append(m)
+    for d in sorted(g.get(m, ())):
+      if d not in g:
+        continue
+      if state.get(d) == 1:
+        return stack[stack.index(d):] + [d]
+      if d not in state and (found := visit(d)):
+        return found
+    stack.pop()
+    state[m] = 2
+    return None
+
+  for m in sorted(g):
+    if m not in state and (found := visit(m)):
+      return found
+  return None
+
+
+def test_nothing_below_imports_upward():
+  assert upward(graph()) == []
+
+
+def test_no_import_cycle():
+  # Package __init__ files re-export their children (an edge parent ->
+  # child); a child importing a sibling through the parent is no cycle.
+  g = {m: {d for d in deps if not m.startswith(d + ".")}
+       for m, deps in graph().items()}
+  assert cycle(g) is None
+
+
+def test_the_checks_catch_what_they_forbid():
+  g = {"nvfp4_jax.core.tile": {"nvfp4_jax.ops.quantize.api"},
+       "nvfp4_jax.ops.quantize.api": {"nvfp4_jax.core.tile"}}
+  assert upward(g) == ["nvfp4_jax.core.tile (layer 0) imports "
+                       "nvfp4_jax.ops.quantize.api (layer 1)"]
+  assert cycle(g) == ["nvfp4_jax.core.tile", "nvfp4_jax.ops.quantize.api",
+                      "nvfp4_jax.core.tile"]
+  # The real tree has such edges in neither direction of these modules.
+  real = graph()
+  assert "nvfp4_jax.ops.quantize.api" not in real["nvfp4_jax.core.tile"]
+
+
+def test_kernels_take_primitive_arguments():
+  """A kernel file imports the shared numerics, the Pallas plumbing and other
+  ops' kernels or configs: not the recipe, and no op's API."""
+  for path in (ROOT / "nvfp4_jax" / "ops").rglob("*.py"):
+    if path.stem not in KERNEL_FILES:
+      continue
+    for dep in imports(path):
+      assert dep != "nvfp4_jax.core.recipe", (path, dep)
+      assert layer(dep) == 0 or re.fullmatch(
+          r"nvfp4_jax\.ops\.\w+\.(config|pallas_triton|pallas_mosaic_gpu)",
+          dep), (path, dep)
+
+
+def test_one_folder_per_op():
+  ops = ROOT / "nvfp4_jax" / "ops"
+  folders = sorted(p.name for p in ops.iterdir() if p.is_dir()
+                   and p.name != "__pycache__")
+  assert folders == ["block_scaled_matmul", "block_values", "quantize",
+                     "quantize_pair", "quantize_rht_t", "weight_only_matmul"]
+  for name in folders:
+    files = {p.stem for p in (ops / name).glob("*.py")}
+    assert {"__init__", "api", "reference"} <= files, name
+    assert files <= OP_FILES, (name, files - OP_FILES)
+  # Every op with a kernel has its tile config beside it.
+  for name in folders:
+    files = {p.stem for p in (ops / name).glob("*.py")}
+    if files & set(KERNEL_FILES) and name != "block_values":
+      assert "config" in files, name
+
+
+def test_readme_layout_table_is_true():
+  text = (ROOT / "README.md").read_text()
+  table = text[text.index("## Layout"):]
+  paths = re.findall(r"`((?:nvfp4_jax|pallas_kernels|models|train|tests|"
+                     r"benchmarks|notebooks|docs)/[^`]*)`", table)
+  assert len(paths) >= 10
+  for p in paths:
+    for alt in re.sub(r"\{([^}]*)\}", lambda m: m.group(1).split(",")[0],
+                      p).split(" "):
+      assert (ROOT / alt.rstrip("/")).exists(), p
+
+
+@pytest.mark.parametrize("old, name", [
+    ("nvfp4_jax.fused", "quantize_pair"),
+    ("nvfp4_jax.gemm", "block_scaled_matmul"),
+    ("nvfp4_jax.nvfp4", "quantize"),
+    ("nvfp4_jax.quant", "dequantize"),
+    ("nvfp4_jax.mx", "quantize_mx"),
+    ("nvfp4_jax.ops", "dot_general"),
+    ("nvfp4_jax.layers", "NVFP4Dense"),
+    ("nvfp4_jax.sharding", "MeshRules"),
+    ("nvfp4_jax.recipe", "Recipe"),
+    ("pallas_kernels.quantize", "quantize"),
+    ("pallas_kernels.values_matmul", "values_matmul"),
+])
+def test_old_module_paths_keep_importing(old, name):
+  """Names that moved stay importable from where users found them."""
+  module = importlib.import_module(old)
+  assert callable(getattr(module, name))
