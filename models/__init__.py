@@ -1,2 +1,11 @@
 """Example models built from `nvfp4_jax.NVFP4Dense`: an MLP and a GPT decoder."""
 
+from models.gpt import GPT
+from models.gpt import GPTConfig
+from models.gpt import MLP_KINDS
+from models.mlp import MLP
+from models.presets import PRESETS
+from models.presets import format_count
+from models.presets import param_count
+from models.presets import preset
+from models.presets import preset_table
