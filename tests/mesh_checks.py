@@ -315,7 +315,7 @@ GPT_MESHES = {"dp": dict(data=8), "fsdp": dict(data=2, fsdp=4),
 def _trainer(mesh_sizes):
   import train.loop as loop  # pylint: disable=g-import-not-at-top
   from models import preset  # pylint: disable=g-import-not-at-top
-  from test_train import small_corpus  # pylint: disable=g-import-not-at-top
+  from tiny_training import small_corpus  # pylint: disable=g-import-not-at-top
   from train.config import TrainConfig  # pylint: disable=g-import-not-at-top
   rules = nv.PrecisionRules(rules=tuple(
       (p, nv.Recipe.from_name(r)) for p, r in GPT_RULES))

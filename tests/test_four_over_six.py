@@ -15,7 +15,7 @@ from nvfp4_jax import numerics as nm
 from nvfp4_jax import prng
 from nvfp4_jax import tile
 from nvfp4_jax.recipe import Operand
-from test_kernels import KEY, assert_same, heavy
+from quantizer_checks import KEY, assert_same, heavy
 
 B = nm.NVFP4_BLOCK
 
@@ -137,7 +137,7 @@ def test_recipe_option_runs_in_dot_general():
 
 def test_pair_kernel_fuses_four_over_six_operands():
   """The fused X/dY kernels encode Four-over-Six themselves (no fallback);
-  more pairs in tests/test_single_definition.py."""
+  more pairs in tests/test_pair_and_dispatch.py."""
   x = heavy((32, 64), jnp.bfloat16, seed=8)
   row = Operand(four_over_six=True)
   wgrad = Operand(rht=True, four_over_six=True)

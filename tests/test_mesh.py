@@ -74,6 +74,7 @@ def _train_cli(out, *flags, devices=1):
       stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow  # Two 20-step CLI runs, one on 8 devices.
 def test_cli_mesh_run_matches_one_device(tmp_path):
   """`python -m train --mesh data=2,fsdp=2,model=2` on 8 CPU devices trains
   like the 1-device run.

@@ -18,13 +18,10 @@ from nvfp4_jax import nvfp4
 from nvfp4_jax import prng
 from nvfp4_jax.recipe import Operand
 from pallas_kernels import quantize_rht_t as pallas_rht
-from test_kernels import KEY, assert_same, heavy, jit_xla, rht_input
+from quantizer_checks import (FOS_PAIRS, KEY, NO_RHT_PAIRS, PAIRS, SR,
+                              SR_RHT, assert_same, heavy, jit_xla, rht_input)
 
 T, K, N = 48, 64, 32
-SR = Operand(format="nvfp4", rounding="stochastic")
-SR_RHT = Operand(format="nvfp4", rounding="stochastic", rht=True)
-RTNE = Operand(format="nvfp4")
-RTNE_RHT = Operand(format="nvfp4", rht=True)
 
 
 # -- Bug 1: the RHT kernel at sizes whose matrix is not exact in bf16. -------
@@ -124,15 +121,6 @@ def test_operand_keys_are_distinct_and_none_for_nearest():
 # -- The pair op: one dispatch, the kernel refuses what it cannot fuse. ------
 
 
-PAIRS = [
-    (RTNE, RTNE_RHT),                               # X
-    (SR, SR_RHT),                                   # dY
-    (Operand(format="bf16"), RTNE_RHT),             # X, BF16 Fprop
-    (SR, Operand(format="bf16")),                   # dY, BF16 Wgrad
-    (SR, RTNE_RHT),                                 # mixed rounding
-]
-
-
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("pair", range(len(PAIRS)))
 def test_quantize_pair_matches_single_operand_references(impl, pair):
@@ -154,17 +142,6 @@ def test_quantize_pair_matches_single_operand_references(impl, pair):
         else None, implementation="xla"))
   else:
     assert q_t is None
-
-
-FOS = dict(format="nvfp4", four_over_six=True)
-FOS_PAIRS = [
-    (Operand(**FOS), Operand(**FOS, rht=True)),                     # X
-    (Operand(**FOS, rounding="stochastic"),
-     Operand(**FOS, rounding="stochastic", rht=True)),              # dY
-    (RTNE, Operand(**FOS, rht=True)),          # Four-over-Six on one only
-    (Operand(**FOS, rounding="stochastic"), Operand(format="bf16")),
-    (Operand(format="bf16"), Operand(**FOS, rounding="stochastic", rht=True)),
-]
 
 
 def _kernel_and_reference_pair(x, row, wgrad, key_row, key_t):
@@ -200,15 +177,6 @@ def test_pair_kernel_four_over_six_matches_reference(pair):
         key_t=kt, implementation="pallas")[1]
     assert not np.array_equal(np.asarray(plain.scales.astype(jnp.float32)),
                               np.asarray(got[1].scales.astype(jnp.float32)))
-
-
-NO_RHT_PAIRS = [
-    (RTNE, Operand(format="nvfp4")),                                # X
-    (SR, Operand(format="nvfp4", rounding="stochastic")),           # dY
-    (Operand(format="bf16"), Operand(format="nvfp4")),
-    (SR, Operand(format="nvfp4", rounding="stochastic",
-                 four_over_six=True)),
-]
 
 
 @pytest.mark.parametrize("pair", range(len(NO_RHT_PAIRS)))
