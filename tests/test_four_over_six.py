@@ -32,16 +32,19 @@ def _candidates(x, block_2d, rounding="nearest"):
                             x.shape[-1] // 4, seeds[0], seeds[1])
   bam = tile.block_amax(xf, block_2d)
 
-  def sse(four_over_six, choose):
+  @functools.partial(jax.jit, static_argnums=(0, 1))
+  def dequantized(four_over_six, choose, xf, bam, amax, rbits):
     consts = nm.nvfp4_scale_constants(amax, four_over_six=four_over_six)
     packed, scales, _ = tile.encode_blocks(
         xf, bam, *consts, rbits=rbits, four_over_six=choose,
         block_2d=block_2d)
-    q = nv.NVFP4Array(packed.reshape(x.shape[0], -1),
-                      scales.reshape(x.shape[0], -1), amax, block_2d,
-                      four_over_six)
-    err = (np.asarray(nv.dequantize(q), np.float64) - np.asarray(x, np.float64)
-           ) ** 2
+    return nv.dequantize(nv.NVFP4Array(
+        packed.reshape(x.shape[0], -1), scales.reshape(x.shape[0], -1), amax,
+        block_2d, four_over_six))
+
+  def sse(four_over_six, choose):
+    deq = dequantized(four_over_six, choose, xf, bam, amax, rbits)
+    err = (np.asarray(deq, np.float64) - np.asarray(x, np.float64)) ** 2
     err = err.reshape(x.shape[0], -1, B).sum(-1)
     if block_2d:
       m, nb = err.shape
