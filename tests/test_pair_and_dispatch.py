@@ -1,5 +1,9 @@
-"""One definition of every numeric step (issue 15): the bugs the drift caused,
-validation before dispatch, the pair op, keys, and the late switch in one place.
+"""Dispatch between implementations and the fused pair op (issue 15, "one
+definition of every numeric step"): the RHT sizes each kernel takes, SR on
+any operand with its own key, `quantize_pair` against the single-operand
+references, validation before dispatch (the same error from every
+implementation), platform preferences and fallbacks, any token count, and
+the recipe a layer runs at a step.
 """
 
 from __future__ import annotations
