@@ -315,7 +315,7 @@ GPT_MESHES = {"dp": dict(data=8), "fsdp": dict(data=2, fsdp=4),
 def _trainer(mesh_sizes):
   import train.loop as loop  # pylint: disable=g-import-not-at-top
   from models import preset  # pylint: disable=g-import-not-at-top
-  from test_train import small_corpus  # pylint: disable=g-import-not-at-top
+  from tiny_training import small_corpus  # pylint: disable=g-import-not-at-top
   from train.config import TrainConfig  # pylint: disable=g-import-not-at-top
   rules = nv.PrecisionRules(rules=tuple(
       (p, nv.Recipe.from_name(r)) for p, r in GPT_RULES))
@@ -475,9 +475,11 @@ def _check_step_collectives(name, compiled):
     print(f"    {where}, bytes per device: {d}")
 
 
-def check_gpt_step():
-  """One train step from the same state and batch on each mesh kind, and a
-  mesh checkpoint resumed on one device and on another mesh.
+def check_gpt_step(names=("dp", "mixed"), resume=True):
+  """One train step from the same state and batch on meshes `names` (here
+  the data-parallel one and the mixed one, which splits along all three
+  axes; `check_gpt_step_fsdp_tp` runs the pure FSDP and tensor-parallel
+  ones), and a mesh checkpoint resumed on one device and on another mesh.
 
   Tolerance (first order in u = 2^-24). The sharded step reorders FP32 sums
   of two kinds: over the N tokens of the batch (every gradient, the loss
@@ -527,7 +529,8 @@ def check_gpt_step():
         f"); tolerance 2u((N-1) + D F) = {factor:.2e} x S with N={n}, "
         f"D={depth}, F=256")
   meshes = {}
-  for name, sizes in GPT_MESHES.items():
+  for name in names:
+    sizes = GPT_MESHES[name]
     t0 = time.perf_counter()
     tr = _trainer(sizes)
     if name == "mixed":
@@ -545,6 +548,8 @@ def check_gpt_step():
           f"of the bound, {flipped} entries with a flipped code "
           f"({time.perf_counter() - t0:.1f}s)")
     _check_step_collectives(name, fn)
+  if not resume:
+    return
 
   # A trained state, checkpointed on one device and resumed on two meshes:
   # the restored state is bit for bit the saved one (resharded), and the
@@ -581,6 +586,11 @@ def check_gpt_step():
           f"{master.sharding.spec}, {master.addressable_shards[0].data.shape}"
           f" per device of {master.shape}")
   print(f"  checkpoint resharded ({time.perf_counter() - t0:.1f}s)")
+
+
+def check_gpt_step_fsdp_tp():
+  """`check_gpt_step` on the pure FSDP and tensor-parallel meshes."""
+  check_gpt_step(("fsdp", "tp"), resume=False)
 
 
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()

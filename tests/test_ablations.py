@@ -12,7 +12,7 @@ from train import cli
 from train.config import TrainConfig
 from train.loop import Trainer
 from train.report import gemm_report
-from test_train import small_corpus
+from tiny_training import small_corpus
 
 MODEL = preset("tiny", d_model=64, num_layers=4, num_heads=2, d_ff=128)
 

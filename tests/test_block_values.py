@@ -24,8 +24,8 @@ from nvfp4_jax import ops
 from nvfp4_jax import prng
 from nvfp4_jax.qarray import NVFP4Values
 from nvfp4_jax.recipe import Operand
-from test_kernels import KEY, f32_bits, heavy, rht_input
-from test_single_definition import FOS_PAIRS, NO_RHT_PAIRS, PAIRS
+from quantizer_checks import (FOS_PAIRS, KEY, NO_RHT_PAIRS, PAIRS, f32_bits,
+                              heavy, rht_input)
 
 
 def bf16_bits(a) -> np.ndarray:

@@ -29,10 +29,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 8
 
-pytestmark = pytest.mark.skipif(
+# Six training processes: the slow tier. (The fast tier resumes a killed run
+# in-process: tests/test_train_resume.py.)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     jax.default_backend() != "cpu",
     reason="bit-identical resumption is promised on CPU; GPU reductions are "
-    "not deterministic across compilations")
+    "not deterministic across compilations")]
 
 
 @pytest.fixture(scope="module")

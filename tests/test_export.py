@@ -15,7 +15,7 @@ from nvfp4_jax import export
 from nvfp4_jax import safetensors
 from models import GPT, preset
 from pallas_kernels import weight_only_matmul as weight_only_kernel
-from test_kernels import heavy
+from quantizer_checks import heavy
 
 CFG = preset("tiny", d_model=64, num_layers=4, num_heads=2, d_ff=128)
 

@@ -15,7 +15,7 @@ from nvfp4_jax import numerics as nm
 from nvfp4_jax import prng
 from nvfp4_jax import tile
 from nvfp4_jax.recipe import Operand
-from test_kernels import KEY, assert_same, heavy
+from quantizer_checks import KEY, assert_same, heavy
 
 B = nm.NVFP4_BLOCK
 
@@ -32,16 +32,19 @@ def _candidates(x, block_2d, rounding="nearest"):
                             x.shape[-1] // 4, seeds[0], seeds[1])
   bam = tile.block_amax(xf, block_2d)
 
-  def sse(four_over_six, choose):
+  @functools.partial(jax.jit, static_argnums=(0, 1))
+  def dequantized(four_over_six, choose, xf, bam, amax, rbits):
     consts = nm.nvfp4_scale_constants(amax, four_over_six=four_over_six)
     packed, scales, _ = tile.encode_blocks(
         xf, bam, *consts, rbits=rbits, four_over_six=choose,
         block_2d=block_2d)
-    q = nv.NVFP4Array(packed.reshape(x.shape[0], -1),
-                      scales.reshape(x.shape[0], -1), amax, block_2d,
-                      four_over_six)
-    err = (np.asarray(nv.dequantize(q), np.float64) - np.asarray(x, np.float64)
-           ) ** 2
+    return nv.dequantize(nv.NVFP4Array(
+        packed.reshape(x.shape[0], -1), scales.reshape(x.shape[0], -1), amax,
+        block_2d, four_over_six))
+
+  def sse(four_over_six, choose):
+    deq = dequantized(four_over_six, choose, xf, bam, amax, rbits)
+    err = (np.asarray(deq, np.float64) - np.asarray(x, np.float64)) ** 2
     err = err.reshape(x.shape[0], -1, B).sum(-1)
     if block_2d:
       m, nb = err.shape
@@ -88,34 +91,40 @@ def test_kernel_matches_reference(shape, dtype, block_2d, rounding):
   got, want = f("pallas"), f("xla")
   assert got.four_over_six and want.four_over_six
   assert_same(got, want)
-  q, v = fused.quantize_with_values(x, block_2d=block_2d, rounding=rounding,
-                                    key=key, four_over_six=True,
-                                    implementation="pallas")
+  q, v = jax.jit(functools.partial(
+      fused.quantize_with_values, block_2d=block_2d, rounding=rounding,
+      key=key, four_over_six=True, implementation="pallas"))(x)
   assert_same(q, want)
-  np.testing.assert_array_equal(np.asarray(v, np.float32),
-                                np.asarray(nv.block_dequantize(want)[0],
-                                           np.float32))
+  np.testing.assert_array_equal(
+      np.asarray(v, np.float32),
+      np.asarray(jax.jit(lambda q: nv.block_dequantize(q)[0])(want),
+                 np.float32))
 
 
 def test_2d_tiles_transpose_and_dequantize_with_1536():
   w = heavy((64, 96), seed=3)
-  q = nv.quantize(w, block_2d=True, four_over_six=True)
-  assert_same(q.T, nv.quantize(w.T, block_2d=True, four_over_six=True))
+  quantize = jax.jit(functools.partial(nv.quantize, block_2d=True,
+                                       four_over_six=True))
+  q = quantize(w)
+  assert_same(jax.jit(lambda q: q.T)(q), quantize(w.T))
   np.testing.assert_array_equal(
       q.tensor_scale, nm.global_decode_scale(q.amax, denominator=1536.0))
-  vals = np.asarray(nv.block_dequantize(q)[0], np.float32)
+  vals = np.asarray(jax.jit(lambda q: nv.block_dequantize(q)[0])(q),
+                    np.float32)
   np.testing.assert_array_equal(
-      np.asarray(nv.dequantize(q)), nm.ftz(vals * q.tensor_scale))
+      np.asarray(jax.jit(nv.dequantize)(q)), nm.ftz(vals * q.tensor_scale))
   # Every block scale of the 6-candidate is bounded by 256, the 4's by 384.
   assert float(jnp.max(q.scales.astype(jnp.float32))) <= 384.0
 
 
 def test_gemm_alpha_uses_each_operands_denominator():
-  a = nv.quantize(heavy((32, 64), seed=4), four_over_six=True)
-  b = nv.quantize(heavy((16, 64), seed=5))
-  want = (np.asarray(nv.dequantize(a), np.float64)
-          @ np.asarray(nv.dequantize(b), np.float64).T)
-  got = np.asarray(nv.block_scaled_matmul(a, b), np.float64)
+  a = jax.jit(functools.partial(nv.quantize, four_over_six=True))(
+      heavy((32, 64), seed=4))
+  b = jax.jit(nv.quantize)(heavy((16, 64), seed=5))
+  dequantize = jax.jit(nv.dequantize)
+  want = (np.asarray(dequantize(a), np.float64)
+          @ np.asarray(dequantize(b), np.float64).T)
+  got = np.asarray(jax.jit(nv.block_scaled_matmul)(a, b), np.float64)
   np.testing.assert_allclose(got, want, rtol=0,
                              atol=64 * 2.0**-23 * np.abs(want).max())
 
@@ -125,26 +134,16 @@ def test_recipe_option_runs_in_dot_general():
   assert recipe.fprop_w.four_over_six and not recipe.fprop_x.four_over_six
   assert "4o6" in recipe.tag
   x, w = heavy((32, 64), seed=6), heavy((64, 48), seed=7) * 0.05
-  y = nv.dot_general(x, w, (((1,), (0,)), ((), ())), recipe=recipe)
-  want = nv.block_scaled_matmul(
-      nv.quantize(x), nv.quantize(w.T, block_2d=True, four_over_six=True))
+  y = jax.jit(lambda x, w: nv.dot_general(
+      x, w, (((1,), (0,)), ((), ())), recipe=recipe))(x, w)
+  want = jax.jit(lambda x, w: nv.block_scaled_matmul(
+      nv.quantize(x), nv.quantize(w.T, block_2d=True, four_over_six=True)))(
+          x, w)
   np.testing.assert_array_equal(y, want)
-  g = jax.grad(lambda w: nv.dot_general(
+  g = jax.jit(jax.grad(lambda w: nv.dot_general(
       x, w, (((1,), (0,)), ((), ())), recipe=nv.Recipe.nvfp4(
-          four_over_six=True), key=jax.random.key(0)).sum())(w)
+          four_over_six=True), key=jax.random.key(0)).sum()))(w)
   assert np.all(np.isfinite(np.asarray(g)))
-
-
-def test_pair_kernel_fuses_four_over_six_operands():
-  """The fused X/dY kernels encode Four-over-Six themselves (no fallback);
-  more pairs in tests/test_single_definition.py."""
-  x = heavy((32, 64), jnp.bfloat16, seed=8)
-  row = Operand(four_over_six=True)
-  wgrad = Operand(rht=True, four_over_six=True)
-  got = fused.quantize_pair(x, row, wgrad, implementation="pallas")
-  want = fused.quantize_pair(x, row, wgrad, implementation="xla")
-  assert_same(got[0], want[0])
-  assert_same(got[1], want[1])
 
 
 def test_bad_options():

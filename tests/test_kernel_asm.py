@@ -50,7 +50,7 @@ def _in_kernel(fn, *arrays: np.ndarray, out_dtype) -> np.ndarray:
 
 def _on_cpu(fn, *arrays: np.ndarray) -> np.ndarray:
   """The jnp step, jitted on the CPU: the reference bytes (see
-  tests/test_kernels.py's `truth`)."""
+  tests/quantizer_checks.py's `truth`)."""
   cpu = jax.devices("cpu")[0]
   with jax.default_device(cpu):
     return np.asarray(jax.jit(fn)(*jax.device_put(arrays, cpu)))

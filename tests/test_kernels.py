@@ -32,6 +32,8 @@ from pallas_kernels import quantize as pallas_quantize
 from pallas_kernels import quantize_pair as pallas_pair
 from pallas_kernels import quantize_rht_t as pallas_rht
 from nvfp4_jax.recipe import Operand
+from quantizer_checks import (KEY, assert_same, bf16_bits, block_values, f32_bits,
+                              heavy, jit_ref, jit_xla, rht_input, truth)
 
 ON_GPU = jax.default_backend() == "gpu"
 GPU_ONLY = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
@@ -45,71 +47,6 @@ def _has_jax_triton() -> bool:
   return True
 
 
-def heavy(shape, dtype=jnp.float32, seed=0, *, sigma=1.5, outliers=30.0):
-  """Gaussian x lognormal row and column scales, plus 0.5% outliers."""
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal(shape)
-  x *= np.exp(sigma * rng.standard_normal((*shape[:-1], 1)))
-  x *= np.exp(sigma * rng.standard_normal((1,) * (len(shape) - 1)
-                                          + shape[-1:]))
-  mask = rng.random(shape) < 0.005
-  x = np.where(mask, x * outliers, x)
-  return jnp.asarray(x, jnp.float32).astype(dtype)
-
-
-def f32_bits(a):
-  return np.asarray(a, np.float32).view(np.uint32)
-
-
-def assert_same(got: nf.NVFP4Array, want: nf.NVFP4Array, what=""):
-  """Codes, scale bytes, amax and block_2d identical."""
-  assert got.block_2d == want.block_2d, what
-  assert got.codes.shape == want.codes.shape, what
-  np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(want.codes),
-                                err_msg=f"{what}: codes differ")
-  np.testing.assert_array_equal(
-      np.asarray(got.scales).view(np.uint8),
-      np.asarray(want.scales).view(np.uint8),
-      err_msg=f"{what}: scale bytes differ")
-  np.testing.assert_array_equal(f32_bits(got.amax), f32_bits(want.amax),
-                                err_msg=f"{what}: amax differs")
-
-
-_CPU = jax.devices("cpu")[0]
-
-
-def truth(fn, **kw):
-  """`fn(*args, **kw)` jitted on the CPU: the reference bytes everywhere.
-
-  On a GPU run the implementations (the "xla" reference included) run on the
-  GPU and are compared with this: XLA:CPU's reference is the one tested
-  against TE's arithmetic (tests/te_reference.py).
-  """
-  f = jax.jit(functools.partial(fn, **kw))
-
-  def run(*args):
-    with jax.default_device(_CPU):
-      return f(*jax.device_put(args, _CPU))
-  return run
-
-
-def jit_ref(**kw):
-  return truth(nvfp4.quantize_reference, **kw)
-
-
-def jit_xla(fn, **kw):
-  """`fn(..., implementation="xla", **kw)` on the CPU (see `truth`)."""
-  return truth(fn, implementation="xla", **kw)
-
-
-block_values = truth(lambda q: nf.block_dequantize(q)[0])
-
-
-def bf16_bits(a):
-  return np.asarray(a).view(np.uint16)
-
-
-KEY = jax.random.key(42)
 
 # (shape, dtype, block_2d, rounding): partial row/column tiles and several
 # grid steps with the default tile sizes (16 rows x 256 columns).
@@ -228,27 +165,6 @@ RHT_CASES = [  # (tokens, features), dtype, rounding
     ((64, 96), jnp.float32, "nearest"),
     ((96, 80), jnp.bfloat16, "stochastic"),
 ]
-
-
-def rht_input(shape, dtype, seed):
-  """RHT test data whose 16-token Hadamard sums are exact in FP32.
-
-  `rht` accumulates 16 products in FP32 and rounds to bf16; when a sum is not
-  exact its bf16 result depends on the summation order, which differs between
-  XLA:CPU, cuBLAS and the tensor cores (TE's kernel included), so no two
-  implementations can promise the same bytes there (a flushed subnormal
-  product or partial sum is such a rounding: see
-  `test_rht_of_tiny_tokens_decodes_as_the_reference`). Small integers times
-  per-column (2^-12..2^12) and per-token (2^0..2^6) powers of two keep every
-  sum exact (< 2^17 units), while the block scales still spread widely.
-  """
-  rng = np.random.default_rng(seed)
-  t, f = shape
-  k = rng.integers(-127, 128, shape).astype(np.float32)
-  k = np.where(rng.random(shape) < 0.7, np.round(k / 8), k)  # Mostly small.
-  x = k * np.exp2(rng.integers(0, 7, (t, 1))) * np.exp2(
-      rng.integers(-12, 13, (1, f)))
-  return jnp.asarray(x, jnp.float32).astype(dtype)
 
 
 class FusedBase:

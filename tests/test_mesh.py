@@ -54,9 +54,16 @@ def test_sharded_dot_general_pallas():
   run_checks("dot_general_pallas")
 
 
-def test_gpt_step_on_each_mesh_and_resumed_on_another():
+def test_gpt_step_on_a_mixed_mesh_and_resumed_on_another():
+  """Data-parallel and data x FSDP x tensor-parallel; resumed on both."""
   out = run_checks("gpt_step")
-  assert "resumed on dp" in out
+  assert "resumed on dp" in out and "resumed on mixed" in out
+
+
+@pytest.mark.slow  # The mixed mesh of the fast tier splits along both axes.
+def test_gpt_step_on_fsdp_and_tensor_parallel_meshes():
+  out = run_checks("gpt_step_fsdp_tp")
+  assert "fsdp {" in out and "tp {" in out
 
 
 def _train_cli(out, *flags, devices=1):
@@ -74,6 +81,7 @@ def _train_cli(out, *flags, devices=1):
       stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow  # Two 20-step CLI runs, one on 8 devices.
 def test_cli_mesh_run_matches_one_device(tmp_path):
   """`python -m train --mesh data=2,fsdp=2,model=2` on 8 CPU devices trains
   like the 1-device run.

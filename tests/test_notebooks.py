@@ -18,6 +18,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 NAMES = ["01_quickstart", "02_numerics", "03_gpt_bf16_vs_nvfp4",
          "04_precision_rules"]
+# The cheapest notebook runs in the fast tier, the others in the slow one.
+FAST = "01_quickstart"
 
 
 def _code_cells(nb):
@@ -48,7 +50,9 @@ def test_committed_without_outputs_and_opens_with_colab_install(path,
   assert len(calls) == 1 and "install" in calls[0][0]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [
+    pytest.param(p, marks=() if p.stem == FAST else pytest.mark.slow)
+    for p in NOTEBOOKS], ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom(path, monkeypatch):
   monkeypatch.setenv("NVFP4_NOTEBOOK_SMOKE", "1")
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join(

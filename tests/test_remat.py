@@ -26,7 +26,7 @@ def _setup(remat, rules, dtype="bfloat16"):
   model = GPT(cfg)
   tokens = jax.random.randint(jax.random.key(0), _BATCH, 0, 256)
   with nv.precision_rules(nv.PrecisionRules.high_precision()):
-    params = model.init(jax.random.key(0), tokens[:, :16])
+    params = jax.jit(model.init)(jax.random.key(0), tokens[:, :16])
 
   def loss(p):
     with nv.precision_rules(rules, step=0):

@@ -1,5 +1,7 @@
 """`python -m train.study`: the set, the commands, resumability, the table."""
 
+import pytest
+
 from train import study
 
 
@@ -31,6 +33,7 @@ def test_common_flags_reach_every_run(tmp_path, capsys):
   assert all("--eval-every 5" in l and "--ckpt-every 5" in l for l in lines)
 
 
+@pytest.mark.slow  # Trains a run of the study in a subprocess.
 def test_runs_skips_finished_and_writes_results(tmp_path, capsys):
   argv = ["--preset", "tiny", "--steps", "3", "--batch-size", "4",
           "--seq-len", "32", "--eval-every", "3", "--out", str(tmp_path),

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from test_train import MODEL, config, small_corpus
+from tiny_training import MODEL, config, small_corpus
 from train.checkpoint import config_changes
 from train.loop import Trainer
 from train.metrics import read_metrics, select

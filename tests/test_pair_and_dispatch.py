@@ -1,5 +1,9 @@
-"""One definition of every numeric step (issue 15): the bugs the drift caused,
-validation before dispatch, the pair op, keys, and the late switch in one place.
+"""Dispatch between implementations and the fused pair op (issue 15, "one
+definition of every numeric step"): the RHT sizes each kernel takes, SR on
+any operand with its own key, `quantize_pair` against the single-operand
+references, validation before dispatch (the same error from every
+implementation), platform preferences and fallbacks, any token count, and
+the recipe a layer runs at a step.
 """
 
 from __future__ import annotations
@@ -18,32 +22,28 @@ from nvfp4_jax import nvfp4
 from nvfp4_jax import prng
 from nvfp4_jax.recipe import Operand
 from pallas_kernels import quantize_rht_t as pallas_rht
-from test_kernels import KEY, assert_same, heavy, jit_xla, rht_input
+from quantizer_checks import (FOS_PAIRS, KEY, NO_RHT_PAIRS, PAIRS, SR,
+                              SR_RHT, assert_same, heavy, jit_xla, rht_input)
 
 T, K, N = 48, 64, 32
-SR = Operand(format="nvfp4", rounding="stochastic")
-SR_RHT = Operand(format="nvfp4", rounding="stochastic", rht=True)
-RTNE = Operand(format="nvfp4")
-RTNE_RHT = Operand(format="nvfp4", rht=True)
 
 
 # -- Bug 1: the RHT kernel at sizes whose matrix is not exact in bf16. -------
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("size", [16, 64])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_every_kernel_rht_size_matches_reference(impl, size, rounding):
+def test_every_kernel_rht_size_matches_reference(size, rounding):
   x = rht_input((128, 48), jnp.bfloat16, seed=size)
   key = KEY if rounding == "stochastic" else None
   f = functools.partial(fused.quantize_rht_t, rounding=rounding, key=key,
                         size=size)
-  got = jax.jit(functools.partial(f, implementation=impl))(x)
-  assert_same(got, jit_xla(f)(x), f"size {size}")
+  want = jit_xla(f)(x)
+  got = jax.jit(functools.partial(f, implementation="pallas"))(x)
+  assert_same(got, want, f"size {size}")
   # And the reference is quantize(rht(x.T)) of that size.
-  want = nvfp4.quantize_reference(nv.rht(x.T, size=size), rounding=rounding,
-                                  key=key)
-  assert_same(jit_xla(f)(x), want)
+  assert_same(want, jax.jit(lambda x: nvfp4.quantize_reference(
+      nv.rht(x.T, size=size), rounding=rounding, key=key))(x))
 
 
 @pytest.mark.parametrize("size", [4, 32, 128])
@@ -88,11 +88,14 @@ def test_stochastic_rounding_on_any_operand_runs_with_its_key(operand):
   assert changed == [uses[operand][0], True, True], changed
   # Fprop with an SR operand quantizes with exactly that operand's key.
   keys = recipe.operand_keys(jax.random.key(1))
-  qx = nv.quantize(x, rounding=recipe.fprop_x.rounding, key=keys["fprop_x"])
-  qw = nv.quantize(w.T, block_2d=recipe.fprop_w.block_2d,
-                   rounding=recipe.fprop_w.rounding, key=keys["fprop_w"])
-  np.testing.assert_array_equal(
-      a[0], nv.block_scaled_matmul(qx, qw, implementation="xla"))
+
+  @jax.jit
+  def fprop(x, w):
+    qx = nv.quantize(x, rounding=recipe.fprop_x.rounding, key=keys["fprop_x"])
+    qw = nv.quantize(w.T, block_2d=recipe.fprop_w.block_2d,
+                     rounding=recipe.fprop_w.rounding, key=keys["fprop_w"])
+    return nv.block_scaled_matmul(qx, qw, implementation="xla")
+  np.testing.assert_array_equal(a[0], fprop(x, w))
 
 
 def test_forward_sr_without_key_is_a_clear_error():
@@ -124,47 +127,28 @@ def test_operand_keys_are_distinct_and_none_for_nearest():
 # -- The pair op: one dispatch, the kernel refuses what it cannot fuse. ------
 
 
-PAIRS = [
-    (RTNE, RTNE_RHT),                               # X
-    (SR, SR_RHT),                                   # dY
-    (Operand(format="bf16"), RTNE_RHT),             # X, BF16 Fprop
-    (SR, Operand(format="bf16")),                   # dY, BF16 Wgrad
-    (SR, RTNE_RHT),                                 # mixed rounding
-]
-
-
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("pair", range(len(PAIRS)))
-def test_quantize_pair_matches_single_operand_references(impl, pair):
+def test_quantize_pair_matches_single_operand_references(pair):
   row, wgrad = PAIRS[pair]
   x = rht_input((64, 48), jnp.bfloat16, seed=pair)
   kr, kt = prng.pair_keys(KEY)
   f = functools.partial(fused.quantize_pair, row=row, wgrad=wgrad,
                         key_row=kr, key_t=kt)
-  q_row, q_t = jax.jit(functools.partial(f, implementation=impl))(x)
+  want_row = want_t = None
   if row.quantized:
-    assert_same(q_row, nvfp4.quantize_reference(
+    want_row = jax.jit(lambda x: nvfp4.quantize_reference(
         x, rounding=row.rounding, key=kr if row.rounding == "stochastic"
-        else None))
-  else:
-    assert q_row is None
+        else None))(x)
   if wgrad.quantized:
-    assert_same(q_t, fused.quantize_rht_t(
-        x, rounding=wgrad.rounding, key=kt if wgrad.rounding == "stochastic"
-        else None, implementation="xla"))
-  else:
-    assert q_t is None
-
-
-FOS = dict(format="nvfp4", four_over_six=True)
-FOS_PAIRS = [
-    (Operand(**FOS), Operand(**FOS, rht=True)),                     # X
-    (Operand(**FOS, rounding="stochastic"),
-     Operand(**FOS, rounding="stochastic", rht=True)),              # dY
-    (RTNE, Operand(**FOS, rht=True)),          # Four-over-Six on one only
-    (Operand(**FOS, rounding="stochastic"), Operand(format="bf16")),
-    (Operand(format="bf16"), Operand(**FOS, rounding="stochastic", rht=True)),
-]
+    want_t = jit_xla(fused.quantize_rht_t, rounding=wgrad.rounding,
+                     key=kt if wgrad.rounding == "stochastic" else None)(x)
+  for impl in ("xla", "pallas"):
+    q_row, q_t = jax.jit(functools.partial(f, implementation=impl))(x)
+    for got, want in ((q_row, want_row), (q_t, want_t)):
+      if want is None:
+        assert got is None, impl
+      else:
+        assert_same(got, want, impl)
 
 
 def _kernel_and_reference_pair(x, row, wgrad, key_row, key_t):
@@ -190,25 +174,16 @@ def test_pair_kernel_four_over_six_matches_reference(pair):
     assert_same(g, w)
     assert g.four_over_six == op.four_over_six
   if row.quantized:  # The reference pair's row is `quantize`'s reference.
-    assert_same(want[0], nvfp4.quantize_reference(
+    assert_same(want[0], jax.jit(lambda x: nvfp4.quantize_reference(
         x, rounding=row.rounding, four_over_six=row.four_over_six,
-        key=kr if row.rounding == "stochastic" else None))
+        key=kr if row.rounding == "stochastic" else None))(x))
   if wgrad.quantized:
-    plain = fused.quantize_pair(
+    plain = jax.jit(lambda x: fused.quantize_pair(
         x, Operand(format="bf16"), Operand(format="nvfp4", rht=True,
                                            rounding=wgrad.rounding),
-        key_t=kt, implementation="pallas")[1]
+        key_t=kt, implementation="pallas")[1])(x)
     assert not np.array_equal(np.asarray(plain.scales.astype(jnp.float32)),
                               np.asarray(got[1].scales.astype(jnp.float32)))
-
-
-NO_RHT_PAIRS = [
-    (RTNE, Operand(format="nvfp4")),                                # X
-    (SR, Operand(format="nvfp4", rounding="stochastic")),           # dY
-    (Operand(format="bf16"), Operand(format="nvfp4")),
-    (SR, Operand(format="nvfp4", rounding="stochastic",
-                 four_over_six=True)),
-]
 
 
 @pytest.mark.parametrize("pair", range(len(NO_RHT_PAIRS)))
@@ -224,9 +199,9 @@ def test_pair_kernel_without_rht_matches_reference(pair):
     assert (g is None) == (w is None)
     if g is not None:
       assert_same(g, w)
-  assert_same(want[1], nvfp4.quantize_reference(
+  assert_same(want[1], jax.jit(lambda x: nvfp4.quantize_reference(
       x.T, rounding=wgrad.rounding, four_over_six=wgrad.four_over_six,
-      key=kt if wgrad.rounding == "stochastic" else None))
+      key=kt if wgrad.rounding == "stochastic" else None))(x))
   assert got[1].shape == (48, 64)
 
 
@@ -239,8 +214,9 @@ def test_pair_kernel_refuses_unfusable_pairs_and_default_falls_back(row, wgrad):
   with pytest.raises(NotImplementedError, match="pair kernels"):
     fused.quantize_pair(x, row, wgrad, implementation="pallas")
   with dispatch.default_implementation("pallas"):
-    got = fused.quantize_pair(x, row, wgrad)
-  want = fused.quantize_pair(x, row, wgrad, implementation="xla")
+    got = jax.jit(lambda x: fused.quantize_pair(x, row, wgrad))(x)
+  want = jax.jit(lambda x: fused.quantize_pair(x, row, wgrad,
+                                               implementation="xla"))(x)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(g).reshape(-1).view(np.uint8),
                                   np.asarray(w).reshape(-1).view(np.uint8))
@@ -310,18 +286,19 @@ def test_native_paths_fall_back_where_they_cannot_run(monkeypatch):
                scaled_matmul=refuse, triton=refuse)
   op = dispatch.Op("block_scaled_matmul", impls,
                    gemm.BLOCK_SCALED_MATMUL.preferred)
-  a = nv.quantize(heavy((32, 64), seed=1))
-  b = nv.quantize(heavy((16, 64), seed=2))
+  a = jit_xla(nv.quantize)(heavy((32, 64), seed=1))
+  b = jit_xla(nv.quantize)(heavy((16, 64), seed=2))
   assert op.order()[:2] == ("scaled_matmul", "triton")
-  got = op(None, a, b, out_dtype=jnp.float32)  # "pallas", interpreted.
+  got = jax.jit(lambda a, b: op(None, a, b, out_dtype=jnp.float32))(
+      a, b)  # "pallas", interpreted.
   np.testing.assert_array_equal(
-      got, gemm.block_scaled_matmul(a, b, implementation="xla"))
+      got, jit_xla(gemm.block_scaled_matmul)(a, b))
 
 
 # -- Forward-only use at any token count; Wgrad operands padded inside. ------
 
 
-@pytest.mark.parametrize("tokens", [1, 40, 47])
+@pytest.mark.parametrize("tokens", [1, 47])  # One token; a partial block.
 def test_any_token_count_forward_and_backward(tokens):
   recipe = nv.Recipe.nvfp4()
   x = heavy((tokens, K), seed=tokens)
@@ -329,26 +306,35 @@ def test_any_token_count_forward_and_backward(tokens):
   dy = heavy((tokens, N), seed=6)
   dn = (((1,), (0,)), ((), ()))
   key = jax.random.key(0)
-  y = nv.dot_general(x, w, dn, recipe=recipe)  # Forward needs no key.
-  qx = nv.quantize(x)
-  qw = nv.quantize(w.T, block_2d=True)
-  np.testing.assert_array_equal(y, nv.block_scaled_matmul(qx, qw))
-  # Backward: the Wgrad operands are padded with zero tokens, which change
-  # neither their amax nor the product: dW equals the GEMM of the padded
-  # operands, and dX the Dgrad of the unpadded dY.
-  _, f = jax.vjp(lambda x, w: nv.dot_general(x, w, dn, recipe=recipe,
-                                             key=key), x, w)
-  dx, dw = f(dy)
-  pad = -tokens % 16
-  xp, dyp = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, dy))
-  keys = recipe.operand_keys(key)
-  qxt = fused.quantize_rht_t(xp)
-  qdyt = fused.quantize_rht_t(dyp, rounding="stochastic",
-                              key=keys["wgrad_dy"])
-  np.testing.assert_array_equal(dw, nv.block_scaled_matmul(qxt, qdyt))
-  qdy = nv.quantize(dyp, rounding="stochastic", key=keys["dgrad_dy"])
-  want_dx = nv.block_scaled_matmul(qdy, qw.T)[:tokens]
-  np.testing.assert_array_equal(dx, want_dx)
+
+  @jax.jit  # The layer, one program; its composition from the ops, another.
+  def layer(x, w, dy):
+    y = nv.dot_general(x, w, dn, recipe=recipe)  # Forward needs no key.
+    _, f = jax.vjp(lambda x, w: nv.dot_general(x, w, dn, recipe=recipe,
+                                               key=key), x, w)
+    return (y, *f(dy))
+
+  @jax.jit
+  def composed(x, w, dy):
+    qx = nv.quantize(x)
+    qw = nv.quantize(w.T, block_2d=True)
+    y = nv.block_scaled_matmul(qx, qw)
+    # Backward: the Wgrad operands are padded with zero tokens, which change
+    # neither their amax nor the product: dW equals the GEMM of the padded
+    # operands, and dX the Dgrad of the unpadded dY.
+    pad = -tokens % 16
+    xp, dyp = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, dy))
+    keys = recipe.operand_keys(key)
+    qxt = fused.quantize_rht_t(xp)
+    qdyt = fused.quantize_rht_t(dyp, rounding="stochastic",
+                                key=keys["wgrad_dy"])
+    dw = nv.block_scaled_matmul(qxt, qdyt)
+    qdy = nv.quantize(dyp, rounding="stochastic", key=keys["dgrad_dy"])
+    dx = nv.block_scaled_matmul(qdy, qw.T)[:tokens]
+    return y, dx, dw
+
+  for got, want in zip(layer(x, w, dy), composed(x, w, dy)):
+    np.testing.assert_array_equal(got, want)
 
 
 def test_mismatched_contraction_is_a_clear_error():

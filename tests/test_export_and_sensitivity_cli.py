@@ -7,7 +7,7 @@ from nvfp4_jax import safetensors
 from train import export as export_cli
 from train import sensitivity as sensitivity_cli
 from train.loop import Trainer
-from test_train import MODEL, config, small_corpus
+from tiny_training import MODEL, config, small_corpus
 
 
 def test_export_a_run_and_generate(tmp_path, capsys):
