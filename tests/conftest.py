@@ -89,7 +89,7 @@ def _default_implementation():
   if not name:
     yield
     return
-  from nvfp4_jax import dispatch  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.core import dispatch  # pylint: disable=g-import-not-at-top
   with dispatch.default_implementation(name):
     yield
 

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import nvfp4_jax as nv  # noqa: E402
-from nvfp4_jax import sharding as shd  # noqa: E402
+from nvfp4_jax import parallel as shd  # noqa: E402
 from conftest import make_heavy_tailed  # noqa: E402
 
 U = 2.0 ** -24

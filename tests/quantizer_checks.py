@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import nvfp4_jax as nf
-from nvfp4_jax import nvfp4
-from nvfp4_jax.recipe import Operand
+from nvfp4_jax.ops.quantize import reference as quantize_ref
+from nvfp4_jax.core.recipe import Operand
 
 
 def heavy(shape, dtype=jnp.float32, seed=0, *, sigma=1.5, outliers=30.0):
@@ -67,7 +67,7 @@ def truth(fn, **kw):
 
 
 def jit_ref(**kw):
-  return truth(nvfp4.quantize_reference, **kw)
+  return truth(quantize_ref.quantize_reference, **kw)
 
 
 def jit_xla(fn, **kw):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import nvfp4_jax as nv
-from nvfp4_jax import fused
+from nvfp4_jax.ops.quantize_rht_t import api as rht_t_api
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True)
 DTYPES = ["float32", "bfloat16", "float16", "float64", "int32", "uint8",
@@ -121,7 +121,7 @@ def test_quantize_rht_t(tokens, features, extra, size, dtype):
   shape = (2, tokens, features) if extra else (tokens, features)
 
   def call():
-    return jax.eval_shape(lambda x: fused.quantize_rht_t(x, size=size),
+    return jax.eval_shape(lambda x: rht_t_api.quantize_rht_t(x, size=size),
                           _spec(shape, dtype))
   bad = []
   if dtype == "int32":
@@ -210,7 +210,7 @@ def test_nan_and_inf_propagate_through_every_quantizer():
   x = np.ones((32, 64), np.float32)
   x[3, 5] = np.nan
   for fn in (nv.quantize, lambda x: nv.quantize(x, block_2d=True),
-             fused.quantize_rht_t):
+             rht_t_api.quantize_rht_t):
     assert not np.isfinite(np.asarray(nv.dequantize(fn(jnp.asarray(x))))).any()
   x[3, 5] = np.inf
   assert not np.isfinite(np.asarray(nv.dequantize(

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import nvfp4_jax as nf
-from nvfp4_jax import gemm
-from nvfp4_jax import prng
+from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
+from nvfp4_jax.core import prng
 
 
 @pytest.mark.parametrize("k", [8, 100, 24, 31])
@@ -131,12 +131,12 @@ def test_block_scaled_matmul_errors():
   a = quantize(jnp.ones((4, 32)))
   b = quantize(jnp.ones((8, 64)))
   with pytest.raises(ValueError, match=r"contraction sizes differ, a \(4, 32\) vs b \(8, 64\)"):
-    gemm.block_scaled_matmul(a, b)
+    gemm_api.block_scaled_matmul(a, b)
   with pytest.raises(TypeError, match=r"b must be an NVFP4Array, NVFP4Values or MXArray, got ndarray"):
-    gemm.block_scaled_matmul(a, np.ones((4, 32)))
+    gemm_api.block_scaled_matmul(a, np.ones((4, 32)))
   c = quantize(jnp.ones((2, 4, 32)))
   with pytest.raises(ValueError, match=r"a must be 2-D \[rows, K\], got shape \(2, 4, 32\)"):
-    gemm.block_scaled_matmul(c, a)
+    gemm_api.block_scaled_matmul(c, a)
 
 
 def test_dequantize_wrong_type():

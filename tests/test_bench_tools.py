@@ -236,7 +236,7 @@ def test_probe_prologue_integer_decode_is_e2m1_decode():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from benchmarks import probe_prologue
-  from nvfp4_jax import numerics as nm
+  from nvfp4_jax.core import numerics as nm
   codes = jnp.arange(16, dtype=jnp.uint8)
   got = np.asarray(probe_prologue._decode_u8(codes).astype(jnp.float32))
   want = np.asarray(nm.e2m1_decode(codes))
@@ -250,7 +250,7 @@ def test_probe_decode_gemm_byte_decode_is_exact():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from benchmarks import probe_decode_gemm as pdg
-  from nvfp4_jax import numerics as nm
+  from nvfp4_jax.core import numerics as nm
   codes = jnp.arange(16, dtype=jnp.uint8)
   got = np.asarray(pdg.byte_values(pdg.code_bytes(codes)).astype(jnp.float32))
   want = np.asarray(nm.e2m1_decode(codes))

@@ -9,6 +9,7 @@ and gradients are those of the codes path.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,13 +18,14 @@ import numpy as np
 import pytest
 
 import nvfp4_jax as nv
-from nvfp4_jax import dispatch
-from nvfp4_jax import fused
-from nvfp4_jax import gemm
-from nvfp4_jax import ops
-from nvfp4_jax import prng
-from nvfp4_jax.qarray import NVFP4Values
-from nvfp4_jax.recipe import Operand
+from nvfp4_jax.core import dispatch
+from nvfp4_jax.ops.quantize_pair import api as pair_api
+from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
+from nvfp4_jax.ops.block_values import api as values_api
+from nvfp4_jax.training import dot_general as ops
+from nvfp4_jax.core import prng
+from nvfp4_jax.core.arrays import NVFP4Values
+from nvfp4_jax.core.recipe import Operand
 from quantizer_checks import (FOS_PAIRS, KEY, NO_RHT_PAIRS, PAIRS, f32_bits,
                               heavy, rht_input)
 
@@ -63,7 +65,7 @@ def test_pair_values_are_the_codes_block_values(impl, kind, i):
   x = (rht_input if kind == "pair" else heavy)((64, 48), jnp.bfloat16,
                                                 seed=40 + i)
   kr, kt = prng.pair_keys(KEY)
-  f = functools.partial(fused.quantize_pair, row=row, wgrad=wgrad,
+  f = functools.partial(pair_api.quantize_pair, row=row, wgrad=wgrad,
                         key_row=kr, key_t=kt, implementation=impl)
   codes = jax.jit(f)(x)
   modes = [(True, True)]
@@ -86,7 +88,7 @@ def test_values_need_nvfp4():
   x = heavy((64, 64), jnp.bfloat16, seed=1)
   with pytest.raises(ValueError, match="values=True for the row operand "
                      "needs the nvfp4 format, got 'mxfp4'"):
-    fused.quantize_pair(x, Operand(format="mxfp4"), Operand(format="mxfp4"),
+    pair_api.quantize_pair(x, Operand(format="mxfp4"), Operand(format="mxfp4"),
                         values=(True, False))
 
 
@@ -124,11 +126,11 @@ def test_values_only_where_the_gemm_is_emulated(monkeypatch, cc, values):
   """Blackwell's native GEMMs read the codes: no values are asked there."""
   monkeypatch.setattr(dispatch, "platform", lambda: "gpu" if cc else "cpu")
   monkeypatch.setattr(dispatch, "compute_capability", lambda: cc)
-  assert gemm.consumes_values() is values
+  assert gemm_api.consumes_values() is values
   with dispatch.default_implementation("triton"):
-    assert not gemm.consumes_values()
+    assert not gemm_api.consumes_values()
   with dispatch.default_implementation("xla"):
-    assert gemm.consumes_values()
+    assert gemm_api.consumes_values()
 
 
 @pytest.mark.parametrize("recipe", [
@@ -150,7 +152,9 @@ def test_layer_bit_equal_to_the_codes_path(monkeypatch, recipe):
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w)
 
   got = run()
-  monkeypatch.setattr(ops, "consumes_values", lambda: False)
+  plan = ops.gemm_plan
+  monkeypatch.setattr(ops, "gemm_plan", lambda *a, **k: dataclasses.replace(
+      plan(*a, **k), values=False, residuals="codes"))
   want = run()
   for g, wv in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(g, np.float32),
@@ -169,8 +173,8 @@ def test_values_residuals_are_saved_and_multiplied_undecoded(monkeypatch,
   w = heavy((64, 32), jnp.float32, seed=9) * 0.1
   dy = heavy((48, 32), jnp.float32, seed=10)  # y is FP32, as w is.
   decoded = []
-  block_values = gemm.BLOCK_VALUES
-  monkeypatch.setattr(gemm, "BLOCK_VALUES", lambda impl, q: (
+  block_values = values_api.BLOCK_VALUES
+  monkeypatch.setattr(gemm_api, "BLOCK_VALUES", lambda impl, q: (
       decoded.append(q.shape), block_values(impl, q))[1])
   grads, saved = {}, {}
   for residuals in ("codes", "values"):
@@ -201,3 +205,21 @@ def test_residuals_choice_is_validated():
                      "'codes'"):
     nv.Recipe.nvfp4(residuals="bf16")
   assert "values" in repr(nv.Recipe.nvfp4(residuals="values"))
+
+
+def test_residuals_choice_is_resolved_with_the_gemm_backend():
+  """`gemm_plan` decides once, from the platform it is given: the emulation
+  (Hopper, CPU) multiplies values and saves them on request; a native FP4
+  GEMM (Blackwell) multiplies codes, so "values" saves codes and says so."""
+  hopper = gemm_api.gemm_plan("values", platform="gpu", cc=(9, 0))
+  assert (hopper.backend, hopper.values, hopper.residuals) == (
+      "pallas", True, "values")
+  cpu = gemm_api.gemm_plan("values", platform="cpu", cc=None)
+  assert (cpu.backend, cpu.values, cpu.residuals) == ("xla", True, "values")
+  with pytest.warns(UserWarning, match="residuals='values'.*saves codes"):
+    b200 = gemm_api.gemm_plan("values", platform="gpu", cc=(10, 0))
+  assert (b200.backend, b200.values, b200.residuals) == (
+      "scaled_matmul", False, "codes")
+  # A default_implementation block overrides the platform's preference.
+  assert gemm_api.gemm_plan("codes", platform="gpu", cc=(10, 0),
+                            impl="xla").values

@@ -1,8 +1,11 @@
 """`python -m benchmarks.check_device` runs (small, on CPU) and reports."""
 
+import pytest
+
 from benchmarks import check_device
 
 
+@pytest.mark.slow  # Every kernel and benchmark path once (~20 s on CPU).
 def test_check_device_smoke(capsys):
   check_device.main(["--small", "--no-step"])
   out = capsys.readouterr().out

@@ -26,15 +26,15 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from nvfp4_jax import numerics as nm
-from nvfp4_jax import prng
-from nvfp4_jax import tile
-from nvfp4_jax import fused
-from nvfp4_jax.recipe import Operand
+from nvfp4_jax.core import numerics as nm
+from nvfp4_jax.core import prng
+from nvfp4_jax.core import tile
+from nvfp4_jax.ops.quantize_pair import api as pair_api
+from nvfp4_jax.core.recipe import Operand
 from pallas_kernels import common
-from pallas_kernels import quantize as pallas_quantize
-from pallas_kernels import quantize_pair as pallas_pair
-from pallas_kernels import quantize_rht_t as pallas_rht
+from nvfp4_jax.ops.quantize import pallas_triton as pallas_quantize
+from nvfp4_jax.ops.quantize_pair import pallas_triton as pallas_pair
+from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pallas_rht
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -233,7 +233,7 @@ def test_kernels_lower_with_the_encoder(claim_sm90, monkeypatch, asm):
   monkeypatch.setattr(common, "ASM_ENCODE", asm)
   x = jax.ShapeDtypeStruct((80, 400), jnp.bfloat16)
   key = jax.random.key(0)
-  kx, kt = fused.split_key(key)
+  kx, kt = pair_api.split_key(key)
   sr = Operand(rounding="stochastic")
   fns = {
       "1x16 RTNE": lambda x: pallas_quantize.quantize(x),
@@ -242,10 +242,10 @@ def test_kernels_lower_with_the_encoder(claim_sm90, monkeypatch, asm):
           x, rounding="stochastic", key=key, with_codes=False),
       "rht_t SR values": lambda x: pallas_rht.quantize_rht_t(
           x, rounding="stochastic", key=key, values=True),
-      "X pair": lambda x: pallas_pair.quantize_pair(
+      "X pair": lambda x: pair_api.QUANTIZE_PAIR("pallas", 
           x, Operand(), Operand(rht=True), key_row=None, key_t=None,
           values=(True, False)),
-      "dY pair": lambda x: pallas_pair.quantize_pair(
+      "dY pair": lambda x: pair_api.QUANTIZE_PAIR("pallas", 
           x, sr, Operand(rounding="stochastic", rht=True), key_row=kx,
           key_t=kt, values=(True, True)),
   }

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import nvfp4_jax as nv
-from nvfp4_jax import export
-from nvfp4_jax import safetensors
+from nvfp4_jax.tools import export
+from nvfp4_jax.tools import safetensors
 from models import GPT, preset
-from pallas_kernels import weight_only_matmul as weight_only_kernel
+from nvfp4_jax.ops.weight_only_matmul import pallas_triton as weight_only_kernel
 from quantizer_checks import heavy
 
 CFG = preset("tiny", d_model=64, num_layers=4, num_heads=2, d_ff=128)

@@ -3,13 +3,15 @@
 
 import pytest
 
-from nvfp4_jax import safetensors
+from nvfp4_jax.tools import safetensors
 from train import export as export_cli
 from train import sensitivity as sensitivity_cli
 from train.loop import Trainer
 from tiny_training import MODEL, config, small_corpus
 
 
+@pytest.mark.slow  # A training run, then export and generation (~25 s);
+# test_export.py covers the library in the fast tier.
 def test_export_a_run_and_generate(tmp_path, capsys):
   run = tmp_path / "run"
   # Any run of MODEL with a checkpoint will do; this is test_train_resume's
@@ -34,6 +36,8 @@ def test_export_errors(tmp_path, capsys):
   assert "holds no config.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # A training run, then the analysis (~25 s);
+# test_sensitivity.py covers the library in the fast tier.
 def test_sensitivity_cli(tmp_path, capsys):
   plot = tmp_path / "s.png"
   assert sensitivity_cli.main(["--batches", "1", "--batch-size", "2",

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import nvfp4_jax as nv
-from nvfp4_jax import fused
-from nvfp4_jax import numerics as nm
-from nvfp4_jax import prng
-from nvfp4_jax import tile
-from nvfp4_jax.recipe import Operand
+from nvfp4_jax.ops.quantize import api as quantize_api
+from nvfp4_jax.core import numerics as nm
+from nvfp4_jax.core import prng
+from nvfp4_jax.core import tile
+from nvfp4_jax.core.recipe import Operand
 from quantizer_checks import KEY, assert_same, heavy
 
 B = nm.NVFP4_BLOCK
@@ -92,7 +92,7 @@ def test_kernel_matches_reference(shape, dtype, block_2d, rounding):
   assert got.four_over_six and want.four_over_six
   assert_same(got, want)
   q, v = jax.jit(functools.partial(
-      fused.quantize_with_values, block_2d=block_2d, rounding=rounding,
+      quantize_api.quantize_with_values, block_2d=block_2d, rounding=rounding,
       key=key, four_over_six=True, implementation="pallas"))(x)
   assert_same(q, want)
   np.testing.assert_array_equal(

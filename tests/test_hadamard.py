@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import nvfp4_jax as nf
-from nvfp4_jax import tile
+from nvfp4_jax.core import tile
 import te_reference as ref
 from conftest import JNP_DTYPES, make_heavy_tailed
 

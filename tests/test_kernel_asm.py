@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from nvfp4_jax import tile
+from nvfp4_jax.core import tile
 from pallas_kernels import common
-from pallas_kernels import quantize_rht_t as pallas_rht
+from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pallas_rht
 
 ON_GPU = jax.default_backend() == "gpu"
 COLS = 256

@@ -21,17 +21,20 @@ import numpy as np
 import pytest
 
 import nvfp4_jax as nf
-from nvfp4_jax import fused
-from nvfp4_jax import gemm
-from nvfp4_jax import nvfp4
-from nvfp4_jax import tile
-from pallas_kernels import block_dequantize as pallas_block_dequantize
-from pallas_kernels import block_scaled_matmul as pallas_gemm
+from nvfp4_jax.ops.quantize import api as quantize_api
+from nvfp4_jax.ops.quantize_pair import api as pair_api
+from nvfp4_jax.ops.quantize_rht_t import api as rht_t_api
+from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
+from nvfp4_jax.ops.block_scaled_matmul import reference as gemm_ref
+from nvfp4_jax.ops.quantize import reference as quantize_ref
+from nvfp4_jax.core import tile
+from nvfp4_jax.ops.block_values import pallas_triton as pallas_block_dequantize
+from nvfp4_jax.ops.block_scaled_matmul import triton as pallas_gemm
 from pallas_kernels import common
-from pallas_kernels import quantize as pallas_quantize
-from pallas_kernels import quantize_pair as pallas_pair
-from pallas_kernels import quantize_rht_t as pallas_rht
-from nvfp4_jax.recipe import Operand
+from nvfp4_jax.ops.quantize import pallas_triton as pallas_quantize
+from nvfp4_jax.ops.quantize_pair import pallas_triton as pallas_pair
+from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pallas_rht
+from nvfp4_jax.core.recipe import Operand
 from quantizer_checks import (KEY, assert_same, bf16_bits, block_values, f32_bits,
                               heavy, jit_ref, jit_xla, rht_input, truth)
 
@@ -177,7 +180,7 @@ class FusedBase:
     x = rht_input(shape, dtype, seed=shape[1])
     key = KEY if rounding == "stochastic" else None
     f = lambda impl: jax.jit(functools.partial(
-        fused.quantize_rht_t, rounding=rounding, key=key,
+        rht_t_api.quantize_rht_t, rounding=rounding, key=key,
         implementation=impl))(x)
     got, want = f(self.impl), f("xla")
     assert got.shape == (shape[1], shape[0])
@@ -189,7 +192,7 @@ class FusedBase:
     x = rht_input((64, 32), jnp.bfloat16, seed=11)
     signs = tuple(int(s) for s in np.random.default_rng(0).choice([-1, 1], 16))
     f = lambda impl: jax.jit(functools.partial(
-        fused.quantize_rht_t, amax=jnp.float32(500.0), sign_vector=signs,
+        rht_t_api.quantize_rht_t, amax=jnp.float32(500.0), sign_vector=signs,
         implementation=impl))(x)
     assert_same(f(self.impl), f("xla"))
 
@@ -198,18 +201,18 @@ class FusedBase:
     x = rht_input((96, 80), jnp.bfloat16, seed=12)
     key = KEY if stochastic else None
     f = lambda impl: jax.jit(functools.partial(
-        fused.quantize_x_and_rht_t, key=key, implementation=impl))(x)
+        pair_api.quantize_x_and_rht_t, key=key, implementation=impl))(x)
     (gx, gt), (wx, wt) = f(self.impl), f("xla")
     assert_same(gx, wx, "q_x")
     assert_same(gt, wt, "q_rht_xt")
     rounding = "stochastic" if stochastic else "nearest"
-    kx = fused.split_key(key)[0] if stochastic else None
+    kx = pair_api.split_key(key)[0] if stochastic else None
     assert_same(wx, jit_ref(rounding=rounding, key=kx)(x), "q_x vs quantize")
 
   def test_quantize_x_and_rht_t_nan(self):
     x = np.array(rht_input((32, 32), jnp.bfloat16, seed=13))
     x[4, 5] = np.nan
-    qx, qt = jax.jit(functools.partial(fused.quantize_x_and_rht_t,
+    qx, qt = jax.jit(functools.partial(pair_api.quantize_x_and_rht_t,
                                        implementation=self.impl))(x)
     for q in (qx, qt):
       assert np.isnan(float(q.amax))
@@ -218,7 +221,7 @@ class FusedBase:
   @pytest.mark.parametrize("block_2d", [False, True])
   def test_quantize_with_values(self, block_2d):
     x = heavy((48, 96), jnp.bfloat16, seed=14)
-    q, v = jax.jit(functools.partial(fused.quantize_with_values,
+    q, v = jax.jit(functools.partial(quantize_api.quantize_with_values,
                                      block_2d=block_2d,
                                      implementation=self.impl))(x)
     assert_same(q, jit_ref(block_2d=block_2d)(x))
@@ -227,11 +230,11 @@ class FusedBase:
 
   def test_vmap(self):
     x = jnp.stack([rht_input((32, 48), jnp.bfloat16, seed=s) for s in (1, 2)])
-    f = functools.partial(fused.quantize_rht_t, implementation=self.impl)
+    f = functools.partial(rht_t_api.quantize_rht_t, implementation=self.impl)
     got = jax.jit(jax.vmap(f))(x)
     for i in range(2):
       assert_same(jax.tree.map(lambda a, i=i: a[i], got),
-                  jit_xla(fused.quantize_rht_t)(x[i]))
+                  jit_xla(rht_t_api.quantize_rht_t)(x[i]))
 
 
 class TestFusedXla(FusedBase):
@@ -262,7 +265,7 @@ def _gemm_bound(a, b):
   """|error| bound of an FP32-accumulated sum in another order."""
   va = np.abs(np.asarray(block_values(a), np.float64))
   vb = np.abs(np.asarray(block_values(b), np.float64))
-  alpha = float(gemm.gemm_alpha(a, b))
+  alpha = float(gemm_ref.gemm_alpha(a, b))
   return (va @ vb.T) * alpha * a.shape[1] * 2.0**-23
 
 
@@ -278,7 +281,7 @@ class GemmBase:
 
   def matmul(self, a, b, **kw):
     a, b = jax.device_put((a, b), jax.devices()[0])  # Operands from `truth`.
-    return jax.jit(functools.partial(gemm.block_scaled_matmul,
+    return jax.jit(functools.partial(gemm_api.block_scaled_matmul,
                                      implementation=self.impl, **kw))(a, b)
 
   @pytest.mark.parametrize("m,n,k", [(64, 48, 128), (40, 80, 256)])
@@ -286,7 +289,7 @@ class GemmBase:
     a = jit_ref()(heavy((m, k), jnp.bfloat16, seed=m))
     b = jit_ref(block_2d=n % 16 == 0)(heavy((n, k), jnp.bfloat16, seed=n))
     got = np.asarray(self.matmul(a, b), np.float64)
-    want = np.asarray(jit_xla(gemm.block_scaled_matmul)(a, b), np.float64)
+    want = np.asarray(jit_xla(gemm_api.block_scaled_matmul)(a, b), np.float64)
     assert np.all(np.abs(got - want) <= _gemm_bound(a, b))
 
   def test_exact_when_sums_are_exact(self):
@@ -300,7 +303,7 @@ class GemmBase:
     got = self.matmul(a, b)
     # The reference on the same device: alpha's FP32 division is XLA's there.
     a, b = jax.device_put((a, b), jax.devices()[0])
-    want = jax.jit(functools.partial(gemm.block_scaled_matmul,
+    want = jax.jit(functools.partial(gemm_api.block_scaled_matmul,
                                      implementation="xla"))(a, b)
     np.testing.assert_array_equal(f32_bits(got), f32_bits(want))
 
@@ -309,7 +312,7 @@ class GemmBase:
     b = jit_ref()(heavy((32, 64), jnp.bfloat16, seed=2))
     got = self.matmul(a, b, out_dtype=jnp.bfloat16)
     assert got.dtype == jnp.bfloat16
-    want = jit_xla(gemm.block_scaled_matmul)(a, b)
+    want = jit_xla(gemm_api.block_scaled_matmul)(a, b)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-2,
                                atol=1e-2 * float(jnp.abs(want).max()))
 
@@ -347,10 +350,10 @@ def _uses_pallas(fn, x) -> bool:
 
 @pytest.mark.parametrize("fn", [
     lambda x, impl: nf.quantize(x, implementation=impl),
-    lambda x, impl: fused.quantize_rht_t(x, implementation=impl),
-    lambda x, impl: fused.quantize_x_and_rht_t(x, implementation=impl),
-    lambda x, impl: gemm.block_scaled_matmul(
-        nvfp4.quantize_reference(x), nvfp4.quantize_reference(x),
+    lambda x, impl: rht_t_api.quantize_rht_t(x, implementation=impl),
+    lambda x, impl: pair_api.quantize_x_and_rht_t(x, implementation=impl),
+    lambda x, impl: gemm_api.block_scaled_matmul(
+        quantize_ref.quantize_reference(x), quantize_ref.quantize_reference(x),
         implementation=impl),
 ])
 def test_pallas_call_is_used(fn):
@@ -366,13 +369,13 @@ def test_dispatch_errors_and_fallback():
   with pytest.raises(ValueError, match="unknown implementation"):
     nf.quantize(x, implementation="cuda")
   with pytest.raises(NotImplementedError):  # 4-point RHT: no kernel.
-    fused.quantize_rht_t(x, size=4, implementation="pallas")
-  f = functools.partial(fused.quantize_rht_t, size=4)
+    rht_t_api.quantize_rht_t(x, size=4, implementation="pallas")
+  f = functools.partial(rht_t_api.quantize_rht_t, size=4)
   assert_same(jax.jit(f)(x), jit_xla(f)(x))  # The default falls back.
   if not ON_GPU:
     q = jit_ref()(x)
     with pytest.raises(NotImplementedError):
-      gemm.block_scaled_matmul(q, q, implementation="triton")
+      gemm_api.block_scaled_matmul(q, q, implementation="triton")
 
 
 def test_block_values_every_code_byte_and_scale():
@@ -447,16 +450,16 @@ def test_quantize_small_tiles_many_grid_steps(block_2d, rounding):
 def test_rht_small_tiles_many_grid_steps():
   x = rht_input((96, 72), jnp.bfloat16, seed=22)
   cfg = pallas_rht.RHTConfig(block_tokens=32, block_features=16)
-  kx, kt = fused.split_key(KEY)
-  gx, gt = jax.jit(lambda x: pallas_pair.quantize_pair(
+  kx, kt = pair_api.split_key(KEY)
+  gx, gt = jax.jit(lambda x: pair_api.QUANTIZE_PAIR("pallas", 
       x[:, :64], Operand(rounding="stochastic"),
       Operand(rounding="stochastic", rht=True), key_row=kx, key_t=kt,
       config=cfg))(x)
-  wx, wt = jit_xla(fused.quantize_x_and_rht_t, key=KEY)(x[:, :64])
+  wx, wt = jit_xla(pair_api.quantize_x_and_rht_t, key=KEY)(x[:, :64])
   assert_same(gx, wx)
   assert_same(gt, wt)
   got = jax.jit(lambda x: pallas_rht.quantize_rht_t(x, config=cfg))(x)
-  assert_same(got, jit_xla(fused.quantize_rht_t)(x))
+  assert_same(got, jit_xla(rht_t_api.quantize_rht_t)(x))
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
@@ -469,7 +472,7 @@ def test_rht_columns_small_tiles_many_grid_steps(rounding):
   f = lambda values: jax.jit(lambda x: pallas_rht.quantize_rht_t(
       x, rounding=rounding, key=key, config=cfg, values=values))(x)
   got, vals = f(False), f(True)
-  assert_same(got, jit_xla(fused.quantize_rht_t, rounding=rounding,
+  assert_same(got, jit_xla(rht_t_api.quantize_rht_t, rounding=rounding,
                            key=key)(x))
   np.testing.assert_array_equal(bf16_bits(vals.values),
                                 bf16_bits(block_values(got)))
@@ -484,7 +487,7 @@ def test_rht_columns_flushes_products_as_the_reference(value, nonzero):
   to zeros (amax 0), not to 2^-123. The columns kernels flush them in the
   product (`mul.ftz`). Products of 1.5 x 2^-126 are normal and kept."""
   x = jnp.full((32, 48), value, jnp.bfloat16)
-  want = jit_xla(fused.quantize_rht_t)(x)
+  want = jit_xla(rht_t_api.quantize_rht_t)(x)
   assert (float(want.amax) > 0) == nonzero
   assert f32_bits(jax.jit(pallas_rht.rht_amax)(x)) == f32_bits(want.amax)
   assert_same(jax.jit(pallas_rht.quantize_rht_t)(x), want)
@@ -515,11 +518,11 @@ def test_rht_of_tiny_tokens_decodes_as_the_reference(kernel, size):
   x = jnp.asarray(x, jnp.bfloat16)
   cfg = (pallas_rht.ColumnsConfig() if kernel == "columns"
          else pallas_rht.RHTConfig(block_tokens=64, block_features=32))
-  want = jit_xla(fused.quantize_rht_t, size=size)(x)
+  want = jit_xla(rht_t_api.quantize_rht_t, size=size)(x)
   gots = [jax.jit(lambda x: pallas_rht.quantize_rht_t(x, size=size,
                                                       config=cfg))(x)]
   if kernel == "tensor_cores":
-    gots.append(jax.jit(lambda x: fused.quantize_x_and_rht_t(
+    gots.append(jax.jit(lambda x: pair_api.quantize_x_and_rht_t(
         x, size=size, implementation="pallas"))(x)[1])
   for got in gots:
     assert f32_bits(got.amax) == f32_bits(want.amax)
@@ -562,7 +565,7 @@ def test_rht_columns_kernel_is_the_default_where_it_applies(columns,
   assert names(functools.partial(
       pallas_rht.quantize_rht_t, config=pallas_rht.RHTConfig())) == [
           "nvfp4_rht_amax", "nvfp4_quantize_rht_t"]
-  assert names(lambda x: fused.quantize_x_and_rht_t(
+  assert names(lambda x: pair_api.quantize_x_and_rht_t(
       x, implementation="pallas")) == [col("nvfp4_rht_amax"),
                                        "nvfp4_quantize_x_and_rht_t"]
 
@@ -679,7 +682,7 @@ def test_pair_amaxes_and_seeds_reach_the_encoders_whole(pair):
   row, t = (r.fprop_x, r.wgrad_x) if pair == "x" else (r.dgrad_dy, r.wgrad_dy)
   keys = (jax.random.key(1), jax.random.key(2)) if pair == "dy" else (None,
                                                                       None)
-  f = lambda x: fused.quantize_pair(
+  f = lambda x: pair_api.quantize_pair(
       x, row, t, key_row=keys[0], key_t=keys[1], values=(True, pair == "dy"),
       implementation="pallas")
   jaxpr = jax.make_jaxpr(f)(jnp.ones((64, 64), jnp.bfloat16)).jaxpr
@@ -712,11 +715,11 @@ def test_kernels_lower_to_triton(claim_sm90, mesh):
       lambda x: pallas_block_dequantize.block_values(
           pallas_quantize.quantize(x)),
       lambda x: pallas_rht.quantize_rht_t(x.astype(jnp.float32)),
-      lambda x: pallas_pair.quantize_pair(
+      lambda x: pair_api.QUANTIZE_PAIR("pallas", 
           x, Operand(rounding="stochastic"),
           Operand(rounding="stochastic", rht=True), key_row=KEY,
           key_t=jax.random.key(1)),
-      lambda x: pallas_pair.quantize_pair(
+      lambda x: pair_api.QUANTIZE_PAIR("pallas", 
           x, Operand(four_over_six=True),
           Operand(rounding="stochastic", rht=True, four_over_six=True),
           key_row=None, key_t=jax.random.key(1)),

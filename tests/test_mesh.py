@@ -54,13 +54,15 @@ def test_sharded_dot_general_pallas():
   run_checks("dot_general_pallas")
 
 
+@pytest.mark.slow  # ~60 s on 2 cores; the fast tier keeps the sharded
+# layers and quantizers equal to one device (above).
 def test_gpt_step_on_a_mixed_mesh_and_resumed_on_another():
   """Data-parallel and data x FSDP x tensor-parallel; resumed on both."""
   out = run_checks("gpt_step")
   assert "resumed on dp" in out and "resumed on mixed" in out
 
 
-@pytest.mark.slow  # The mixed mesh of the fast tier splits along both axes.
+@pytest.mark.slow
 def test_gpt_step_on_fsdp_and_tensor_parallel_meshes():
   out = run_checks("gpt_step_fsdp_tp")
   assert "fsdp {" in out and "tp {" in out

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import nvfp4_jax as nf
-from nvfp4_jax import gemm
+from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
 import te_reference as ref
 from conftest import make_heavy_tailed
 
@@ -161,7 +161,7 @@ def test_block_scaled_matmul(fa, fb):
   q = lambda v, f: (jax.jit(nf.quantize)(jnp.asarray(v)) if f == "nvfp4"
                     else quantize_mx_jit(jnp.asarray(v), f))
   qa, qb = q(a, fa), q(b, fb)
-  got = np.asarray(jax.jit(gemm.block_scaled_matmul)(qa, qb)).astype(np.float64)
+  got = np.asarray(jax.jit(gemm_api.block_scaled_matmul)(qa, qb)).astype(np.float64)
   da = np.asarray(dequantize_jit(qa)).astype(np.float64)
   db = np.asarray(dequantize_jit(qb)).astype(np.float64)
   tol = 1e-5 * (np.abs(da) @ np.abs(db).T) + 1e-30

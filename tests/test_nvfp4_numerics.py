@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import nvfp4_jax as nf
-from nvfp4_jax import gemm
-from nvfp4_jax import numerics as nm
+from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
+from nvfp4_jax.ops.block_scaled_matmul import reference as gemm_ref
+from nvfp4_jax.core import numerics as nm
 import te_reference as ref
 from conftest import JNP_DTYPES, assert_scales_diverse, make_heavy_tailed
 
@@ -185,7 +186,7 @@ def test_gemm_alpha_is_tes_form():
   amax = rng.uniform(0, 1000, (512, 2)).astype(F32)
   mk = lambda a: nf.NVFP4Array(jnp.zeros((1, 8), jnp.uint8),
                                jnp.zeros((1, 1), jnp.float8_e4m3fn), a)
-  got = jax.jit(jax.vmap(lambda a, b: gemm.gemm_alpha(mk(a), mk(b))))(
+  got = jax.jit(jax.vmap(lambda a, b: gemm_ref.gemm_alpha(mk(a), mk(b))))(
       amax[:, 0], amax[:, 1])
   want = (amax[:, 0] * amax[:, 1]) * F32(1.0 / (2688.0 * 2688.0))
   np.testing.assert_array_equal(f32_bits(got), f32_bits(want))
@@ -574,15 +575,15 @@ def test_block_scaled_matmul_equals_dequantize_then_matmul(w_2d, heavy_tailed):
   w = heavy_tailed((48, 64), seed=13)
   qx = quantize_jit(jnp.asarray(x))
   qw = quantize_jit(jnp.asarray(w), block_2d=w_2d)
-  got = np.asarray(jax.jit(gemm.block_scaled_matmul)(qx, qw))
+  got = np.asarray(jax.jit(gemm_api.block_scaled_matmul)(qx, qw))
   dx = np.asarray(dequantize_jit(qx)).astype(np.float64)
   dw = np.asarray(dequantize_jit(qw)).astype(np.float64)
   want = dx @ dw.T
   tol = 1e-5 * (np.abs(dx) @ np.abs(dw).T) + 1e-30
   assert np.all(np.abs(got - want) <= tol)
-  alpha = float(gemm.gemm_alpha(qx, qw))
+  alpha = float(gemm_ref.gemm_alpha(qx, qw))
   assert alpha == F32(F32(qx.amax) * F32(qw.amax)) * F32(1 / (2688.0 * 2688.0))
-  out16 = gemm.block_scaled_matmul(qx, qw, out_dtype=jnp.bfloat16)
+  out16 = gemm_api.block_scaled_matmul(qx, qw, out_dtype=jnp.bfloat16)
   assert out16.dtype == jnp.bfloat16 and out16.shape == (32, 48)
 
 

@@ -16,12 +16,15 @@ import numpy as np
 import pytest
 
 import nvfp4_jax as nv
-from nvfp4_jax import dispatch
-from nvfp4_jax import fused
-from nvfp4_jax import nvfp4
-from nvfp4_jax import prng
-from nvfp4_jax.recipe import Operand
-from pallas_kernels import quantize_rht_t as pallas_rht
+from nvfp4_jax.core import dispatch
+from nvfp4_jax.ops.quantize import api as quantize_api
+from nvfp4_jax.ops.quantize_pair import api as pair_api
+from nvfp4_jax.ops.quantize_rht_t import api as rht_t_api
+from nvfp4_jax.ops.quantize import reference as quantize_ref
+from nvfp4_jax.core import prng
+from nvfp4_jax.core.recipe import Operand
+from nvfp4_jax.ops.quantize_rht_t import config as rht_config
+from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pallas_rht
 from quantizer_checks import (FOS_PAIRS, KEY, NO_RHT_PAIRS, PAIRS, SR,
                               SR_RHT, assert_same, heavy, jit_xla, rht_input)
 
@@ -36,25 +39,25 @@ T, K, N = 48, 64, 32
 def test_every_kernel_rht_size_matches_reference(size, rounding):
   x = rht_input((128, 48), jnp.bfloat16, seed=size)
   key = KEY if rounding == "stochastic" else None
-  f = functools.partial(fused.quantize_rht_t, rounding=rounding, key=key,
+  f = functools.partial(rht_t_api.quantize_rht_t, rounding=rounding, key=key,
                         size=size)
   want = jit_xla(f)(x)
   got = jax.jit(functools.partial(f, implementation="pallas"))(x)
   assert_same(got, want, f"size {size}")
   # And the reference is quantize(rht(x.T)) of that size.
-  assert_same(want, jax.jit(lambda x: nvfp4.quantize_reference(
+  assert_same(want, jax.jit(lambda x: quantize_ref.quantize_reference(
       nv.rht(x.T, size=size), rounding=rounding, key=key))(x))
 
 
 @pytest.mark.parametrize("size", [4, 32, 128])
 def test_kernel_refuses_inexact_rht_sizes_and_default_falls_back(size):
   x = rht_input((128, 48), jnp.bfloat16, seed=size)
-  assert size not in pallas_rht.SUPPORTED_SIZES
+  assert size not in rht_config.SUPPORTED_SIZES
   with pytest.raises(NotImplementedError, match="Hadamard sizes"):
-    fused.quantize_rht_t(x, size=size, implementation="pallas")
+    rht_t_api.quantize_rht_t(x, size=size, implementation="pallas")
   with dispatch.default_implementation("pallas"):
-    got = jax.jit(functools.partial(fused.quantize_rht_t, size=size))(x)
-  assert_same(got, jit_xla(fused.quantize_rht_t, size=size)(x))
+    got = jax.jit(functools.partial(rht_t_api.quantize_rht_t, size=size))(x)
+  assert_same(got, jit_xla(rht_t_api.quantize_rht_t, size=size)(x))
 
 
 # -- Bug 2: a Recipe that validates runs: SR on any E2M1 operand. -----------
@@ -132,15 +135,15 @@ def test_quantize_pair_matches_single_operand_references(pair):
   row, wgrad = PAIRS[pair]
   x = rht_input((64, 48), jnp.bfloat16, seed=pair)
   kr, kt = prng.pair_keys(KEY)
-  f = functools.partial(fused.quantize_pair, row=row, wgrad=wgrad,
+  f = functools.partial(pair_api.quantize_pair, row=row, wgrad=wgrad,
                         key_row=kr, key_t=kt)
   want_row = want_t = None
   if row.quantized:
-    want_row = jax.jit(lambda x: nvfp4.quantize_reference(
+    want_row = jax.jit(lambda x: quantize_ref.quantize_reference(
         x, rounding=row.rounding, key=kr if row.rounding == "stochastic"
         else None))(x)
   if wgrad.quantized:
-    want_t = jit_xla(fused.quantize_rht_t, rounding=wgrad.rounding,
+    want_t = jit_xla(rht_t_api.quantize_rht_t, rounding=wgrad.rounding,
                      key=kt if wgrad.rounding == "stochastic" else None)(x)
   for impl in ("xla", "pallas"):
     q_row, q_t = jax.jit(functools.partial(f, implementation=impl))(x)
@@ -153,7 +156,7 @@ def test_quantize_pair_matches_single_operand_references(pair):
 
 def _kernel_and_reference_pair(x, row, wgrad, key_row, key_t):
   """`quantize_pair` of `x` by the Pallas kernels and by the reference."""
-  f = functools.partial(fused.quantize_pair, row=row, wgrad=wgrad,
+  f = functools.partial(pair_api.quantize_pair, row=row, wgrad=wgrad,
                         key_row=key_row, key_t=key_t)
   return (jax.jit(functools.partial(f, implementation="pallas"))(x),
           jax.jit(functools.partial(f, implementation="xla"))(x))
@@ -174,11 +177,11 @@ def test_pair_kernel_four_over_six_matches_reference(pair):
     assert_same(g, w)
     assert g.four_over_six == op.four_over_six
   if row.quantized:  # The reference pair's row is `quantize`'s reference.
-    assert_same(want[0], jax.jit(lambda x: nvfp4.quantize_reference(
+    assert_same(want[0], jax.jit(lambda x: quantize_ref.quantize_reference(
         x, rounding=row.rounding, four_over_six=row.four_over_six,
         key=kr if row.rounding == "stochastic" else None))(x))
   if wgrad.quantized:
-    plain = jax.jit(lambda x: fused.quantize_pair(
+    plain = jax.jit(lambda x: pair_api.quantize_pair(
         x, Operand(format="bf16"), Operand(format="nvfp4", rht=True,
                                            rounding=wgrad.rounding),
         key_t=kt, implementation="pallas")[1])(x)
@@ -199,7 +202,7 @@ def test_pair_kernel_without_rht_matches_reference(pair):
     assert (g is None) == (w is None)
     if g is not None:
       assert_same(g, w)
-  assert_same(want[1], jax.jit(lambda x: nvfp4.quantize_reference(
+  assert_same(want[1], jax.jit(lambda x: quantize_ref.quantize_reference(
       x.T, rounding=wgrad.rounding, four_over_six=wgrad.four_over_six,
       key=kt if wgrad.rounding == "stochastic" else None))(x))
   assert got[1].shape == (48, 64)
@@ -212,10 +215,10 @@ def test_pair_kernel_without_rht_matches_reference(pair):
 def test_pair_kernel_refuses_unfusable_pairs_and_default_falls_back(row, wgrad):
   x = heavy((64, 64), jnp.bfloat16, seed=4)
   with pytest.raises(NotImplementedError, match="pair kernels"):
-    fused.quantize_pair(x, row, wgrad, implementation="pallas")
+    pair_api.quantize_pair(x, row, wgrad, implementation="pallas")
   with dispatch.default_implementation("pallas"):
-    got = jax.jit(lambda x: fused.quantize_pair(x, row, wgrad))(x)
-  want = jax.jit(lambda x: fused.quantize_pair(x, row, wgrad,
+    got = jax.jit(lambda x: pair_api.quantize_pair(x, row, wgrad))(x)
+  want = jax.jit(lambda x: pair_api.quantize_pair(x, row, wgrad,
                                                implementation="xla"))(x)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(g).reshape(-1).view(np.uint8),
@@ -227,15 +230,15 @@ def test_pair_kernel_refuses_unfusable_pairs_and_default_falls_back(row, wgrad):
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("call,match", [
-    (lambda impl: fused.quantize_rht_t(jnp.ones((32, 32)), amax=jnp.ones(2),
+    (lambda impl: rht_t_api.quantize_rht_t(jnp.ones((32, 32)), amax=jnp.ones(2),
                                        implementation=impl), "amax must be"),
-    (lambda impl: fused.quantize_rht_t(jnp.ones((40, 32)),
+    (lambda impl: rht_t_api.quantize_rht_t(jnp.ones((40, 32)),
                                        implementation=impl), "token count 40"),
-    (lambda impl: fused.quantize_rht_t(jnp.ones((32, 32)), rounding="sr",
+    (lambda impl: rht_t_api.quantize_rht_t(jnp.ones((32, 32)), rounding="sr",
                                        implementation=impl), "unknown rounding"),
-    (lambda impl: fused.quantize_pair(jnp.ones((32, 32)), SR, SR_RHT,
+    (lambda impl: pair_api.quantize_pair(jnp.ones((32, 32)), SR, SR_RHT,
                                       implementation=impl), "needs a key"),
-    (lambda impl: fused.quantize_with_values(jnp.ones((32, 40)),
+    (lambda impl: quantize_api.quantize_with_values(jnp.ones((32, 40)),
                                              implementation=impl),
      "not a multiple of 16"),
     (lambda impl: nv.quantize(jnp.ones((32, 32)), amax=jnp.ones(3),
@@ -247,15 +250,15 @@ def test_validation_is_the_same_for_every_implementation(impl, call, match):
 
 
 def test_one_platform_preference_for_every_op():
-  from nvfp4_jax import gemm  # pylint: disable=g-import-not-at-top
-  ops = [nvfp4.QUANTIZE, fused.QUANTIZE_RHT_T, fused.QUANTIZE_PAIR,
-         fused.QUANTIZE_WITH_VALUES, gemm.VALUES_MATMUL]
+  from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
+  ops = [quantize_api.QUANTIZE, rht_t_api.QUANTIZE_RHT_T, pair_api.QUANTIZE_PAIR,
+         quantize_api.QUANTIZE_WITH_VALUES, gemm_api.VALUES_MATMUL]
   for op in ops:
     assert op.preferred is None, op.name  # All read dispatch.PREFERRED.
     assert "xla" in op.implementations and "pallas" in op.implementations
   # The GEMM adds native FP4 on Blackwell and otherwise reads PREFERRED too.
-  assert gemm.gemm_preference("gpu", (9, 0)) == dispatch.PREFERRED["gpu"]
-  assert gemm.gemm_preference("cpu", None) == ()
+  assert gemm_api.gemm_preference("gpu", (9, 0)) == dispatch.PREFERRED["gpu"]
+  assert gemm_api.gemm_preference("cpu", None) == ()
 
 
 @pytest.mark.parametrize("cc,order", [
@@ -265,34 +268,34 @@ def test_one_platform_preference_for_every_op():
     (None, ("pallas", "xla")),
 ])
 def test_gemm_default_is_native_fp4_on_blackwell(monkeypatch, cc, order):
-  from nvfp4_jax import gemm  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
   monkeypatch.setattr(dispatch, "platform", lambda: "gpu")
   monkeypatch.setattr(dispatch, "compute_capability", lambda: cc)
-  assert gemm.BLOCK_SCALED_MATMUL.order() == order
+  assert gemm_api.BLOCK_SCALED_MATMUL.order() == order
   # Quantizers keep the Pallas kernels on every GPU.
-  assert nvfp4.QUANTIZE.order() == ("pallas", "xla")
+  assert quantize_api.QUANTIZE.order() == ("pallas", "xla")
 
 
 def test_native_paths_fall_back_where_they_cannot_run(monkeypatch):
   """On a (mocked) Blackwell without jax-triton or cuDNN lowering, the
   default GEMM falls back to the emulation: same result as the reference."""
-  from nvfp4_jax import gemm  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
   monkeypatch.setattr(dispatch, "compute_capability", lambda: (10, 0))
   monkeypatch.setattr(dispatch, "platform", lambda: "gpu")
 
   def refuse(*args, **kwargs):
     raise NotImplementedError("not here")
-  impls = dict(gemm.BLOCK_SCALED_MATMUL.implementations,
+  impls = dict(gemm_api.BLOCK_SCALED_MATMUL.implementations,
                scaled_matmul=refuse, triton=refuse)
   op = dispatch.Op("block_scaled_matmul", impls,
-                   gemm.BLOCK_SCALED_MATMUL.preferred)
+                   gemm_api.BLOCK_SCALED_MATMUL.preferred)
   a = jit_xla(nv.quantize)(heavy((32, 64), seed=1))
   b = jit_xla(nv.quantize)(heavy((16, 64), seed=2))
   assert op.order()[:2] == ("scaled_matmul", "triton")
   got = jax.jit(lambda a, b: op(None, a, b, out_dtype=jnp.float32))(
       a, b)  # "pallas", interpreted.
   np.testing.assert_array_equal(
-      got, jit_xla(gemm.block_scaled_matmul)(a, b))
+      got, jit_xla(gemm_api.block_scaled_matmul)(a, b))
 
 
 # -- Forward-only use at any token count; Wgrad operands padded inside. ------
@@ -325,8 +328,8 @@ def test_any_token_count_forward_and_backward(tokens):
     pad = -tokens % 16
     xp, dyp = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, dy))
     keys = recipe.operand_keys(key)
-    qxt = fused.quantize_rht_t(xp)
-    qdyt = fused.quantize_rht_t(dyp, rounding="stochastic",
+    qxt = rht_t_api.quantize_rht_t(xp)
+    qdyt = rht_t_api.quantize_rht_t(dyp, rounding="stochastic",
                                 key=keys["wgrad_dy"])
     dw = nv.block_scaled_matmul(qxt, qdyt)
     qdy = nv.quantize(dyp, rounding="stochastic", key=keys["dgrad_dy"])

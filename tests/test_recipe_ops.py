@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import nvfp4_jax as nv
-from nvfp4_jax import numerics as nm
+from nvfp4_jax.core import numerics as nm
 
 T, K, N = 32, 64, 48
 
@@ -255,13 +255,13 @@ def test_weight_in_kernel_layout_is_the_transposed_quantization(monkeypatch):
   """The weight quantized once in its `[in, out]` layout (the emulated
   GEMM's path) gives the operands, outputs and gradients of quantizing
   `kernel^T` for Fprop and transposing those codes for Dgrad."""
-  from nvfp4_jax import fused
-  from nvfp4_jax import ops
+  from nvfp4_jax.ops.quantize import api as quantize_api
+  from nvfp4_jax.training import dot_general as ops
   t, k, n = 64, 128, 96  # k != n: a transposed layout would not fit.
   x = heavy(jax.random.key(0), (t, k), jnp.bfloat16)
   w = heavy(jax.random.key(1), (k, n)) * 0.05
   # The operands: codes, scales and values, byte for byte.
-  q, vals = fused.quantize_with_values(w, block_2d=True)
+  q, vals = quantize_api.quantize_with_values(w, block_2d=True)
   q_t = nv.quantize(w.T, block_2d=True)
   np.testing.assert_array_equal(q.codes, q_t.T.codes)
   np.testing.assert_array_equal(q.scales.view(jnp.uint8),
@@ -278,8 +278,9 @@ def test_weight_in_kernel_layout_is_the_transposed_quantization(monkeypatch):
       return jnp.sum(y.astype(jnp.float32) ** 2), y
     (_, y), g = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, w)
     return y, *g
-  assert ops._weight_in_kernel_layout(recipe, ops._WHOLE) == (
-      nv.gemm.consumes_values())
+  plan = ops.gemm_plan(platform=jax.default_backend(), cc=None)
+  assert ops._weight_in_kernel_layout(recipe, plan, ops._WHOLE) == (
+      plan.values)
   new = jax.jit(run)()
   monkeypatch.setattr(ops, "_weight_in_kernel_layout", lambda *a: False)
   old = jax.jit(run)()
@@ -294,7 +295,7 @@ def test_weight_in_kernel_layout_is_the_transposed_quantization(monkeypatch):
     # a GPU GEMM may sum the K FP32 terms in another order for the other
     # layout. Each sum is within K * 2^-24 * sum|terms| of the exact one,
     # then both round to bf16 (at most one bf16 ulp apart beyond that).
-    qx, xv = fused.quantize_with_values(x)
+    qx, xv = quantize_api.quantize_with_values(x)
     alpha = np.float32(qx.amax) * np.float32(q.amax) / 2688.0**2
     terms = (np.abs(np.asarray(xv, np.float32))
              @ np.abs(np.asarray(vals, np.float32))) * alpha

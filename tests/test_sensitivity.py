@@ -7,7 +7,7 @@ import numpy as np
 import optax
 
 import nvfp4_jax as nv
-from nvfp4_jax import sensitivity as sn
+from nvfp4_jax.tools import sensitivity as sn
 
 
 class MLP(nn.Module):

@@ -32,9 +32,10 @@ import numpy as np
 import pytest
 
 import nvfp4_jax as nv
-from nvfp4_jax import nvfp4
-from nvfp4_jax import sensitivity as sn
-from nvfp4_jax.quant import dequantize
+from nvfp4_jax.ops.quantize import api as quantize_api
+from nvfp4_jax.ops.quantize import reference as quantize_ref
+from nvfp4_jax.tools import sensitivity as sn
+from nvfp4_jax.ops.block_values.api import dequantize
 from models import GPT, preset
 from train.loop import cross_entropy
 
@@ -63,7 +64,7 @@ def _amax_in_every_block(dy, a=4.0):
 def _scaled(t):
   """`(|t| / (block scale * tensor scale), scales)` of RTNE NVFP4 quantization
   along the last axis: the magnitudes the FP4 grid [0, 6] must hold."""
-  q = nvfp4.quantize_reference(t)
+  q = quantize_ref.quantize_reference(t)
   s = q.scales.astype(jnp.float32) * q.tensor_scale  # [M, K / 16]
   m, k = t.shape
   sc = jnp.abs(t).reshape(m, k // 16, 16) / s[..., None]
@@ -102,7 +103,7 @@ def test_unbiased_when_no_block_scale_rounds():
     sc, _ = _scaled(t)
     assert float(jnp.max(sc)) == 6.0
     # dequantize agrees: every amax element comes back exactly.
-    dq = dequantize(nvfp4.quantize_reference(t))
+    dq = dequantize(quantize_ref.quantize_reference(t))
     assert bool(jnp.all(jnp.where(jnp.abs(t) == 4.0, dq == t, True)))
     assert float(jnp.max(jnp.abs(_clamp_bias(t)))) == 0.0
   draws = 256
@@ -152,7 +153,7 @@ def test_clamp_bias_is_detected_on_ordinary_data():
   # 0.137^2 / 256 = 7.3e-5 with relative std sqrt(2 / 4000): std ~3e-6
   # against b^2 ~1e-4, i.e. ~1.6% on b. Measured (5 seeds): within 3% of the
   # prediction; 15% allows for SR's finite random bits besides ~9 std.
-  w_q = dequantize(nvfp4.quantize(w.T, block_2d=True))  # [out, in]
+  w_q = dequantize(quantize_api.quantize(w.T, block_2d=True))  # [out, in]
   predicted = float(jnp.linalg.norm(_clamp_bias(dy) @ w_q)
                     / jnp.linalg.norm(dy @ w_q))
   assert 0.003 < predicted < 0.03

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import nvfp4_jax as nf
-from nvfp4_jax import numerics as nm
-from nvfp4_jax import prng
+from nvfp4_jax.core import numerics as nm
+from nvfp4_jax.core import prng
 import te_reference as ref
 from conftest import make_heavy_tailed
 

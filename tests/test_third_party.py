@@ -104,7 +104,7 @@ def _check_quantized_regions(fn, *args, per_kind):
     assert len(eqns) == per_kind, (kind, len(eqns))
     for eqn in eqns:
       dtypes = {str(v.aval.dtype) for v in eqn.invars}
-      if kind == "fprop" and nv.gemm.consumes_values():
+      if kind == "fprop" and nv.ops.block_scaled_matmul.api.consumes_values():
         assert dtypes == {"bfloat16", "float32"}, (kind, dtypes)
       else:
         assert {"uint8", "float8_e4m3fn"} <= dtypes, (kind, dtypes)

@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nvfp4_jax import dispatch
-from nvfp4_jax import fused
-from nvfp4_jax import gemm
-from pallas_kernels import values_matmul as vm
+from nvfp4_jax.core import dispatch
+from nvfp4_jax.ops.quantize import api as quantize_api
+from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
+from nvfp4_jax.ops.block_scaled_matmul import reference as gemm_ref
+from nvfp4_jax.ops.block_scaled_matmul import pallas_mosaic_gpu as vm
 from tests.test_kernels import heavy
 
 ON_HOPPER = (jax.default_backend() == "gpu"
@@ -81,12 +82,12 @@ def test_dispatch_falls_back_to_the_reference_off_hopper(monkeypatch):
   va = jnp.asarray(heavy((64, 128), seed=1), jnp.bfloat16)
   vb = jnp.asarray(heavy((32, 128), seed=2), jnp.bfloat16)
   alpha = jnp.float32(0.75)
-  want = gemm.block_values_matmul(va, vb, alpha, implementation="xla")
+  want = gemm_api.block_values_matmul(va, vb, alpha, implementation="xla")
   if jax.default_backend() != "gpu":
     with pytest.raises(NotImplementedError, match="implementation='xla'"):
-      gemm.block_values_matmul(va, vb, alpha, implementation="pallas")
+      gemm_api.block_values_matmul(va, vb, alpha, implementation="pallas")
   monkeypatch.setattr(dispatch, "compute_capability", lambda: (10, 0))
-  got = gemm.block_values_matmul(va, vb, alpha)
+  got = gemm_api.block_values_matmul(va, vb, alpha)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   if jax.default_backend() != "gpu":  # A claimed Hopper with no GPU device.
     monkeypatch.setattr(dispatch, "platform", lambda: "gpu")
@@ -94,17 +95,17 @@ def test_dispatch_falls_back_to_the_reference_off_hopper(monkeypatch):
     big_a = jnp.zeros((4096, 128), jnp.bfloat16)
     big_b = jnp.zeros((4096, 128), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="no GPU device"):
-      gemm.block_values_matmul(big_a, big_b, alpha, implementation="pallas")
-    got = gemm.block_values_matmul(va, vb, alpha)
+      gemm_api.block_values_matmul(big_a, big_b, alpha, implementation="pallas")
+    got = gemm_api.block_values_matmul(va, vb, alpha)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def _operands(m, k, n, vb_kn, seed):
   """Block values of heavy-tailed tensors, as the quantizers write them."""
-  qa, va = fused.quantize_with_values(heavy((m, k), seed=seed))
-  qb, vb = fused.quantize_with_values(heavy((n, k), seed=seed + 1),
+  qa, va = quantize_api.quantize_with_values(heavy((m, k), seed=seed))
+  qb, vb = quantize_api.quantize_with_values(heavy((n, k), seed=seed + 1),
                                       block_2d=True)
-  return va, (vb.T if vb_kn else vb), gemm.gemm_alpha(qa, qb)
+  return va, (vb.T if vb_kn else vb), gemm_ref.gemm_alpha(qa, qb)
 
 
 def _tolerance(va, vb, alpha, vb_kn, out_dtype):
@@ -131,7 +132,7 @@ def test_equals_the_reference_on_hopper(m, k, n, vb_kn, out_dtype):
   va, vb, alpha = _operands(m, k, n, vb_kn, seed=m + k + n)
   got = np.asarray(vm.values_matmul(va, vb, alpha, out_dtype=out_dtype,
                                     vb_kn=vb_kn), np.float32)
-  want = np.asarray(gemm.block_values_matmul(
+  want = np.asarray(gemm_api.block_values_matmul(
       va, vb, alpha, out_dtype=out_dtype, vb_kn=vb_kn,
       implementation="xla"), np.float32)
   tol, rel = _tolerance(va, vb, alpha, vb_kn, out_dtype)
@@ -146,7 +147,7 @@ def test_default_runs_the_kernel_on_hopper_and_propagates_nan_inf():
   m, k, n = 16384, 768, 2304
   va, vb, alpha = _operands(m, k, n, False, seed=7)
   va = va.at[3, 5].set(jnp.nan).at[9, 1].set(jnp.inf)
-  f = jax.jit(lambda a, b, s: gemm.block_values_matmul(a, b, s))
+  f = jax.jit(lambda a, b, s: gemm_api.block_values_matmul(a, b, s))
   hlo = f.lower(va, vb, alpha).compile().as_text()
   assert "mosaic_gpu" in hlo and "gemm_fusion" not in hlo
   out = np.asarray(f(va, vb, alpha))
