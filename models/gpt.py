@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 import nvfp4_jax
+from nvfp4_jax.core.recipe import check_field
 
 MLP_KINDS = ("swiglu", "relu2")
 ATTENTION_KINDS = ("fused", "reference")
@@ -85,7 +86,8 @@ class GPTConfig:
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
-      if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+      check_field("GPTConfig", name, getattr(self, name), "int", example=128)
+      if getattr(self, name) < 1:
         raise ValueError(f"GPTConfig.{name} must be a positive int, got "
                          f"{getattr(self, name)!r}.")
     for name in ("d_model", "d_ff"):
@@ -98,8 +100,16 @@ class GPTConfig:
       raise ValueError(
           f"d_model={self.d_model} must split into num_heads={self.num_heads} "
           f"heads of even size (rotary rotates pairs of features).")
+    for name in ("rope_base", "norm_eps"):
+      v = getattr(self, name)
+      check_field("GPTConfig", name, v, "number", example=1e-6)
+      if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"GPTConfig.{name} must be a positive finite "
+                         f"number, got {v!r}.")
     for name, choices in (("mlp", MLP_KINDS), ("attention", ATTENTION_KINDS),
                           ("remat", REMAT_KINDS), ("dtype", tuple(_DTYPES))):
+      check_field("GPTConfig", name, getattr(self, name), "str",
+                  example=choices[0])
       check_choice(name, getattr(self, name), choices)
 
   @property

@@ -10,6 +10,14 @@ returns, the step is on disk.
 
 The data order and every random key are functions of `(seed, step)`, so
 restoring the state is all a resumed run needs to continue bit-identically.
+
+Each saved step records the size of every file of its state (`FILES`), so
+a truncated or missing array file is found before orbax reads it. A step directory
+that exists but does not restore (truncated array files, a garbled config,
+a missing `state/`) is damaged: `restore_latest` skips it,
+names it and why, and restores the newest one that does; a writable
+`Checkpointer` renames it `<step>.damaged` (nothing is deleted), so the run
+saves that step anew.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 from typing import Any
 
@@ -30,6 +39,38 @@ class NoCheckpointError(FileNotFoundError):
 
 class ConfigMismatchError(ValueError):
   """`--resume` found a checkpoint written with another configuration."""
+
+
+class DamagedCheckpointsError(NoCheckpointError):
+  """Every checkpoint of the directory is damaged (none restores)."""
+
+
+class RunExistsError(FileExistsError):
+  """A run would start anew where checkpoints exist, unasked to replace them."""
+
+
+DAMAGED_SUFFIX = ".damaged"
+# In each step directory: `{relative path: size in bytes}` of the files of
+# its state (the arrays; the config is checked by parsing it).
+FILES = "nvfp4_files.json"
+
+
+def existing_checkpoints(directory: str | os.PathLike) -> list[str]:
+  """Names of the checkpoints under `directory`, complete or damaged (step
+  directories and ones set aside as `<step>.damaged`), oldest first; not
+  the temporary directories of interrupted saves."""
+  directory = pathlib.Path(directory)
+  if not directory.is_dir():
+    return []
+  names = [p.name for p in directory.iterdir() if p.is_dir() and re.fullmatch(
+      rf"\d+({re.escape(DAMAGED_SUFFIX)}\d*)?", p.name)]
+  return sorted(names, key=lambda n: (int(n.split(".")[0]), n))
+
+
+def _first_line(e: BaseException, limit: int = 160) -> str:
+  text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+  text = f"{type(e).__name__}: {text}"
+  return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _flatten(config: dict[str, Any]) -> dict[str, Any]:
@@ -76,6 +117,7 @@ class Checkpointer:
   def __init__(self, directory: str | os.PathLike, *, keep: int = 2,
                read_only: bool = False):
     self.directory = pathlib.Path(directory).resolve()
+    self._read_only = read_only
     if not read_only:
       self._remove_partial_saves()
     # Orbax's own cleanup of partial saves (`cleanup_tmp_directories`) runs
@@ -101,6 +143,116 @@ class Checkpointer:
     """The newest complete step; None if there is none."""
     return self._mngr.latest_step()
 
+  def all_steps(self) -> list[int]:
+    """Every complete step, oldest first."""
+    return sorted(self._mngr.all_steps())
+
+  def path(self, step: int) -> pathlib.Path:
+    """The directory of `step`."""
+    return self.directory / str(step)
+
+  def damage(self, step: int) -> str | None:
+    """Why `step` cannot restore, found without reading its arrays (no
+    `state/`, a config that is not a JSON object); None if it looks whole."""
+    path = self.path(step)
+    if not (path / "state").is_dir():
+      return "it has no state/ directory"
+    meta = path / "config" / "metadata"
+    try:
+      config = json.loads(meta.read_text())
+    except FileNotFoundError:
+      return "it has no config/metadata file"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+      return f"its config/metadata is not valid JSON ({_first_line(e)})"
+    if not isinstance(config, dict):
+      return "its config/metadata is not a JSON object"
+    try:
+      sizes = json.loads((path / FILES).read_text())
+    except (OSError, ValueError):
+      sizes = {}  # Saved by an older version, or killed before writing it.
+    for name, size in sizes.items() if isinstance(sizes, dict) else ():
+      try:
+        now = (path / name).stat().st_size
+      except OSError:
+        return f"its file {name} is missing"
+      if now != size:
+        return (f"its file {name} has {now} bytes, {size} when saved "
+                f"(truncated or overwritten)")
+    return None
+
+  def restore_latest(self, like: Any, *,
+                     config: dict[str, Any] | None = None,
+                     config_defaults: dict[str, Any] | None = None,
+                     on_skip: Any = None,
+                     fix: str = "start the run again with --overwrite (or "
+                                "another --out)"
+                     ) -> tuple[int, Any, dict[str, Any]]:
+    """The newest checkpoint that restores: `(step, state, saved config)`.
+
+    A damaged newer checkpoint is skipped: `on_skip(path, reason)` is
+    called with its directory and why it does not restore, and a writable
+    `Checkpointer` renames it `<step>.damaged` (so the run can save that
+    step again; nothing is deleted).
+
+    Args:
+      like, config, config_defaults: as `restore`.
+      on_skip: called for each skipped checkpoint (default: nothing).
+      fix: what to do when none restores, for the message.
+
+    Raises:
+      NoCheckpointError: no complete checkpoint.
+      DamagedCheckpointsError: none restores (a `NoCheckpointError`); the
+        message names each one and why.
+      ConfigMismatchError: the newest checkpoint that reads was written by
+        a different configuration.
+    """
+    steps = self.all_steps()
+    damaged = existing_checkpoints(self.directory)
+    if not steps and damaged:
+      raise DamagedCheckpointsError(
+          f"{self.directory} holds only damaged checkpoints "
+          f"({', '.join(damaged)}); {fix}.")
+    if not steps:
+      raise NoCheckpointError(
+          f"--resume: no complete checkpoint in {self.directory}; run "
+          f"without --resume to start this run.")
+    skipped = []
+    for step in reversed(steps):
+      reason = self.damage(step)
+      if reason is None:
+        try:
+          state, saved = self.restore(step, like, config=config,
+                                      config_defaults=config_defaults)
+          return step, state, saved
+        except ConfigMismatchError:
+          raise
+        except Exception as e:  # pylint: disable=broad-except
+          # Orbax and TensorStore raise many types for unreadable bytes
+          # (OUT_OF_RANGE, DATA_LOSS, ValueError, KeyError...).
+          reason = f"its arrays do not read ({_first_line(e)})"
+      path = self.path(step)
+      if not self._read_only:
+        path = self._set_aside(step)
+        reason += f"; kept as {path.name}"
+      skipped.append(f"{path} ({reason})")
+      if on_skip is not None:
+        on_skip(path, reason)
+    raise DamagedCheckpointsError(
+        f"no checkpoint in {self.directory} restores: "
+        f"{'; '.join(skipped)}; {fix}.")
+
+  def _set_aside(self, step: int) -> pathlib.Path:
+    """Renames a damaged step directory out of orbax's sight."""
+    src = self.path(step)
+    dst = src.with_name(f"{step}{DAMAGED_SUFFIX}")
+    n = 1
+    while dst.exists():
+      n += 1
+      dst = src.with_name(f"{step}{DAMAGED_SUFFIX}{n}")
+    src.rename(dst)
+    self._mngr.reload()
+    return dst
+
   def save(self, step: int, state: Any, config: dict[str, Any]) -> None:
     """Writes `state` at `step` (overwriting nothing: steps are unique)."""
     if step in self._mngr.all_steps():
@@ -109,6 +261,17 @@ class Checkpointer:
         state=ocp.args.StandardSave(state),
         config=ocp.args.JsonSave(config)))
     self._mngr.wait_until_finished()
+    if jax.process_index() == 0:
+      self._record_files(step)
+
+  def _record_files(self, step: int) -> None:
+    """Writes `FILES` into the step directory (atomically)."""
+    path = self.path(step)
+    sizes = {str(p.relative_to(path)): p.stat().st_size
+             for p in sorted((path / "state").rglob("*")) if p.is_file()}
+    tmp = path / (FILES + ".tmp")
+    tmp.write_text(json.dumps(sizes, indent=0) + "\n")
+    tmp.replace(path / FILES)
 
   def saved_config(self, step: int) -> dict[str, Any]:
     """The configuration saved with `step` (the state is not read)."""

@@ -5,6 +5,12 @@ trained twice on the same data, seed and steps, a table of final losses and
 one plot with both curves. That takes a few minutes on two CPU cores; on a GPU
 scale it up with `--preset small|base|large`.
 
+A run directory (`<out>/<preset>-<precision>`) that holds checkpoints is
+never started anew silently: `--resume` continues it (from the newest
+checkpoint that restores, naming any damaged one it skips), `--overwrite`
+deletes its checkpoints and starts again, and without either the command
+refuses in one line naming both.
+
 Exit status: 0 on success, 2 for a bad flag or path (one line on stderr), 1
 for a failure during training.
 """
@@ -163,8 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--out", metavar="DIR", default="runs",
                  help="output directory (default runs/)")
   p.add_argument("--resume", action="store_true",
-                 help="continue from the latest checkpoint in the run "
-                 "directory")
+                 help="continue from the newest checkpoint in the run "
+                 "directory that restores (a damaged newer one is skipped, "
+                 "named and kept as <step>.damaged)")
+  p.add_argument("--overwrite", action="store_true",
+                 help="delete the run directory's checkpoints and start "
+                 "again (without --resume or --overwrite, a run directory "
+                 "that holds checkpoints is refused)")
   p.add_argument("--mesh", metavar="AXIS=N,...", type=_mesh_shape,
                  help="device mesh, e.g. data=2,fsdp=2,model=2 (axes data: "
                  "batch; fsdp: batch + parameters and optimizer state; "
@@ -271,7 +282,7 @@ def make_configs(args, precisions: list[str]) -> list[TrainConfig]:
         ckpt_every=args.ckpt_every,
         diagnostics=not args.no_diagnostics, attention=args.attention,
         remat=args.remat, **ablations[p]) for p in precisions]
-  except ValueError as e:
+  except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None
 
 
@@ -293,11 +304,26 @@ def check_paths(args) -> None:
   if not parent.is_dir():
     raise UsageError(f"--out {args.out}: {parent} is a file, not a "
                      f"directory; choose another --out")
+  if args.resume and args.overwrite:
+    raise UsageError("--resume and --overwrite contradict each other: "
+                     "--resume continues the run, --overwrite deletes its "
+                     "checkpoints and starts again; give one of them")
   if args.resume:
     for run in run_dirs(args):
       if not (run / "checkpoints").is_dir():
         raise UsageError(f"--resume: no checkpoint in {run}; run without "
                          f"--resume to start it")
+  elif not args.overwrite:
+    for run in run_dirs(args):
+      if not (run / "checkpoints").is_dir():
+        continue
+      from train.checkpoint import existing_checkpoints  # pylint: disable=g-import-not-at-top
+      saved = existing_checkpoints(run / "checkpoints")
+      if saved:
+        raise UsageError(
+            f"{run} already holds checkpoints (steps {', '.join(saved)}); "
+            f"add --resume to continue that run, or --overwrite to delete "
+            f"them and start again (or choose another --out)")
 
 
 def run_dirs(args) -> list[pathlib.Path]:
@@ -353,6 +379,7 @@ def run(argv: Sequence[str] | None = None) -> int:
   from train import data as data_lib
   from train.checkpoint import ConfigMismatchError
   from train.checkpoint import NoCheckpointError
+  from train.checkpoint import RunExistsError
   from train.loop import Trainer
   from train.loop import model_config
   from train.plots import plot_losses
@@ -394,10 +421,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         batch).summary())
     t0 = time.perf_counter()
     try:
-      result = trainer.run(out, resume=args.resume,
+      result = trainer.run(out, resume=args.resume, overwrite=args.overwrite,
                            progress=not args.no_progress,
                            label=f"{cfg.precision:>5} ")
-    except (NoCheckpointError, ConfigMismatchError) as e:
+    except (NoCheckpointError, ConfigMismatchError, RunExistsError) as e:
       raise UsageError(str(e)) from None
     print(f"[{cfg.precision}] train loss {result.final_train_loss:.4f}, val "
           f"loss {result.final_val_loss:.4f}, {result.skipped} skipped steps, "

@@ -13,6 +13,7 @@ from models.gpt import ATTENTION_KINDS
 from models.gpt import REMAT_KINDS
 from nvfp4_jax.core.recipe import FOUR_OVER_SIX_MODES
 from nvfp4_jax.core.recipe import RESIDUALS
+from nvfp4_jax.core.recipe import check_field
 
 PRECISIONS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
 
@@ -140,6 +141,10 @@ class TrainConfig:
   residuals: str = "codes"
 
   def __post_init__(self):
+    # Types first: "false" is a truthy string and True an int in Python.
+    for name, kind, optional in _FIELD_KINDS:
+      check_field("TrainConfig", name, getattr(self, name), kind,
+                  optional=optional, example=_FIELD_DEFAULTS.get(name))
     if self.preset not in PRESETS:
       raise ValueError(
           f"unknown preset {self.preset!r}; use one of {list(PRESETS)}.")
@@ -173,6 +178,13 @@ class TrainConfig:
     if not 0.0 <= self.decay_fraction <= 1.0:
       raise ValueError(f"decay_fraction must be in [0, 1], got "
                        f"{self.decay_fraction}.")
+    if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+      raise ValueError(f"weight_decay must be a finite number >= 0, got "
+                       f"{self.weight_decay!r}.")
+    for name in ("b1", "b2"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"{name} must be in [0, 1) (an AdamW moment decay "
+                         f"rate, e.g. 0.9), got {getattr(self, name)!r}.")
     if self.late_switch_step is not None and not (
         0 <= self.late_switch_step <= self.steps):
       raise ValueError(
@@ -247,3 +259,8 @@ class TrainConfig:
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+# Each field's kind for `check_field` (and whether None is allowed).
+_FIELD_KINDS = tuple(
+    (f.name, {"bool": "bool", "int": "int", "float": "number",
+              "str": "str"}[f.type.split(" | ")[0]], "None" in f.type)
+    for f in dataclasses.fields(TrainConfig))

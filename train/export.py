@@ -4,8 +4,9 @@
     python -m train.export runs/tiny-nvfp4 tiny.safetensors --generate 200 \\
         --prompt "def main(" --mode weight_only
 
-Reads the run's `config.json` and its latest checkpoint (the FP32 master
-weights), packs every layer whose forward GEMM the run quantized
+Reads the run's `config.json` and its newest checkpoint that restores (the
+FP32 master weights; a damaged newer one is named on stderr and skipped),
+packs every layer whose forward GEMM the run quantized
 (`nvfp4_jax.export.save`: safetensors, 4.5 bits per quantized weight), checks
 that the packed model's W4A4 logits equal the trained model's forward, and
 optionally samples bytes from the exported model.
@@ -32,6 +33,7 @@ def restore_run(run_dir: str | pathlib.Path):
   from models import GPTConfig  # pylint: disable=g-import-not-at-top
   from train import data as data_lib  # pylint: disable=g-import-not-at-top
   from train.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+  from train.checkpoint import existing_checkpoints  # pylint: disable=g-import-not-at-top
   from train.config import TrainConfig  # pylint: disable=g-import-not-at-top
   from train.loop import Trainer  # pylint: disable=g-import-not-at-top
   from train.step import TrainState  # pylint: disable=g-import-not-at-top
@@ -42,8 +44,15 @@ def restore_run(run_dir: str | pathlib.Path):
     raise FileNotFoundError(
         f"{run} holds no config.json: pass a run directory written by "
         f"python -m train (e.g. runs/tiny-nvfp4).")
-  saved = json.loads(config_path.read_text())
   try:
+    saved = json.loads(config_path.read_text())
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{config_path} is not valid JSON ({e}); it is damaged: "
+                     f"python -m train rewrites it when the run is resumed "
+                     f"(--resume).") from None
+  try:
+    if not isinstance(saved, dict):
+      raise TypeError("not a JSON object")
     cfg = TrainConfig(**saved["train"])
     mcfg = GPTConfig(**saved["model"])
   except (KeyError, TypeError, ValueError) as e:
@@ -57,11 +66,20 @@ def restore_run(run_dir: str | pathlib.Path):
   trainer = Trainer(cfg, corpus, mcfg)
   ckpt = Checkpointer(run / "checkpoints", read_only=True)
   try:
-    step = ckpt.latest_step()
-    if step is None:
+    if not existing_checkpoints(run / "checkpoints"):
       raise FileNotFoundError(f"{run}/checkpoints holds no checkpoint; "
                               f"train the run first.")
-    state, _ = ckpt.restore(step, jax.eval_shape(trainer.fns.init_state))
+
+    skipped = []  # Named once a checkpoint restores (else the error does).
+    step, state, _ = ckpt.restore_latest(
+        jax.eval_shape(trainer.fns.init_state),
+        on_skip=lambda path, reason: skipped.append((path, reason)),
+        fix="resume the run (python -m train ... --resume) to write a good "
+        "one, or train it again with --overwrite")
+    for path, reason in skipped:
+      print(f"{PROG}: warning: skipped the damaged checkpoint {path} "
+            f"({reason}); exporting step {step}", file=sys.stderr,
+            flush=True)
   finally:
     ckpt.close()
   master = nvfp4_jax.master_params(TrainState(*state).opt_state)
@@ -81,6 +99,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "bf16 activations with the packed weights")
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
+  out = pathlib.Path(args.out)
+  if out.is_dir() or not out.absolute().parent.is_dir():
+    print(f"{PROG}: error: out {args.out}: "
+          + ("is a directory" if out.is_dir() else
+             f"{out.absolute().parent} is not a directory")
+          + "; give the path of the .safetensors file to write",
+          file=sys.stderr)
+    return 2
+  if args.generate < 0:
+    print(f"{PROG}: error: --generate {args.generate}: give a number of "
+          f"bytes >= 0", file=sys.stderr)
+    return 2
   try:
     cfg, mcfg, step, params, rules = restore_run(args.run)
   except (FileNotFoundError, ValueError) as e:

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import pathlib
 import shutil
+import sys
 import time
 from typing import Callable
 
@@ -41,6 +42,8 @@ from train import data as data_lib
 from train import report
 from train.checkpoint import Checkpointer
 from train.checkpoint import NoCheckpointError
+from train.checkpoint import RunExistsError
+from train.checkpoint import existing_checkpoints
 from train.build import default_dtype
 from train.build import make_rules
 from train.build import model_config
@@ -199,15 +202,23 @@ class Trainer:
                            self.layer_paths())
 
   def run(self, out_dir: str | pathlib.Path, *, resume: bool = False,
-          progress: bool = True, label: str = "", log_every: int = 10,
+          overwrite: bool = False, progress: bool = True, label: str = "",
+          log_every: int = 10,
           on_step: Callable[[int], None] | None = None) -> RunResult:
     """Trains to `cfg.steps`, writing metrics, checkpoints and plots.
 
     Args:
       out_dir: the run directory: `metrics.jsonl`, `config.json`,
         `checkpoints/`, `loss.png`, `diagnostics.png`.
-      resume: continue from the latest checkpoint in `out_dir` (its config
-        must equal this one). Otherwise earlier outputs there are replaced.
+      resume: continue from the newest checkpoint in `out_dir` that
+        restores (its config must equal this one). A newer damaged one is
+        skipped with a line on stderr naming it and why, and renamed
+        `<step>.damaged` (kept, not deleted).
+      overwrite: start anew where `out_dir` holds checkpoints, deleting
+        them. Without `resume` or `overwrite`, a directory with checkpoints
+        is refused (`RunExistsError`); one without any is started anew
+        (its metrics and plots, of a run killed before its first
+        checkpoint, are replaced).
       progress: show the progress bar on stderr.
       label: prefix of the progress line.
       log_every: steps between host syncs for metrics (all steps are logged).
@@ -219,9 +230,13 @@ class Trainer:
 
     Raises:
       train.checkpoint.NoCheckpointError: `resume` without a complete
-        checkpoint (a `FileNotFoundError`).
+        checkpoint, or with none that restores (`DamagedCheckpointsError`)
+        (a `FileNotFoundError`).
       train.checkpoint.ConfigMismatchError: `resume` with a different config
         (a `ValueError`).
+      train.checkpoint.RunExistsError: neither `resume` nor `overwrite`
+        where checkpoints exist (a `FileExistsError`).
+      ValueError: both `resume` and `overwrite`.
     """
     cfg = self.cfg
     out = pathlib.Path(out_dir)
@@ -229,12 +244,22 @@ class Trainer:
     ckpt_dir = out / "checkpoints"
     config = {"train": cfg.to_dict(),
               "model": dataclasses.asdict(self.model_cfg)}
+    if resume and overwrite:
+      raise ValueError(
+          f"resume and overwrite contradict each other for {out}: resume "
+          f"continues its run, overwrite deletes its checkpoints; give one.")
     if resume:
       if not ckpt_dir.is_dir():
         raise NoCheckpointError(
             f"--resume: no checkpoint in {ckpt_dir}; run without --resume to "
             f"start this run.")
     else:
+      saved = existing_checkpoints(ckpt_dir)
+      if saved and not overwrite:
+        raise RunExistsError(
+            f"{out} already holds checkpoints ({', '.join(saved)} in "
+            f"{ckpt_dir}); resume that run (resume=True, --resume) or "
+            f"delete them and start again (overwrite=True, --overwrite).")
       for p in (ckpt_dir, metrics_path, out / "loss.png",
                 out / "diagnostics.png"):
         if p.is_dir():
@@ -261,15 +286,18 @@ class Trainer:
              ) -> TrainState:
     if not resume:
       return self.init_state()
-    step = ckpt.latest_step()
-    if step is None:
-      raise NoCheckpointError(
-          f"--resume: no complete checkpoint in {ckpt.directory}; run without "
-          f"--resume to start this run.")
-    state, _ = ckpt.restore(step, self.abstract_state(), config=config,
-                            config_defaults={
-                                "train": _field_defaults(self.cfg),
-                                "model": _field_defaults(self.model_cfg)})
+    skipped = []  # Named once a checkpoint restores (else the error does).
+    step, state, _ = ckpt.restore_latest(
+        self.abstract_state(), config=config,
+        config_defaults={"train": _field_defaults(self.cfg),
+                         "model": _field_defaults(self.model_cfg)},
+        on_skip=lambda path, reason: skipped.append((path, reason)))
+    for path, reason in skipped:
+      print(f"warning: --resume: skipped the damaged checkpoint {path} "
+            f"({reason})", file=sys.stderr, flush=True)
+    if skipped:
+      print(f"warning: --resume: resuming from step {step}, the newest "
+            f"checkpoint that restores", file=sys.stderr, flush=True)
     return TrainState(*state)
 
   def _loop(self, state, start, log, ckpt, config, progress, label,

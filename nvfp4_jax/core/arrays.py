@@ -152,10 +152,36 @@ def check_input(x: Any, *, block: int, block_2d: bool, what: str) -> jax.Array:
   return x.astype(jnp.float32) if x.dtype == jnp.float64 else x
 
 
+def _concrete(x: Any) -> bool:
+  """Whether `x` holds values now (not a tracer under jit/grad/vmap)."""
+  return not isinstance(x, jax.core.Tracer)
+
+
+def check_key(key: Any, what: str = "quantize") -> None:
+  """Validates a stochastic-rounding key: one JAX PRNG key (a typed key of
+  shape `()` from `jax.random.key`, or a raw uint32 `[2]` from
+  `jax.random.PRNGKey`)."""
+  if key is None:
+    return
+  dtype = getattr(key, "dtype", None)
+  shape = getattr(key, "shape", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if shape == ():
+      return
+  elif dtype == jnp.uint32 and shape in ((2,), (4,)):  # Raw key data.
+    return
+  got = (f"{type(key).__name__} {key!r}" if dtype is None
+         else f"an array of dtype {dtype} and shape {shape}")
+  raise TypeError(
+      f"{what}: key must be one JAX PRNG key, got {got}; pass e.g. "
+      f"key=jax.random.key(0) (split or fold_in it for a new key each "
+      f"call, not an int seed or a batch of keys).")
+
+
 def check_rounding(rounding: str, key: Any, *, size: int = 0,
                    what: str = "quantize") -> None:
   """Validates `rounding` and its key (and the SR stream's element limit)."""
-  if rounding not in ROUNDING_MODES:
+  if not isinstance(rounding, str) or rounding not in ROUNDING_MODES:
     raise ValueError(
         f"{what}: unknown rounding {rounding!r}; use one of {ROUNDING_MODES}.")
   if rounding == "stochastic":
@@ -164,22 +190,84 @@ def check_rounding(rounding: str, key: Any, *, size: int = 0,
           f"{what}: rounding='stochastic' needs a key, e.g. "
           f"key=jax.random.key(0); the random bits are a deterministic "
           f"function of it.")
+    check_key(key, what)
     if size > prng.MAX_ELEMENTS:
       raise ValueError(
           f"{what}: stochastic rounding supports tensors of at most 2^34 "
           f"elements; got {size}. Split the tensor.")
 
 
-def check_amax(amax: Any, what: str = "quantize") -> jax.Array | None:
-  """Validates a caller-given tensor amax: None, or an FP32 scalar."""
+def check_amax(amax: Any, what: str = "quantize",
+               x: jax.Array | None = None) -> jax.Array | None:
+  """Validates a caller-given tensor amax: None, or an FP32 scalar.
+
+  A concrete amax must be finite and >= 0, and not 0 while a concrete `x`
+  holds a nonzero element (every element would be flushed to zero). A traced
+  amax (under `jit`) cannot be checked and is used as given: the result is
+  then meaningless (NaN or wrong values for a negative or NaN amax, Inf/NaN
+  for an infinite one, all zeros for 0).
+
+  Raises:
+    ValueError: a non-scalar amax, or a concrete one that cannot be `x`'s.
+  """
   if amax is None:
     return None
-  amax = jnp.asarray(amax, jnp.float32)
+  try:
+    amax = jnp.asarray(amax, jnp.float32)
+  except (TypeError, ValueError):
+    raise TypeError(
+        f"{what}: amax must be a number (the tensor's max |x| as an FP32 "
+        f"scalar), got {amax!r} ({type(amax).__name__}).") from None
   if amax.shape != ():
     raise ValueError(
         f"{what}: amax must be a scalar, got shape {amax.shape}; pass the "
         f"tensor's max |x| as an FP32 scalar (e.g. a pmax over shards).")
+  if not _concrete(amax):
+    return amax
+  value = float(amax)
+  if not (value >= 0 and value != float("inf")):
+    raise ValueError(
+        f"{what}: amax={value} is not a tensor amax (it must be finite and "
+        f">= 0: max |x|); pass jnp.max(jnp.abs(x)) of finite data, or leave "
+        f"amax=None to compute it.")
+  if value == 0 and x is not None and _concrete(x) and bool(jnp.any(x != 0)):
+    raise ValueError(
+        f"{what}: amax=0.0 but x holds nonzero elements (max |x| = "
+        f"{float(jnp.max(jnp.abs(x.astype(jnp.float32))))}): every element "
+        f"would be encoded as 0. Pass the tensor's max |x|, or leave "
+        f"amax=None to compute it.")
   return amax
+
+
+def check_nvfp4_array(q: Any, what: str = "dequantize",
+                      name: str = "q") -> None:
+  """Validates an `NVFP4Array` built by hand (or loaded): uint8 codes
+  `[..., K/2]`, float8_e4m3fn scales `[..., K/16]` with the same leading
+  shape, a scalar float32 amax."""
+  if not isinstance(q, NVFP4Array):
+    return
+  codes, scales, amax = q.codes, q.scales, q.amax
+  problems = []
+  if getattr(codes, "dtype", None) != jnp.uint8:
+    problems.append(f"codes have dtype {getattr(codes, 'dtype', None)}, "
+                    f"not uint8")
+  if getattr(scales, "dtype", None) != jnp.float8_e4m3fn:
+    problems.append(f"scales have dtype {getattr(scales, 'dtype', None)}, "
+                    f"not float8_e4m3fn")
+  if getattr(amax, "dtype", None) != jnp.float32 or jnp.shape(amax) != ():
+    problems.append(f"amax is {getattr(amax, 'dtype', None)} of shape "
+                    f"{jnp.shape(amax)}, not a float32 scalar")
+  cs, ss = jnp.shape(codes), jnp.shape(scales)
+  if (len(cs) != len(ss) or not cs or cs[:-1] != ss[:-1]
+      or 2 * cs[-1] != nm.NVFP4_BLOCK * ss[-1]):
+    problems.append(
+        f"codes {cs} and scales {ss} do not describe one tensor (codes "
+        f"[..., K/2] and scales [..., K/16] with the same leading axes)")
+  if problems:
+    raise ValueError(
+        f"{what}: {name} is not a valid NVFP4Array: {'; '.join(problems)}. "
+        f"Build it with nvfp4_jax.quantize (or load it with "
+        f"nvfp4_jax.export.load), not by hand.")
 
 
 MX_FORMATS = ("mxfp4", "mxfp8")

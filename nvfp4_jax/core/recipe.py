@@ -18,9 +18,11 @@ paper's models; a float32 layer stays float32).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import numbers
+from typing import Any, Sequence
 
 import jax
+import numpy as np
 
 from nvfp4_jax.core import prng
 from nvfp4_jax.core.hadamard import rht_matrix
@@ -31,6 +33,47 @@ RESIDUALS = ("codes", "values")
 OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
 _GEMMS = {"fprop": ("fprop_x", "fprop_w"), "dgrad": ("dgrad_dy", "dgrad_w"),
           "wgrad": ("wgrad_dy", "wgrad_x")}
+
+# What each kind of config field holds, and a value for the message's fix.
+_KINDS = {"bool": ("a bool", "True"), "int": ("an int", "16"),
+          "number": ("a real number", "0.5"), "str": ("a string", "'...'")}
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+  flag = isinstance(value, (bool, np.bool_))
+  if kind == "bool":
+    return flag
+  if kind == "int":  # bool is an int in Python; a flag is not a count.
+    return isinstance(value, numbers.Integral) and not flag
+  if kind == "number":
+    return isinstance(value, numbers.Real) and not flag
+  return isinstance(value, str)
+
+
+def check_field(owner: str, name: str, value: Any, kind: str, *,
+                optional: bool = False, example: Any = None) -> None:
+  """Raises a TypeError naming `owner.name`, its value and what to pass.
+
+  The one type check of config fields (`Operand`, `Recipe`, `LateSwitch`,
+  `TrainConfig`, `GPTConfig`, ...): a bool is a bool (not the string
+  "false", which is truthy), an int an int (not a bool or a float), a
+  string a string.
+
+  Args:
+    owner: the class or function, e.g. "Operand".
+    name: the field.
+    value: its value.
+    kind: "bool", "int", "number" (an int or a float, not a bool) or "str".
+    optional: None is allowed too.
+    example: a valid value for the message (default: one per kind).
+  """
+  if (optional and value is None) or _is_kind(value, kind):
+    return
+  what, default = _KINDS[kind]
+  example = default if example is None else repr(example)
+  raise TypeError(
+      f"{owner}.{name} must be {what}{' or None' if optional else ''}, got "
+      f"{value!r} ({type(value).__name__}); pass e.g. {name}={example}.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,6 +96,11 @@ class Operand:
   four_over_six: bool = False
 
   def __post_init__(self):
+    check_field("Operand", "format", self.format, "str", example="nvfp4")
+    check_field("Operand", "rounding", self.rounding, "str",
+                example="nearest")
+    for name in ("block_2d", "rht", "four_over_six"):
+      check_field("Operand", name, getattr(self, name), "bool")
     if self.format not in FORMATS:
       raise ValueError(f"unknown format {self.format!r}; use one of {FORMATS}.")
     if self.rounding not in ("nearest", "stochastic"):
@@ -124,7 +172,12 @@ class Recipe:
     for op in OPERANDS:
       if not isinstance(getattr(self, op), Operand):
         raise TypeError(f"Recipe.{op} must be an Operand, got "
-                        f"{type(getattr(self, op)).__name__}.")
+                        f"{getattr(self, op)!r} "
+                        f"({type(getattr(self, op)).__name__}); pass e.g. "
+                        f"{op}=Operand(format='nvfp4').")
+    check_field("Recipe", "rht_size", self.rht_size, "int")
+    check_field("Recipe", "residuals", self.residuals, "str", example="codes")
+    check_field("Recipe", "name", self.name, "str", example="my-recipe")
     for gemm, (a, b) in _GEMMS.items():
       fa, fb = getattr(self, a).format, getattr(self, b).format
       if fa != fb:
@@ -241,8 +294,14 @@ class Recipe:
         "activations" (X and dY) or "all" operands (True: "all").
       residuals: "codes" or "values" (see `Recipe`).
     """
-    fos = {True: "all", False: "none"}.get(four_over_six, four_over_six)
-    if fos not in FOUR_OVER_SIX_MODES:
+    for name, value in (("rht", rht), ("stochastic_rounding",
+                                       stochastic_rounding),
+                        ("two_d_weights", two_d_weights)):
+      check_field("Recipe.nvfp4", name, value, "bool")
+    fos = four_over_six
+    if isinstance(fos, (bool, np.bool_)):
+      fos = "all" if fos else "none"
+    if not isinstance(fos, str) or fos not in FOUR_OVER_SIX_MODES:
       raise ValueError(f"four_over_six={four_over_six!r}; use one of "
                        f"{FOUR_OVER_SIX_MODES} (or True/False).")
     on_w, on_a = fos in ("weights", "all"), fos in ("activations", "all")
@@ -272,6 +331,8 @@ class Recipe:
   @classmethod
   def mxfp4(cls, *, stochastic_rounding: bool = True) -> "Recipe":
     """MXFP4 everywhere (blocks of 32, UE8M0 scales), SR on gradients."""
+    check_field("Recipe.mxfp4", "stochastic_rounding", stochastic_rounding,
+                "bool")
     grad_round = "stochastic" if stochastic_rounding else "nearest"
     q = Operand(format="mxfp4")
     g = Operand(format="mxfp4", rounding=grad_round)
@@ -291,7 +352,38 @@ class Recipe:
     presets = {"nvfp4": cls.nvfp4, "bf16": cls.bf16,
                "bf16_forward": cls.bf16_forward, "mxfp4": cls.mxfp4,
                "mxfp8": cls.mxfp8}
-    if name not in presets:
+    if not isinstance(name, str) or name not in presets:
       raise ValueError(
-          f"unknown recipe {name!r}; use one of {sorted(presets)}.")
+          f"unknown recipe {name!r}; use one of {sorted(presets)} (or build "
+          f"a Recipe, e.g. Recipe.nvfp4(rht=False)).")
     return presets[name]()
+
+
+PRESET_NAMES = ("nvfp4", "bf16", "bf16_forward", "mxfp4", "mxfp8")
+
+
+def as_recipe(recipe: Any, prefix: str = "", name: str = "recipe"
+              ) -> Recipe | None:
+  """A layer's or op's `recipe=` argument as a `Recipe` (None stays None).
+
+  `prefix` starts the error message (e.g. "layer 'mlp/up': "); `name` is
+  the argument's name. Accepts a `Recipe` or a preset's name ("nvfp4", "bf16", "bf16_forward",
+  "mxfp4", "mxfp8": `Recipe.from_name`), the one place such an argument is
+  resolved.
+
+  Raises:
+    ValueError: an unknown preset name.
+    TypeError: anything else, naming the value and how to pass a recipe.
+  """
+  if recipe is None or isinstance(recipe, Recipe):
+    return recipe
+  if isinstance(recipe, str):
+    if recipe not in PRESET_NAMES:
+      raise ValueError(
+          f"{prefix}{name}={recipe!r} is not a recipe preset; use one of "
+          f"{PRESET_NAMES} or a Recipe (e.g. Recipe.nvfp4(rht=False)).")
+    return Recipe.from_name(recipe)
+  raise TypeError(
+      f"{prefix}{name} must be a Recipe or a preset name {PRESET_NAMES}, "
+      f"got {recipe!r} ({type(recipe).__name__}); pass e.g. "
+      f"{name}=Recipe.nvfp4() or {name}='bf16'.")

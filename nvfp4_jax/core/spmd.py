@@ -81,6 +81,20 @@ def check_blocks(sizes: Mapping[str, int], spec: P, shape: Sequence[int],
     what: the tensor, for the message ("layer 'mlp/up': the weight").
     dim_names: a name for each dimension ("tokens", "in (K)", ...).
   """
+  if not isinstance(spec, P):
+    raise TypeError(f"{what}: the sharding must be a "
+                    f"jax.sharding.PartitionSpec, e.g. P('data', None); got "
+                    f"{spec!r}.")
+  if len(spec) > len(shape):
+    raise ValueError(f"{what}: PartitionSpec {spec} has {len(spec)} entries "
+                     f"for a tensor of shape {tuple(shape)}; give one entry "
+                     f"(an axis name or None) per dimension.")
+  unknown = [a for e in spec for a in entry_axes(e) if a not in sizes]
+  if unknown:
+    raise ValueError(
+        f"{what}: PartitionSpec {spec} names {unknown[0]!r}, not an axis of "
+        f"the mesh (axes {tuple(sizes)}); use those names, or None for a "
+        f"dimension that is not split.")
   for d, (size, block) in enumerate(zip(shape, blocks)):
     axes = entry_axes(spec[d]) if d < len(spec) else ()
     n = num_shards(sizes, axes)

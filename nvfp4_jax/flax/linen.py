@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from nvfp4_jax.training import dot_general as ops
 from nvfp4_jax.core.recipe import Recipe
+from nvfp4_jax.core.recipe import as_recipe
 from nvfp4_jax.flax.rules import PrecisionRules
 from nvfp4_jax.flax.rules import current_scope
 
@@ -152,7 +153,9 @@ def layer_dot_general(lhs, rhs, dimension_numbers, *, recipe: Recipe | None,
     lhs, rhs, dimension_numbers, precision, preferred_element_type,
       out_sharding: as `jax.lax.dot_general`; `preferred_element_type`
       defaults to `lhs`' dtype (the kernel may be in a wider one).
-    recipe: the layer's own recipe, or None for the rules' choice.
+    recipe: the layer's own recipe (a `Recipe` or a preset's name: "nvfp4",
+      "bf16", "bf16_forward", "mxfp4", "mxfp8"), or None for the rules'
+      choice.
     path: the layer's path, for the rules, its key and error messages.
     key: its stochastic-rounding key; None derives one from the step in scope.
     rules: rules of the layer itself (NNX layers switched with them); None
@@ -161,6 +164,7 @@ def layer_dot_general(lhs, rhs, dimension_numbers, *, recipe: Recipe | None,
       `gemm_unsupported`) calls it with `(path, reason)` and runs exactly as
       the flax layer would, in high precision; otherwise the op raises.
   """
+  recipe = as_recipe(recipe, f"layer {path or '<root>'!r}: ")
   scope = current_scope()
   if rules is None:
     rules = scope.rules if scope is not None else _DEFAULT_RULES
@@ -181,8 +185,12 @@ def layer_dot_general(lhs, rhs, dimension_numbers, *, recipe: Recipe | None,
   def run(r: Recipe):
     if key is None and r.forward_needs_key:
       raise _no_key(path)
-    y = ops.dot_general(lhs, rhs, dimension_numbers, precision,
-                        preferred_element_type or lhs.dtype, recipe=r, key=key,
+    dtype = preferred_element_type or lhs.dtype
+    a, b = lhs, rhs
+    if not r.quantized:  # As flax's layer: both operands in the GEMM dtype.
+      a, b = lhs.astype(dtype), rhs.astype(dtype)
+    y = ops.dot_general(a, b, dimension_numbers, precision,
+                        dtype, recipe=r, key=key,
                         out_sharding=out_sharding, name=path or "<root>")
     return _needs_key(y, path) if key is None and r.needs_key else y
 
@@ -230,11 +238,13 @@ class NVFP4Dense(nn.Dense):
       give FP32 weight gradients); high-precision GEMMs cast it as `nn.Dense`.
     dot_general, dot_general_cls: must stay None (the layer's dot is the
       NVFP4 one; use `nn.Dense` for another).
-    recipe: the layer's `Recipe`; None (default) takes it from the active
+    recipe: the layer's `Recipe`, or a preset's name ("nvfp4", "bf16",
+      "bf16_forward", "mxfp4", "mxfp8"; anything else raises when the
+      layer is called); None (default) takes it from the active
       `precision_rules` by module path, else `Recipe.nvfp4()`.
   """
 
-  recipe: Recipe | None = None
+  recipe: Recipe | str | None = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:

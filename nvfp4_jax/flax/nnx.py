@@ -26,6 +26,7 @@ from nvfp4_jax.flax.linen import RNG_STREAM
 from nvfp4_jax.flax.linen import einsum_layer
 from nvfp4_jax.flax.linen import layer_dot_general
 from nvfp4_jax.core.recipe import Recipe
+from nvfp4_jax.core.recipe import as_recipe
 from nvfp4_jax.flax.rules import PrecisionRules
 from nvfp4_jax.flax.rules import current_scope
 
@@ -50,6 +51,11 @@ class NNXDotGeneral:
   path: str | None = None
   recipe: Recipe | None = None
   rules: PrecisionRules | None = None
+
+  def __post_init__(self):
+    # A preset's name ("bf16", ...) becomes its Recipe here, once.
+    object.__setattr__(self, "recipe",
+                       as_recipe(self.recipe, f"{type(self).__name__}: "))
 
   def _rules_and_path(self, key) -> tuple[PrecisionRules | None, str]:
     scope = current_scope()
@@ -122,19 +128,21 @@ class NVFP4Linear(nnx.Linear):
       kernel_init, bias_init, promote_dtype, preferred_element_type, rngs,
       kernel_metadata, bias_metadata: as `nnx.Linear`.
     dot_general: see above.
-    recipe: the layer's `Recipe`; None uses the rules (`apply_rules`, or the
-      active `precision_rules`).
+    recipe: the layer's `Recipe` or a preset's name ("nvfp4", "bf16",
+      "bf16_forward", "mxfp4", "mxfp8"); None uses the rules
+      (`apply_rules`, or the active `precision_rules`).
   """
 
   def __init__(self, in_features: int, out_features: int, *,
-               recipe: Recipe | None = None, dot_general=None,
+               recipe: Recipe | str | None = None, dot_general=None,
                rngs: nnx.Rngs, **kwargs):
     if dot_general is not None and dot_general is not jax.lax.dot_general:
       raise ValueError(
           f"NVFP4Linear got dot_general={dot_general!r}; its dot is the "
           f"NVFP4 one. Use nnx.Linear for a custom dot_general.")
     super().__init__(in_features, out_features, rngs=rngs, **kwargs)
-    self.dot_general = NNXDotGeneral(recipe=recipe)
+    self.dot_general = NNXDotGeneral(
+        recipe=as_recipe(recipe, "NVFP4Linear: "))
     if RNG_STREAM in rngs:
       self.sr_rngs = rngs[RNG_STREAM].fork()
 

@@ -31,9 +31,48 @@ from typing import Any, Iterable, Iterator
 import jax
 
 from nvfp4_jax.core.recipe import Recipe
+from nvfp4_jax.core.recipe import check_field
 from nvfp4_jax.core.scope import ScopeStack
 
 SWITCH_MODES = ("all", "forward")
+
+
+def _rule_pairs(rules: Any, what: str, target: str, example: str
+                ) -> tuple[tuple[Any, Any], ...]:
+  """`rules` as a tuple of `(pattern, value)` pairs, or an error that names
+  the mistake: a dict (order matters: first match wins), one pair without
+  its enclosing tuple (`(("a", r))` is `("a", r)`: a trailing comma is
+  missing), a bare string, an entry that is not a pair.
+
+  Shared by `PrecisionRules.rules` and `MeshRules.tensor_parallel`.
+  """
+  form = f"((pattern, {target}), ...), e.g. ((r'block_0/', {example}),)"
+  if isinstance(rules, dict):
+    raise TypeError(
+        f"{what} must be an ordered tuple of {form}; got a dict. Pass "
+        f"tuple(rules.items()) if its order is the order to match in (the "
+        f"first match wins).")
+  if isinstance(rules, str):
+    raise TypeError(f"{what} must be a tuple of {form}; got the string "
+                    f"{rules!r}.")
+  try:
+    entries = tuple(rules)
+  except TypeError:
+    raise TypeError(f"{what} must be a tuple of {form}; got "
+                    f"{rules!r}.") from None
+  if (len(entries) == 2 and isinstance(entries[0], str)
+      and not isinstance(entries[1], (str, tuple, list))):
+    raise TypeError(
+        f"{what} got one pair {entries!r} where a tuple of pairs belongs: "
+        f"add the trailing comma, (({entries[0]!r}, ...),).")
+  out = []
+  for rule in entries:
+    if isinstance(rule, (str, bytes)) or not hasattr(rule, "__len__") or (
+        len(rule) != 2):
+      raise ValueError(f"{what}: a rule is a (pattern, {target}) pair, got "
+                       f"{rule!r}; write {form}.")
+    out.append(tuple(rule))
+  return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,8 +89,11 @@ class LateSwitch:
   mode: str = "all"
 
   def __post_init__(self):
-    if not isinstance(self.step, int) or self.step < 0:
-      raise ValueError(f"LateSwitch.step must be an int >= 0, got {self.step!r}.")
+    if (not isinstance(self.step, int) or isinstance(self.step, bool)
+        or self.step < 0):
+      raise ValueError(f"LateSwitch.step must be an int >= 0, got "
+                       f"{self.step!r}; pass e.g. step=9000.")
+    check_field("LateSwitch", "mode", self.mode, "str", example="forward")
     if self.mode not in SWITCH_MODES:
       raise ValueError(
           f"unknown LateSwitch mode {self.mode!r}; use one of {SWITCH_MODES}.")
@@ -79,19 +121,18 @@ class PrecisionRules:
   late_switch: LateSwitch | None = None
 
   def __post_init__(self):
-    rules = tuple(tuple(r) for r in self.rules)
-    for rule in rules:
-      if len(rule) != 2:
-        raise ValueError(f"a rule is a (pattern, Recipe) pair, got {rule!r}.")
-      pattern, recipe = rule
+    rules = _rule_pairs(self.rules, "PrecisionRules.rules", "Recipe",
+                        "Recipe.bf16()")
+    for pattern, recipe in rules:
       try:
         re.compile(pattern)
       except (re.error, TypeError) as e:
         raise ValueError(f"bad rule pattern {pattern!r}: {e}") from None
       if not isinstance(recipe, Recipe):
         raise TypeError(
-            f"rule {pattern!r} maps to {type(recipe).__name__}, not a Recipe; "
-            f"use e.g. Recipe.bf16().")
+            f"rule {pattern!r} maps to {type(recipe).__name__} {recipe!r}, "
+            f"not a Recipe; use e.g. Recipe.bf16() (a preset by name: "
+            f"Recipe.from_name('bf16')).")
     if not isinstance(self.default, Recipe):
       raise TypeError(f"default must be a Recipe, got {self.default!r}.")
     if self.late_switch is not None and not isinstance(self.late_switch,
@@ -232,10 +273,34 @@ def paper_rules(num_blocks: int, *, first: int = 2, last_fraction: float = 0.15,
     num_blocks: number of transformer blocks, named `block_name.format(i)`.
     first: leading blocks in BF16.
     last_fraction: fraction of trailing blocks in BF16.
-    block_name: module-name template of the blocks.
+    block_name: module-name template of the blocks, with one `{}` for the
+      block index ("block_{}", "encoderblock_{}").
     recipe: the recipe of every other layer (default `Recipe.nvfp4()`).
     late_switch: optional `LateSwitch`.
+
+  Raises:
+    TypeError: an argument of the wrong type.
+    ValueError: out-of-range counts, or a `block_name` without exactly one
+      `{}` (it would name the same module for every block).
   """
+  check_field("paper_rules", "num_blocks", num_blocks, "int", example=12)
+  check_field("paper_rules", "first", first, "int", example=2)
+  check_field("paper_rules", "last_fraction", last_fraction, "number",
+              example=0.15)
+  check_field("paper_rules", "block_name", block_name, "str",
+              example="block_{}")
+  try:
+    names_ok = block_name.format(0) != block_name.format(1)
+  except (IndexError, KeyError, ValueError):
+    names_ok = False
+  if not names_ok:
+    stem = re.sub(r"[{}]", "", block_name).rstrip("_") or "block"
+    raise ValueError(
+        f"paper_rules: block_name={block_name!r} must hold one '{{}}' where "
+        f"the block index goes, e.g. {stem + '_{}'!r} for modules named "
+        f"like {stem + '_3'!r}; "
+        f"without it every rule names the same module and no block stays in "
+        f"BF16.")
   if num_blocks < 1 or first < 0 or not 0 <= last_fraction <= 1:
     raise ValueError(
         f"paper_rules needs num_blocks >= 1, first >= 0 and last_fraction in "

@@ -262,9 +262,31 @@ class MeshRules:
           f"{self.fsdp!r}, model {self.model!r}).")
     if self.fsdp is not None and self.fsdp not in self.batch:
       object.__setattr__(self, "batch", self.batch + (self.fsdp,))
-    tp = tuple(tuple(r) for r in self.tensor_parallel)
+    form = ("((layer-path regex, 'column' | 'row'), ...), e.g. "
+            "((r'attn/qkv$', 'column'),)")
+    if isinstance(self.tensor_parallel, (dict, str)):
+      raise TypeError(f"MeshRules.tensor_parallel must be an ordered tuple "
+                      f"of {form}; got {self.tensor_parallel!r}.")
+    tp = tuple(self.tensor_parallel)
+    if len(tp) == 2 and all(isinstance(r, str) for r in tp) and (
+        tp[1] in TENSOR_STYLES):
+      raise TypeError(f"MeshRules.tensor_parallel got one pair {tp!r} where "
+                      f"a tuple of pairs belongs: add the trailing comma, "
+                      f"(({tp[0]!r}, {tp[1]!r}),).")
+    for rule in tp:
+      if isinstance(rule, str) or not hasattr(rule, "__len__") or len(
+          rule) != 2:
+        raise ValueError(f"MeshRules.tensor_parallel: a rule is a (pattern, "
+                         f"style) pair, got {rule!r}; write {form}.")
+    tp = tuple(tuple(r) for r in tp)
     for pattern, style in tp:
-      re.compile(pattern)
+      try:
+        re.compile(pattern)
+      except (re.error, TypeError) as e:
+        raise ValueError(
+            f"MeshRules.tensor_parallel: bad pattern {pattern!r} ({e}); "
+            f"write a Python regex searched in layer paths, e.g. "
+            f"r'(^|/)attn/qkv$'.") from None
       if style not in TENSOR_STYLES:
         raise ValueError(f"tensor_parallel rule {pattern!r}: style must be "
                          f"one of {TENSOR_STYLES}, got {style!r}.")
@@ -352,9 +374,21 @@ class MeshRules:
     return jax.tree_util.tree_map_with_path(spec, state)
 
   def shardings(self, specs: Any) -> Any:
-    """`NamedSharding`s on this mesh for a pytree of specs."""
-    return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
-                        is_leaf=lambda s: isinstance(s, P))
+    """`NamedSharding`s on this mesh for a pytree of specs.
+
+    Raises:
+      ValueError: a spec naming an axis the mesh lacks.
+    """
+    names = tuple(self.mesh.axis_names)
+
+    def sharding(s):
+      unknown = [a for e in s for a in spmd.entry_axes(e) if a not in names]
+      if unknown:
+        raise ValueError(
+            f"MeshRules.shardings: PartitionSpec {s} names {unknown[0]!r}, "
+            f"not an axis of the mesh {names}; use those names (or None).")
+      return NamedSharding(self.mesh, s)
+    return jax.tree.map(sharding, specs, is_leaf=lambda s: isinstance(s, P))
 
 
 def _keys(kp) -> tuple:

@@ -42,6 +42,8 @@ from nvfp4_jax.flax.linen import NVFP4Dense
 from nvfp4_jax.flax.linen import nvfp4_layer_paths
 from nvfp4_jax.ops.quantize.api import quantize
 from nvfp4_jax.core.arrays import NVFP4Array
+from nvfp4_jax.core.arrays import check_nvfp4_array
+from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.flax.rules import PrecisionRules
 from nvfp4_jax.flax.rules import precision_rules
 
@@ -89,7 +91,16 @@ def save(path: str | pathlib.Path, model: nn.Module, params: Any,
   Returns:
     A summary: `{"quantized": [paths], "high_precision": [paths],
     "bytes": file size, "bits_per_quantized_weight": ...}`.
+
+  Raises:
+    TypeError: `rules` is not a `PrecisionRules`.
   """
+  if not isinstance(rules, PrecisionRules):
+    raise TypeError(
+        f"export.save: rules must be the PrecisionRules the model was "
+        f"trained with (they decide which layers are packed), got "
+        f"{rules!r}; pass e.g. nvfp4_jax.paper_rules(num_blocks), or "
+        f"PrecisionRules() if every layer ran the default NVFP4 recipe.")
   if isinstance(params, dict) and set(params) == {"params"}:
     params = params["params"]
   params = jax.tree.map(np.asarray, jax.device_get(params))
@@ -114,7 +125,8 @@ def save(path: str | pathlib.Path, model: nn.Module, params: Any,
     tensors[f"{name}.weight_amax"] = np.asarray(q.amax, np.float32)
     layer_meta[layer] = {"block_2d": op.block_2d,
                          "four_over_six": op.four_over_six,
-                         "recipe": recipe.tag}
+                         "recipe": recipe.tag,
+                         "shape": list(q.shape)}
     packed.add(f"{layer}/kernel")
     quantized_elems += kernel.size
   for p, v in flat.items():
@@ -138,8 +150,13 @@ def load(path: str | pathlib.Path) -> dict[str, Any]:
   `kernel` replaced by its weight `W = kernel^T` as an `NVFP4Array` under
   the key "packed" (and no "kernel").
 
+  Each packed layer's tensors are checked against each other and the
+  metadata: uint8 codes `[out, in/2]`, float8_e4m3fn scales `[out, in/16]`,
+  float32 scalar amax and tensor factor (the factor that amax gives), the
+  weight shape recorded at export.
+
   Raises:
-    SafetensorsError: a truncated, damaged or foreign file.
+    SafetensorsError: a truncated, damaged, edited or foreign file.
   """
   tensors, meta = safetensors.load(path)
   if meta.get("format") != FORMAT:
@@ -165,10 +182,9 @@ def load(path: str | pathlib.Path) -> dict[str, Any]:
         raise safetensors.SafetensorsError(
             f"{path}: the packed layer {layer!r} lacks {e}; re-export "
             f"it.") from None
-      flat[f"{layer}/packed"] = NVFP4Array(
-          jnp.asarray(codes), jnp.asarray(scales), jnp.asarray(amax),
-          block_2d=layers[layer]["block_2d"],
-          four_over_six=layers[layer]["four_over_six"])
+      flat[f"{layer}/packed"] = _packed(path, layer, layers[layer], codes,
+                                        scales, amax,
+                                        tensors.get(f"{name}.weight_scale_2"))
       continue
     key = p.replace("/", ".")
     if key not in tensors:
@@ -176,6 +192,40 @@ def load(path: str | pathlib.Path) -> dict[str, Any]:
           f"{path}: parameter {p!r} is missing; re-export it.")
     flat[p] = jnp.asarray(tensors[key])
   return _unflat(flat)
+
+
+def _packed(path, layer: str, meta: Any, codes: np.ndarray,
+            scales: np.ndarray, amax: np.ndarray,
+            scale_2: np.ndarray | None) -> NVFP4Array:
+  """A packed layer's `NVFP4Array`, after checking its tensors against
+  each other and the metadata (a SafetensorsError names what differs)."""
+  def bad(why: str):
+    return safetensors.SafetensorsError(
+        f"{path}: the packed layer {layer!r} {why}; the file was edited or "
+        f"damaged: re-export it with nvfp4_jax.export.save.")
+  if not isinstance(meta, dict) or not all(
+      isinstance(meta.get(k), bool) for k in ("block_2d", "four_over_six")):
+    raise bad(f"has damaged metadata {meta!r}")
+  q = NVFP4Array(jnp.asarray(codes), jnp.asarray(scales), jnp.asarray(amax),
+                 block_2d=meta["block_2d"],
+                 four_over_six=meta["four_over_six"])
+  try:
+    check_nvfp4_array(q, "export.load", f"layer {layer!r}")
+  except ValueError as e:
+    raise bad(f"does not hold a valid NVFP4 weight ({e})") from None
+  shape = meta.get("shape")
+  if shape is not None and list(q.shape) != list(shape):
+    raise bad(f"holds a weight of shape {list(q.shape)} ([out, in]) but was "
+              f"exported with {list(shape)}")
+  if meta["block_2d"] and (q.shape[0] % nm.NVFP4_BLOCK):
+    raise bad(f"is 16x16-scaled but has {q.shape[0]} rows")
+  if scale_2 is not None:
+    want = np.asarray(q.tensor_scale, np.float32)
+    if (scale_2.dtype != np.float32 or scale_2.shape != ()
+        or scale_2.tobytes() != want.tobytes()):
+      raise bad(f"has weight_scale_2 {scale_2!r} but its amax "
+                f"{float(amax)} gives {want!r}")
+  return q
 
 
 def _get(tree, path):
@@ -213,6 +263,18 @@ def apply(model: nn.Module, packed: dict[str, Any], *args,
     x = fargs[0]
     dtype = m.dtype or x.dtype
     w = node["packed"]
+    want = (m.features, x.shape[-1])
+    if tuple(w.shape) != want:
+      raise ValueError(
+          f"export.apply: layer {path!r} of the model computes {want[1]} -> "
+          f"{want[0]} features, but the file's packed weight is "
+          f"{tuple(w.shape)} ([out, in]); apply the model (configuration) "
+          f"the file was exported from.")
+    if "bias" in node and jnp.shape(node["bias"]) != (m.features,):
+      raise ValueError(
+          f"export.apply: layer {path!r} has {m.features} features but the "
+          f"file's bias has shape {jnp.shape(node['bias'])}; apply the "
+          f"model the file was exported from.")
     xf = x.reshape(-1, x.shape[-1])
     if mode == "w4a4":
       y = block_scaled_matmul(quantize(xf.astype(dtype)), w, out_dtype=dtype,

@@ -61,6 +61,7 @@ from nvfp4_jax.ops.block_scaled_matmul.api import gemm_plan
 from nvfp4_jax.ops.block_scaled_matmul.reference import gemm_alpha
 from nvfp4_jax.core.arrays import NVFP4Values
 from nvfp4_jax.core.recipe import Recipe
+from nvfp4_jax.core.recipe import as_recipe
 from nvfp4_jax.parallel import LinearSharding
 
 
@@ -451,12 +452,17 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
     lhs: activations, e.g. `[..., in]`.
     rhs: weights, e.g. `[in, out]`; float32 weights are quantized directly, so
       the weight gradient is produced in FP32.
-    dimension_numbers: as for `jax.lax.dot_general`.
-    recipe: the `Recipe`. With every GEMM in bf16 this is exactly
-      `jax.lax.dot_general` (same outputs and gradients).
+    dimension_numbers: as for `jax.lax.dot_general`: `((lhs_contracting,
+      rhs_contracting), (lhs_batch, rhs_batch))`, e.g. `(((1,), (0,)), ((),
+      ()))` for `x @ w`.
     precision: precision of the high-precision GEMMs.
     preferred_element_type: output dtype; default the promoted input dtype.
-    recipe: the `Recipe` (keyword).
+    recipe: the `Recipe` (keyword), or a preset's name ("nvfp4", "bf16",
+      "bf16_forward", "mxfp4", "mxfp8"). With every GEMM in bf16 this is
+      exactly `jax.lax.dot_general` with the same arguments (same outputs
+      and gradients; the operands are not cast). An empty operand (no
+      tokens, or K = 0) has nothing to quantize: the result is
+      `jax.lax.dot_general`'s too (empty, or zeros).
     key: PRNG key for stochastic rounding; needed where the recipe uses it
       (the backward pass, for the paper's recipe). Split per operand by
       `Recipe.operand_keys`; pass a new key every step and layer.
@@ -472,9 +478,15 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
 
   Returns:
     The result, with `jax.lax.dot_general`'s shape.
+
+  Raises:
+    TypeError: a `recipe` that is not a Recipe or a preset name; integer
+      operands of a quantized GEMM.
+    ValueError: malformed `dimension_numbers`, contracted sizes that differ,
+      sizes the recipe cannot block, a missing key.
+    NotImplementedError: batch dimensions under a quantized recipe.
   """
-  if not isinstance(recipe, Recipe):
-    raise TypeError(f"dot_general: recipe must be a Recipe, got {recipe!r}.")
+  recipe = as_recipe(recipe, "dot_general: ")
   # The traced program names every NVFP4 layer's GEMMs, for
   # `nvfp4_jax.report`: the scope holds the layer and the recipe it traced.
   with jax.named_scope(layer_scope(name, recipe)):
@@ -494,12 +506,36 @@ def layer_scope(name: str | None, recipe: Recipe) -> str:
   return f"{LAYER_SCOPE}[{name or '?'}|{recipe.tag}]"
 
 
+def _dimension_numbers(dimension_numbers, lhs, rhs, prefix: str):
+  """`(lc, rc, lb, rb)`, each a tuple of axes, or a ValueError that names
+  the value and its form."""
+  def axes(part, ndim):
+    if isinstance(part, int):
+      part = (part,)
+    out = tuple(part)
+    if any(not isinstance(a, int) or isinstance(a, bool) or not 0 <= a < ndim
+           for a in out) or len(set(out)) != len(out):
+      raise ValueError
+    return out
+  try:
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, lb = axes(lc, lhs.ndim), axes(lb, lhs.ndim)
+    rc, rb = axes(rc, rhs.ndim), axes(rb, rhs.ndim)
+  except (TypeError, ValueError):
+    raise ValueError(
+        f"{prefix}dimension_numbers must be ((lhs_contracting, "
+        f"rhs_contracting), (lhs_batch, rhs_batch)) with distinct axes of "
+        f"lhs {lhs.shape} and rhs {rhs.shape}; got {dimension_numbers!r}. "
+        f"For x @ w pass (((x.ndim - 1,), (0,)), ((), ())).") from None
+  return lc, rc, lb, rb
+
+
 def _dot_general(lhs, rhs, dimension_numbers, precision,
                  preferred_element_type, recipe, key, out_sharding, name,
                  shard):
-  (lc, rc), (lb, rb) = dimension_numbers
-  lc, rc = tuple(lc), tuple(rc)
   prefix = f"layer {name!r}: " if name else "dot_general: "
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  lc, rc, lb, rb = _dimension_numbers(dimension_numbers, lhs, rhs, prefix)
   if len(lc) != len(rc) or any(lhs.shape[i] != rhs.shape[j]
                                for i, j in zip(lc, rc)):
     raise ValueError(
@@ -507,11 +543,11 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
         f"{lc} vs rhs {rhs.shape} on axes {rc}; pass an input whose "
         f"contracted axes have the kernel's sizes "
         f"{tuple(rhs.shape[j] for j in rc)}.")
-  if not recipe.quantized:
-    if preferred_element_type is not None:
-      lhs = lhs.astype(preferred_element_type)
-      rhs = rhs.astype(preferred_element_type)
-    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+  if not recipe.quantized or lhs.size == 0 or rhs.size == 0:
+    # Exactly XLA's product of the operands as given (with no elements
+    # there is nothing to quantize: an empty result, or zeros for K = 0).
+    return jax.lax.dot_general(lhs, rhs, ((lc, rc), (lb, rb)),
+                               precision=precision,
                                preferred_element_type=preferred_element_type,
                                out_sharding=out_sharding)
   if lb or rb:
@@ -521,7 +557,10 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
         f"recipe. Use jax.lax.dot_general for them.")
   for arg, a in (("lhs", lhs), ("rhs", rhs)):
     if not jnp.issubdtype(a.dtype, jnp.floating):
-      raise TypeError(f"{prefix}{arg} must be floating, got {a.dtype}.")
+      raise TypeError(
+          f"{prefix}{arg} must be floating to be quantized, got {a.dtype}; "
+          f"cast it (e.g. {arg}.astype(jnp.float32)) or use "
+          f"recipe=Recipe.bf16() for an integer GEMM.")
   if recipe.forward_needs_key and key is None:
     raise ValueError(
         f"{prefix}the recipe rounds a forward operand stochastically but no "

@@ -24,16 +24,46 @@ class MasterWeightsState(NamedTuple):
   """State of `master_weights`.
 
   Attributes:
-    master: FP32 copy of the parameters; the inner transformation updates it.
-    inner_state: the inner transformation's state (built on `master`).
+    master: FP32 copy of the floating parameters (the inner transformation
+      updates it); non-floating leaves (integer, bool, complex) are held as
+      they are, unchanged.
+    inner_state: the inner transformation's state (built on `master`, with
+      None in place of the non-floating leaves).
   """
 
   master: optax.Params
   inner_state: optax.OptState
 
 
+def _trained(x) -> bool:
+  """Whether a parameter leaf is one the optimizer moves: a real float."""
+  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
 def _f32(tree):
   return jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), tree)
+
+
+def _floats(tree, like):
+  """`tree` with None where `like` (the parameters) has a non-float leaf."""
+  return jax.tree_util.tree_map(lambda x, p: x if _trained(p) else None,
+                                tree, like)
+
+
+def _grads(updates, params):
+  """The FP32 gradients of the float parameters (None elsewhere)."""
+  def cast(g, p):
+    if not _trained(p):
+      return None  # An int/complex parameter's gradient (float0...) is unused.
+    if jax.dtypes.result_type(g) == jax.dtypes.float0 or not jnp.issubdtype(
+        jnp.result_type(g), jnp.inexact):
+      raise TypeError(
+          f"master_weights: a {jnp.result_type(p)} parameter of shape "
+          f"{jnp.shape(p)} got a gradient of dtype {jnp.result_type(g)}; "
+          f"pass the gradients jax.grad returns for these params (a float0 "
+          f"gradient belongs to an integer parameter).")
+    return jnp.asarray(g, jnp.float32)
+  return jax.tree_util.tree_map(cast, updates, params)
 
 
 def master_weights(inner: optax.GradientTransformation
@@ -51,27 +81,44 @@ def master_weights(inner: optax.GradientTransformation
   old weight's scale instead. Updates too small to move a bf16 weight still
   accumulate in the master.
 
+  Only floating parameters are trained. Integer, bool and complex leaves
+  (counters, masks, ...) are left untouched: `inner` does not see them,
+  their update is zero whatever their gradient (`float0` from
+  `jax.grad(..., allow_int=True)` included), and the master holds them as
+  they are.
+
   Args:
     inner: the optimizer to run in FP32 (e.g. `optax.adamw(...)`).
 
   Returns:
     An `optax.GradientTransformation` whose `update` needs `params`.
+
+  Raises:
+    TypeError (in `update`): a floating parameter whose gradient is not
+      floating (e.g. `float0`).
   """
 
   def init_fn(params):
-    master = _f32(params)
-    return MasterWeightsState(master=master, inner_state=inner.init(master))
+    master = jax.tree_util.tree_map(
+        lambda p: jnp.asarray(p, jnp.float32) if _trained(p) else p, params)
+    return MasterWeightsState(
+        master=master, inner_state=inner.init(_floats(master, params)))
 
   def update_fn(updates, state, params=None):
     if params is None:
       raise ValueError(
           "master_weights needs params: call tx.update(grads, state, params).")
-    grads = _f32(updates)
-    inner_updates, inner_state = inner.update(grads, state.inner_state,
-                                              state.master)
-    master = optax.apply_updates(state.master, inner_updates)
+    grads = _grads(updates, params)
+    inner_updates, inner_state = inner.update(
+        grads, state.inner_state, _floats(state.master, params))
+    moved = optax.apply_updates(_floats(state.master, params), inner_updates)
+    master = jax.tree_util.tree_map(
+        lambda m, p: m if _trained(p) else p, moved, params,
+        is_leaf=lambda x: x is None)
 
     def param_update(new, p):
+      if not _trained(p):
+        return jnp.zeros_like(p)
       # In the parameter's dtype (optax wrappers like apply_if_finite need the
       # updates' dtype to match the gradients').
       # The barrier keeps XLA:GPU from eliding the rounding to p.dtype

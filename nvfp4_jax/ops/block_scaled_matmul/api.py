@@ -27,6 +27,7 @@ from nvfp4_jax.core.arrays import MXArray
 from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.core.arrays import NVFP4Values
 from nvfp4_jax.core.arrays import QArray
+from nvfp4_jax.core.arrays import check_nvfp4_array
 
 from nvfp4_jax.ops.block_scaled_matmul.cudnn import _matmul_scaled_matmul
 from nvfp4_jax.ops.block_scaled_matmul.cudnn import _require_nvfp4
@@ -76,6 +77,7 @@ def block_scaled_matmul(a: QArray, b: QArray, *, out_dtype=jnp.float32,
       raise TypeError(
           f"block_scaled_matmul: {name} must be an NVFP4Array, NVFP4Values or "
           f"MXArray, got {type(q).__name__}.")
+    check_nvfp4_array(q, "block_scaled_matmul", name)
     if q.ndim != 2:
       raise ValueError(
           f"block_scaled_matmul: {name} must be 2-D [rows, K], got shape "

@@ -18,6 +18,7 @@ from nvfp4_jax.core.arrays import MXArray
 from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.core.arrays import NVFP4Values
 from nvfp4_jax.core.arrays import QArray
+from nvfp4_jax.core.arrays import check_nvfp4_array
 
 from nvfp4_jax.ops.block_values.reference import block_dequantize_mx
 from nvfp4_jax.ops.block_values.reference import block_dequantize_nvfp4
@@ -27,6 +28,7 @@ from nvfp4_jax.ops.block_values.reference import dequantize_nvfp4
 
 def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
   """Dequantizes an `NVFP4Array` or `MXArray` (FP32 arithmetic) to `dtype`."""
+  check_nvfp4_array(q, "dequantize")
   if isinstance(q, (NVFP4Array, NVFP4Values)):
     return dequantize_nvfp4(q, dtype)
   if isinstance(q, MXArray):
@@ -42,6 +44,7 @@ def block_dequantize(q: QArray) -> tuple[jax.Array, jax.Array]:
   factors applied to its FP32 output is the exact emulation of a block-scaled
   GEMM on hardware without FP4 tensor cores.
   """
+  check_nvfp4_array(q, "block_dequantize")
   if isinstance(q, NVFP4Array):
     return block_dequantize_nvfp4(q)
   if isinstance(q, MXArray):

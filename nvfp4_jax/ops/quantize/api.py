@@ -48,7 +48,11 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
     key: JAX PRNG key, required for stochastic rounding. The random bits are
       the stream of `nvfp4_jax.core.prng` on `x`'s row-major element order.
     amax: an already reduced tensor amax (FP32 scalar), e.g. a `pmax` over the
-      shards of a sharded tensor. Defaults to `max |x|`.
+      shards of a sharded tensor. Defaults to `max |x|`. A concrete amax
+      that is negative, NaN or Inf, or 0 while `x` holds a nonzero element,
+      is a ValueError; a traced one (under `jit`) cannot be checked and is
+      used as given: NaN or wrong values for a negative or NaN amax,
+      Inf/NaN for an infinite one, all zeros for 0.
     four_over_six: Four-over-Six adaptive block scaling (Cook et al. 2025):
       each block (16x16 tile) is encoded with its max mapped to 6 and to 4,
       and keeps the candidate with the smaller squared error; the global scale
@@ -66,12 +70,13 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
 
   Raises:
     TypeError: `x` is not a floating array.
-    ValueError: bad shapes, unknown rounding, stochastic rounding without key.
+    ValueError: bad shapes, unknown rounding, stochastic rounding without key,
+      an amax that cannot be `x`'s.
     NotImplementedError: the named implementation cannot run here.
   """
   x = check_input(x, block=B, block_2d=block_2d, what="quantize")
   check_rounding(rounding, key, size=x.size)
-  amax = check_amax(amax)
+  amax = check_amax(amax, x=x)
   return QUANTIZE(implementation, x, block_2d=block_2d, rounding=rounding,
                   key=key, amax=amax, four_over_six=bool(four_over_six),
                   placement=placement)
@@ -135,7 +140,7 @@ def quantize_with_values(x: jax.Array, *, block_2d: bool = False,
   check_rounding(rounding, key, size=x.size, what=what)
   return QUANTIZE_WITH_VALUES(implementation, x, block_2d=block_2d,
                               rounding=rounding, key=key,
-                              amax=check_amax(amax, what), with_values=True,
+                              amax=check_amax(amax, what, x), with_values=True,
                               four_over_six=bool(four_over_six))
 
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from nvfp4_jax.core import dispatch
 from nvfp4_jax.core.arrays import NVFP4Array
+from nvfp4_jax.core.arrays import check_nvfp4_array
 
 from nvfp4_jax.ops.weight_only_matmul.reference import _weight_only_xla
 
@@ -38,6 +39,7 @@ def weight_only_matmul(x: jax.Array, w: NVFP4Array, *, out_dtype=None,
     raise TypeError(f"weight_only_matmul: w must be a 2-D NVFP4Array [N, K], "
                     f"got {type(w).__name__}"
                     f"{getattr(w, 'shape', '')}.")
+  check_nvfp4_array(w, "weight_only_matmul", "w")
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating) or x.shape[-1] != w.shape[1]:
     raise ValueError(
