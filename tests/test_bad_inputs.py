@@ -557,10 +557,13 @@ def test_amax_of_zeros_and_traced_amax_are_documented_results():
   zeros = jnp.zeros((2, 16))
   np.testing.assert_array_equal(
       nv.dequantize(nv.quantize(zeros, amax=0.0)), zeros)
-  # Under jit the amax is not known: used as given (the documented result).
-  out = jax.jit(lambda x, a: nv.dequantize(nv.quantize(x, amax=a)))(
-      X[:2, :16], jnp.float32(-1.0))
-  assert bool(jnp.isnan(out).any())
+  # Under jit the amax is not known: used as given (the documented result:
+  # NaN or wrong values; which, depends on the backend's arithmetic).
+  f = jax.jit(lambda x, a: nv.dequantize(nv.quantize(x, amax=a)))
+  x = X[:2, :16]
+  out = np.asarray(f(x, jnp.float32(-1.0)))
+  right = np.asarray(f(x, jnp.max(jnp.abs(x))))
+  assert np.isnan(out).any() or not np.array_equal(out, right)
 
 
 def test_paper_rules_with_the_models_own_names_keep_its_blocks_in_bf16():

@@ -43,7 +43,12 @@ def _candidates(x, block_2d, rounding="nearest"):
         block_2d, four_over_six))
 
   def sse(four_over_six, choose):
-    deq = dequantized(four_over_six, choose, xf, bam, amax, rbits)
+    # On the CPU, as the reference: this calls the block math itself, without
+    # the reference's barriers that keep XLA:GPU's fusions exact.
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+      deq = dequantized(four_over_six, choose,
+                        *jax.device_put((xf, bam, amax, rbits), cpu))
     err = (np.asarray(deq, np.float64) - np.asarray(x, np.float64)) ** 2
     err = err.reshape(x.shape[0], -1, B).sum(-1)
     if block_2d:

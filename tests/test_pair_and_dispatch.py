@@ -289,13 +289,13 @@ def test_native_paths_fall_back_where_they_cannot_run(monkeypatch):
                scaled_matmul=refuse, triton=refuse)
   op = dispatch.Op("block_scaled_matmul", impls,
                    gemm_api.BLOCK_SCALED_MATMUL.preferred)
-  a = jit_xla(nv.quantize)(heavy((32, 64), seed=1))
-  b = jit_xla(nv.quantize)(heavy((16, 64), seed=2))
+  a = jax.jit(nv.quantize)(heavy((32, 64), seed=1))
+  b = jax.jit(nv.quantize)(heavy((16, 64), seed=2))
   assert op.order()[:2] == ("scaled_matmul", "triton")
   got = jax.jit(lambda a, b: op(None, a, b, out_dtype=jnp.float32))(
       a, b)  # "pallas", interpreted.
-  np.testing.assert_array_equal(
-      got, jit_xla(gemm_api.block_scaled_matmul)(a, b))
+  np.testing.assert_array_equal(got, jax.jit(functools.partial(
+      gemm_api.block_scaled_matmul, implementation="xla"))(a, b))
 
 
 # -- Forward-only use at any token count; Wgrad operands padded inside. ------
