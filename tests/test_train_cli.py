@@ -69,6 +69,8 @@ def test_console_script_points_at_main():
   assert getattr(importlib.import_module(module), func) is cli.main
 
 
+@pytest.mark.slow  # Two tiny trainings and their resume through the CLI
+# (~45 s); the Trainer itself trains in the fast tier (test_train.py).
 def test_compare_prints_table_and_one_plot_then_resumes(tmp_path, capsys):
   corpus = tmp_path / "corpus.txt"
   corpus.write_text((ROOT / "README.md").read_text() * 3)
