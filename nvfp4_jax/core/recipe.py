@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -74,6 +74,53 @@ def check_field(owner: str, name: str, value: Any, kind: str, *,
   raise TypeError(
       f"{owner}.{name} must be {what}{' or None' if optional else ''}, got "
       f"{value!r} ({type(value).__name__}); pass e.g. {name}={example}.")
+
+
+def rule_pairs(rules: Any, what: str, target: str, example: str, *,
+               is_target: Callable[[Any], bool]) -> tuple[tuple[Any, Any], ...]:
+  """`rules` as a tuple of `(pattern, value)` pairs, or an error that names
+  the mistake: a dict (order matters: the first match wins), one pair
+  without its enclosing tuple (`(("a", r))` is `("a", r)`: a trailing comma
+  is missing), a bare string, an entry that is not a pair.
+
+  The one parser of ordered rule tables: `PrecisionRules.rules` (pattern ->
+  Recipe) and `MeshRules.tensor_parallel` (pattern -> style).
+
+  Args:
+    rules: what the caller passed.
+    what: the argument's name for the messages.
+    target: what a pattern maps to, for the messages ("Recipe").
+    example: a valid table, for the messages.
+    is_target: whether a value is a `target` (tells one bare pair from a
+      table of two rules).
+  """
+  form = f"((pattern, {target}), ...), e.g. {example}"
+  if isinstance(rules, dict):
+    raise TypeError(
+        f"{what} must be an ordered tuple of {form}; got a dict {rules!r}. "
+        f"Pass tuple(rules.items()) if its order is the order to match in "
+        f"(the first match wins).")
+  if isinstance(rules, str):
+    raise TypeError(f"{what} must be a tuple of {form}; got the string "
+                    f"{rules!r}.")
+  try:
+    entries = tuple(rules)
+  except TypeError:
+    raise TypeError(f"{what} must be a tuple of {form}; got "
+                    f"{rules!r}.") from None
+  if len(entries) == 2 and isinstance(entries[0], str) and is_target(
+      entries[1]):
+    raise TypeError(
+        f"{what} got one pair {entries!r} where a tuple of pairs belongs: "
+        f"add the trailing comma, (({entries[0]!r}, ...),).")
+  out = []
+  for rule in entries:
+    if isinstance(rule, (str, bytes)) or not hasattr(rule, "__len__") or (
+        len(rule) != 2):
+      raise ValueError(f"{what}: a rule is a (pattern, {target}) pair, got "
+                       f"{rule!r}; write {form}.")
+    out.append(tuple(rule))
+  return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

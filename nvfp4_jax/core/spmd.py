@@ -67,6 +67,16 @@ def num_shards(sizes: Mapping[str, int], axes: Iterable[str]) -> int:
   return n
 
 
+def check_spec_axes(spec: P, axis_names: Sequence[str], what: str) -> None:
+  """Raises a ValueError if `spec` names an axis the mesh lacks."""
+  unknown = [a for e in spec for a in entry_axes(e) if a not in axis_names]
+  if unknown:
+    raise ValueError(
+        f"{what}: PartitionSpec {spec} names {unknown[0]!r}, not an axis of "
+        f"the mesh (axes {tuple(axis_names)}); use those names, or None for "
+        f"a dimension that is not split.")
+
+
 def check_blocks(sizes: Mapping[str, int], spec: P, shape: Sequence[int],
                  blocks: Sequence[int], *, what: str,
                  dim_names: Sequence[str] = ("rows", "cols")) -> None:
@@ -89,12 +99,7 @@ def check_blocks(sizes: Mapping[str, int], spec: P, shape: Sequence[int],
     raise ValueError(f"{what}: PartitionSpec {spec} has {len(spec)} entries "
                      f"for a tensor of shape {tuple(shape)}; give one entry "
                      f"(an axis name or None) per dimension.")
-  unknown = [a for e in spec for a in entry_axes(e) if a not in sizes]
-  if unknown:
-    raise ValueError(
-        f"{what}: PartitionSpec {spec} names {unknown[0]!r}, not an axis of "
-        f"the mesh (axes {tuple(sizes)}); use those names, or None for a "
-        f"dimension that is not split.")
+  check_spec_axes(spec, tuple(sizes), what)
   for d, (size, block) in enumerate(zip(shape, blocks)):
     axes = entry_axes(spec[d]) if d < len(spec) else ()
     n = num_shards(sizes, axes)

@@ -32,47 +32,10 @@ import jax
 
 from nvfp4_jax.core.recipe import Recipe
 from nvfp4_jax.core.recipe import check_field
+from nvfp4_jax.core.recipe import rule_pairs
 from nvfp4_jax.core.scope import ScopeStack
 
 SWITCH_MODES = ("all", "forward")
-
-
-def _rule_pairs(rules: Any, what: str, target: str, example: str
-                ) -> tuple[tuple[Any, Any], ...]:
-  """`rules` as a tuple of `(pattern, value)` pairs, or an error that names
-  the mistake: a dict (order matters: first match wins), one pair without
-  its enclosing tuple (`(("a", r))` is `("a", r)`: a trailing comma is
-  missing), a bare string, an entry that is not a pair.
-
-  Shared by `PrecisionRules.rules` and `MeshRules.tensor_parallel`.
-  """
-  form = f"((pattern, {target}), ...), e.g. ((r'block_0/', {example}),)"
-  if isinstance(rules, dict):
-    raise TypeError(
-        f"{what} must be an ordered tuple of {form}; got a dict. Pass "
-        f"tuple(rules.items()) if its order is the order to match in (the "
-        f"first match wins).")
-  if isinstance(rules, str):
-    raise TypeError(f"{what} must be a tuple of {form}; got the string "
-                    f"{rules!r}.")
-  try:
-    entries = tuple(rules)
-  except TypeError:
-    raise TypeError(f"{what} must be a tuple of {form}; got "
-                    f"{rules!r}.") from None
-  if (len(entries) == 2 and isinstance(entries[0], str)
-      and not isinstance(entries[1], (str, tuple, list))):
-    raise TypeError(
-        f"{what} got one pair {entries!r} where a tuple of pairs belongs: "
-        f"add the trailing comma, (({entries[0]!r}, ...),).")
-  out = []
-  for rule in entries:
-    if isinstance(rule, (str, bytes)) or not hasattr(rule, "__len__") or (
-        len(rule) != 2):
-      raise ValueError(f"{what}: a rule is a (pattern, {target}) pair, got "
-                       f"{rule!r}; write {form}.")
-    out.append(tuple(rule))
-  return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,8 +84,9 @@ class PrecisionRules:
   late_switch: LateSwitch | None = None
 
   def __post_init__(self):
-    rules = _rule_pairs(self.rules, "PrecisionRules.rules", "Recipe",
-                        "Recipe.bf16()")
+    rules = rule_pairs(self.rules, "PrecisionRules.rules", "Recipe",
+                       "((r'block_0/', Recipe.bf16()),)",
+                       is_target=lambda v: isinstance(v, Recipe))
     for pattern, recipe in rules:
       try:
         re.compile(pattern)

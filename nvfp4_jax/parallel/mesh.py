@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from nvfp4_jax.core import spmd
 from nvfp4_jax.core.recipe import Recipe
+from nvfp4_jax.core.recipe import rule_pairs
 from nvfp4_jax.core.scope import ScopeStack
 from nvfp4_jax.ops.quantize.api import block_size
 
@@ -262,23 +263,9 @@ class MeshRules:
           f"{self.fsdp!r}, model {self.model!r}).")
     if self.fsdp is not None and self.fsdp not in self.batch:
       object.__setattr__(self, "batch", self.batch + (self.fsdp,))
-    form = ("((layer-path regex, 'column' | 'row'), ...), e.g. "
-            "((r'attn/qkv$', 'column'),)")
-    if isinstance(self.tensor_parallel, (dict, str)):
-      raise TypeError(f"MeshRules.tensor_parallel must be an ordered tuple "
-                      f"of {form}; got {self.tensor_parallel!r}.")
-    tp = tuple(self.tensor_parallel)
-    if len(tp) == 2 and all(isinstance(r, str) for r in tp) and (
-        tp[1] in TENSOR_STYLES):
-      raise TypeError(f"MeshRules.tensor_parallel got one pair {tp!r} where "
-                      f"a tuple of pairs belongs: add the trailing comma, "
-                      f"(({tp[0]!r}, {tp[1]!r}),).")
-    for rule in tp:
-      if isinstance(rule, str) or not hasattr(rule, "__len__") or len(
-          rule) != 2:
-        raise ValueError(f"MeshRules.tensor_parallel: a rule is a (pattern, "
-                         f"style) pair, got {rule!r}; write {form}.")
-    tp = tuple(tuple(r) for r in tp)
+    tp = rule_pairs(self.tensor_parallel, "MeshRules.tensor_parallel",
+                    "'column' | 'row'", "((r'attn/qkv$', 'column'),)",
+                    is_target=lambda v: v in TENSOR_STYLES)
     for pattern, style in tp:
       try:
         re.compile(pattern)
@@ -379,14 +366,8 @@ class MeshRules:
     Raises:
       ValueError: a spec naming an axis the mesh lacks.
     """
-    names = tuple(self.mesh.axis_names)
-
     def sharding(s):
-      unknown = [a for e in s for a in spmd.entry_axes(e) if a not in names]
-      if unknown:
-        raise ValueError(
-            f"MeshRules.shardings: PartitionSpec {s} names {unknown[0]!r}, "
-            f"not an axis of the mesh {names}; use those names (or None).")
+      spmd.check_spec_axes(s, self.mesh.axis_names, "MeshRules.shardings")
       return NamedSharding(self.mesh, s)
     return jax.tree.map(sharding, specs, is_leaf=lambda s: isinstance(s, P))
 
