@@ -1,0 +1,424 @@
+"""The grouped GEMM of a mixture of experts: its quantizers and GEMMs.
+
+`nvfp4_jax.ragged_dot` (`nvfp4_jax.training.ragged_dot`) runs a layer of `E`
+experts as three grouped GEMMs. Its operands are ragged: the tokens (rows) are
+sorted by expert and split into contiguous groups by `group_sizes` (see
+`reference.py`). This module quantizes them group by group, so that each
+expert's operands are, code for code, what `nvfp4_jax.dot_general` quantizes
+for that expert alone:
+
+- `quantize_rows`: an activation quantized along its features (Fprop's X,
+  Dgrad's dY), one tensor amax per group;
+- `quantize_tokens`: the transposed activation quantized along the tokens
+  (the Wgrad operands), after the RHT; each group starts at a multiple of
+  the block (the op pads the groups: `padded_layout`), so no block and no
+  Hadamard tile holds two experts' tokens;
+- `quantize_experts`: the `[E, ., .]` weights, expert by expert (16x16
+  tiles, one amax each).
+
+The GEMMs multiply exact block values with FP32 accumulation and one FP32
+factor per group (`group_alpha`), as the dense emulation does:
+`ragged_values_matmul` (Fprop and Dgrad: each row times its group's weight)
+and `ragged_values_matmul_t` (Wgrad: each group's tokens contracted into its
+`[K, N]` gradient). Implementations: "xla" (the reference loop over groups),
+"lax" (`jax.lax.ragged_dot_general`, XLA's grouped GEMM) and "pallas" (the
+Hopper Mosaic GPU kernels, `pallas_mosaic_gpu.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from nvfp4_jax.core import dispatch
+from nvfp4_jax.core import numerics as nm
+from nvfp4_jax.core import tile
+from nvfp4_jax.core.hadamard import rht
+from nvfp4_jax.core.recipe import Operand
+from nvfp4_jax.ops.block_values.reference import dequantize_mx
+from nvfp4_jax.core.arrays import MXArray
+from nvfp4_jax.ops.quantize.api import block_size
+from nvfp4_jax.ops.quantize.mx import quantize_mx
+from nvfp4_jax.ops.quantize.reference import quantize_reference
+from nvfp4_jax.ops.ragged_dot import reference as ref
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouped:
+  """An operand quantized group by group (or expert by expert).
+
+  Attributes:
+    data: NVFP4/MXFP4: packed E2M1 codes `[..., C // 2]`; MXFP8: E4M3
+      `[..., C]`; None where only the values were kept.
+    scales: E4M3 (NVFP4) or E8M0 (MX) block scales `[..., C // block]`.
+    values: the exact bf16 block values `[..., C]` (element times block
+      scale; the tensor scale is in `group_alpha`), or None.
+    amax: FP32 `[E]`, each group's tensor amax (NVFP4), else None.
+    fmt: static; "nvfp4", "mxfp4" or "mxfp8".
+    four_over_six: static; the NVFP4 tensor scale's denominator is 1536.
+  """
+
+  data: jax.Array | None
+  scales: jax.Array | None
+  values: jax.Array | None
+  amax: jax.Array | None
+  fmt: str = "nvfp4"
+  four_over_six: bool = False
+
+  @property
+  def tensor_denominator(self) -> float:
+    return (nm.FOUR_OVER_SIX_NUMERATOR if self.four_over_six
+            else nm.E4M3_MAX_X_E2M1_MAX)
+
+  def block_values(self) -> jax.Array:
+    """The bf16 block values (decoded from the codes if not kept)."""
+    if self.values is not None:
+      return self.values
+    if self.fmt != "nvfp4":
+      return dequantize_mx(MXArray(self.data, self.scales, self.fmt),
+                           jnp.bfloat16)
+    *lead, half = self.data.shape
+    nb = half * 2 // nm.NVFP4_BLOCK
+    v = tile.block_values(self.data.reshape(-1, nb, nm.NVFP4_BLOCK // 2),
+                          self.scales.reshape(-1, nb))
+    return v.reshape(*lead, half * 2)
+
+  def without_values(self) -> "Grouped":
+    """The codes alone (what a residual keeps)."""
+    return dataclasses.replace(self, values=None)
+
+  def transposed(self) -> "Grouped":
+    """Each expert's `[R, C]` matrix transposed, for 16x16-tiled weights:
+    the values only (a tile's scale is the same in both layouts)."""
+    return dataclasses.replace(self, data=None, scales=None,
+                               values=jnp.swapaxes(self.block_values(), -1,
+                                                   -2))
+
+
+jax.tree_util.register_dataclass(
+    Grouped, data_fields=["data", "scales", "values", "amax"],
+    meta_fields=["fmt", "four_over_six"])
+
+
+def group_alpha(a: Grouped, b: Grouped) -> jax.Array:
+  """Each group's FP32 GEMM factor, `[E]` (`gemm_alpha` group by group:
+  `(amax_a * amax_b) * f32(1 / (den_a * den_b))`; 1 for MX)."""
+  if a.fmt != "nvfp4":
+    return jnp.ones((), jnp.float32)
+  return nm.ftz((a.amax * b.amax) * jnp.float32(
+      1.0 / (a.tensor_denominator * b.tensor_denominator)))
+
+
+def alignment(recipe_wgrad: Operand, rht_size: int) -> int:
+  """The token alignment of each group for the Wgrad operands: the block
+  (16 NVFP4, 32 MX), and the Hadamard size where the RHT applies (as
+  `dot_general` pads a layer's tokens)."""
+  need = block_size(recipe_wgrad.format)
+  if recipe_wgrad.rht:
+    need = max(need, rht_size)
+  return need
+
+
+def padded_layout(group_sizes: jax.Array, m: int, align: int):
+  """Where each row goes when every group is padded to `align` rows.
+
+  Returns:
+    `(rows, padded_sizes, length)`: int32 `[m]`, each row's position in the
+    padded layout (`length` for rows of no group: dropped by a scatter),
+    the padded group sizes `[E]`, and the static padded length (room for
+    `m` rows and `align - 1` rows of padding per group).
+  """
+  num_groups = group_sizes.shape[0]
+  length = -(-(m + num_groups * (align - 1)) // align) * align
+  gs = group_sizes.astype(jnp.int32)
+  padded = -(-gs // align) * align
+  g = ref.group_of(gs, m)
+  src_off = jnp.concatenate([ref.offsets(gs), jnp.zeros((1,), jnp.int32)])
+  dst_off = jnp.concatenate([ref.offsets(padded),
+                             jnp.full((1,), length, jnp.int32)])
+  r = jnp.arange(m, dtype=jnp.int32)
+  rows = jnp.where(g < num_groups, dst_off[g] + r - src_off[g], length)
+  return rows, padded, length
+
+
+def to_padded(x: jax.Array, rows: jax.Array, length: int) -> jax.Array:
+  """`x`'s rows scattered to their padded positions, zeros elsewhere."""
+  out = jnp.zeros((length, *x.shape[1:]), x.dtype)
+  return out.at[rows].set(x, mode="drop", unique_indices=True)
+
+
+def from_padded(xp: jax.Array, rows: jax.Array) -> jax.Array:
+  """The rows of `x` back from the padded layout (zeros for no group)."""
+  return jnp.take(xp, rows, axis=0, mode="fill", fill_value=0)
+
+
+def _encode(xf, op: Operand, block_group, amax, rbits, *, values, codes):
+  if op.format == "nvfp4":
+    packed, scales, vals = ref.encode_nvfp4(
+        xf, block_group, amax, rbits, four_over_six=op.four_over_six,
+        with_codes=codes, with_values=values)
+    return packed, scales, vals, amax
+  data, scales = ref.encode_mx(xf, op.format, rbits)
+  vals = None
+  if values:
+    vals = dequantize_mx(MXArray(data.reshape(*data.shape[:-2], -1),
+                                 scales, op.format), jnp.bfloat16)
+  return (data if codes else None), scales, vals, None
+
+
+def _finish(xshape, op: Operand, packed, scales, vals, amax) -> Grouped:
+  rows, cols = xshape
+  return Grouped(
+      data=None if packed is None else packed.reshape(rows, -1),
+      scales=scales.reshape(rows, -1),
+      values=None if vals is None else vals.reshape(rows, cols),
+      amax=amax, fmt=op.format, four_over_six=op.four_over_six)
+
+
+def quantize_rows(x: jax.Array, group_sizes: jax.Array, op: Operand,
+                  keys: jax.Array | None, *, values: bool = True,
+                  codes: bool = False) -> Grouped:
+  """`x [M, C]` quantized along `C`, each group of rows as its own tensor.
+
+  Group `e`'s rows get `quantize(x[rows_e])`'s codes and scales: amax over
+  the group, stochastic bytes from `keys[e]` at the element's index in the
+  group's `[m_e, C]` tensor.
+  """
+  m, c = x.shape
+  b = block_size(op.format)
+  num_groups = group_sizes.shape[0]
+  xf = nm.ftz(jax.lax.optimization_barrier(x).astype(jnp.float32))
+  xf = xf.reshape(m, c // b, b)
+  g = ref.group_of(group_sizes, m)
+  amax = None
+  if op.format == "nvfp4":
+    amax = ref.segment_amax(ref.abs_bits(xf, (1, 2)), g, num_groups)
+  rbits = None
+  if op.rounding == "stochastic":
+    off = jnp.concatenate([ref.offsets(group_sizes),
+                           jnp.zeros((1,), jnp.int32)])
+    local = (jnp.arange(m, dtype=jnp.int32) - off[g]).astype(jnp.uint32)
+    blk = jnp.arange(c // b, dtype=jnp.uint32)
+    base = local[:, None] * jnp.uint32(c // 4) + blk[None, :] * (b // 4)
+    seeds = ref.group_seeds(keys, num_groups)[g]
+    rbits = ref.block_bytes(base, seeds[:, None, :], b)
+  block_group = jnp.broadcast_to(g[:, None], (m, c // b))
+  return _finish((m, c), op, *_encode(xf, op, block_group, amax, rbits,
+                                      values=values, codes=codes))
+
+
+def quantize_tokens(xt: jax.Array, padded_sizes: jax.Array, op: Operand,
+                    keys: jax.Array | None, *, rht_size: int = 16,
+                    sign_vector=None, values: bool = True,
+                    codes: bool = False) -> Grouped:
+  """`xt [F, L]` (features x padded tokens) quantized along the tokens, each
+  group of columns as its own tensor, after the RHT where `op.rht`.
+
+  The groups are `padded_sizes` (multiples of the block and the Hadamard
+  size, from `padded_layout`), so the result for group `e` is
+  `quantize(rht(x_e^T))` with `x_e` its tokens padded with zero rows, as
+  `dot_general` quantizes a layer's Wgrad operand: amax after the RHT over
+  the group, stochastic bytes from `keys[e]` at the element's index in the
+  group's `[F, padded m_e]` tensor.
+  """
+  f, length = xt.shape
+  b = block_size(op.format)
+  num_groups = padded_sizes.shape[0]
+  if op.rht:
+    xt = rht(xt, sign_vector=sign_vector, size=rht_size)
+  xf = nm.ftz(jax.lax.optimization_barrier(xt).astype(jnp.float32))
+  nb = length // b
+  xf = xf.reshape(f, nb, b)
+  bg = ref.group_of(padded_sizes, length)[::b]           # [nb]
+  amax = None
+  if op.format == "nvfp4":
+    amax = ref.segment_amax(ref.abs_bits(xf, (0, 2)), bg, num_groups)
+  rbits = None
+  if op.rounding == "stochastic":
+    ps = padded_sizes.astype(jnp.int32)
+    off = jnp.concatenate([ref.offsets(ps), jnp.zeros((1,), jnp.int32)])
+    words_per_row = (jnp.concatenate([ps, jnp.zeros((1,), jnp.int32)])
+                     // 4).astype(jnp.uint32)
+    local_blk = ((jnp.arange(nb, dtype=jnp.int32) * b - off[bg]) // b
+                 ).astype(jnp.uint32)
+    row = jnp.arange(f, dtype=jnp.uint32)
+    base = (row[:, None] * words_per_row[bg][None, :]
+            + local_blk[None, :] * jnp.uint32(b // 4))
+    seeds = ref.group_seeds(keys, num_groups)[bg]
+    rbits = ref.block_bytes(base, jnp.broadcast_to(seeds[None], (f, nb, 2)),
+                            b)
+  block_group = jnp.broadcast_to(bg[None, :], (f, nb))
+  return _finish((f, length), op, *_encode(xf, op, block_group, amax, rbits,
+                                           values=values, codes=codes))
+
+
+def quantize_experts(w: jax.Array, op: Operand, keys: jax.Array | None, *,
+                     values: bool = True, codes: bool = True) -> Grouped:
+  """Each expert's `w[e]` (`[R, C]`) quantized along `C` as `op` says,
+  exactly `nvfp4_jax.quantize` / `quantize_mx` of that expert alone
+  (16x16 tiles and the amax per expert)."""
+  def one(we, key):
+    if op.format == "nvfp4":
+      q, vals = quantize_reference(
+          we, block_2d=op.block_2d, rounding=op.rounding, key=key,
+          with_values=True, four_over_six=op.four_over_six)
+      return q.codes, q.scales, vals, q.amax
+    q = quantize_mx(we, op.format, rounding=op.rounding, key=key)
+    vals = dequantize_mx(q, jnp.bfloat16)
+    return q.data, q.scales, vals, jnp.zeros((), jnp.float32)
+  if keys is None:
+    data, scales, vals, amax = jax.vmap(lambda we: one(we, None))(w)
+  else:
+    data, scales, vals, amax = jax.vmap(one)(w, keys)
+  return Grouped(data=data if codes else None, scales=scales,
+                 values=vals if values else None,
+                 amax=amax if op.format == "nvfp4" else None, fmt=op.format,
+                 four_over_six=op.four_over_six)
+
+
+# ----------------------------------------------------------------------------
+# The GEMMs.
+# ----------------------------------------------------------------------------
+
+
+def _lax_matmul(va, vb, group_sizes, alpha=None, *, out_dtype=jnp.float32,
+                vb_layout="kn", precision=None):
+  contract = 1 if vb_layout == "kn" else 2
+  dn = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(((1,), (contract,)), ((), ())),
+      lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+  y = jax.lax.ragged_dot_general(va, vb, group_sizes.astype(jnp.int32), dn,
+                                 precision=precision,
+                                 preferred_element_type=jnp.float32)
+  m = va.shape[0]
+  if alpha is not None:
+    g = ref.group_of(group_sizes, m)
+    a = jnp.concatenate([jnp.broadcast_to(alpha, group_sizes.shape),
+                         jnp.zeros((1,), jnp.float32)])
+    y = y * a[g][:, None]
+  return y.astype(out_dtype)
+
+
+def _lax_matmul_t(va, vb, group_sizes, alpha=None, *, out_dtype=jnp.float32,
+                  tokens_last=True, precision=None):
+  axis = 1 if tokens_last else 0
+  dn = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(((axis,), (axis,)), ((), ())),
+      lhs_ragged_dimensions=[axis], rhs_group_dimensions=[])
+  y = jax.lax.ragged_dot_general(va, vb, group_sizes.astype(jnp.int32), dn,
+                                 precision=precision,
+                                 preferred_element_type=jnp.float32)
+  if alpha is not None:
+    y = y * jnp.broadcast_to(alpha, group_sizes.shape)[:, None, None]
+  return y.astype(out_dtype)
+
+
+def _preference(platform: str) -> tuple[str, ...]:
+  # XLA's grouped GEMM on GPUs where the kernel cannot run the call; the
+  # reference loop (E dense GEMMs) on the CPU, where it is the truth.
+  return ("pallas", "lax") if platform == "gpu" else ()
+
+
+RAGGED_VALUES_MATMUL = dispatch.Op("ragged_values_matmul", {
+    "xla": ref.ragged_values_matmul,
+    "lax": _lax_matmul,
+    "pallas": "nvfp4_jax.ops.ragged_dot.pallas_mosaic_gpu:"
+              "ragged_values_matmul",
+}, preferred=_preference)
+
+RAGGED_VALUES_MATMUL_T = dispatch.Op("ragged_values_matmul_t", {
+    "xla": ref.ragged_values_matmul_t,
+    "lax": _lax_matmul_t,
+    "pallas": "nvfp4_jax.ops.ragged_dot.pallas_mosaic_gpu:"
+              "ragged_values_matmul_t",
+}, preferred=_preference)
+
+
+def _hp(implementation: str | None, precision) -> str | None:
+  """A GEMM given a `precision` (high-precision operands) runs XLA's: the
+  kernels multiply bf16 values at their one precision."""
+  if precision is None or implementation is not None:
+    return implementation
+  return "lax" if dispatch.platform() == "gpu" else "xla"
+
+
+def _check_groups(group_sizes, num_groups: int, what: str) -> None:
+  if (not hasattr(group_sizes, "dtype")
+      or not jnp.issubdtype(group_sizes.dtype, jnp.integer)
+      or group_sizes.shape != (num_groups,)):
+    raise ValueError(
+        f"{what}: group_sizes must be an integer array of shape "
+        f"({num_groups},) (one size per expert), got "
+        f"{getattr(group_sizes, 'dtype', type(group_sizes).__name__)} "
+        f"{getattr(group_sizes, 'shape', '')}.")
+
+
+def ragged_values_matmul(va: jax.Array, vb: jax.Array,
+                         group_sizes: jax.Array,
+                         alpha: jax.Array | None = None, *,
+                         out_dtype=jnp.float32, vb_layout: str = "kn",
+                         precision=None,
+                         implementation: str | None = None) -> jax.Array:
+  """The grouped GEMM of Fprop and Dgrad: row `r` of group `e` times `vb[e]`.
+
+  Args:
+    va: `[M, K]`, rows sorted by group.
+    vb: `[E, K, N]` (`vb_layout="kn"`: `va[r] @ vb[e]`) or `[E, N, K]`
+      (`"nk"`: `va[r] @ vb[e].T`).
+    group_sizes: int `[E]`, rows per group; rows past their sum give 0.
+    alpha: FP32 `[E]` (or a scalar), each group's factor; None for 1.
+    out_dtype: the result's dtype; FP32 accumulation, `* alpha`, one cast.
+    precision: of XLA's GEMMs (high-precision operands).
+    implementation: "xla" (the reference loop), "lax"
+      (`jax.lax.ragged_dot_general`), "pallas" (Hopper), or None.
+
+  Returns:
+    `[M, N]`.
+  """
+  what = "ragged_values_matmul"
+  if vb_layout not in ("kn", "nk") or va.ndim != 2 or vb.ndim != 3:
+    raise ValueError(
+        f"{what}: va [M, K] and vb [E, K, N] (vb_layout='kn') or [E, N, K] "
+        f"('nk'), got {va.shape}, {vb.shape}, vb_layout={vb_layout!r}.")
+  k = vb.shape[1] if vb_layout == "kn" else vb.shape[2]
+  if va.shape[1] != k:
+    raise ValueError(f"{what}: contraction sizes differ: va {va.shape} vs vb "
+                     f"{vb.shape} ({vb_layout}).")
+  _check_groups(group_sizes, vb.shape[0], what)
+  extra = {} if precision is None else {"precision": precision}
+  return RAGGED_VALUES_MATMUL(_hp(implementation, precision), va, vb,
+                              group_sizes, alpha,
+                              out_dtype=jnp.dtype(out_dtype),
+                              vb_layout=vb_layout, **extra)
+
+
+def ragged_values_matmul_t(va: jax.Array, vb: jax.Array,
+                           group_sizes: jax.Array,
+                           alpha: jax.Array | None = None, *,
+                           out_dtype=jnp.float32, tokens_last: bool = True,
+                           precision=None,
+                           implementation: str | None = None) -> jax.Array:
+  """The grouped GEMM of Wgrad: each group's tokens contracted, `[E, K, N]`.
+
+  Args:
+    va, vb: `[K, M]` and `[N, M]` (`tokens_last`), or `[M, K]` and `[M, N]`.
+    group_sizes: int `[E]`, tokens per group, in order; an empty group's
+      result is zeros.
+    alpha, out_dtype, precision, implementation: as `ragged_values_matmul`.
+  """
+  what = "ragged_values_matmul_t"
+  axis = 1 if tokens_last else 0
+  if va.ndim != 2 or vb.ndim != 2 or va.shape[axis] != vb.shape[axis]:
+    raise ValueError(
+        f"{what}: va and vb must be 2-D with the tokens on axis {axis} of "
+        f"both, got {va.shape}, {vb.shape}.")
+  num_groups = getattr(group_sizes, "shape", (-1,))[0] if getattr(
+      group_sizes, "ndim", 0) == 1 else -1
+  _check_groups(group_sizes, num_groups, what)
+  extra = {} if precision is None else {"precision": precision}
+  return RAGGED_VALUES_MATMUL_T(_hp(implementation, precision), va, vb,
+                                group_sizes, alpha,
+                                out_dtype=jnp.dtype(out_dtype),
+                                tokens_last=tokens_last, **extra)
