@@ -30,6 +30,7 @@ from nvfp4_jax.flax.nnx import NNXEinsumOp
 from nvfp4_jax.flax.nnx import NVFP4Linear
 from nvfp4_jax.flax.nnx import apply_rules
 from nvfp4_jax.training.dot_general import dot_general
+from nvfp4_jax.training.ragged_dot import ragged_dot
 from nvfp4_jax.training.dot_general import remat_policy
 from nvfp4_jax.training.master_weights import MasterWeightsState
 from nvfp4_jax.training.master_weights import master_params

@@ -147,7 +147,8 @@ def test_one_folder_per_op():
   folders = sorted(p.name for p in ops.iterdir() if p.is_dir()
                    and p.name != "__pycache__")
   assert folders == ["block_scaled_matmul", "block_values", "quantize",
-                     "quantize_pair", "quantize_rht_t", "weight_only_matmul"]
+                     "quantize_pair", "quantize_rht_t", "ragged_dot",
+                     "weight_only_matmul"]
   for name in folders:
     files = {p.stem for p in (ops / name).glob("*.py")}
     assert {"__init__", "api", "reference"} <= files, name

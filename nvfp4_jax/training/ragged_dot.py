@@ -44,7 +44,6 @@ from nvfp4_jax.core.recipe import Recipe
 from nvfp4_jax.core.recipe import as_recipe
 from nvfp4_jax.ops.quantize.api import block_size
 from nvfp4_jax.ops.ragged_dot import api as rg
-from nvfp4_jax.ops.ragged_dot import reference as rg_ref
 from nvfp4_jax.training.dot_general import _named
 from nvfp4_jax.training.dot_general import _residual
 from nvfp4_jax.training.dot_general import layer_scope

@@ -102,11 +102,11 @@ jax.tree_util.register_dataclass(
     meta_fields=["fmt", "four_over_six"])
 
 
-def group_alpha(a: Grouped, b: Grouped) -> jax.Array:
+def group_alpha(a: Grouped, b: Grouped) -> jax.Array | None:
   """Each group's FP32 GEMM factor, `[E]` (`gemm_alpha` group by group:
-  `(amax_a * amax_b) * f32(1 / (den_a * den_b))`; 1 for MX)."""
+  `(amax_a * amax_b) * f32(1 / (den_a * den_b))`; None (1) for MX)."""
   if a.fmt != "nvfp4":
-    return jnp.ones((), jnp.float32)
+    return None
   return nm.ftz((a.amax * b.amax) * jnp.float32(
       1.0 / (a.tensor_denominator * b.tensor_denominator)))
 
