@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 import nvfp4_jax
+from nvfp4_jax.flax.moe import NVFP4MoE
 from nvfp4_jax.core.recipe import check_field
 
 MLP_KINDS = ("swiglu", "relu2")
@@ -70,6 +71,14 @@ class GPTConfig:
       is rematerialized and saves only the quantized residuals of its NVFP4
       layers (`nvfp4_jax.remat_policy`), recomputing the rest in the
       backward pass. Layers kept in high precision save nothing.
+    num_experts: 0 for the dense MLP; else every block's MLP is a mixture
+      of `num_experts` SwiGLU experts of hidden width `d_ff`
+      (`nvfp4_jax.flax.moe.NVFP4MoE`, named `block_{i}/moe`, its expert
+      GEMMs `block_{i}/moe/experts/up` and `.../down`).
+    top_k: experts per token (MoE).
+    capacity_factor: None (dropless) or each expert's capacity factor.
+    aux_loss_weight: the load-balancing loss's weight in the training loss
+      (the mean over MoE blocks).
   """
 
   vocab_size: int = 256
@@ -83,6 +92,10 @@ class GPTConfig:
   norm_eps: float = 1e-6
   attention: str = "fused"
   remat: str = "none"
+  num_experts: int = 0
+  top_k: int = 2
+  capacity_factor: float | None = None
+  aux_loss_weight: float = 0.01
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -106,6 +119,25 @@ class GPTConfig:
       if not (math.isfinite(v) and v > 0):
         raise ValueError(f"GPTConfig.{name} must be a positive finite "
                          f"number, got {v!r}.")
+    check_field("GPTConfig", "num_experts", self.num_experts, "int",
+                example=8)
+    if self.num_experts < 0 or self.num_experts == 1:
+      raise ValueError(
+          f"GPTConfig.num_experts must be 0 (dense MLP) or at least 2, got "
+          f"{self.num_experts!r}.")
+    if self.num_experts:
+      check_field("GPTConfig", "top_k", self.top_k, "int", example=2)
+      if not 1 <= self.top_k <= self.num_experts:
+        raise ValueError(
+            f"GPTConfig.top_k must be in [1, num_experts={self.num_experts}], "
+            f"got {self.top_k!r}.")
+      if self.mlp != "swiglu":
+        raise ValueError("GPTConfig: the MoE experts are SwiGLU; set "
+                         "mlp='swiglu' with num_experts > 0.")
+      if self.capacity_factor is not None and not self.capacity_factor > 0:
+        raise ValueError(
+            f"GPTConfig.capacity_factor must be positive or None (dropless), "
+            f"got {self.capacity_factor!r}.")
     for name, choices in (("mlp", MLP_KINDS), ("attention", ATTENTION_KINDS),
                           ("remat", REMAT_KINDS), ("dtype", tuple(_DTYPES))):
       check_field("GPTConfig", name, getattr(self, name), "str",
@@ -350,9 +382,15 @@ class Block(nn.Module):
     dt = self.cfg.jnp_dtype
     x = x + Attention(self.cfg, name="attn")(
         _norm(self.cfg, "attn_norm")(x).astype(dt))
-    x = x + FeedForward(self.cfg, name="mlp")(
-        _norm(self.cfg, "mlp_norm")(x).astype(dt))
-    return x
+    h = _norm(self.cfg, "mlp_norm")(x).astype(dt)
+    if self.cfg.num_experts:
+      cfg = self.cfg
+      moe = NVFP4MoE(num_experts=cfg.num_experts, hidden=cfg.d_ff,
+                     top_k=cfg.top_k, capacity_factor=cfg.capacity_factor,
+                     kernel_init=nn.initializers.normal(0.02),
+                     param_dtype=dt, dtype=dt, name="moe")
+      return x + moe(h)
+    return x + FeedForward(self.cfg, name="mlp")(h)
 
 
 class GPT(nn.Module):

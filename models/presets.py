@@ -10,6 +10,8 @@ SwiGLU at `d_ff ~ 8/3 d_model`).
 | small  | 512     | 8      | 8     | 1376 | ~25M       |
 | base   | 768     | 18     | 12    | 2048 | ~127M      |
 | large  | 1024    | 28     | 16    | 2752 | ~354M      |
+| moe-tiny  | 64   | 4      | 4     | 4 experts x 128, top-2 | ~0.5M |
+| moe-small | 512  | 8      | 8     | 8 experts x 704, top-2 | ~78M (~26M active) |
 
 `tiny` trains its 200 steps on two CPU cores in one to two minutes per
 precision; the others are for GPUs (`python -m train --preset base`).
@@ -30,6 +32,13 @@ PRESETS: dict[str, GPTConfig] = {
     "small": GPTConfig(d_model=512, num_layers=8, num_heads=8, d_ff=1376),
     "base": GPTConfig(d_model=768, num_layers=18, num_heads=12, d_ff=2048),
     "large": GPTConfig(d_model=1024, num_layers=28, num_heads=16, d_ff=2752),
+    # Mixtures of SwiGLU experts, top-2: `moe-tiny` for CPUs (and CI),
+    # `moe-small` with about `small`'s active parameters per token (two
+    # experts of width 704 against one MLP of 1376).
+    "moe-tiny": GPTConfig(d_model=64, num_layers=4, num_heads=4, d_ff=128,
+                          num_experts=4, top_k=2),
+    "moe-small": GPTConfig(d_model=512, num_layers=8, num_heads=8, d_ff=704,
+                           num_experts=8, top_k=2),
 }
 
 

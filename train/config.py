@@ -36,7 +36,7 @@ MAX_STEPS = 2**31 - 1
 MAX_SEED = 2**32 - 1
 SWITCH_MODES = ("all", "forward")
 # The GPT's projections, as layer paths (`--bf16-layers`).
-LAYER_PATH = r"block_\d+/(attn/(qkv|out)|mlp/(up|down))"
+LAYER_PATH = r"block_\d+/(attn/(qkv|out)|mlp/(up|down)|moe/experts/(up|down))"
 
 # Steps, global batch, sequence length, micro-batches and peak learning rate
 # per model size. `tiny` is sized for two CPU cores (both precisions of the
@@ -54,6 +54,8 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
                  lr=6e-4),
     "large": dict(steps=40000, batch_size=256, seq_len=1024, grad_accum=32,
                   lr=3e-4),
+    "moe-tiny": dict(steps=200, batch_size=16, seq_len=128, lr=3e-3),
+    "moe-small": dict(steps=5000, batch_size=64, seq_len=512, lr=1.5e-3),
 }
 
 

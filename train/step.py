@@ -98,11 +98,23 @@ class StepFunctions:
 
   def forward(self, params, tokens: jax.Array, step, key) -> jax.Array:
     """Logits of `tokens: int32 [batch, seq]` under the rules at `step`."""
+    return self.forward_with_aux(params, tokens, step, key)[0]
+
+  def forward_with_aux(self, params, tokens: jax.Array, step, key
+                       ) -> tuple[jax.Array, jax.Array]:
+    """`(logits, auxiliary loss)`: the weighted mean of the load-balancing
+    losses the model's mixture-of-experts layers sow (0 without any)."""
     with nvfp4_jax.precision_rules(self.rules, step=step), (
         nvfp4_jax.mesh_rules(self.mesh_rules) if self.mesh_rules
         else contextlib.nullcontext()):
-      return self.model.apply({"params": params}, tokens,
-                              rngs={"nvfp4": key})
+      logits, state = self.model.apply({"params": params}, tokens,
+                                       rngs={"nvfp4": key},
+                                       mutable=["losses"])
+    losses = jax.tree.leaves(state.get("losses", {}))
+    if not losses:
+      return logits, jnp.zeros((), jnp.float32)
+    weight = getattr(getattr(self.model, "cfg", None), "aux_loss_weight", 0.0)
+    return logits, weight * jnp.mean(jnp.stack(losses))
 
   def _like_params(self, tree):
     """`tree` (shaped like the parameters) kept sharded like them."""
@@ -114,8 +126,8 @@ class StepFunctions:
 
   def loss(self, params, batch: jax.Array, step, key) -> jax.Array:
     """Mean loss of `batch: int32 [batch, seq_len + 1]` (inputs, targets)."""
-    return cross_entropy(self.forward(params, batch[:, :-1], step, key),
-                         batch[:, 1:])
+    logits, aux = self.forward_with_aux(params, batch[:, :-1], step, key)
+    return cross_entropy(logits, batch[:, 1:]) + aux
 
   def init_state(self) -> TrainState:
     """The state before step 0 (same parameters for every precision)."""

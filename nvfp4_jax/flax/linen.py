@@ -165,47 +165,71 @@ def layer_dot_general(lhs, rhs, dimension_numbers, *, recipe: Recipe | None,
       the flax layer would, in high precision; otherwise the op raises.
   """
   recipe = as_recipe(recipe, f"layer {path or '<root>'!r}: ")
-  scope = current_scope()
-  if rules is None:
-    rules = scope.rules if scope is not None else _DEFAULT_RULES
-  step = scope.step if scope is not None else None
-  before = rules.recipe_at(path, recipe=recipe)
   if on_unsupported is not None:
+    scope = current_scope()
+    layer_rules = rules or (scope.rules if scope is not None
+                            else _DEFAULT_RULES)
+    before = layer_rules.recipe_at(path, recipe=recipe)
     reason = gemm_unsupported(before, lhs.shape, rhs.shape, dimension_numbers)
     if reason is not None:
       on_unsupported(path, reason)
       return _plain_dot(lhs, rhs, dimension_numbers, precision,
                         preferred_element_type, out_sharding)
+
+  def run(r: Recipe, key):
+    dtype = preferred_element_type or lhs.dtype
+    a, b = lhs, rhs
+    if not r.quantized:  # As flax's layer: both operands in the GEMM dtype.
+      a, b = lhs.astype(dtype), rhs.astype(dtype)
+    return ops.dot_general(a, b, dimension_numbers, precision,
+                           dtype, recipe=r, key=key,
+                           out_sharding=out_sharding, name=path or "<root>")
+  return layer_call(run, recipe=recipe, path=path, key=key, rules=rules)
+
+
+def layer_call(run: Callable[[Recipe, jax.Array | None], Any], *,
+               recipe: Recipe | str | None, path: str,
+               key: jax.Array | None,
+               rules: PrecisionRules | None = None) -> Any:
+  """Runs the op of the layer at `path`, `run(recipe, key)`, under the rules
+  in scope: the layer's recipe (its own, else the rules'), its
+  stochastic-rounding key (given, else derived from the step in scope) and
+  the rules' late switch (`lax.cond` on the traced step, no recompile).
+
+  The one place a layer's recipe and key are decided: `layer_dot_general`
+  (every linear layer) and the mixture-of-experts layers'
+  expert GEMMs (`nvfp4_jax.flax.moe`) call it.
+  """
+  recipe = as_recipe(recipe, f"layer {path or '<root>'!r}: ")
+  scope = current_scope()
+  if rules is None:
+    rules = scope.rules if scope is not None else _DEFAULT_RULES
+  step = scope.step if scope is not None else None
+  before = rules.recipe_at(path, recipe=recipe)
   recorder = getattr(_RECORDER, "paths", None)
   if recorder is not None:
     recorder.append(path)
   if key is None and step is not None:
     key = _step_key(path, step)
 
-  def run(r: Recipe):
+  def go(r: Recipe):
     if key is None and r.forward_needs_key:
       raise _no_key(path)
-    dtype = preferred_element_type or lhs.dtype
-    a, b = lhs, rhs
-    if not r.quantized:  # As flax's layer: both operands in the GEMM dtype.
-      a, b = lhs.astype(dtype), rhs.astype(dtype)
-    y = ops.dot_general(a, b, dimension_numbers, precision,
-                        dtype, recipe=r, key=key,
-                        out_sharding=out_sharding, name=path or "<root>")
+    y = run(r, key)
     return _needs_key(y, path) if key is None and r.needs_key else y
 
   switch = rules.late_switch
   if switch is None or not before.quantized:
-    return run(before)
+    return go(before)
   if step is None:
     raise ValueError(
         f"layer {path!r}: the precision rules have a late switch at step "
         f"{switch.step}; pass step= to nvfp4_jax.precision_rules.")
   if isinstance(step, int):
-    return run(rules.recipe_at(path, step, recipe=recipe))
+    return go(rules.recipe_at(path, step, recipe=recipe))
   after = rules.recipe_at(path, switch.step, recipe=recipe)
-  return jax.lax.cond(step >= switch.step, lambda: run(after),
-                      lambda: run(before))
+  return jax.lax.cond(step >= switch.step, lambda: go(after),
+                      lambda: go(before))
 
 
 # ----------------------------------------------------------------------------
