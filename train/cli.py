@@ -179,8 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--mesh", metavar="AXIS=N,...", type=_mesh_shape,
                  help="device mesh, e.g. data=2,fsdp=2,model=2 (axes data: "
                  "batch; fsdp: batch + parameters and optimizer state; "
-                 "model: tensor parallelism). Sizes multiply to the device "
-                 "count; default: all devices on data")
+                 "model: tensor parallelism; expert: batch + the experts of "
+                 "MoE presets, tokens exchanged all-to-all). Sizes multiply "
+                 "to the device count; default: all devices on data")
   p.add_argument("--distributed", action="store_true",
                  help="multi-host: call jax.distributed.initialize() first "
                  "(one process per host, same flags); on SLURM or Open MPI "
@@ -197,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-MESH_AXES = ("data", "fsdp", "model")
+MESH_AXES = ("data", "fsdp", "model", "expert")
 
 
 def _mesh_shape(text: str) -> dict[str, int]:

@@ -42,8 +42,11 @@ from nvfp4_jax.flax.linen import RNG_STREAM
 from nvfp4_jax.flax.linen import _linen_key
 from nvfp4_jax.flax.linen import _linen_path
 from nvfp4_jax.flax.linen import layer_call
+from nvfp4_jax.core import spmd
 from nvfp4_jax.flax.rules import PrecisionRules
+from nvfp4_jax.parallel import current_rules
 from nvfp4_jax.training.ragged_dot import ragged_dot
+from jax.sharding import PartitionSpec as P
 
 AUX_LOSS = "moe_aux_loss"
 
@@ -100,6 +103,17 @@ jax.tree_util.register_dataclass(
                           "experts", "aux_loss"], meta_fields=[])
 
 
+ROUTER_SCOPE = "moe_router"
+
+
+def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
+  """FP32 logits `[T, E]` of the router `[D, E]`, never quantized (named
+  `ROUTER_SCOPE` for `nvfp4_jax.report`)."""
+  with jax.named_scope(ROUTER_SCOPE):
+    return jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+
+
 def capacity(tokens: int, num_experts: int, top_k: int,
              capacity_factor: float | None) -> int | None:
   """Copies an expert keeps: `ceil(cf * T * k / E)`, or None (dropless)."""
@@ -109,8 +123,14 @@ def capacity(tokens: int, num_experts: int, top_k: int,
 
 
 def route(logits: jax.Array, top_k: int,
-          capacity_factor: float | None = None) -> Routing:
-  """Top-k routing of FP32 `logits [T, E]` and the sort that dispatches it."""
+          capacity_factor: float | None = None, *,
+          token_axes: tuple[str, ...] = ()) -> Routing:
+  """Top-k routing of FP32 `logits [T, E]` and the sort that dispatches it.
+
+  `token_axes`: inside `shard_map`, the mesh axes that split the tokens
+  (major to minor, in token order): the load-balancing loss and the
+  capacity then count every shard's tokens, as one device would.
+  """
   t, num_experts = logits.shape
   logits = logits.astype(jnp.float32)
   top_logits, experts = jax.lax.top_k(logits, top_k)
@@ -118,20 +138,38 @@ def route(logits: jax.Array, top_k: int,
   probs = jax.nn.softmax(logits, axis=-1)
   flat = experts.reshape(-1)
   counts = jnp.bincount(flat, length=num_experts)
-  fraction = counts.astype(jnp.float32) / (t * top_k)
-  aux = num_experts * jnp.sum(fraction * jnp.mean(probs, axis=0))
+  prob_sums = jnp.sum(probs, axis=0)
+  total = t
+  if token_axes:
+    counts_all = jax.lax.all_gather(counts, token_axes, tiled=False)
+    counts_all = counts_all.reshape(-1, num_experts)
+    shard = jax.lax.axis_index(token_axes)
+    earlier = jnp.sum(jnp.where(
+        (jnp.arange(counts_all.shape[0]) < shard)[:, None], counts_all, 0),
+        axis=0)
+    global_counts = jnp.sum(counts_all, axis=0)
+    prob_sums = jax.lax.psum(prob_sums, token_axes)
+    total = t * counts_all.shape[0]
+  else:
+    earlier = jnp.zeros_like(counts)
+    global_counts = counts
+  fraction = global_counts.astype(jnp.float32) / (total * top_k)
+  aux = num_experts * jnp.sum(fraction * (prob_sums / total))
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)
   group_sizes = counts.astype(jnp.int32)
-  cap = capacity(t, num_experts, top_k, capacity_factor)
+  cap = capacity(total, num_experts, top_k, capacity_factor)
   if cap is not None:
     sorted_experts = flat[order]
     start = jnp.cumsum(counts) - counts
-    rank = jnp.arange(t * top_k, dtype=jnp.int32) - start[sorted_experts]
+    # Each copy's rank among its expert's copies of all shards, in token
+    # order: an expert keeps its first `cap` copies, as on one device.
+    rank = (jnp.arange(t * top_k, dtype=jnp.int32) - start[sorted_experts]
+            + earlier[sorted_experts])
     kept = rank < cap
     # Kept copies stay grouped by expert; dropped ones move past the groups.
     order = order[jnp.argsort(jnp.where(kept, sorted_experts, num_experts),
                               stable=True)]
-    group_sizes = jnp.minimum(group_sizes, cap)
+    group_sizes = jnp.clip(cap - earlier, 0, group_sizes).astype(jnp.int32)
   inverse = jnp.argsort(order).astype(jnp.int32)
   return Routing(order=order, inverse=inverse, group_sizes=group_sizes,
                  weights=weights, experts=experts.astype(jnp.int32),
@@ -149,8 +187,9 @@ def combine(out: jax.Array, routing: Routing, top_k: int) -> jax.Array:
   copies = permute(out, routing.inverse, routing.order)
   t = copies.shape[0] // top_k
   copies = copies.reshape(t, top_k, -1)
-  return jnp.einsum("tkd,tk->td", copies,
-                    routing.weights.astype(copies.dtype))
+  # A weighted sum, not a batched dot: the k copies of a token.
+  return jnp.sum(copies * routing.weights.astype(copies.dtype)[..., None],
+                 axis=1)
 
 
 def swiglu_experts(xs: jax.Array, group_sizes: jax.Array, gemm) -> jax.Array:
@@ -182,23 +221,38 @@ def expert_gemm(x, w, group_sizes, *, path: str, recipe, key, rules=None,
 
 
 class _Experts(nn.Module):
-  """One stacked expert projection: its kernel `[E, in, out]`."""
+  """One stacked expert projection: its kernel `[E, in, out]`, its path
+  and its stochastic-rounding key."""
 
   num_experts: int
   features: int
   kernel_init: Any
   param_dtype: Any
-  recipe: Recipe | str | None
-  precision: Any = None
 
   @nn.compact
-  def __call__(self, x, group_sizes):
+  def __call__(self, in_features: int):
     kernel = self.param("kernel", self.kernel_init,
-                        (self.num_experts, x.shape[-1], self.features),
+                        (self.num_experts, in_features, self.features),
                         self.param_dtype)
-    return expert_gemm(x, kernel, group_sizes, path=_linen_path(self),
-                       recipe=self.recipe, key=_linen_key(self),
-                       precision=self.precision)
+    return kernel, _linen_path(self), _linen_key(self)
+
+
+class _SwiGLUExperts(nn.Module):
+  """The "experts" scope: the projections "up" (`[E, D, 2H]`, gate and up
+  fused) and "down" (`[E, H, D]`)."""
+
+  num_experts: int
+  hidden: int
+  kernel_init: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, d: int):
+    up = _Experts(self.num_experts, 2 * self.hidden, self.kernel_init,
+                  self.param_dtype, name="up")(d)
+    down = _Experts(self.num_experts, d, self.kernel_init, self.param_dtype,
+                    name="down")(self.hidden)
+    return {"up": up, "down": down}
 
 
 def _expert_init(base):
@@ -215,7 +269,8 @@ class NVFP4MoE(nn.Module):
   Call it on `x [..., D]`; it returns `[..., D]` and sows the
   load-balancing loss into the "losses" collection under `AUX_LOSS`
   (`model.apply(..., mutable=["losses"])`; add `aux_loss_weight` times it
-  to the training loss).
+  to the training loss). Under `nvfp4_jax.mesh_rules` with an `expert`
+  mesh axis it runs expert parallel (`moe_forward`).
 
   Attributes:
     num_experts: E.
@@ -254,39 +309,128 @@ class NVFP4MoE(nn.Module):
       x = x.astype(self.dtype)
     router = self.param("router", self.router_init, (d, self.num_experts),
                         jnp.float32)
-    logits = jnp.dot(x.astype(jnp.float32), router,
-                     precision=jax.lax.Precision.HIGHEST)
-    routing = route(logits, self.top_k, self.capacity_factor)
-    self.sow("losses", AUX_LOSS, routing.aux_loss)
-    experts = _SwiGLUExperts(self.num_experts, self.hidden,
-                             _expert_init(self.kernel_init),
-                             self.param_dtype, self.recipe, self.precision,
-                             name="experts")
-    out = experts(dispatch(x, routing, self.top_k), routing.group_sizes)
-    return combine(out, routing, self.top_k).reshape(shape)
+    proj = _SwiGLUExperts(self.num_experts, self.hidden,
+                          _expert_init(self.kernel_init), self.param_dtype,
+                          name="experts")(d)
+    gemms = {name: ExpertGemm(path=path, recipe=as_recipe(self.recipe),
+                              precision=self.precision)
+             for name, (_, path, _) in proj.items()}
+    y, aux = moe_forward(
+        x, router, {n: w for n, (w, _, _) in proj.items()},
+        {n: k for n, (_, _, k) in proj.items()}, gemms, top_k=self.top_k,
+        capacity_factor=self.capacity_factor)
+    self.sow("losses", AUX_LOSS, aux)
+    return y.reshape(shape)
 
 
-class _SwiGLUExperts(nn.Module):
-  """The "experts" scope: the projections "up" (`[E, D, 2H]`, gate and up
-  fused) and "down" (`[E, H, D]`)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertGemm:
+  """The grouped GEMM of one expert projection (a static value): its path
+  for the precision rules, its own recipe (None: the rules'), the rules it
+  was switched with (NNX), the precision of high-precision GEMMs."""
 
-  num_experts: int
-  hidden: int
-  kernel_init: Any
-  param_dtype: Any
-  recipe: Recipe | str | None
+  path: str | None = None
+  recipe: Recipe | None = None
+  rules: PrecisionRules | None = None
   precision: Any = None
 
-  @nn.compact
-  def __call__(self, xs, group_sizes):
-    def make(name, features):
-      return _Experts(self.num_experts, features, self.kernel_init,
-                      self.param_dtype, self.recipe, self.precision,
-                      name=name)
-    proj = {"up": make("up", 2 * self.hidden), "down": make("down",
-                                                            xs.shape[-1])}
-    return swiglu_experts(xs, group_sizes,
-                          lambda x, gs, which: proj[which](x, gs))
+  def __call__(self, x, w, group_sizes, *, key=None, first_expert=0):
+    path = self.path or ""
+    dtype = x.dtype
+
+    def run(r: Recipe, k):
+      a, b = x, w
+      if not r.quantized:
+        a, b = x.astype(dtype), w.astype(dtype)
+      return ragged_dot(a, b, group_sizes, self.precision, dtype, recipe=r,
+                        key=k, name=path, first_expert=first_expert)
+    return layer_call(run, recipe=self.recipe, path=path, key=key,
+                      rules=self.rules)
+
+
+def _experts(xs, group_sizes, weights, keys, gemms, first_expert=0):
+  """SwiGLU experts on sorted copies with the stacked `weights`."""
+  return swiglu_experts(xs, group_sizes, lambda x, gs, n: gemms[n](
+      x, weights[n], gs, key=keys[n], first_expert=first_expert))
+
+
+def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
+                capacity_factor: float | None):
+  """The MoE layer on tokens `x [T, D]`: `(y [T, D], aux loss)`.
+
+  Without `mesh_rules` (or without an `expert` axis in them) every expert
+  runs here, on the whole (XLA-partitioned) arrays. With an `expert` axis of
+  `n` devices it runs expert parallel inside `shard_map`: each device routes
+  its tokens, sends each copy to the device holding its expert
+  (all-to-all), runs its `E / n` experts on the copies it receives (from
+  every device of its expert group, in token order) and sends the outputs
+  back. An expert then sees exactly the copies it sees on one device, in
+  the same order, so its quantization is one device's bit for bit (amax,
+  SR positions); the exchange buffers hold every copy a device could send
+  (dropless: `T_local * k` rows per peer).
+  """
+  rules = current_rules()
+  if rules is None or rules.expert is None or rules.sizes[rules.expert] == 1:
+    routing = route(router_logits(x, router), top_k, capacity_factor)
+    out = _experts(dispatch(x, routing, top_k), routing.group_sizes,
+                   weights, keys, gemms)
+    return combine(out, routing, top_k), routing.aux_loss
+  num_experts = router.shape[1]
+  n = rules.sizes[rules.expert]
+  if num_experts % n:
+    raise ValueError(
+        f"MoE layer: {num_experts} experts do not split over the "
+        f"{rules.expert!r} mesh axis of {n} devices; use a number of "
+        f"experts divisible by {n}.")
+  tokens = rules.batch
+  local = num_experts // n
+  w_spec = P(rules.expert, None, None)
+
+  def body(x, router, weights, keys):
+    routing = route(router_logits(x, router), top_k, capacity_factor,
+                    token_axes=tokens)
+    xs = dispatch(x, routing, top_k)
+    rows = xs.shape[0]
+    # Copies to each peer: its experts' groups, contiguous in `xs`.
+    sent = routing.group_sizes.reshape(n, local)
+    count = jnp.sum(sent, axis=1)
+    start = jnp.cumsum(count) - count
+    j = jnp.arange(rows, dtype=jnp.int32)
+    src = start[:, None] + j[None, :]                         # [n, rows]
+    valid = j[None, :] < count[:, None]
+    send = jnp.where(valid[..., None],
+                     jnp.take(xs, jnp.minimum(src, rows - 1), axis=0), 0)
+    recv = jax.lax.all_to_all(send, rules.expert, 0, 0)      # [n, rows, D]
+    got = jax.lax.all_to_all(sent, rules.expert, 0, 0)       # [n, local]
+    # Compact: local expert e's copies from peer 0, then peer 1, ...
+    sizes = jnp.sum(got, axis=0)
+    first = jnp.cumsum(sizes) - sizes
+    before = jnp.cumsum(got, axis=0) - got                    # [n, local]
+    starts = jnp.cumsum(got, axis=1) - got                    # [n, local]
+    e = jax.vmap(lambda g: jnp.searchsorted(jnp.cumsum(g), j,
+                                            side="right"))(got)
+    ok = e < local
+    e = jnp.minimum(e, local - 1)
+    take = lambda a: jnp.take_along_axis(a, e, axis=1)
+    dest = jnp.where(ok, first[e] + take(before) + j[None, :] - take(starts),
+                     n * rows).reshape(-1)
+    xc = jnp.zeros((n * rows, xs.shape[1]), xs.dtype).at[dest].set(
+        recv.reshape(-1, xs.shape[1]), mode="drop", unique_indices=True)
+    me = jax.lax.axis_index(rules.expert)
+    out = _experts(xc, sizes, weights, keys, gemms, first_expert=me * local)
+    back = jnp.take(out, dest, axis=0, mode="fill", fill_value=0)
+    ret = jax.lax.all_to_all(back.reshape(n, rows, -1), rules.expert, 0, 0)
+    dst = jnp.where(valid, src, rows).reshape(-1)
+    out_xs = jnp.zeros_like(xs).at[dst].set(
+        ret.reshape(n * rows, -1), mode="drop", unique_indices=True)
+    return combine(out_xs, routing, top_k), routing.aux_loss
+
+  tok = P(spmd.entry(tokens), None)
+  return jax.shard_map(
+      body, mesh=rules.mesh,
+      in_specs=(tok, P(), {k: w_spec for k in weights},
+                {k: P() for k in keys}),
+      out_specs=(tok, P()), check_vma=False)(x, router, weights, keys)
 
 
 def check_moe(num_experts: int, top_k: int, capacity_factor, path: str
@@ -307,25 +451,6 @@ def check_moe(num_experts: int, top_k: int, capacity_factor, path: str
 # ----------------------------------------------------------------------------
 # NNX.
 # ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class NNXExpertGemm:
-  """The grouped GEMM of an NNX expert projection: a static value, like
-  `NNXDotGeneral` (path and rules set by `apply_rules`/`inject_nnx`)."""
-
-  path: str | None = None
-  recipe: Recipe | None = None
-  rules: PrecisionRules | None = None
-
-  def __post_init__(self):
-    object.__setattr__(self, "recipe",
-                       as_recipe(self.recipe, f"{type(self).__name__}: "))
-
-  def __call__(self, x, w, group_sizes, *, key=None, precision=None):
-    return expert_gemm(x, w, group_sizes, path=self.path or "", key=key,
-                       recipe=self.recipe, rules=self.rules,
-                       precision=precision)
 
 
 class NNXMoE(nnx.Module):
@@ -358,8 +483,8 @@ class NNXMoE(nnx.Module):
     self.down = nnx.Param(init(rngs.params(), (num_experts, hidden,
                                                features), param_dtype))
     recipe = as_recipe(recipe, "NNXMoE: ")
-    self.up_gemm = NNXExpertGemm(recipe=recipe)
-    self.down_gemm = NNXExpertGemm(recipe=recipe)
+    self.up_gemm = ExpertGemm(recipe=recipe, precision=precision)
+    self.down_gemm = ExpertGemm(recipe=recipe, precision=precision)
     if RNG_STREAM in rngs:
       self.sr_rngs = rngs[RNG_STREAM].fork()
     self.aux_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
@@ -367,17 +492,11 @@ class NNXMoE(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    logits = jnp.dot(x.astype(jnp.float32), self.router[...],
-                     precision=jax.lax.Precision.HIGHEST)
-    routing = route(logits, self.top_k, self.capacity_factor)
-    self.aux_loss.value = routing.aux_loss
-    gemms = {"up": (self.up_gemm, self.up[...]),
-             "down": (self.down_gemm, self.down[...])}
-
-    def gemm(a, gs, which):
-      op, w = gemms[which]
-      key = self.sr_rngs() if hasattr(self, "sr_rngs") else None
-      return op(a, w, gs, key=key, precision=self.precision)
-    out = swiglu_experts(dispatch(x, routing, self.top_k),
-                         routing.group_sizes, gemm)
-    return combine(out, routing, self.top_k).reshape(shape)
+    keys = {n: self.sr_rngs() if hasattr(self, "sr_rngs") else None
+            for n in ("up", "down")}
+    y, aux = moe_forward(
+        x, self.router[...], {"up": self.up[...], "down": self.down[...]},
+        keys, {"up": self.up_gemm, "down": self.down_gemm}, top_k=self.top_k,
+        capacity_factor=self.capacity_factor)
+    self.aux_loss = nnx.Intermediate(aux)
+    return y.reshape(shape)

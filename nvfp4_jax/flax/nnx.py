@@ -184,7 +184,8 @@ class KeepKernelDtype:
 
 
 def apply_rules(model: nnx.Module, rules) -> dict[str, Recipe]:
-  """Sets every `NVFP4Linear` in `model` to the recipe `rules` give its path.
+  """Sets every `NVFP4Linear` in `model` to the recipe `rules` give its path,
+  and every `NNXMoE`'s expert GEMMs (".../experts/up", ".../experts/down").
 
   Paths are the attribute names joined by "/", e.g. "blocks/0/mlp/up". (To
   switch an unmodified model's `nnx.Linear` layers, use `inject_nnx`.)
@@ -195,11 +196,16 @@ def apply_rules(model: nnx.Module, rules) -> dict[str, Recipe]:
   Raises:
     ValueError: naming rules that matched no layer.
   """
-  layers = {}
+  from nvfp4_jax.flax.moe import NNXMoE  # pylint: disable=g-import-not-at-top
+  layers, experts = {}, {}
   for path, node in nnx.iter_graph(model):
+    name = "/".join(str(p) for p in path)
     if isinstance(node, NVFP4Linear):
-      layers["/".join(str(p) for p in path)] = node
-  unused = rules.unused_rules(layers)
+      layers[name] = node
+    elif isinstance(node, NNXMoE):
+      for which in ("up", "down"):
+        experts[f"{name}/experts/{which}"] = (node, f"{which}_gemm")
+  unused = rules.unused_rules([*layers, *experts])
   if unused:
     raise ValueError(f"precision rules matched no layer: {unused}; layer paths "
                      f"are {sorted(layers)[:4]}...")
@@ -208,4 +214,9 @@ def apply_rules(model: nnx.Module, rules) -> dict[str, Recipe]:
     node.dot_general = dataclasses.replace(
         node.dot_general, path=path, recipe=rules.recipe_for(path))
     resolved[path] = node.recipe
+  for path, (node, attr) in experts.items():
+    op = dataclasses.replace(getattr(node, attr), path=path,
+                             recipe=rules.recipe_for(path))
+    setattr(node, attr, op)
+    resolved[path] = op.recipe
   return resolved

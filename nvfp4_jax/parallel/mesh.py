@@ -53,6 +53,7 @@ from nvfp4_jax.core.scope import ScopeStack
 from nvfp4_jax.ops.quantize.api import block_size
 
 AXES = ("data", "fsdp", "model")
+EXPERT_AXIS = "expert"
 TENSOR_STYLES = ("column", "row")
 
 # The GPT's projections (models/gpt.py): Megatron's column/row pairs.
@@ -66,22 +67,25 @@ GPT_TENSOR_PARALLEL = (
 
 def make_mesh(devices: Sequence[jax.Device] | None = None,
               **sizes: int) -> Mesh:
-  """A mesh with the axes `("data", "fsdp", "model")`.
+  """A mesh with the axes `("data", "fsdp", "model")`, and `"expert"` last
+  when its size is given (expert parallelism of mixture-of-experts layers).
 
   Args:
     devices: the devices, default `jax.devices()` (all processes' devices
       after `jax.distributed.initialize()`).
-    **sizes: `data=`, `fsdp=`, `model=`; missing axes get size 1 except
-      `data`, which takes the devices left over.
+    **sizes: `data=`, `fsdp=`, `model=`, `expert=`; missing axes get size 1
+      except `data`, which takes the devices left over.
 
   Raises:
     ValueError: an unknown axis, or sizes that do not multiply to the
       device count.
   """
   devices = list(jax.devices() if devices is None else devices)
-  unknown = sorted(set(sizes) - set(AXES))
+  unknown = sorted(set(sizes) - set(AXES) - {EXPERT_AXIS})
   if unknown:
-    raise ValueError(f"unknown mesh axes {unknown}; use {AXES}.")
+    raise ValueError(f"unknown mesh axes {unknown}; use "
+                     f"{AXES + (EXPERT_AXIS,)}.")
+  axes = AXES + ((EXPERT_AXIS,) if EXPERT_AXIS in sizes else ())
   for name, v in sizes.items():
     if not isinstance(v, int) or v < 1:
       raise ValueError(f"mesh axis {name}={v!r} must be a positive int.")
@@ -92,14 +96,14 @@ def make_mesh(devices: Sequence[jax.Device] | None = None,
           f"fsdp x model = {rest} does not divide the {len(devices)} "
           f"devices.")
     sizes = dict(sizes, data=len(devices) // rest)
-  shape = tuple(sizes.get(a, 1) for a in AXES)
+  shape = tuple(sizes.get(a, 1) for a in axes)
   if math.prod(shape) != len(devices):
     raise ValueError(
-        f"mesh {dict(zip(AXES, shape))} has {math.prod(shape)} devices, but "
+        f"mesh {dict(zip(axes, shape))} has {math.prod(shape)} devices, but "
         f"there are {len(devices)}; make the sizes multiply to "
         f"{len(devices)}.")
-  return Mesh(np.asarray(devices).reshape(shape), AXES,
-              axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+  return Mesh(np.asarray(devices).reshape(shape), axes,
+              axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -233,6 +237,10 @@ class MeshRules:
     batch: axes splitting the batch (data parallel), major to minor.
     fsdp: the axis that also splits parameters and optimizer state.
     model: the tensor-parallel axis.
+    expert: the expert-parallel axis: mixture-of-experts layers keep
+      `E / n` experts per device along it and exchange tokens with
+      all-to-all (`nvfp4_jax.flax.moe`); it also splits the batch (it is
+      appended to `batch`), as the other layers are data parallel over it.
     tensor_parallel: ordered `(layer-path regex, "column" | "row")` pairs,
       first match wins (`re.search`); unmatched layers are not split over
       `model`. Default: the GPT's projections.
@@ -245,24 +253,26 @@ class MeshRules:
   batch: tuple[str, ...] = ("data", "fsdp")
   fsdp: str | None = "fsdp"
   model: str | None = "model"
+  expert: str | None = EXPERT_AXIS
   tensor_parallel: tuple[tuple[str, str], ...] = GPT_TENSOR_PARALLEL
 
   def __post_init__(self):
     names = tuple(self.mesh.axis_names)
     object.__setattr__(self, "batch",
                        tuple(a for a in self.batch if a in names))
-    for field in ("fsdp", "model"):
+    for field in ("fsdp", "model", "expert"):
       if getattr(self, field) not in names:
         object.__setattr__(self, field, None)
-    roles = set(self.batch) | {self.fsdp, self.model}
+    roles = set(self.batch) | {self.fsdp, self.model, self.expert}
     orphans = [a for a in names if a not in roles]
     if orphans:
       raise ValueError(
           f"mesh axes {orphans} have no role; name them in MeshRules(batch=, "
           f"fsdp=, model=) (known roles: batch {self.batch}, fsdp "
           f"{self.fsdp!r}, model {self.model!r}).")
-    if self.fsdp is not None and self.fsdp not in self.batch:
-      object.__setattr__(self, "batch", self.batch + (self.fsdp,))
+    for axis in (self.fsdp, self.expert):
+      if axis is not None and axis not in self.batch:
+        object.__setattr__(self, "batch", self.batch + (axis,))
     tp = rule_pairs(self.tensor_parallel, "MeshRules.tensor_parallel",
                     "'column' | 'row'", "((r'attn/qkv$', 'column'),)",
                     is_target=lambda v: v in TENSOR_STYLES)
@@ -314,6 +324,8 @@ class MeshRules:
     """The spec of the parameter at `path` ("block_0/mlp/up/kernel").
 
     A 2-D `kernel` is a linear layer's: split as `linear(layer path)` says.
+    A 3-D `.../experts/<name>/kernel` (stacked experts) is split over
+    `expert` along the experts.
     Other parameters of 2+ dimensions are split over `fsdp` along their
     first dimension it divides; vectors (norm scales, biases) are
     replicated.
@@ -322,6 +334,14 @@ class MeshRules:
       ValueError: a kernel dimension that its axes do not divide.
     """
     parts = path.split("/")
+    if (self.expert is not None and parts[-1] == "kernel" and len(shape) == 3
+        and len(parts) >= 3 and parts[-3] == "experts"):
+      # A mixture of experts' stacked kernels: the experts split over
+      # `expert`, each device holding its own.
+      spmd.check_blocks(self.sizes, P(self.expert, None, None), shape,
+                        (1, 1, 1), what=f"parameter {path!r}",
+                        dim_names=("experts", "in", "out"))
+      return P(self.expert, None, None)
     if parts[-1] == "kernel" and len(shape) == 2:
       spec = self.linear("/".join(parts[:-1])).kernel_spec
       spmd.check_blocks(self.sizes, spec, shape, (1, 1),

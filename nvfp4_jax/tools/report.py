@@ -21,6 +21,7 @@ import jax
 
 from nvfp4_jax.training.dot_general import LAYER_SCOPE
 
+_ROUTER = "moe_router"  # `nvfp4_jax.flax.moe.ROUTER_SCOPE`.
 _GEMM_REGION = re.compile(r"^(nvfp4|bf16)_(fprop|dgrad|wgrad)$")
 _QUANT_REGION = re.compile(r"^nvfp4_quantize_(x|dy|w)$")
 _SCOPE = re.compile(re.escape(LAYER_SCOPE) + r"\[(.*?)\|(.*?)\]")
@@ -199,6 +200,8 @@ def _walk(jaxpr, branch: str, out: list, quant: dict,
         out.append((Gemm(layer="", gemm="other", precision="bf16",
                          implementation="xla dot", branch=branch,
                          reason=("batched GEMM (attention)" if lb else
+                                 "MoE router (FP32)" if _ROUTER in str(
+                                     eqn.source_info.name_stack) else
                                  "not an NVFP4 layer")), ()))
       continue
     for i, n, sub in _subjaxprs(eqn):

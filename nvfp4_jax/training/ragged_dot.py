@@ -52,15 +52,24 @@ from nvfp4_jax.training.dot_general import layer_scope
 ALIGN_MODES = ("pad", "check", "assume")
 
 
-def expert_keys(recipe: Recipe, key: jax.Array | None, num_experts: int
+def per_expert_keys(key: jax.Array, num_experts: int,
+                    first_expert=0) -> jax.Array:
+  """Each expert's key, `[E]`: expert `e`'s is `fold_in(key, first_expert +
+  e)` (`first_expert`: the global index of a device's first expert under
+  expert parallelism)."""
+  ids = (jnp.asarray(first_expert).astype(jnp.uint32)
+         + jnp.arange(num_experts, dtype=jnp.uint32))
+  return jax.vmap(lambda e: jax.random.fold_in(key, e))(ids)
+
+
+def expert_keys(recipe: Recipe, keys: jax.Array | None
                 ) -> dict[str, jax.Array | None]:
-  """Every operand's keys, `[E]` each: expert `e`'s are
-  `recipe.operand_keys(jax.random.fold_in(key, e))`, those of the expert's
-  own `dot_general` (None where the operand rounds to nearest)."""
-  if key is None or not recipe.needs_key:
+  """Every operand's keys, `[E]` each, from the experts' keys: expert
+  `e`'s are `recipe.operand_keys(keys[e])`, those of the expert's own
+  `dot_general` (None where the operand rounds to nearest)."""
+  if keys is None or not recipe.needs_key:
     return recipe.operand_keys(None)
-  return jax.vmap(lambda e: recipe.operand_keys(jax.random.fold_in(key, e)))(
-      jnp.arange(num_experts, dtype=jnp.uint32))
+  return jax.vmap(recipe.operand_keys)(keys)
 
 
 def _weight_in_kernel_layout(recipe: Recipe) -> bool:
@@ -106,8 +115,7 @@ def _ragged_fwd(x, w, group_sizes, key, recipe, precision, out_dtype,
 
 
 def _fprop(x, w, gs, key, recipe: Recipe, precision, out_dtype, align):
-  num_experts = w.shape[0]
-  keys = expert_keys(recipe, key, num_experts)
+  keys = expert_keys(recipe, key)
   qw_dgrad = None
   if recipe.fprop_x.quantized:
     qx = _named("nvfp4_quantize_x", lambda x, k: rg.quantize_rows(
@@ -158,9 +166,8 @@ def _ragged_bwd(recipe: Recipe, precision, out_dtype, x_dtype, name, impl,
 
 def _backward(recipe: Recipe, precision, out_dtype, x_dtype, align, res, dy):
   saved_x, w, qw_dgrad, gs, key = res
-  num_experts = w.shape[0]
   m = dy.shape[0]
-  keys = expert_keys(recipe, key, num_experts)
+  keys = expert_keys(recipe, key)
   if recipe.gemm_format("dgrad") != "bf16":
     qdy = _named("nvfp4_quantize_dy", lambda dy, k: rg.quantize_rows(
         dy, gs, recipe.dgrad_dy, k))(dy, keys["dgrad_dy"])
@@ -232,7 +239,8 @@ def _raise_misaligned(sizes, need: int, prefix: str) -> None:
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                precision=None, preferred_element_type=None, *,
                recipe: Recipe | str, key: jax.Array | None = None,
-               align: str = "pad", name: str | None = None) -> jax.Array:
+               align: str = "pad", name: str | None = None,
+               first_expert=0) -> jax.Array:
   """`jax.lax.ragged_dot` whose three GEMMs follow `recipe`, per expert.
 
   Args:
@@ -254,6 +262,10 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     align: "pad" (default), "check" or "assume": how the Wgrad operands'
       token blocks are kept inside one expert (module docstring).
     name: the layer's path, for error messages and `nvfp4_jax.report`.
+    first_expert: the global index of `rhs[0]` (an int, or a traced int32
+      under expert parallelism, where a device holds experts
+      `first_expert ... first_expert + E - 1`): expert `e` rounds with
+      `fold_in(key, first_expert + e)`, as on one device.
 
   Returns:
     `[M, N]`.
@@ -322,6 +334,9 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
       jax.debug.callback(functools.partial(_raise_misaligned, need=need,
                                            prefix=prefix), group_sizes)
   with jax.named_scope(layer_scope(name, recipe)):
-    return _ragged(lhs, rhs, group_sizes.astype(jnp.int32), key, recipe,
+    keys = None
+    if key is not None and recipe.needs_key:
+      keys = per_expert_keys(key, num_experts, first_expert)
+    return _ragged(lhs, rhs, group_sizes.astype(jnp.int32), keys, recipe,
                    precision, out_dtype, lhs.dtype, prefix,
                    dispatch.current_default(), align)
