@@ -593,6 +593,71 @@ def check_gpt_step_fsdp_tp():
   check_gpt_step(("fsdp", "tp"), resume=False)
 
 
+def check_moe_expert_parallel():
+  """The MoE layer on an `expert` mesh equals one device.
+
+  Expert parallel (`expert=8`, one NVFP4 expert per device, dropless and with
+  a capacity): every expert receives exactly the copies it gets on one
+  device, in token order, so its quantized operands and its weight gradient
+  are one device's bit for bit (checked with `==`). What is computed per
+  token shard in another shape is the FP32 router (`[T/8, D] @ [D, E]` and
+  its gradient, summed over the shards): its logits move by at most
+  `2 D u sum_d |x_d r_d|`, a softmax weight by at most `k` times that
+  (the top-k softmax's derivative is at most 1/2 per logit, 2 logits per
+  token), so an output by `k * dz * max |expert output|`; the router's
+  gradient sums N token terms in another order: `2 N u sum |terms|`,
+  bounded here by `2 N u * N * max |term|` with the terms of the one-device
+  gradient. A `data=2 x expert=4` mesh splits each expert's tokens over two
+  data shards (each quantizes its own share): checked with every GEMM in
+  high precision, within the same FP32 bounds.
+  """
+  import nvfp4_jax as nv  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.flax.moe import NVFP4MoE  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.parallel import MeshRules  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.parallel import make_mesh  # pylint: disable=g-import-not-at-top
+  d, t = 64, 128
+  x = jax.random.normal(jax.random.key(0), (8, t // 8, d))
+  for sizes, recipe, cf in ((dict(expert=8), None, None),
+                            (dict(expert=8), None, 0.5),
+                            (dict(data=2, expert=4), "bf16", 0.75)):
+    layer = NVFP4MoE(num_experts=8, hidden=32, top_k=2, capacity_factor=cf,
+                     recipe=recipe)
+    params = layer.init(jax.random.key(1), x)["params"]
+
+    def loss(p, x, layer=layer):
+      y, st = layer.apply({"params": p}, x, rngs={"nvfp4": jax.random.key(2)},
+                          mutable=["losses"])
+      return jnp.sum(y * y) + st["losses"]["moe_aux_loss"][0], y
+    grad = jax.value_and_grad(loss, has_aux=True)
+    (l1, y1), g1 = jax.jit(grad)(params, x)
+    rules = MeshRules(mesh=make_mesh(**sizes))
+
+    def sharded(p, x, rules=rules, grad=grad):
+      with nv.mesh_rules(rules):
+        return grad(p, x)
+    (l2, y2), g2 = jax.jit(sharded)(params, x)
+    logit_terms = np.abs(np.asarray(x).reshape(t, d)) @ np.abs(
+        np.asarray(params["router"]))
+    dz = 2 * d * U * logit_terms.max()
+    out_max = float(np.abs(np.asarray(y1)).max()) + 1.0
+    check_within(y2, y1, np.float64(2 * dz * out_max + 4 * U * out_max),
+                 f"moe {sizes} cf={cf} y")
+    r1 = np.asarray(g1["router"])
+    check_within(g2["router"], r1, np.float64(2 * t * U * t * np.abs(r1).max()),
+                 f"moe {sizes} cf={cf} router grad")
+    for name in ("up", "down"):
+      a = np.asarray(g1["experts"][name]["kernel"])
+      b = np.asarray(g2["experts"][name]["kernel"])
+      if recipe is None:
+        assert np.array_equal(a, b), (sizes, cf, name)
+      else:
+        check_within(b, a, np.float64(2 * t * U * t * np.abs(a).max()),
+                     f"moe {sizes} cf={cf} {name} grad")
+    print(f"moe {sizes} recipe={recipe or 'nvfp4'} cf={cf}: loss "
+          f"{float(l1):.6f} vs {float(l2):.6f}, max |dy| "
+          f"{float(np.abs(np.asarray(y1) - np.asarray(y2)).max()):.3g}")
+
+
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()
           if name.startswith("check_") and callable(fn)
           and name not in ("check_within", "check_dot_general",

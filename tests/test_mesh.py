@@ -126,3 +126,10 @@ def test_cli_mesh_run_matches_one_device(tmp_path):
   val = {name: [r["val_loss"] for r in recs if r["kind"] == "eval"][-1]
          for name, recs in runs.items()}
   assert abs(val["mesh"] - val["one"]) <= 0.01 * val["one"], val
+
+
+def test_moe_expert_parallel_equals_one_device():
+  """The MoE layer on `expert=8` (NVFP4, dropless and with a capacity) and
+  `data=2 x expert=4` equals one device (mesh_checks: the derivation)."""
+  out = run_checks("moe_expert_parallel")
+  assert out.count("moe {") == 3

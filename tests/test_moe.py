@@ -1,0 +1,156 @@
+"""The mixture-of-experts layers (`nvfp4_jax.flax.moe`): routing, dispatch,
+combine, the load-balancing loss, precision rules by path, NNX, the GPT
+presets. Expert parallelism: `tests/test_mesh.py`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import nvfp4_jax as nv
+from nvfp4_jax.flax import moe
+
+U = 2.0 ** -24
+
+
+def _params(layer, x):
+  return layer.init(jax.random.key(1), x)["params"]
+
+
+def token_by_token(params, x, top_k, capacity=None):
+  """The MoE by its definition, in NumPy float64: each token's top-k experts
+  (softmax of their logits), each expert a SwiGLU MLP; with a capacity, an
+  expert takes the first `capacity` copies in token order (token t's j-th
+  choice is copy t * k + j)."""
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  x = np.asarray(x, np.float64)
+  logits = x @ p["router"]
+  top = np.argsort(-logits, axis=1, kind="stable")[:, :top_k]
+  y = np.zeros_like(x)
+  taken = np.zeros(logits.shape[1], int)
+  for t in range(x.shape[0]):
+    z = logits[t, top[t]]
+    w = np.exp(z - z.max())
+    w /= w.sum()
+    for j, e in enumerate(top[t]):
+      taken[e] += 1
+      if capacity is not None and taken[e] > capacity:
+        continue
+      h = x[t] @ p["experts"]["up"]["kernel"][e]
+      gate, lin = np.split(h, 2)
+      act = gate / (1 + np.exp(-gate)) * lin
+      y[t] += w[j] * (act @ p["experts"]["down"]["kernel"][e])
+  return y
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_layer_is_routing_then_experts_then_combine(capacity_factor):
+  """With every GEMM in high precision the layer equals the token-by-token
+  definition (float64) within FP32 rounding: a few chained FP32 sums of at
+  most 2H = 64 terms, relative 2^-24 * 64 per sum; 1e-5 of the output scale
+  covers them. Dropless and with capacity 0.5 (some copies dropped)."""
+  layer = moe.NVFP4MoE(num_experts=4, hidden=32, top_k=2,
+                       capacity_factor=capacity_factor, recipe="bf16",
+                       router_init=jax.nn.initializers.normal(1.0))
+  x = jax.random.normal(jax.random.key(0), (48, 32))
+  params = _params(layer, x)
+  y = layer.apply({"params": params}, x)
+  cap = moe.capacity(48, 4, 2, capacity_factor)
+  want = token_by_token(params, x, 2, cap)
+  np.testing.assert_allclose(y, want, atol=1e-5 * np.abs(want).max())
+  if capacity_factor is not None:   # Some copies were dropped.
+    assert not np.allclose(want, token_by_token(params, x, 2))
+
+
+def test_load_balancing_loss():
+  """Switch Transformer's loss: E * sum_e f_e P_e (f_e: the fraction of
+  copies routed to e; P_e: e's mean router probability)."""
+  logits = jax.random.normal(jax.random.key(0), (64, 4)) * 3
+  r = moe.route(logits, 2)
+  probs = np.asarray(jax.nn.softmax(logits, axis=-1))
+  counts = np.bincount(np.asarray(r.experts).ravel(), minlength=4)
+  want = 4 * np.sum(counts / (64 * 2) * probs.mean(0))
+  np.testing.assert_allclose(r.aux_loss, want, rtol=1e-6)
+  # Sorted by expert, each group as counted; the inverse undoes the order.
+  flat = np.asarray(r.experts).ravel()[np.asarray(r.order)]
+  assert np.all(np.diff(flat) >= 0)
+  np.testing.assert_array_equal(r.group_sizes, counts)
+  np.testing.assert_array_equal(np.asarray(r.order)[np.asarray(r.inverse)],
+                                np.arange(128))
+
+
+def test_permutation_vjp_is_the_inverse_gather():
+  """The dispatch's gradient is a gather by the inverse order (no
+  scatter-add), equal to autodiff of the plain gather."""
+  x = jax.random.normal(jax.random.key(0), (16, 8))
+  r = moe.route(jax.random.normal(jax.random.key(1), (16, 4)), 2)
+  g = jax.random.normal(jax.random.key(2), (32, 8))
+  ours = jax.vjp(lambda x: moe.dispatch(x, r, 2), x)[1](g)[0]
+  plain = jax.vjp(lambda x: jnp.repeat(x, 2, axis=0)[r.order], x)[1](g)[0]
+  np.testing.assert_allclose(ours, plain, rtol=1e-6)
+  jaxpr = str(jax.make_jaxpr(jax.grad(
+      lambda x: moe.dispatch(x, r, 2).sum()))(x))
+  assert "scatter-add" not in jaxpr and "scatter_add" not in jaxpr
+
+
+def test_rules_address_expert_gemms_by_path_and_report_lists_them():
+  """A rule on ".../experts/down" keeps that projection in BF16 while "up"
+  is NVFP4; the router is reported as FP32, never quantized."""
+  layer = moe.NVFP4MoE(num_experts=4, hidden=32, top_k=2)
+  x = jnp.zeros((32, 32))
+  params = _params(layer, x)
+  rules = nv.PrecisionRules(rules=((r"experts/down$", nv.Recipe.bf16()),))
+
+  def step(p):
+    with nv.precision_rules(rules, step=0):
+      return jax.grad(lambda p: layer.apply({"params": p}, x).sum())(p)
+  rep = nv.report(step, params)
+  prec = {(g.layer, g.gemm): g.precision for g in rep.gemms if g.layer}
+  assert prec[("experts/up", "fprop")].startswith("nvfp4")
+  assert prec[("experts/up", "wgrad")].startswith("nvfp4")
+  assert {v for (layer_, _), v in prec.items()
+          if layer_ == "experts/down"} == {"bf16"}
+  assert any(g.reason == "MoE router (FP32)" for g in rep.gemms)
+
+
+def test_nnx_layer_equals_linen():
+  """`NNXMoE` with the linen layer's parameters computes the same numbers
+  (round-to-nearest NVFP4: no keys), its expert paths set by apply_rules."""
+  recipe = nv.Recipe.nvfp4(stochastic_rounding=False)
+  layer = moe.NVFP4MoE(num_experts=4, hidden=32, top_k=2, recipe=recipe)
+  x = jax.random.normal(jax.random.key(0), (32, 64))
+  params = _params(layer, x)
+  m = moe.NNXMoE(64, 4, 32, top_k=2, recipe=recipe, rngs=nnx.Rngs(0))
+  m.router[...] = params["router"]
+  m.up[...] = params["experts"]["up"]["kernel"]
+  m.down[...] = params["experts"]["down"]["kernel"]
+
+  class Model(nnx.Module):
+    def __init__(self, m):
+      self.moe = m
+  resolved = nv.apply_rules(Model(m), nv.PrecisionRules())
+  assert set(resolved) == {"moe/experts/up", "moe/experts/down"}
+  np.testing.assert_array_equal(m(x), layer.apply({"params": params}, x))
+  assert m.aux_loss.get_value() > 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_experts=4, hidden=32, top_k=5), r"top_k must be an int in"),
+    (dict(num_experts=0, hidden=32), r"num_experts must be a positive int"),
+    (dict(num_experts=4, hidden=32, capacity_factor=0.0),
+     r"capacity_factor must be positive"),
+])
+def test_bad_configuration_names_the_value(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    moe.NVFP4MoE(**kwargs).init(jax.random.key(0), jnp.zeros((16, 32)))
+
+
+def test_gpt_moe_config_errors():
+  from models import GPTConfig
+  with pytest.raises(ValueError, match=r"num_experts must be 0"):
+    GPTConfig(num_experts=1)
+  with pytest.raises(ValueError, match=r"top_k must be in \[1, "):
+    GPTConfig(num_experts=4, top_k=5)
+  with pytest.raises(ValueError, match=r"experts are SwiGLU"):
+    GPTConfig(num_experts=4, mlp="relu2")
