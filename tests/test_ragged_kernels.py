@@ -226,3 +226,13 @@ def test_wgrad_equals_the_reference_on_hopper(sizes, m, tokens_last,
     tol, rel = _tolerance(a[s:end].T @ b[s:end], ag, end - s, out_dtype)
     diff = np.abs(got[g] - want)
     assert np.all(diff <= tol + rel * np.abs(want)), (g, diff.max())
+
+
+@pytest.mark.slow
+def test_bench_moe_smoke_runs_on_cpu():
+  """`python -m benchmarks.bench_moe --smoke`: tiny shapes, the reference in
+  place of the kernels; the table's checks come out exact."""
+  from benchmarks import bench_moe  # pylint: disable=g-import-not-at-top
+  rows = bench_moe.main(["--smoke"])
+  assert len(rows) == 2
+  assert all(r["fwd err"] < 1e-6 and r["wgrad err"] == 0 for r in rows)

@@ -43,6 +43,14 @@ as zeros), except `ragged_values_matmul_t` with `tokens_last`, which pads
 the tokens to a multiple of 64 (a copy of both operands) when they are not. Token rows outside every group must be finite in
 `ragged_values_matmul_t` (they are multiplied by zero).
 
+On the H100 (jax 0.11.2, `python -m benchmarks.bench_moe`, bf16 output),
+against XLA's dense bf16 GEMM of the same FLOPs: Fprop 0.87-1.08, Fprop +
+Dgrad + Wgrad 0.69-1.04 over Mixtral-, DeepSeek- and Qwen-like layers
+(E = 8, 64, 128) at 16k and 64k tokens, balanced and skewed routing;
+`jax.lax.ragged_dot` ran at 0.01-0.17 (or out of memory). The weakest:
+Wgrad with long groups (Mixtral, 64k tokens: 0.49-0.64), where cuBLAS's
+dense Wgrad reaches ~750 TFLOP/s and this kernel 360-450.
+
 Mosaic GPU has no interpret mode: on the CPU these raise
 `NotImplementedError`; the kernels are lowered for CUDA in the CPU tests
 and compiled and compared with a reference in the GPU tests.
