@@ -52,6 +52,7 @@ def test_layer_is_routing_then_experts_then_combine(capacity_factor):
   covers them. Dropless and with capacity 0.5 (some copies dropped)."""
   layer = moe.NVFP4MoE(num_experts=4, hidden=32, top_k=2,
                        capacity_factor=capacity_factor, recipe="bf16",
+                       precision=jax.lax.Precision.HIGHEST,
                        router_init=jax.nn.initializers.normal(1.0))
   x = jax.random.normal(jax.random.key(0), (48, 32))
   params = _params(layer, x)

@@ -1,0 +1,117 @@
+"""`nvfp4_jax.ragged_dot` forward + backward against a dense bf16 GEMM.
+
+    python -m benchmarks.bench_moe_op            # the MoE shapes, GPU
+    python -m benchmarks.bench_moe_op --smoke    # tiny shapes, any device
+
+For each shape (the grouped GEMMs of `bench_moe`: Mixtral-, DeepSeek- and
+Qwen-like experts, balanced and skewed routing) it times, in one process,
+the forward and backward pass (`jax.vjp` and its pullback, one jit) of:
+
+- `dense`: a bf16 `x @ w` of the same FLOPs (`[T * k, K] @ [K, N]`), XLA's
+  GEMM: the ceiling;
+- `bf16`: `nv.ragged_dot(..., recipe="bf16")`, the library's bf16 grouped
+  GEMM (three Mosaic GPU kernels on Hopper);
+- `nvfp4`: `nv.ragged_dot(..., recipe="nvfp4")`, the paper's recipe with
+  every quantization pass included (per-expert amax, RHT, SR, 16x16 expert
+  weights, the Wgrad token layout);
+
+and prints TFLOP/s (6 M K N per forward + backward) and the ratio to dense.
+Also the bytes the forward pass saves for the backward pass (the expert
+residuals) for both recipes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import nvfp4_jax as nv
+from benchmarks import timing
+from benchmarks.bench_moe import MODELS
+from benchmarks.bench_moe import group_sizes
+
+BF16 = jnp.bfloat16
+
+
+def _fwd_bwd(f):
+  def run(x, w, dy):
+    y, vjp = jax.vjp(f, x, w)
+    return y, *vjp(dy)
+  return jax.jit(run)
+
+
+def residual_bytes(f, x, w) -> int:
+  """Bytes of what `jax.vjp(f, x, w)` keeps for the backward pass beyond the
+  FP32 master weight `w` (alive anyway): the activation `x` or its codes,
+  the weight's bf16 copy or its codes."""
+  _, vjp = jax.vjp(f, x, w)
+  leaves = [l for l in jax.tree.leaves(vjp) if hasattr(l, "nbytes")
+            and not (l.shape == w.shape and l.dtype == w.dtype)]
+  return int(sum(l.nbytes for l in leaves))
+
+
+def measure(model, tokens: int, routing: str, *, calls: int, reps: int
+            ) -> dict:
+  name, e, k, n, topk = model
+  m = tokens * topk
+  gs = jnp.asarray(group_sizes(m, e, routing))
+  keys = jax.random.split(jax.random.key(tokens + e), 4)
+  x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(BF16)
+  w = (jax.random.normal(keys[1], (e, k, n), jnp.float32) / np.sqrt(k))
+  dy = jax.random.normal(keys[2], (m, n), jnp.float32).astype(BF16)
+  wd = w[0].astype(BF16)
+  sr = keys[3]
+  flop = 6.0 * m * k * n
+  t = functools.partial(timing.bench, calls=calls, reps=reps)
+  dense = _fwd_bwd(lambda x, w: x @ w)
+  bf16 = _fwd_bwd(lambda x, w: nv.ragged_dot(x, w, gs, recipe="bf16"))
+  # NVFP4 reads the FP32 master weight and writes bf16, as the layer does.
+  nvfp4 = _fwd_bwd(lambda x, w: nv.ragged_dot(
+      x, w, gs, preferred_element_type=BF16, recipe="nvfp4", key=sr))
+  row = dict(model=name, E=e, K=k, N=n, tokens=tokens, routing=routing)
+  td = t(dense, [(x, wd, dy)])
+  tb = t(bf16, [(x, w.astype(BF16), dy)])
+  tq = t(nvfp4, [(x, w, dy)])
+  row.update(
+      dense_tflops=flop / td / 1e12, bf16_tflops=flop / tb / 1e12,
+      nvfp4_tflops=flop / tq / 1e12, bf16_ratio=td / tb, nvfp4_ratio=td / tq,
+      nvfp4_over_bf16=tq / tb)
+  # As the MoE layer runs them: bf16 casts the FP32 master weight to the
+  # activations' dtype, NVFP4 quantizes it directly.
+  rb = residual_bytes(lambda x, w: nv.ragged_dot(
+      x, w.astype(BF16), gs, recipe="bf16"), x, w)
+  rq = residual_bytes(lambda x, w: nv.ragged_dot(
+      x, w, gs, preferred_element_type=BF16, recipe="nvfp4", key=sr), x, w)
+  row.update(residual_ratio=rq / rb)
+  return row
+
+
+COLS = ("model", "E", "tokens", "routing", "dense_tflops", "bf16_tflops",
+        "nvfp4_tflops", "bf16_ratio", "nvfp4_ratio", "nvfp4_over_bf16",
+        "residual_ratio")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--smoke", action="store_true",
+                 help="tiny shapes (any device, the reference path)")
+  p.add_argument("--tokens", default="16384")
+  p.add_argument("--models", default="")
+  a = p.parse_args(argv)
+  models = [mm for mm in MODELS if not a.models or mm[0] in a.models]
+  tokens = [int(v) for v in a.tokens.split(",")]
+  calls, reps = (1, 1) if a.smoke else (5, 5)
+  if a.smoke:
+    models, tokens = [("smoke", 4, 64, 64, 2)], [64]
+  rows = [measure(mm, tk, r, calls=calls, reps=reps)
+          for mm in models for tk in tokens for r in ("balanced", "skewed")]
+  print(timing.table(rows, COLS))
+  return rows
+
+
+if __name__ == "__main__":
+  main()
