@@ -198,10 +198,13 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, align, res, dy):
             saved_x.block_values(), qdyt.values,
             rg.group_alpha(saved_x, qdyt))
   else:
+    # FP32 accumulation of the operands' own products (widening bf16 to
+    # FP32 first, as the dense layer does, gives the same exact products),
+    # so bf16 operands reach the bf16 grouped kernel.
+    common = jnp.result_type(saved_x, dy)
     dw = _named("bf16_wgrad", lambda x, dy: rg.ragged_values_matmul_t(
-        x.astype(jnp.float32), dy.astype(jnp.float32), gs,
-        out_dtype=jnp.float32, tokens_last=False, precision=precision))(
-            saved_x, dy)
+        x.astype(common), dy.astype(common), gs, out_dtype=jnp.float32,
+        tokens_last=False, precision=precision))(saved_x, dy)
   return dx, dw
 
 
