@@ -25,6 +25,8 @@ from nvfp4_jax.flax.linen import NVFP4DotGeneral
 from nvfp4_jax.flax.linen import NVFP4Einsum
 from nvfp4_jax.flax.linen import RNG_STREAM
 from nvfp4_jax.flax.linen import nvfp4_layer_paths
+from nvfp4_jax.flax.moe import NNXMoE
+from nvfp4_jax.flax.moe import NVFP4MoE
 from nvfp4_jax.flax.nnx import NNXDotGeneral
 from nvfp4_jax.flax.nnx import NNXEinsumOp
 from nvfp4_jax.flax.nnx import NVFP4Linear
