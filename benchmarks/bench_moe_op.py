@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,14 @@ def _fwd_bwd(f):
     y, vjp = jax.vjp(f, x, w)
     return y, *vjp(dy)
   return jax.jit(run)
+
+
+def compiled(f, *args):
+  """`f` compiled for `args`, and the seconds the compile took (kernels
+  are compiled by XLA's compile of the program that calls them)."""
+  t0 = time.perf_counter()
+  c = f.lower(*args).compile()
+  return c, time.perf_counter() - t0
 
 
 def residual_bytes(f, x, w) -> int:
@@ -73,8 +82,15 @@ def measure(model, tokens: int, routing: str, *, calls: int, reps: int
   nvfp4 = _fwd_bwd(lambda x, w: nv.ragged_dot(
       x, w, gs, preferred_element_type=BF16, recipe="nvfp4", key=sr))
   row = dict(model=name, E=e, K=k, N=n, tokens=tokens, routing=routing)
+  wb = w.astype(BF16)
+  bf16, row["bf16_compile_s"] = compiled(bf16, x, wb, dy)
+  print(f"{name} {routing}: bf16 compiled in {row['bf16_compile_s']:.1f} s",
+        flush=True)
+  nvfp4, row["nvfp4_compile_s"] = compiled(nvfp4, x, w, dy)
+  print(f"{name} {routing}: nvfp4 compiled in {row['nvfp4_compile_s']:.1f} s",
+        flush=True)
   td = t(dense, [(x, wd, dy)])
-  tb = t(bf16, [(x, w.astype(BF16), dy)])
+  tb = t(bf16, [(x, wb, dy)])
   tq = t(nvfp4, [(x, w, dy)])
   row.update(
       dense_tflops=flop / td / 1e12, bf16_tflops=flop / tb / 1e12,
@@ -92,7 +108,7 @@ def measure(model, tokens: int, routing: str, *, calls: int, reps: int
 
 COLS = ("model", "E", "tokens", "routing", "dense_tflops", "bf16_tflops",
         "nvfp4_tflops", "bf16_ratio", "nvfp4_ratio", "nvfp4_over_bf16",
-        "residual_ratio")
+        "residual_ratio", "bf16_compile_s", "nvfp4_compile_s")
 
 
 def main(argv=None):
@@ -101,14 +117,19 @@ def main(argv=None):
                  help="tiny shapes (any device, the reference path)")
   p.add_argument("--tokens", default="16384")
   p.add_argument("--models", default="")
+  p.add_argument("--routings", default="balanced,skewed")
   a = p.parse_args(argv)
   models = [mm for mm in MODELS if not a.models or mm[0] in a.models]
   tokens = [int(v) for v in a.tokens.split(",")]
   calls, reps = (1, 1) if a.smoke else (5, 5)
   if a.smoke:
     models, tokens = [("smoke", 4, 64, 64, 2)], [64]
-  rows = [measure(mm, tk, r, calls=calls, reps=reps)
-          for mm in models for tk in tokens for r in ("balanced", "skewed")]
+  rows = []
+  for mm in models:
+    for tk in tokens:
+      for r in a.routings.split(","):
+        rows.append(measure(mm, tk, r, calls=calls, reps=reps))
+        print(timing.table(rows[-1:], COLS), flush=True)
   print(timing.table(rows, COLS))
   return rows
 

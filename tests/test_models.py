@@ -125,8 +125,11 @@ def test_preset_parameter_counts():
   assert 330e6 < counts["large"] < 370e6
   for name, cfg in PRESETS.items():
     d = cfg.d_model
-    # qkv + out, SwiGLU up (gate and up fused) + down, two norm scales.
-    block = 4 * d * d + 3 * d * cfg.d_ff + 2 * d
+    # qkv + out, SwiGLU up (gate and up fused) + down, two norm scales;
+    # a mixture: E such experts and the router [d, E].
+    experts = max(cfg.num_experts, 1)
+    block = (4 * d * d + experts * 3 * d * cfg.d_ff + 2 * d
+             + d * cfg.num_experts)
     assert counts[name] == cfg.num_layers * block + 2 * 256 * d + d
 
 
