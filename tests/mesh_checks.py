@@ -300,6 +300,122 @@ def check_dot_general_values():
 
 
 # ----------------------------------------------------------------------------
+# dot_general under the user's own mesh: sharding in types and auto mode.
+# ----------------------------------------------------------------------------
+
+# (x spec [batch, seq, in], kernel spec [in, out], the LinearSharding the
+# operands' types give) on a mesh with the user's axis names ("batch",
+# "fsdp", "tensor"): 2 x 2 x 2. Two layouts need resharding (RESHARDED): the
+# weight split over an axis that does not split the batch (gathered in
+# FP32, as XLA would), and the sequence split while the batch is not (the
+# tokens' merge moves X).
+USER_LAYOUTS = {
+    "data": (P(("batch", "fsdp")), P(), dict(tokens=("batch", "fsdp"))),
+    "fsdp": (P(("batch", "fsdp")), P("fsdp", None),
+             dict(tokens=("batch", "fsdp"), fsdp="fsdp")),
+    # MaxText's `embed` axis on the kernel's out dimension (a down proj).
+    "fsdp_out": (P(("batch", "fsdp")), P(None, "fsdp"),
+                 dict(tokens=("batch", "fsdp"), fsdp="fsdp", fsdp_dim=1)),
+    "weight_only": (P("batch"), P("fsdp", "tensor"),
+               dict(tokens=("batch",), tensor="column", model="tensor")),
+    "column+fsdp": (P(("batch", "fsdp")), P("fsdp", "tensor"),
+                    dict(tokens=("batch", "fsdp"), fsdp="fsdp",
+                         tensor="column", model="tensor")),
+    "row+fsdp": (P(("batch", "fsdp"), None, "tensor"), P("tensor", "fsdp"),
+                 dict(tokens=("batch", "fsdp"), fsdp="fsdp", tensor="row",
+                      model="tensor")),
+    # The sequence split, the batch not: the tokens' merge reshards X.
+    "sequence": (P(None, ("batch", "fsdp")), P(),
+                 dict(tokens=("batch", "fsdp"))),
+}
+RESHARDED = ("weight_only", "sequence")
+
+
+def check_user_mesh(names=tuple(USER_LAYOUTS)):
+  """`nv.dot_general` on `[batch, seq, in] x [in, out]` operands sharded
+  the user's way on a mesh the library did not make, forward and both
+  gradients: under `jax.set_mesh` with Explicit axes (the op reads the
+  operands' sharding types, runs per shard and returns sharded types), and
+  in auto mode (`jax.jit` in/out shardings: XLA partitions the reference).
+  Each equals the single-device op within `gemm_bound` (the same quantized
+  operands, FP32 sums in another order); under Explicit axes, where the
+  layout needs no reshard, only quantized weight bytes are gathered."""
+  from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
+  b, s, k, n = 4, 32, 64, 96
+  t = b * s
+  x = jnp.asarray(make_heavy_tailed((b, s, k), seed=1))
+  w = jnp.asarray(make_heavy_tailed((k, n), seed=2)) * 0.01
+  dy = jnp.asarray(make_heavy_tailed((b, s, n), seed=3))
+  key = jax.random.key(7)
+  recipe = nv.Recipe.nvfp4()
+  dn = (((2,), (0,)), ((), ()))
+
+  def f(x, w, dy):
+    y, vjp = jax.vjp(lambda x, w: nv.dot_general(x, w, dn, recipe=recipe,
+                                                 key=key), x, w)
+    return (y, *vjp(dy))
+  y0, dx0, dw0 = jax.jit(f)(x, w, dy)
+  qx, qxt, qdy, qdyt, qw = _operands(recipe, x.reshape(t, k), w,
+                                     dy.reshape(t, n), key)
+  bounds = {"y": gemm_bound(qx, qw, k).reshape(b, s, n),
+            "dx": gemm_bound(qdy, qw.T, n).reshape(b, s, k),
+            "dw": gemm_bound(qxt, qdyt, t)}
+  axes = ("batch", "fsdp", "tensor")
+  for mode in ("explicit", "auto"):
+    types = (AxisType.Explicit if mode == "explicit" else AxisType.Auto,) * 3
+    m = jax.make_mesh((2, 2, 2), axes, axis_types=types)
+    for name in names:
+      xs, ws, want = USER_LAYOUTS[name]
+      xs = P(*(tuple(xs) + (None,) * (3 - len(xs))))
+      ys = P(xs[0], xs[1], "tensor" if want.get("tensor") == "column" else
+             None)
+      t0 = time.perf_counter()
+      with jax.set_mesh(m):
+        args = [jax.device_put(a, NamedSharding(m, sp))
+                for a, sp in ((x, xs), (w, ws), (dy, ys))]
+        if mode == "explicit":
+          compiled = jax.jit(f).lower(*args).compile()
+        else:
+          fn = jax.jit(f, in_shardings=tuple(
+              NamedSharding(m, sp) for sp in (xs, ws, ys)),
+                       out_shardings=tuple(NamedSharding(m, sp)
+                                           for sp in (ys, xs, ws)))
+          compiled = fn.lower(*args).compile()
+        y, dx, dw = compiled(*args)
+      print(f" {mode} {name} ({time.perf_counter() - t0:.1f}s): x {xs}, "
+            f"kernel {ws}")
+      if mode == "explicit":
+        got = shd.linear_sharding_for(m, P(nv.core.spmd.entry(
+            [a for e in xs[:2] for a in nv.core.spmd.entry_axes(e)]), xs[2]),
+                                      ws)
+        assert got == shd.LinearSharding(mesh=m, **want), (name, got)
+        # The op returns sharded types: the gradients keep the operands'.
+        assert dw.sharding.is_equivalent_to(NamedSharding(m, ws), 2), (
+            name, dw.sharding)
+        assert dx.sharding.is_equivalent_to(NamedSharding(m, xs), 3), (
+            name, dx.sharding)
+        assert y.sharding.is_equivalent_to(NamedSharding(m, ys), 3), (
+            name, y.sharding)
+      for what, g, ref in (("y", y, y0), ("dx", dx, dx0), ("dw", dw, dw0)):
+        check_within(g, ref, bounds[what], what)
+      cs = [c for c in shd.collectives(compiled) if not c.trivial]
+      gathers = [c for c in cs if c.op == "all-gather"]
+      if mode == "explicit" and name not in RESHARDED:
+        assert all(set(c.dtypes) == {"u8"} for c in gathers), (
+            name, [c.line for c in gathers])
+      summary = {}
+      for c in cs:
+        op = f"{c.op} {'/'.join(sorted(set(c.dtypes)))}"
+        summary[op] = summary.get(op, 0) + c.result_bytes
+      print(f"  collectives (bytes per device): {summary}")
+
+
+def check_user_mesh_quick():
+  """`check_user_mesh` on two layouts (the default test tier)."""
+  check_user_mesh(("fsdp", "row+fsdp"))
+
+
+# ----------------------------------------------------------------------------
 # A GPT train step on DP, FSDP, TP and a mixed mesh.
 # ----------------------------------------------------------------------------
 
