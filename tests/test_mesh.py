@@ -44,14 +44,38 @@ def test_sharded_quantizers_equal_whole_tensor_and_split_blocks_raise():
 
 
 def test_sharded_dot_general_reference():
-  out = run_checks("dot_general_xla", "dot_general_values")
+  """Also under a mesh the library did not make: sharding in types on
+  FSDP with tensor parallelism (`mesh_checks.check_user_mesh`; the slow
+  tier runs every layout, Explicit and auto)."""
+  out = run_checks("dot_general_xla", "dot_general_values", "user_mesh_quick")
   assert "3.97x fewer" in out  # FSDP weights travel as 4-bit codes.
   # With residuals saved as values, too.
-  assert out.split("[dot_general_values]")[1].count("3.97x fewer") == 2
+  assert out.split("[dot_general_values]")[1].split(
+      "[user_mesh_quick]")[0].count("3.97x fewer") == 2
+  assert "explicit row+fsdp" in out
 
 
 def test_sharded_dot_general_pallas():
   run_checks("dot_general_pallas")
+
+
+@pytest.mark.slow  # ~25 s on 2 cores.
+def test_dot_general_under_the_users_mesh_every_layout():
+  out = run_checks("user_mesh")
+  assert "explicit sequence" in out and "auto weight_only" in out
+
+
+@pytest.mark.slow  # ~4 minutes on 2 cores.
+def test_third_party_models_sharded_the_users_way():
+  """The vendored ViT (linen, `inject_linen`) and lm1b decoder (NNX,
+  `inject_nnx`), data- and FSDP-sharded the user's way, under Explicit
+  axes and in auto mode: every NVFP4 layer equals the single-device op on
+  its operands within the derived bound, the loss the model's on one
+  device (`mesh_checks.check_third_party`)."""
+  out = run_checks("third_party_vit", "third_party_lm1b")
+  for model in ("vit", "lm1b"):
+    for case in ("explicit data", "explicit fsdp", "auto data", "auto fsdp"):
+      assert f"{model} {case}:" in out, (model, case)
 
 
 @pytest.mark.slow  # ~60 s on 2 cores; the fast tier keeps the sharded
