@@ -150,3 +150,76 @@ def test_cli_mesh_run_matches_one_device(tmp_path):
   val = {name: [r["val_loss"] for r in recs if r["kind"] == "eval"][-1]
          for name, recs in runs.items()}
   assert abs(val["mesh"] - val["one"]) <= 0.01 * val["one"], val
+
+
+def _free_port() -> int:
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    return sock.getsockname()[1]
+
+
+@pytest.mark.slow  # Three CLI runs (one of two processes): ~3 minutes.
+def test_cli_two_processes_match_one_and_resume_on_one_device(tmp_path):
+  """`python -m train --distributed` as two processes of 4 CPU devices each
+  (one host standing for two: `jax.distributed.initialize` with a local
+  coordinator; CPU collectives over gloo, jax's default) trains like one
+  process with the same 8-device mesh, and a checkpoint the two processes
+  wrote resumes in one process on one device.
+
+  Bounds as in `test_cli_mesh_run_matches_one_device`: the same program
+  whose cross-device sums (gloo's against the in-process ones) may run in
+  another order, so step 1 within `2u((N-1) + D F) * loss`, later steps
+  within 1%. The resumed run's first step starts from the state the two
+  processes saved, bit for bit (orbax, resharded onto one device): its
+  loss is within the same derived bound of the two processes' step.
+  """
+  mesh = ("--mesh", "data=2,fsdp=2,model=2", "--steps", "8",
+          "--ckpt-every", "4", "--eval-every", "4")
+  port = _free_port()
+  procs = {"one": _train_cli(tmp_path / "one", *mesh, devices=8)}
+  for i in range(2):
+    procs[f"two{i}"] = _train_cli(
+        tmp_path / "two", *mesh, "--distributed", "--coordinator",
+        f"localhost:{port}", "--num-processes", "2", "--process-id", str(i),
+        devices=4)
+  outs = {}
+  for name, proc in procs.items():
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, (name, out[-3000:])
+    outs[name] = out
+  for name in ("two0", "two1"):
+    assert "8 devices, mesh data=2 x fsdp=2 x model=2" in outs[name]
+  from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
+  run = lambda name: tmp_path / name / "tiny-nvfp4"
+  losses = {name: [r["loss"] for r in read_metrics(run(name) /
+                                                     "metrics.jsonl")
+                   if r["kind"] == "train"] for name in ("one", "two")}
+  assert len(losses["one"]) == len(losses["two"]) == 8
+  u = 2.0 ** -24
+  n, depth, width = 8 * 32, 2 * (6 * 6 + 3), 704
+  bound = 2 * u * ((n - 1) + depth * width)
+  one, two = losses["one"], losses["two"]
+  assert abs(two[0] - one[0]) <= bound * one[0], (two[0], one[0])
+  rel = [abs(a - b) / b for a, b in zip(two, one)]
+  print("two processes vs one, relative loss differences by step:",
+        " ".join(f"{r:.1e}" for r in rel))
+  assert max(rel) <= 0.01, rel
+
+  # Resume the two processes' step-4 checkpoint on one device.
+  import shutil  # pylint: disable=g-import-not-at-top
+  assert sorted(p.name for p in (run("two") / "checkpoints").iterdir()) == [
+      "4", "8"]
+  shutil.rmtree(run("two") / "checkpoints" / "8")
+  proc = _train_cli(tmp_path / "two", "--steps", "8", "--ckpt-every", "4",
+                    "--eval-every", "4", "--resume")
+  out, _ = proc.communicate(timeout=900)
+  assert proc.returncode == 0, out[-3000:]
+  resumed = [r["loss"] for r in read_metrics(run("two") / "metrics.jsonl")
+             if r["kind"] == "train"]
+  assert resumed[:4] == two[:4] and len(resumed) == 8, resumed
+  assert abs(resumed[4] - two[4]) <= bound * two[4], (resumed[4], two[4])
+  rel = [abs(a - b) / b for a, b in zip(resumed[4:], two[4:])]
+  print("resumed on one device vs two processes, steps 5-8:",
+        " ".join(f"{r:.1e}" for r in rel))
+  assert max(rel) <= 0.01, rel
