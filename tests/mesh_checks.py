@@ -413,6 +413,21 @@ def check_user_mesh(names=tuple(USER_LAYOUTS), modes=("explicit", "auto")):
       print(f"  collectives (bytes per device): {summary}")
 
 
+def check_readme_explicit():
+  """README's sharding-in-types example runs as written: the kernel's
+  gradient keeps the kernel's FSDP sharding."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+  blocks = [b for b in re.findall(r"```python\n(.*?)```", readme.read_text(),
+                                  re.S) if "AxisType.Explicit" in b]
+  assert len(blocks) == 1, len(blocks)
+  ns = {}
+  exec(compile(blocks[0], "README.md", "exec"), ns)  # pylint: disable=exec-used
+  kernel = ns["grads"]["params"]["kernel"]
+  assert str(jax.typeof(kernel)) == "float32[64@fsdp,64]", jax.typeof(kernel)
+  print(f"  README example: kernel gradient {jax.typeof(kernel)}")
+
+
 def check_user_mesh_quick():
   """`check_user_mesh` under Explicit axes on FSDP with tensor parallelism
   (the default test tier)."""
@@ -562,6 +577,54 @@ def _lm1b_case():
               depth=2 * (6 * 3 + 3), width=100, layers=3 * 6)
 
 
+def _logical_case():
+  """A MaxText-style linen block: NVFP4Dense layers whose kernels carry
+  logical axis names (`nn.with_logical_partitioning`) and activations
+  logical constraints (`nn.with_logical_constraint`), mapped to the mesh by
+  the user's `logical_axis_rules` (data, fsdp, tensor: 2 x 2 x 2): the up
+  projection column-parallel with FSDP, the down projection row-parallel
+  with FSDP on its `out` dimension. In auto mode the parameters and batch
+  enter `jax.jit` with `nn.logical_to_mesh_sharding`'s shardings."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  init = nn.initializers.lecun_normal()
+  rules = (("activation_batch", ("data", "fsdp")), ("activation_mlp",
+                                                   "tensor"),
+           ("embed", "fsdp"), ("mlp", "tensor"))
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for i in range(2):
+        x = nn.with_logical_constraint(x, ("activation_batch", None, None))
+        h = nv.NVFP4Dense(64, use_bias=False, name=f"up_{i}",
+                          kernel_init=nn.with_logical_partitioning(
+                              init, ("embed", "mlp")))(x)
+        h = nn.with_logical_constraint(
+            jax.nn.gelu(h), ("activation_batch", None, "activation_mlp"))
+        x = x + nv.NVFP4Dense(32, use_bias=False, name=f"down_{i}",
+                              kernel_init=nn.with_logical_partitioning(
+                                  init, ("mlp", "embed")))(h)
+      return x
+  model = Mlp()
+  x = jax.random.normal(jax.random.key(0), (8, 32, 32))
+  boxed = jax.jit(model.init)(jax.random.key(1), x)
+  params = nn.meta.unbox(boxed)
+
+  def loss(params, x):
+    with nn.logical_axis_rules(rules), nv.precision_rules(
+        nv.PrecisionRules(), step=0):
+      return jnp.mean(model.apply(params, x) ** 2)
+
+  def setup(m, mode, layout):
+    del mode, layout
+    shardings = (nn.logical_to_mesh_sharding(
+        nn.get_partition_spec(boxed), m, rules),
+                 NamedSharding(m, P(("data", "fsdp"))))
+    return loss, jax.device_put((params, x), shardings), shardings
+  return dict(setup=setup, axes=("data", "fsdp", "tensor"), shape=(2, 2, 2),
+              tokens=8 * 32, depth=2 * (2 * 2), width=64, layers=4)
+
+
 def check_third_party(models=("vit", "lm1b"), modes=("explicit", "auto"),
                       layouts=("data", "fsdp")):
   """A third-party model, switched with the library's one call, sharded the
@@ -575,16 +638,15 @@ def check_third_party(models=("vit", "lm1b"), modes=("explicit", "auto"),
   FP32 sums in another order), and the loss equals the single-device
   model's on the same state within the model-level bound `2u((N - 1) +
   D F) * loss` of `check_gpt_step`."""
-  cases = {"vit": _vit_case, "lm1b": _lm1b_case}
+  cases = {"vit": _vit_case, "lm1b": _lm1b_case, "logical": _logical_case}
   from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
-  one = jax.make_mesh((1,), ("data",))
   for model in models:
     case = cases[model]()
     factor = 2 * U * ((case["tokens"] - 1) + case["depth"] * case["width"])
     for mode in modes:
       kind = AxisType.Explicit if mode == "explicit" else AxisType.Auto
       axes = case["axes"]
-      m = jax.make_mesh((4, 2, 1)[:len(axes)], axes,
+      m = jax.make_mesh(case.get("shape", (4, 2, 1)[:len(axes)]), axes,
                         axis_types=(kind,) * len(axes))
       for layout in layouts:
         t0 = time.perf_counter()
@@ -599,7 +661,8 @@ def check_third_party(models=("vit", "lm1b"), modes=("explicit", "auto"),
           if mode == "explicit":  # The kernels' types: split as set up.
             split = {"fsdp" in nv.core.spmd.spec_axes(
                 jax.typeof(c["rhs"]).sharding.spec) for c in shapes}
-            assert split == {layout == "fsdp"}, (model, layout, split)
+            assert split == case.get("split", {layout == "fsdp"}), (
+                model, layout, split)
 
           def zero(a):
             out = jnp.zeros(a.shape, a.dtype)
@@ -618,10 +681,16 @@ def check_third_party(models=("vit", "lm1b"), modes=("explicit", "auto"),
           step = jax.value_and_grad(run, has_aux=True)
           step = (jax.jit(step) if mode == "explicit" else
                   jax.jit(step, in_shardings=(None,) + tuple(shardings)))
-          (loss, got), grads = step(perturb, *args)
+          compiled = step.lower(perturb, *args).compile()
+          (loss, got), grads = compiled(perturb, *args)
           rec.perturb = None
+          if mode == "explicit":
+            # No activation gathered for quantization; weights gathered
+            # only as quantized bytes.
+            _check_step_collectives(f"{model} {layout}", compiled)
           host = jax.device_get(args)
-        with jax.set_mesh(one):
+        with jax.set_mesh(jax.make_mesh((1,) * len(axes), axes, axis_types=(
+            AxisType.Auto,) * len(axes))):
           loss0 = float(jax.jit(lambda *a: loss_fn(*a))(*host))
         dl = abs(float(loss) - loss0)
         assert dl <= factor * loss0, (model, mode, layout, dl)
@@ -640,6 +709,10 @@ def check_third_party_vit():
 
 def check_third_party_lm1b():
   check_third_party(("lm1b",))
+
+
+def check_logical_partitioning():
+  check_third_party(("logical",), layouts=("fsdp",))
 
 
 _LAYER_REF = {}

@@ -46,8 +46,9 @@ def test_sharded_quantizers_equal_whole_tensor_and_split_blocks_raise():
 def test_sharded_dot_general_reference():
   """Also under a mesh the library did not make: sharding in types on
   FSDP with tensor parallelism (`mesh_checks.check_user_mesh`; the slow
-  tier runs every layout, Explicit and auto)."""
-  out = run_checks("dot_general_xla", "dot_general_values", "user_mesh_quick")
+  tier runs every layout, Explicit and auto), and README's example of it."""
+  out = run_checks("dot_general_xla", "dot_general_values", "user_mesh_quick",
+                   "readme_explicit")
   assert "3.97x fewer" in out  # FSDP weights travel as 4-bit codes.
   # With residuals saved as values, too.
   assert out.split("[dot_general_values]")[1].split(
@@ -65,17 +66,22 @@ def test_dot_general_under_the_users_mesh_every_layout():
   assert "explicit sequence" in out and "auto weight_only" in out
 
 
-@pytest.mark.slow  # ~4 minutes on 2 cores.
+@pytest.mark.slow  # ~5 minutes on 2 cores.
 def test_third_party_models_sharded_the_users_way():
   """The vendored ViT (linen, `inject_linen`) and lm1b decoder (NNX,
   `inject_nnx`), data- and FSDP-sharded the user's way, under Explicit
   axes and in auto mode: every NVFP4 layer equals the single-device op on
   its operands within the derived bound, the loss the model's on one
-  device (`mesh_checks.check_third_party`)."""
-  out = run_checks("third_party_vit", "third_party_lm1b")
+  device (`mesh_checks.check_third_party`); under Explicit axes the
+  compiled step gathers no activation, and weights only as quantized
+  bytes. Also a MaxText-style linen block (logical axis names and
+  constraints, column- and row-parallel with FSDP)."""
+  out = run_checks("third_party_vit", "third_party_lm1b",
+                   "logical_partitioning")
   for model in ("vit", "lm1b"):
     for case in ("explicit data", "explicit fsdp", "auto data", "auto fsdp"):
       assert f"{model} {case}:" in out, (model, case)
+  assert "logical explicit fsdp:" in out and "logical auto fsdp:" in out
 
 
 @pytest.mark.slow  # ~60 s on 2 cores; the fast tier keeps the sharded

@@ -595,10 +595,17 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
     y = y.reshape(free_shape)
   else:
     y = jax.lax.reshape(y, tuple(free_shape), out_sharding=y_sharding)
-  if out_sharding is not None:
-    y = (jax.lax.with_sharding_constraint(y, out_sharding) if mesh is None
-         else jax.sharding.reshard(y, out_sharding))
-  return y
+  return apply_out_sharding(y, out_sharding)
+
+
+def apply_out_sharding(y: jax.Array, out_sharding) -> jax.Array:
+  """`y` with the sharding `out_sharding` (None: as it is): resharded
+  where its type carries Explicit axes, else a sharding constraint."""
+  if out_sharding is None:
+    return y
+  if explicit_mesh(y) is not None:
+    return jax.sharding.reshard(y, out_sharding)
+  return jax.lax.with_sharding_constraint(y, out_sharding)
 
 
 def explicit_mesh(*arrays) -> AbstractMesh | None:
