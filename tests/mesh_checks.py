@@ -334,7 +334,8 @@ USER_LAYOUTS = {
 RESHARDED = ("weight_only", "sequence")
 
 
-def check_user_mesh(names=tuple(USER_LAYOUTS), modes=("explicit", "auto")):
+def check_user_mesh(names=tuple(USER_LAYOUTS) + ("rules",),
+                    modes=("explicit", "auto")):
   """`nv.dot_general` on `[batch, seq, in] x [in, out]` operands sharded
   the user's way on a mesh the library did not make, forward and both
   gradients: under `jax.set_mesh` with Explicit axes (the op reads the
@@ -353,9 +354,13 @@ def check_user_mesh(names=tuple(USER_LAYOUTS), modes=("explicit", "auto")):
   recipe = nv.Recipe.nvfp4()
   dn = (((2,), (0,)), ((), ()))
 
-  def f(x, w, dy):
-    y, vjp = jax.vjp(lambda x, w: nv.dot_general(x, w, dn, recipe=recipe,
-                                                 key=key), x, w)
+  def f(x, w, dy, rules=None):
+    def op(x, w):
+      if rules is None:
+        return nv.dot_general(x, w, dn, recipe=recipe, key=key)
+      with nv.mesh_rules(rules):
+        return nv.dot_general(x, w, dn, recipe=recipe, key=key, name="mlp")
+    y, vjp = jax.vjp(op, x, w)
     return (y, *vjp(dy))
   y0, dx0, dw0 = jax.jit(f)(x, w, dy)
   qx, qxt, qdy, qdyt, qw = _operands(recipe, x.reshape(t, k), w,
@@ -367,8 +372,13 @@ def check_user_mesh(names=tuple(USER_LAYOUTS), modes=("explicit", "auto")):
   for mode in modes:
     types = (AxisType.Explicit if mode == "explicit" else AxisType.Auto,) * 3
     m = jax.make_mesh((2, 2, 2), axes, axis_types=types)
+    # "rules": the library's MeshRules on the user's axis names (the
+    # layout of "row+fsdp"): per shard in auto mode too, Pallas included.
+    rules = nv.MeshRules(mesh=m, batch=("batch", "fsdp"), fsdp="fsdp",
+                         model="tensor", tensor_parallel=((r"mlp", "row"),))
     for name in names:
-      xs, ws, want = USER_LAYOUTS[name]
+      xs, ws, want = USER_LAYOUTS["row+fsdp" if name == "rules" else name]
+      fn_rules = rules if name == "rules" else None
       xs = P(*(tuple(xs) + (None,) * (3 - len(xs))))
       ys = P(xs[0], xs[1], "tensor" if want.get("tensor") == "column" else
              None)
@@ -376,10 +386,11 @@ def check_user_mesh(names=tuple(USER_LAYOUTS), modes=("explicit", "auto")):
       with jax.set_mesh(m):
         args = [jax.device_put(a, NamedSharding(m, sp))
                 for a, sp in ((x, xs), (w, ws), (dy, ys))]
+        fr = functools.partial(f, rules=fn_rules)
         if mode == "explicit":
-          compiled = jax.jit(f).lower(*args).compile()
+          compiled = jax.jit(fr).lower(*args).compile()
         else:
-          fn = jax.jit(f, in_shardings=tuple(
+          fn = jax.jit(fr, in_shardings=tuple(
               NamedSharding(m, sp) for sp in (xs, ws, ys)),
                        out_shardings=tuple(NamedSharding(m, sp)
                                            for sp in (ys, xs, ws)))
@@ -403,7 +414,7 @@ def check_user_mesh(names=tuple(USER_LAYOUTS), modes=("explicit", "auto")):
         check_within(g, ref, bounds[what], what)
       cs = [c for c in shd.collectives(compiled) if not c.trivial]
       gathers = [c for c in cs if c.op == "all-gather"]
-      if mode == "explicit" and name not in RESHARDED:
+      if (mode == "explicit" and name not in RESHARDED) or name == "rules":
         assert all(set(c.dtypes) == {"u8"} for c in gathers), (
             name, [c.line for c in gathers])
       summary = {}
@@ -564,7 +575,7 @@ def _lm1b_case():
     shardings = jax.tree.map(lambda a: a.sharding, state)
     if mode == "explicit" and layout == "fsdp":
       def spec(kp, a):
-        path = "/".join(str(getattr(k, "key", k)) for k in kp)
+        path = "/".join(str(k.key) for k in kp if hasattr(k, "key"))
         if path.endswith("/kernel") and path[:-len("/kernel")] in switched:
           return NamedSharding(m, P("fsdp"))
         return a.sharding
@@ -653,6 +664,10 @@ def check_third_party(models=("vit", "lm1b"), modes=("explicit", "auto"),
         rec = _LayerRecorder()
         with jax.set_mesh(m), rec:
           loss_fn, args, shardings = case["setup"](m, mode, layout)
+          fsdp = {"fsdp" in nv.core.spmd.spec_axes(sh.spec)
+                  for sh in jax.tree.leaves(shardings[0])
+                  if isinstance(sh, NamedSharding)}
+          assert (True in fsdp) == (layout == "fsdp"), (model, layout)
           # The layers' operand and result types, for their perturbations.
           # (A new function each time: no trace cached from another mesh.)
           jax.eval_shape(lambda *a: loss_fn(*a), *args)

@@ -671,6 +671,14 @@ def _explicit_operands(x, w, n_free, n_contract, mesh: AbstractMesh,
   x = jax.lax.reshape(x, (tokens, k), out_sharding=NamedSharding(mesh, x_spec))
   w = jax.lax.reshape(w, (k, math.prod(w.shape[n_contract:])),
                       out_sharding=NamedSharding(mesh, w_spec))
-  x = jax.sharding.reshard(x, NamedSharding(mesh, shard.x_spec))
-  w = jax.sharding.reshard(w, NamedSharding(mesh, shard.kernel_spec))
-  return x, w, shard, NamedSharding(mesh, P(*y_lhs, *y_rhs))
+  y_sharding = NamedSharding(mesh, P(*y_lhs, *y_rhs))
+  sizes = dict(mesh.shape)
+  if all(sizes[a] == 1 for a in spmd.spec_axes(shard.x_spec)
+         + spmd.spec_axes(shard.kernel_spec)):
+    # Nothing split (one device, or axes of size 1): the whole layer.
+    shard, x_spec, w_spec = None, P(), P()
+  else:
+    x_spec, w_spec = shard.x_spec, shard.kernel_spec
+  x = jax.sharding.reshard(x, NamedSharding(mesh, x_spec))
+  w = jax.sharding.reshard(w, NamedSharding(mesh, w_spec))
+  return x, w, shard, y_sharding
