@@ -27,6 +27,10 @@ that split it, blocks never straddle shards, and stochastic rounding draws
 the whole tensor's random bytes at each shard's global offset. So a sharded
 step equals the single-device step up to the order of FP32 sums.
 
+Under a mesh the library did not make (the user's axis names, JAX's
+sharding in types), `linear_sharding_for` derives a layer's
+`LinearSharding` from its operands' shardings.
+
 `quantize`, `quantize_rht_t` and `quantize_pair` here are the public
 quantizers for a sharded global array; `collectives` lists what a compiled
 program communicates.

@@ -33,6 +33,14 @@ at its global offset (the whole tensor's bytes), the FSDP weight is gathered
 quantized, row-parallel outputs and column-parallel input gradients are
 summed across `model` in FP32, and the weight gradient is reduce-scattered
 across `fsdp` and summed across the other batch axes.
+
+Under a mesh the library did not make, with JAX's sharding in types
+(`jax.set_mesh` with Explicit axes), the operands' types say how the layer
+is split (`sharding.linear_sharding_for`): the same per-shard computation,
+with reshapes that carry their `out_sharding` and a result of a sharded
+type. In auto mode (`jax.jit` shardings) XLA partitions the op as the rest
+of the program; the library's `MeshRules` (any axis names) run it per
+shard there too.
 """
 
 from __future__ import annotations
@@ -472,14 +480,17 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
       (the backward pass, for the paper's recipe). Split per operand by
       `Recipe.operand_keys`; pass a new key every step and layer.
     out_sharding: as `jax.lax.dot_general` (flax passes it): the result's
-      sharding, applied as a sharding constraint.
+      sharding, applied as a sharding constraint (resharded where the
+      result's type carries Explicit axes).
     name: the layer's name (its module path), for error messages and the
       active `nvfp4_jax.sharding.mesh_rules`.
     sharding: how to split the layer over a device mesh (see
       `nvfp4_jax.sharding.LinearSharding`); default: what the active
-      `mesh_rules` give `name`, else unsharded. The sharded layer computes
-      the unsharded one's quantized operands bit for bit; results differ
-      only by the order of FP32 sums across shards.
+      `mesh_rules` give `name`, else what the operands' sharding types say
+      under Explicit mesh axes (`sharding.linear_sharding_for`; operands
+      split otherwise are resharded to it), else unsharded. The sharded
+      layer computes the unsharded one's quantized operands bit for bit;
+      results differ only by the order of FP32 sums across shards.
 
   Returns:
     The result, with `jax.lax.dot_general`'s shape.
