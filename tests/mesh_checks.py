@@ -69,9 +69,12 @@ def assert_same_q(a, b, what):
     assert diff == 0, f"{what}: {diff} {field} differ"
 
 
+_DEQUANTIZE = jax.jit(lambda a, b: (nv.dequantize(a), nv.dequantize(b)))
+
+
 def gemm_bound(a, b, n):
   """Bound on |sharded - single| of `a @ b.T` (see the module docstring)."""
-  da, db = jax.jit(lambda a, b: (nv.dequantize(a), nv.dequantize(b)))(a, b)
+  da, db = _DEQUANTIZE(a, b)
   da = np.abs(np.asarray(da, np.float64))
   db = np.abs(np.asarray(db, np.float64))
   return 2 * (n + 3) * U * (da @ db.T)
@@ -245,6 +248,11 @@ def _check_collectives(compiled, sh, k, n):
   print(f"  collectives (bytes per device): {summary}")
 
 
+# The single-device layer's results and bounds on `check_dot_general`'s
+# operands, by residuals: computed once per process.
+_WHOLE = {}
+
+
 def check_dot_general(impl, names, residuals="codes"):
   m = mesh(data=2, fsdp=2, model=2)
   t, k, n = 128, 64, 96
@@ -271,6 +279,8 @@ def check_dot_general(impl, names, residuals="codes"):
   qx, qxt, qdy, qdyt, qw = _operands(recipe, x, w, dy, key)
   bounds = {"y": gemm_bound(qx, qw, k), "dx": gemm_bound(qdy, qw.T, n),
             "dw": gemm_bound(qxt, qdyt, t)}
+  if impl == "xla" and residuals == "codes":  # For `check_user_mesh`.
+    _WHOLE["codes"] = (y0, dx0, dw0, bounds)
   shardings = _linear_shardings(m)
   for name in names:
     sh = shardings[name]
@@ -297,6 +307,510 @@ def check_dot_general_values():
   same results on every layout, and the FSDP weight still travels as codes
   (values apply to shards' own residuals, never to what is gathered)."""
   check_dot_general("xla", ("column+fsdp", "row+fsdp"), "values")
+
+
+# ----------------------------------------------------------------------------
+# dot_general under the user's own mesh: sharding in types and auto mode.
+# ----------------------------------------------------------------------------
+
+# (x spec [batch, seq, in], kernel spec [in, out], the LinearSharding the
+# operands' types give) on a mesh with the user's axis names ("batch",
+# "fsdp", "tensor"): 2 x 2 x 2. Two layouts need resharding (RESHARDED): the
+# weight split over an axis that does not split the batch (gathered in
+# FP32, as XLA would), and the sequence split while the batch is not (the
+# tokens' merge moves X).
+USER_LAYOUTS = {
+    "data": (P(("batch", "fsdp")), P(), dict(tokens=("batch", "fsdp"))),
+    "fsdp": (P(("batch", "fsdp")), P("fsdp", None),
+             dict(tokens=("batch", "fsdp"), fsdp="fsdp")),
+    # MaxText's `embed` axis on the kernel's out dimension (a down proj).
+    "fsdp_out": (P(("batch", "fsdp")), P(None, "fsdp"),
+                 dict(tokens=("batch", "fsdp"), fsdp="fsdp", fsdp_dim=1)),
+    "weight_only": (P("batch"), P("fsdp", "tensor"),
+               dict(tokens=("batch",), tensor="column", model="tensor")),
+    "column+fsdp": (P(("batch", "fsdp")), P("fsdp", "tensor"),
+                    dict(tokens=("batch", "fsdp"), fsdp="fsdp",
+                         tensor="column", model="tensor")),
+    "row+fsdp": (P(("batch", "fsdp"), None, "tensor"), P("tensor", "fsdp"),
+                 dict(tokens=("batch", "fsdp"), fsdp="fsdp", tensor="row",
+                      model="tensor")),
+    # The sequence split, the batch not: the tokens' merge reshards X.
+    "sequence": (P(None, ("batch", "fsdp")), P(),
+                 dict(tokens=("batch", "fsdp"))),
+}
+RESHARDED = ("weight_only", "sequence")
+
+
+def check_user_mesh(names=tuple(USER_LAYOUTS) + ("rules",),
+                    modes=("explicit", "auto")):
+  """`nv.dot_general` on `[batch, seq, in] x [in, out]` operands sharded
+  the user's way on a mesh the library did not make, forward and both
+  gradients: under `jax.set_mesh` with Explicit axes (the op reads the
+  operands' sharding types, runs per shard and returns sharded types), and
+  in auto mode (`jax.jit` in/out shardings: XLA partitions the reference).
+  Each equals the single-device op within `gemm_bound` (the same quantized
+  operands, FP32 sums in another order); under Explicit axes, where the
+  layout needs no reshard, only quantized weight bytes are gathered."""
+  from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
+  # `check_dot_general`'s operands, split into 4 sequences of 32 tokens.
+  b, s, k, n = 4, 32, 64, 96
+  t = b * s
+  x = jnp.asarray(make_heavy_tailed((t, k), seed=1)).reshape(b, s, k)
+  w = jnp.asarray(make_heavy_tailed((k, n), seed=2)) * 0.01
+  dy = jnp.asarray(make_heavy_tailed((t, n), seed=3)).reshape(b, s, n)
+  key = jax.random.key(7)
+  recipe = nv.Recipe.nvfp4()
+  dn = (((2,), (0,)), ((), ()))
+
+  def f(x, w, dy, rules=None):
+    def op(x, w):
+      if rules is None:
+        return nv.dot_general(x, w, dn, recipe=recipe, key=key)
+      with nv.mesh_rules(rules):
+        return nv.dot_general(x, w, dn, recipe=recipe, key=key, name="mlp")
+    y, vjp = jax.vjp(op, x, w)
+    return (y, *vjp(dy))
+  if "codes" not in _WHOLE:
+    def whole(x, w, dy):
+      y, vjp = jax.vjp(lambda x, w: nv.dot_general(x, w, DN, recipe=recipe,
+                                                   key=key), x, w)
+      return (y, *vjp(dy))
+    y0, dx0, dw0 = jax.jit(whole)(x.reshape(t, k), w, dy.reshape(t, n))
+    qx, qxt, qdy, qdyt, qw = _operands(recipe, x.reshape(t, k), w,
+                                       dy.reshape(t, n), key)
+    _WHOLE["codes"] = (y0, dx0, dw0, {
+        "y": gemm_bound(qx, qw, k), "dx": gemm_bound(qdy, qw.T, n),
+        "dw": gemm_bound(qxt, qdyt, t)})
+  y0, dx0, dw0, bounds = _WHOLE["codes"]
+  y0, dx0 = y0.reshape(b, s, n), dx0.reshape(b, s, k)
+  bounds = dict(bounds, y=bounds["y"].reshape(b, s, n),
+                dx=bounds["dx"].reshape(b, s, k))
+  axes = ("batch", "fsdp", "tensor")
+  for mode in modes:
+    types = (AxisType.Explicit if mode == "explicit" else AxisType.Auto,) * 3
+    m = jax.make_mesh((2, 2, 2), axes, axis_types=types)
+    # "rules": the library's MeshRules on the user's axis names (the
+    # layout of "row+fsdp"): per shard in auto mode too, Pallas included.
+    rules = nv.MeshRules(mesh=m, batch=("batch", "fsdp"), fsdp="fsdp",
+                         model="tensor", tensor_parallel=((r"mlp", "row"),))
+    for name in names:
+      xs, ws, want = USER_LAYOUTS["row+fsdp" if name == "rules" else name]
+      fn_rules = rules if name == "rules" else None
+      xs = P(*(tuple(xs) + (None,) * (3 - len(xs))))
+      ys = P(xs[0], xs[1], "tensor" if want.get("tensor") == "column" else
+             None)
+      t0 = time.perf_counter()
+      with jax.set_mesh(m):
+        args = [jax.device_put(a, NamedSharding(m, sp))
+                for a, sp in ((x, xs), (w, ws), (dy, ys))]
+        fr = functools.partial(f, rules=fn_rules)
+        if mode == "explicit":
+          compiled = jax.jit(fr).lower(*args).compile()
+        else:
+          fn = jax.jit(fr, in_shardings=tuple(
+              NamedSharding(m, sp) for sp in (xs, ws, ys)),
+                       out_shardings=tuple(NamedSharding(m, sp)
+                                           for sp in (ys, xs, ws)))
+          compiled = fn.lower(*args).compile()
+        y, dx, dw = compiled(*args)
+      print(f" {mode} {name} ({time.perf_counter() - t0:.1f}s): x {xs}, "
+            f"kernel {ws}")
+      if mode == "explicit":
+        got = shd.linear_sharding_for(m, P(nv.core.spmd.entry(
+            [a for e in xs[:2] for a in nv.core.spmd.entry_axes(e)]), xs[2]),
+                                      ws)
+        assert got == shd.LinearSharding(mesh=m, **want), (name, got)
+        # The op returns sharded types: the gradients keep the operands'.
+        assert dw.sharding.is_equivalent_to(NamedSharding(m, ws), 2), (
+            name, dw.sharding)
+        assert dx.sharding.is_equivalent_to(NamedSharding(m, xs), 3), (
+            name, dx.sharding)
+        assert y.sharding.is_equivalent_to(NamedSharding(m, ys), 3), (
+            name, y.sharding)
+      for what, g, ref in (("y", y, y0), ("dx", dx, dx0), ("dw", dw, dw0)):
+        check_within(g, ref, bounds[what], what)
+      cs = [c for c in shd.collectives(compiled) if not c.trivial]
+      gathers = [c for c in cs if c.op == "all-gather"]
+      if (mode == "explicit" and name not in RESHARDED) or name == "rules":
+        assert all(set(c.dtypes) == {"u8"} for c in gathers), (
+            name, [c.line for c in gathers])
+      summary = {}
+      for c in cs:
+        op = f"{c.op} {'/'.join(sorted(set(c.dtypes)))}"
+        summary[op] = summary.get(op, 0) + c.result_bytes
+      print(f"  collectives (bytes per device): {summary}")
+
+
+def check_readme_explicit():
+  """README's sharding-in-types example runs as written: the kernel's
+  gradient keeps the kernel's FSDP sharding."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+  blocks = [b for b in re.findall(r"```python\n(.*?)```", readme.read_text(),
+                                  re.S) if "AxisType.Explicit" in b]
+  assert len(blocks) == 1, len(blocks)
+  ns = {}
+  exec(compile(blocks[0], "README.md", "exec"), ns)  # pylint: disable=exec-used
+  kernel = ns["grads"]["params"]["kernel"]
+  assert str(jax.typeof(kernel)) == "float32[64@fsdp,64]", jax.typeof(kernel)
+  print(f"  README example: kernel gradient {jax.typeof(kernel)}")
+
+
+def check_user_mesh_quick():
+  """`check_user_mesh` under Explicit axes on FSDP with tensor parallelism
+  (the default test tier)."""
+  check_user_mesh(("row+fsdp",), ("explicit",))
+  # A split the op cannot run per shard is named, not silently gathered:
+  # 17 tokens per shard straddle the Wgrad operands' 16-token blocks.
+  from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
+  m = jax.make_mesh((4, 2), ("batch", "fsdp"),
+                    axis_types=(AxisType.Explicit,) * 2)
+  with jax.set_mesh(m):
+    x = jax.device_put(jnp.ones((8, 17, 64)), P(("batch", "fsdp")))
+    w = jax.device_put(jnp.ones((64, 48)), P("fsdp"))
+    try:
+      jax.eval_shape(jax.grad(lambda x, w: jnp.sum(nv.dot_general(
+          x, w, (((2,), (0,)), ((), ())), recipe="nvfp4",
+          key=jax.random.key(0), name="mlp/up"))), x, w)
+    except ValueError as e:
+      assert "layer 'mlp/up'" in str(e) and "shards of 17" in str(e), e
+      print(f"  {e}")
+    else:
+      raise AssertionError("no error for 17 tokens per shard")
+
+
+# ----------------------------------------------------------------------------
+# The vendored third-party models, sharded the user's way.
+# ----------------------------------------------------------------------------
+
+
+class _LayerRecorder:
+  """Wraps `nvfp4_jax.dot_general` as the NVFP4 layers call it: records
+  each call's operands, recipe and key, and adds zero perturbations to its
+  operands and result, whose gradients are the layer's dX, dW and dY."""
+
+  def __init__(self):
+    from nvfp4_jax.training import dot_general as ops  # pylint: disable=g-import-not-at-top
+    self.ops, self.real = ops, ops.dot_general
+    self.perturb, self.calls = None, []
+
+  def __enter__(self):
+    def wrapper(lhs, rhs, dims, precision=None, preferred_element_type=None,
+                *, recipe, key=None, **kwargs):
+      if kwargs.get("name") is None:  # Not a layer (a shape check).
+        return self.real(lhs, rhs, dims, precision, preferred_element_type,
+                         recipe=recipe, key=key, **kwargs)
+      if self.perturb is not None:
+        p = self.perturb[len(self.calls)]
+        lhs, rhs = lhs + p["x"], rhs + p["w"]
+      y = self.real(lhs, rhs, dims, precision, preferred_element_type,
+                    recipe=recipe, key=key, **kwargs)
+      if self.perturb is not None:
+        y = y + p["y"]
+      self.calls.append(dict(lhs=lhs, rhs=rhs, y=y, key=key, dims=dims,
+                             recipe=recipe, dtype=preferred_element_type,
+                             name=kwargs.get("name")))
+      return y
+    self.ops.dot_general = wrapper
+    return self
+
+  def __exit__(self, *exc):
+    self.ops.dot_general = self.real
+
+
+def _vit_case():
+  """The vendored linen ViT, switched with `nv.inject_linen`; 16 images of
+  16 patches (`classifier="gap"`: the published code concatenates its class
+  token to a batch-split array, which sharding in types rejects in the
+  model itself, with or without this library), the head's zero init
+  replaced so every layer gets a gradient. FSDP as a user writes it: every
+  linear kernel split along its first dimension over `fsdp`."""
+  import warnings  # pylint: disable=g-import-not-at-top
+  import test_third_party as tp  # pylint: disable=g-import-not-at-top
+  model = tp.models_vit.VisionTransformer(**dict(tp.VIT, classifier="gap"))
+  x = jax.random.normal(jax.random.key(0), (16, 16, 16, 3))
+  y = jnp.arange(16) % 10
+  params = jax.jit(lambda k: model.init(k, x[:2], train=False))(
+      jax.random.key(1))
+  head = params["params"]["head"]
+  head["kernel"] = 0.1 * jax.random.normal(jax.random.key(5),
+                                           head["kernel"].shape)
+
+  def loss(params, x, y):
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # The head: high precision by shape.
+      with nv.inject_linen(unsupported="high_precision", step=0):
+        logits = model.apply(params, x, train=False)
+    return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits)
+                             * jax.nn.one_hot(y, 10), -1))
+
+  def setup(m, mode, layout):
+    del mode
+    def spec(kp, a):
+      path = jax.tree_util.keystr(kp)
+      if (layout == "fsdp" and "kernel" in path and "embedding" not in path
+          and "head" not in path):
+        return NamedSharding(m, P("fsdp"))
+      return NamedSharding(m, P())
+    data = NamedSharding(m, P(("batch", "fsdp")))
+    shardings = (jax.tree_util.tree_map_with_path(spec, params), data, data)
+    return loss, jax.device_put((params, x, y), shardings), shardings
+  # Depth and width of the loss bound as the GPT's (`check_gpt_step`):
+  # pre-LN blocks, the widest feature axis the MLP's.
+  return dict(setup=setup, axes=("batch", "fsdp"), tokens=16 * 16,
+              depth=2 * (6 * 3 + 3), width=64, layers=3 * 6)
+
+
+def _lm1b_case():
+  """The vendored NNX lm1b `TransformerLM`, switched with `nv.inject_nnx`,
+  built in the user's mesh (its own axes `data`, `fsdp`, `tensor`: 4 x 2 x
+  1) with its own `nnx.with_partitioning` annotations: in auto mode FSDP
+  is its config's `MeshRules(embed="fsdp")`; under Explicit axes the
+  published model's LayerNorm multiplies batch-split activations by an
+  `fsdp`-split scale, which sharding in types rejects in the model itself,
+  so there FSDP splits the NVFP4 layers' kernels (their first dimension)
+  and nothing else. Its embedding lookup is given the tokens' sharding
+  (nnx.Embed's `out_sharding`; the published call passes none, which
+  JAX rejects under Explicit axes)."""
+  import warnings  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
+  import test_third_party as tp  # pylint: disable=g-import-not-at-top
+  default = sys.modules["configs.default"]
+  tokens = jax.random.randint(jax.random.key(0), (8, 32), 1, 100)
+
+  class Embed(nnx.Embed):
+    def __call__(self, inputs, out_sharding=None):
+      sh = jax.typeof(inputs).sharding
+      if out_sharding is None and AxisType.Explicit in tuple(
+          sh.mesh.axis_types):
+        out_sharding = sh
+      return super().__call__(inputs, out_sharding=out_sharding)
+
+  def loss(graphdef, state, tokens):
+    model = nnx.merge(graphdef, state)
+    with nv.precision_rules(nv.PrecisionRules(), step=0):
+      logits = model(tokens)
+    return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits)
+                             * jax.nn.one_hot(tokens, 100), -1))
+
+  def setup(m, mode, layout):
+    rules = default.MeshRules(embed="fsdp" if (
+        layout == "fsdp" and mode == "auto") else None)
+    model = tp.lm1b.TransformerLM(tp.lm1b.TransformerConfig(
+        **tp.LM_CFG, axis_rules=rules), rngs=nnx.Rngs(0))
+    model.set_attributes(deterministic=True, decode=False)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # logitdense: high precision by shape.
+      switched = nv.inject_nnx(model, unsupported="high_precision")
+    if mode == "explicit":
+      model.decoder.output_embed.__class__ = Embed
+    graphdef, state = nnx.split(model)
+    shardings = jax.tree.map(lambda a: a.sharding, state)
+    if mode == "explicit" and layout == "fsdp":
+      def spec(kp, a):
+        path = "/".join(str(k.key) for k in kp if hasattr(k, "key"))
+        if path.endswith("/kernel") and path[:-len("/kernel")] in switched:
+          return NamedSharding(m, P("fsdp"))
+        return a.sharding
+      shardings = jax.tree_util.tree_map_with_path(spec, state)
+    data = NamedSharding(m, P(("data", "fsdp")))
+    fn = functools.partial(loss, graphdef)
+    args = (jax.device_put(state, shardings), jax.device_put(tokens, data))
+    return fn, args, (shardings, data)
+  return dict(setup=setup, axes=("data", "fsdp", "tensor"), tokens=8 * 32,
+              depth=2 * (6 * 3 + 3), width=100, layers=3 * 6)
+
+
+def _logical_case():
+  """A MaxText-style linen block: NVFP4Dense layers whose kernels carry
+  logical axis names (`nn.with_logical_partitioning`) and activations
+  logical constraints (`nn.with_logical_constraint`), mapped to the mesh by
+  the user's `logical_axis_rules` (data, fsdp, tensor: 2 x 2 x 2): the up
+  projection column-parallel with FSDP, the down projection row-parallel
+  with FSDP on its `out` dimension. In auto mode the parameters and batch
+  enter `jax.jit` with `nn.logical_to_mesh_sharding`'s shardings."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  init = nn.initializers.lecun_normal()
+  rules = (("activation_batch", ("data", "fsdp")), ("activation_mlp",
+                                                   "tensor"),
+           ("embed", "fsdp"), ("mlp", "tensor"))
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for i in range(2):
+        x = nn.with_logical_constraint(x, ("activation_batch", None, None))
+        h = nv.NVFP4Dense(64, use_bias=False, name=f"up_{i}",
+                          kernel_init=nn.with_logical_partitioning(
+                              init, ("embed", "mlp")))(x)
+        h = nn.with_logical_constraint(
+            jax.nn.gelu(h), ("activation_batch", None, "activation_mlp"))
+        x = x + nv.NVFP4Dense(32, use_bias=False, name=f"down_{i}",
+                              kernel_init=nn.with_logical_partitioning(
+                                  init, ("mlp", "embed")))(h)
+      return x
+  model = Mlp()
+  x = jax.random.normal(jax.random.key(0), (8, 32, 32))
+  boxed = jax.jit(model.init)(jax.random.key(1), x)
+  params = nn.meta.unbox(boxed)
+
+  def loss(params, x):
+    with nn.logical_axis_rules(rules), nv.precision_rules(
+        nv.PrecisionRules(), step=0):
+      return jnp.mean(model.apply(params, x) ** 2)
+
+  def setup(m, mode, layout):
+    del mode, layout
+    shardings = (nn.logical_to_mesh_sharding(
+        nn.get_partition_spec(boxed), m, rules),
+                 NamedSharding(m, P(("data", "fsdp"))))
+    return loss, jax.device_put((params, x), shardings), shardings
+  return dict(setup=setup, axes=("data", "fsdp", "tensor"), shape=(2, 2, 2),
+              tokens=8 * 32, depth=2 * (2 * 2), width=64, layers=4)
+
+
+def check_third_party(models=("vit", "lm1b"), modes=("explicit", "auto"),
+                      layouts=("data", "fsdp")):
+  """A third-party model, switched with the library's one call, sharded the
+  user's way on a mesh with the user's axis names (8 devices: batch x fsdp
+  = 4 x 2), under `jax.set_mesh` with Explicit axes and with `jax.jit`
+  in_shardings (auto), against one device.
+
+  Every NVFP4 layer's forward and gradients on the mesh (its operands and
+  output gradient captured from the mesh run) equal the single-device op
+  on the same operands within `gemm_bound` (the same quantized operands,
+  FP32 sums in another order), and the loss equals the single-device
+  model's on the same state within the model-level bound `2u((N - 1) +
+  D F) * loss` of `check_gpt_step`."""
+  cases = {"vit": _vit_case, "lm1b": _lm1b_case, "logical": _logical_case}
+  from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
+  for model in models:
+    case = cases[model]()
+    factor = 2 * U * ((case["tokens"] - 1) + case["depth"] * case["width"])
+    for mode in modes:
+      kind = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+      axes = case["axes"]
+      m = jax.make_mesh(case.get("shape", (4, 2, 1)[:len(axes)]), axes,
+                        axis_types=(kind,) * len(axes))
+      for layout in layouts:
+        t0 = time.perf_counter()
+        rec = _LayerRecorder()
+        with jax.set_mesh(m), rec:
+          loss_fn, args, shardings = case["setup"](m, mode, layout)
+          fsdp = {"fsdp" in nv.core.spmd.spec_axes(sh.spec)
+                  for sh in jax.tree.leaves(shardings[0])
+                  if isinstance(sh, NamedSharding)}
+          assert (True in fsdp) == (layout == "fsdp"), (model, layout)
+          # The layers' operand and result types, for their perturbations.
+          # (A new function each time: no trace cached from another mesh.)
+          jax.eval_shape(lambda *a: loss_fn(*a), *args)
+          shapes = rec.calls
+          assert len(shapes) == case["layers"], [c["name"] for c in shapes]
+          if mode == "explicit":  # The kernels' types: split as set up.
+            split = {"fsdp" in nv.core.spmd.spec_axes(
+                jax.typeof(c["rhs"]).sharding.spec) for c in shapes}
+            assert split == case.get("split", {layout == "fsdp"}), (
+                model, layout, split)
+
+          def zero(a):
+            out = jnp.zeros(a.shape, a.dtype)
+            return (jax.device_put(out, NamedSharding(
+                m, jax.typeof(a).sharding.spec)) if mode == "explicit"
+                    else out)
+          perturb = [{"x": zero(c["lhs"]), "w": zero(c["rhs"]),
+                      "y": zero(c["y"])} for c in shapes]
+
+          def run(perturb, *args):
+            rec.perturb, rec.calls = perturb, []
+            out = loss_fn(*args)
+            got = [{k: c[k] for k in ("lhs", "rhs", "y", "key")}
+                   for c in rec.calls]
+            return out, got
+          step = jax.value_and_grad(run, has_aux=True)
+          step = (jax.jit(step) if mode == "explicit" else
+                  jax.jit(step, in_shardings=(None,) + tuple(shardings)))
+          compiled = step.lower(perturb, *args).compile()
+          (loss, got), grads = compiled(perturb, *args)
+          rec.perturb = None
+          if mode == "explicit":
+            # No activation gathered for quantization; weights gathered
+            # only as quantized bytes.
+            _check_step_collectives(f"{model} {layout}", compiled)
+          host = jax.device_get(args)
+        with jax.set_mesh(jax.make_mesh((1,) * len(axes), axes, axis_types=(
+            AxisType.Auto,) * len(axes))):
+          loss0 = float(jax.jit(lambda *a: loss_fn(*a))(*host))
+        dl = abs(float(loss) - loss0)
+        assert dl <= factor * loss0, (model, mode, layout, dl)
+        worst = 0.0
+        for c, g, d in zip(shapes, got, grads):
+          worst = max(worst, _check_layer(c, g, d))
+        print(f" {model} {mode} {layout}: loss {loss0:.6f}, |dloss| "
+              f"{dl:.2e} (bound {factor * loss0:.1e}); {len(got)} NVFP4 "
+              f"layers within {100 * worst:.1f}% of their bound "
+              f"({time.perf_counter() - t0:.1f}s)")
+
+
+def check_third_party_vit():
+  check_third_party(("vit",))
+
+
+def check_third_party_lm1b():
+  check_third_party(("lm1b",))
+
+
+def check_logical_partitioning():
+  check_third_party(("logical",), layouts=("fsdp",))
+
+
+_LAYER_REF = {}
+
+
+def _check_layer(call, got, grads):
+  """One layer's mesh results against the single-device op on the same
+  operands; returns the worst ratio of a difference to its bound."""
+  lhs, rhs, key = (np.asarray(got[k]) if k != "key" else got[k]
+                   for k in ("lhs", "rhs", "key"))
+  dy = np.asarray(grads["y"])
+  (lc, rc), _ = call["dims"]
+  lf = [d for d in range(lhs.ndim) if d not in lc]
+  rf = [d for d in range(rhs.ndim) if d not in rc]
+  k = int(np.prod([lhs.shape[d] for d in lc]))
+  x2 = np.transpose(lhs, lf + list(lc)).reshape(-1, k)
+  w2 = np.transpose(rhs, list(rc) + rf).reshape(k, -1)
+  t, n = x2.shape[0], w2.shape[1]
+  recipe, dims, dtype = call["recipe"], call["dims"], call["dtype"]
+  sig = (recipe, str(dims), str(dtype), lhs.shape, rhs.shape)
+  if sig not in _LAYER_REF:
+    def f(x, w, dy, key):
+      y, vjp = jax.vjp(lambda x, w: nv.dot_general(
+          x, w, dims, None, dtype, recipe=recipe, key=key), x, w)
+      return (y, *vjp(dy))
+    _LAYER_REF[sig] = jax.jit(f)
+  y0, dx0, dw0 = _LAYER_REF[sig](lhs, rhs, dy, key)
+  qx, qxt, qdy, qdyt, qw = _operands(recipe, jnp.asarray(x2),
+                                     jnp.asarray(w2),
+                                     jnp.asarray(dy.reshape(t, n)), key)
+  worst = 0.0
+  for what, mesh_v, ref, bound in (
+      ("y", got["y"], y0, gemm_bound(qx, qw, k)),
+      ("dx", grads["x"], dx0, gemm_bound(qdy, qw.T, n)),
+      ("dw", grads["w"], dw0, gemm_bound(qxt, qdyt, t))):
+    mesh_v, ref = np.asarray(mesh_v, np.float64), np.asarray(ref, np.float64)
+    if what == "dx":
+      mesh_v = np.transpose(mesh_v, lf + list(lc)).reshape(t, k)
+      ref = np.transpose(ref, lf + list(lc)).reshape(t, k)
+    elif what == "dw":
+      mesh_v = np.transpose(mesh_v, list(rc) + rf).reshape(k, n)
+      ref = np.transpose(ref, list(rc) + rf).reshape(k, n)
+    else:
+      mesh_v, ref = mesh_v.reshape(t, n), ref.reshape(t, n)
+    err = np.abs(mesh_v - ref)
+    assert np.all(err <= bound), (call["name"], what,
+                                  float(np.max(err - bound)))
+    worst = max(worst, float(np.max(err / np.maximum(bound, 1e-45))))
+  return worst
 
 
 # ----------------------------------------------------------------------------

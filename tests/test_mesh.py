@@ -44,14 +44,44 @@ def test_sharded_quantizers_equal_whole_tensor_and_split_blocks_raise():
 
 
 def test_sharded_dot_general_reference():
-  out = run_checks("dot_general_xla", "dot_general_values")
+  """Also under a mesh the library did not make: sharding in types on
+  FSDP with tensor parallelism (`mesh_checks.check_user_mesh`; the slow
+  tier runs every layout, Explicit and auto, and README's example)."""
+  out = run_checks("dot_general_xla", "dot_general_values", "user_mesh_quick")
   assert "3.97x fewer" in out  # FSDP weights travel as 4-bit codes.
   # With residuals saved as values, too.
-  assert out.split("[dot_general_values]")[1].count("3.97x fewer") == 2
+  assert out.split("[dot_general_values]")[1].split(
+      "[user_mesh_quick]")[0].count("3.97x fewer") == 2
+  assert "explicit row+fsdp" in out
 
 
 def test_sharded_dot_general_pallas():
   run_checks("dot_general_pallas")
+
+
+@pytest.mark.slow  # ~25 s on 2 cores.
+def test_dot_general_under_the_users_mesh_every_layout():
+  out = run_checks("user_mesh", "readme_explicit")
+  assert "explicit sequence" in out and "auto weight_only" in out
+  assert "README example" in out
+
+
+@pytest.mark.slow  # ~5 minutes on 2 cores.
+def test_third_party_models_sharded_the_users_way():
+  """The vendored ViT (linen, `inject_linen`) and lm1b decoder (NNX,
+  `inject_nnx`), data- and FSDP-sharded the user's way, under Explicit
+  axes and in auto mode: every NVFP4 layer equals the single-device op on
+  its operands within the derived bound, the loss the model's on one
+  device (`mesh_checks.check_third_party`); under Explicit axes the
+  compiled step gathers no activation, and weights only as quantized
+  bytes. Also a MaxText-style linen block (logical axis names and
+  constraints, column- and row-parallel with FSDP)."""
+  out = run_checks("third_party_vit", "third_party_lm1b",
+                   "logical_partitioning")
+  for model in ("vit", "lm1b"):
+    for case in ("explicit data", "explicit fsdp", "auto data", "auto fsdp"):
+      assert f"{model} {case}:" in out, (model, case)
+  assert "logical explicit fsdp:" in out and "logical auto fsdp:" in out
 
 
 @pytest.mark.slow  # ~60 s on 2 cores; the fast tier keeps the sharded
@@ -133,3 +163,75 @@ def test_moe_expert_parallel_equals_one_device():
   `data=2 x expert=4` equals one device (mesh_checks: the derivation)."""
   out = run_checks("moe_expert_parallel")
   assert sum(line.startswith("moe {") for line in out.splitlines()) == 3
+
+def _free_port() -> int:
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    return sock.getsockname()[1]
+
+
+@pytest.mark.slow  # Three CLI runs (one of two processes): ~3 minutes.
+def test_cli_two_processes_match_one_and_resume_on_one_device(tmp_path):
+  """`python -m train --distributed` as two processes of 4 CPU devices each
+  (one host standing for two: `jax.distributed.initialize` with a local
+  coordinator; CPU collectives over gloo, jax's default) trains like one
+  process with the same 8-device mesh, and a checkpoint the two processes
+  wrote resumes in one process on one device.
+
+  Bounds as in `test_cli_mesh_run_matches_one_device`: the same program
+  whose cross-device sums (gloo's against the in-process ones) may run in
+  another order, so step 1 within `2u((N-1) + D F) * loss`, later steps
+  within 1%. The resumed run's first step starts from the state the two
+  processes saved, bit for bit (orbax, resharded onto one device): its
+  loss is within the same derived bound of the two processes' step.
+  """
+  mesh = ("--mesh", "data=2,fsdp=2,model=2", "--steps", "8",
+          "--ckpt-every", "4", "--eval-every", "4")
+  port = _free_port()
+  procs = {"one": _train_cli(tmp_path / "one", *mesh, devices=8)}
+  for i in range(2):
+    procs[f"two{i}"] = _train_cli(
+        tmp_path / "two", *mesh, "--distributed", "--coordinator",
+        f"localhost:{port}", "--num-processes", "2", "--process-id", str(i),
+        devices=4)
+  outs = {}
+  for name, proc in procs.items():
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, (name, out[-3000:])
+    outs[name] = out
+  for name in ("two0", "two1"):
+    assert "8 devices, mesh data=2 x fsdp=2 x model=2" in outs[name]
+  from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
+  run = lambda name: tmp_path / name / "tiny-nvfp4"
+  losses = {name: [r["loss"] for r in read_metrics(run(name) /
+                                                     "metrics.jsonl")
+                   if r["kind"] == "train"] for name in ("one", "two")}
+  assert len(losses["one"]) == len(losses["two"]) == 8
+  u = 2.0 ** -24
+  n, depth, width = 8 * 32, 2 * (6 * 6 + 3), 704
+  bound = 2 * u * ((n - 1) + depth * width)
+  one, two = losses["one"], losses["two"]
+  assert abs(two[0] - one[0]) <= bound * one[0], (two[0], one[0])
+  rel = [abs(a - b) / b for a, b in zip(two, one)]
+  print("two processes vs one, relative loss differences by step:",
+        " ".join(f"{r:.1e}" for r in rel))
+  assert max(rel) <= 0.01, rel
+
+  # Resume the two processes' step-4 checkpoint on one device.
+  import shutil  # pylint: disable=g-import-not-at-top
+  assert sorted(p.name for p in (run("two") / "checkpoints").iterdir()) == [
+      "4", "8"]
+  shutil.rmtree(run("two") / "checkpoints" / "8")
+  proc = _train_cli(tmp_path / "two", "--steps", "8", "--ckpt-every", "4",
+                    "--eval-every", "4", "--resume")
+  out, _ = proc.communicate(timeout=900)
+  assert proc.returncode == 0, out[-3000:]
+  resumed = [r["loss"] for r in read_metrics(run("two") / "metrics.jsonl")
+             if r["kind"] == "train"]
+  assert resumed[:4] == two[:4] and len(resumed) == 8, resumed
+  assert abs(resumed[4] - two[4]) <= bound * two[4], (resumed[4], two[4])
+  rel = [abs(a - b) / b for a, b in zip(resumed[4:], two[4:])]
+  print("resumed on one device vs two processes, steps 5-8:",
+        " ".join(f"{r:.1e}" for r in rel))
+  assert max(rel) <= 0.01, rel

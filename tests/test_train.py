@@ -443,3 +443,22 @@ def test_progress_bar_shows_loss_tokens_per_second_and_eta(monkeypatch):
   bar.update(1, 1.0, 10)
   bar.close()
   assert quiet.getvalue() == ""
+
+
+def test_a_later_process_writes_no_run_files(tmp_path, monkeypatch):
+  """In a multi-process run (`--distributed`) only the first process
+  writes the metrics, config and plots (every process writes its shards
+  of the checkpoints); a later one keeps its records in memory. (The
+  program is the first test's: compiled once per suite. The two processes
+  themselves run in the slow tier, `tests/test_mesh.py`.)"""
+  import train.loop as loop  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(loop, "_first_process", lambda: False)
+  result = Trainer(config(), small_corpus(), MODEL).run(tmp_path,
+                                                        progress=False)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
+  assert result.loss_plot is None and result.diag_plot is None
+  assert [r["step"] for r in select(result.records, "train")] == list(
+      range(1, 25))
+  assert [r["step"] for r in select(result.records, "eval")] == [8, 16, 24]
+  assert result.final_val_loss == select(result.records, "eval")[-1][
+      "val_loss"]

@@ -49,6 +49,7 @@ from train.build import make_rules
 from train.build import model_config
 from train.build import run_recipe
 from train.config import TrainConfig
+from train.metrics import MemoryLog
 from train.metrics import MetricsLog
 from train.metrics import Progress
 from train.metrics import truncate_metrics
@@ -262,27 +263,36 @@ class Trainer:
             f"{out} already holds checkpoints ({', '.join(saved)} in "
             f"{ckpt_dir}); resume that run (resume=True, --resume) or "
             f"delete them and start again (overwrite=True, --overwrite).")
-      for p in (ckpt_dir, metrics_path, out / "loss.png",
-                out / "diagnostics.png"):
-        if p.is_dir():
-          shutil.rmtree(p)
-        elif p.exists():
-          p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+      # Several processes (`jax.distributed`): the first writes the run's
+      # files; all write their shards of each checkpoint (orbax).
+      _all_processes_at(f"checked {out}")
+      if _first_process():
+        for p in (ckpt_dir, metrics_path, out / "loss.png",
+                  out / "diagnostics.png"):
+          if p.is_dir():
+            shutil.rmtree(p)
+          elif p.exists():
+            p.unlink()
+    if _first_process():
+      out.mkdir(parents=True, exist_ok=True)
+    _all_processes_at(f"prepared {out}")
     ckpt = Checkpointer(ckpt_dir)
     try:
       state = self._start(ckpt, config, resume)
       start = int(state.step)
-      truncate_metrics(metrics_path, start)
-      (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-      with MetricsLog(metrics_path) as log:
+      if _first_process():
+        truncate_metrics(metrics_path, start)
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+      with (MetricsLog(metrics_path) if _first_process()
+            else MemoryLog()) as log:
         state = self._loop(state, start, log, ckpt, config, progress, label,
                            log_every, on_step)
     finally:
       ckpt.close()
     return report.finish(
         cfg, out, metrics_path, skipped=int(state.skipped),
-        master_params=nvfp4_jax.master_params(state.opt_state))
+        master_params=nvfp4_jax.master_params(state.opt_state),
+        records=None if _first_process() else log.records)
 
   def _start(self, ckpt: Checkpointer, config: dict, resume: bool
              ) -> TrainState:
@@ -349,6 +359,17 @@ class Trainer:
     flush()
     bar.close()
     return state
+
+
+def _first_process() -> bool:
+  return jax.process_index() == 0
+
+
+def _all_processes_at(name: str) -> None:
+  """Waits for every process of a multi-process run (a no-op alone)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices(name)
 
 
 def _field_defaults(obj) -> dict:

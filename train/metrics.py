@@ -21,6 +21,27 @@ from typing import Any, Iterable, TextIO
 import tqdm
 
 
+class MemoryLog:
+  """A `MetricsLog` that keeps its records in memory (`records`): the log
+  of a process other than the first in a multi-process run, which writes
+  the run's files."""
+
+  def __init__(self, records: list[dict[str, Any]] | None = None):
+    self.records = list(records or [])
+
+  def write(self, record: dict[str, Any]) -> None:
+    self.records.append(json.loads(json.dumps(record, allow_nan=True)))
+
+  def close(self) -> None:
+    pass
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
 class MetricsLog:
   """Appends records to a JSONL file (flushed on every write)."""
 

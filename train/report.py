@@ -111,7 +111,8 @@ def diag_record(rules: nvfp4_jax.PrecisionRules,
 
 
 def finish(cfg: TrainConfig, out: pathlib.Path, metrics_path: pathlib.Path,
-           *, skipped: int, master_params: Any) -> RunResult:
+           *, skipped: int, master_params: Any,
+           records: list[dict[str, Any]] | None = None) -> RunResult:
   """Reads back a finished run's metrics, plots them and sums them up.
 
   Args:
@@ -120,25 +121,41 @@ def finish(cfg: TrainConfig, out: pathlib.Path, metrics_path: pathlib.Path,
     metrics_path: its JSONL metrics.
     skipped: the final state's count of skipped steps.
     master_params: the final FP32 master parameters (on the host).
+    records: the metric records of a process that writes no files (not
+      the first of a multi-process run): summed up, not plotted.
 
   Returns:
     The `RunResult`.
   """
-  records = read_metrics(metrics_path)
+  plots = records is None
+  if plots:
+    records = read_metrics(metrics_path)
   train = [r["loss"] for r in select(records, "train") if r["finite"]]
   tail = train[-max(1, len(train) // 10):]
   evals = select(records, "eval")
   title = (f"GPT {cfg.preset}, {cfg.precision}, {cfg.steps} steps x "
            f"{cfg.batch_size} x {cfg.seq_len} tokens")
-  loss_plot = plot_losses({cfg.precision: records}, out / "loss.png",
-                          title=title)
-  diag_plot = plot_diagnostics(
-      records, out / "diagnostics.png",
-      title=f"NVFP4 quantization diagnostics — {cfg.preset}, "
-            f"{cfg.precision} run")
+  loss_plot = diag_plot = None
+  if plots:
+    loss_plot = plot_losses({cfg.precision: records}, out / "loss.png",
+                            title=title)
+    diag_plot = plot_diagnostics(
+        records, out / "diagnostics.png",
+        title=f"NVFP4 quantization diagnostics — {cfg.preset}, "
+              f"{cfg.precision} run")
   return RunResult(
       config=cfg, out_dir=out, metrics_path=metrics_path,
       loss_plot=loss_plot, diag_plot=diag_plot,
       final_train_loss=float(np.mean(tail)) if tail else math.nan,
       final_val_loss=evals[-1]["val_loss"] if evals else math.nan,
-      skipped=skipped, records=records, params=jax.device_get(master_params))
+      skipped=skipped, records=records, params=_on_host(master_params))
+
+
+def _on_host(tree: Any) -> Any:
+  """`tree` as NumPy arrays; arrays split over several processes' devices
+  are gathered from all of them (every process calls this)."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return jax.tree.map(
+      lambda a: (multihost_utils.process_allgather(a, tiled=True)
+                 if isinstance(a, jax.Array) and not a.is_fully_addressable
+                 else jax.device_get(a)), tree)

@@ -391,9 +391,7 @@ def einsum_layer(inputs, kernel, equation: str, *, recipe, path: str, key,
       rules=rules, on_unsupported=on_unsupported)
   if perm != tuple(range(y.ndim)):
     y = jnp.transpose(y, perm)
-  if out_sharding is not None:
-    y = jax.lax.with_sharding_constraint(y, out_sharding)
-  return y
+  return ops.apply_out_sharding(y, out_sharding)
 
 
 def linen_einsum(module: nn.Einsum, inputs, einsum_str=None, *, recipe,

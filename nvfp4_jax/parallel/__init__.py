@@ -20,5 +20,6 @@ from nvfp4_jax.parallel.mesh import LinearSharding
 from nvfp4_jax.parallel.mesh import MeshRules
 from nvfp4_jax.parallel.mesh import TENSOR_STYLES
 from nvfp4_jax.parallel.mesh import current_rules
+from nvfp4_jax.parallel.mesh import linear_sharding_for
 from nvfp4_jax.parallel.mesh import make_mesh
 from nvfp4_jax.parallel.mesh import mesh_rules

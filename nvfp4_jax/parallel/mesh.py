@@ -27,6 +27,10 @@ that split it, blocks never straddle shards, and stochastic rounding draws
 the whole tensor's random bytes at each shard's global offset. So a sharded
 step equals the single-device step up to the order of FP32 sums.
 
+Under a mesh the library did not make (the user's axis names, JAX's
+sharding in types), `linear_sharding_for` derives a layer's
+`LinearSharding` from its operands' shardings.
+
 `quantize`, `quantize_rht_t` and `quantize_pair` here are the public
 quantizers for a sharded global array; `collectives` lists what a compiled
 program communicates.
@@ -121,6 +125,10 @@ class LinearSharding:
     fsdp: the mesh axis splitting the kernel's other dimension for storage;
       one of `tokens`. The weight is gathered (quantized, where its GEMM is)
       before use and its gradient reduce-scattered.
+    fsdp_dim: the kernel dimension `fsdp` splits (0: `in`, 1: `out`);
+      default the one tensor parallelism does not (0 unless the layer is
+      row-parallel). On the dimension `model` splits too, `fsdp` is the
+      minor axis: `P(None, ("model", "fsdp"))`.
   """
 
   mesh: Mesh
@@ -128,9 +136,15 @@ class LinearSharding:
   tensor: str | None = None
   model: str | None = None
   fsdp: str | None = None
+  fsdp_dim: int | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "tokens", tuple(self.tokens))
+    if self.fsdp_dim is None:
+      object.__setattr__(self, "fsdp_dim", 1 if self.tensor == "row" else 0)
+    if self.fsdp_dim not in (0, 1):
+      raise ValueError(f"LinearSharding.fsdp_dim must be 0 (in) or 1 (out), "
+                       f"got {self.fsdp_dim!r}.")
     names = set(self.mesh.axis_names)
     for a in self.tokens + tuple(x for x in (self.model, self.fsdp) if x):
       if a not in names:
@@ -164,12 +178,6 @@ class LinearSharding:
   def n_axes(self) -> tuple[str, ...]:
     """Axes splitting `out` (N) of Y and of the weight in use."""
     return (self.model,) if self.tensor == "column" else ()
-
-  @property
-  def fsdp_dim(self) -> int:
-    """The kernel dimension `fsdp` splits: the one tensor parallelism
-    does not (0, `in`, unless the layer is row-parallel)."""
-    return 1 if self.tensor == "row" else 0
 
   @property
   def kernel_spec(self) -> P:
@@ -226,6 +234,51 @@ class LinearSharding:
   @property
   def y_spec(self) -> P:
     return P(spmd.entry(self.tokens), spmd.entry(self.n_axes))
+
+
+def linear_sharding_for(mesh, x_spec: P, kernel_spec: P) -> LinearSharding:
+  """The `LinearSharding` a layer's operands' own shardings ask for.
+
+  For a layer under a mesh the library did not make (the user's axis names,
+  JAX's sharding in types): `X: [tokens, in]` of sharding `x_spec`, the
+  kernel `[in, out]` of `kernel_spec`, both 2-D PartitionSpecs over `mesh`'s
+  axes. Every axis splitting the tokens splits them here too (data
+  parallelism); an axis splitting X's `in` is the row-parallel `model` axis,
+  else an axis splitting the kernel's `out` but not the tokens is the
+  column-parallel one; an axis splitting the tokens and the kernel's other
+  dimension is `fsdp` (the weight is gathered quantized and its gradient
+  reduce-scattered). What the result's `x_spec` and `kernel_spec` do not
+  keep of the given specs (a second model axis, a weight split over an
+  axis that does not split the tokens, `fsdp` major to `model` on one
+  dimension) is resharded by the caller: correct, at the cost of moving it.
+
+  Args:
+    mesh: the mesh (a `Mesh`, or the `AbstractMesh` of an array's type).
+    x_spec, kernel_spec: the operands' PartitionSpecs.
+
+  Returns:
+    A `LinearSharding` on `mesh`.
+  """
+  def dim(spec, d):
+    return spmd.entry_axes(spec[d]) if d < len(spec) else ()
+  tokens, xk = dim(x_spec, 0), dim(x_spec, 1)
+  w_dims = (dim(kernel_spec, 0), dim(kernel_spec, 1))
+  tensor = model = None
+  if xk:
+    tensor, model = "row", xk[0]
+  else:
+    cols = [a for a in w_dims[1] if a not in tokens]
+    if cols:
+      tensor, model = "column", cols[0]
+  fsdp = fsdp_dim = None
+  order = (1, 0) if tensor == "row" else (0, 1)
+  for d in order:
+    hits = [a for a in w_dims[d] if a in tokens]
+    if hits:
+      fsdp, fsdp_dim = hits[-1], d
+      break
+  return LinearSharding(mesh=mesh, tokens=tokens, tensor=tensor, model=model,
+                        fsdp=fsdp, fsdp_dim=fsdp_dim)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -33,17 +33,30 @@ at its global offset (the whole tensor's bytes), the FSDP weight is gathered
 quantized, row-parallel outputs and column-parallel input gradients are
 summed across `model` in FP32, and the weight gradient is reduce-scattered
 across `fsdp` and summed across the other batch axes.
+
+Under a mesh the library did not make, with JAX's sharding in types
+(`jax.set_mesh` with Explicit axes), the operands' types say how the layer
+is split (`sharding.linear_sharding_for`): the same per-shard computation,
+with reshapes that carry their `out_sharding` and a result of a sharded
+type. In auto mode (`jax.jit` shardings) XLA partitions the op as the rest
+of the program; the library's `MeshRules` (any axis names) run it per
+shard there too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from typing import Callable
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
+from jax.sharding import AbstractMesh
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nvfp4_jax.core import dispatch
@@ -467,14 +480,17 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
       (the backward pass, for the paper's recipe). Split per operand by
       `Recipe.operand_keys`; pass a new key every step and layer.
     out_sharding: as `jax.lax.dot_general` (flax passes it): the result's
-      sharding, applied as a sharding constraint.
+      sharding, applied as a sharding constraint (resharded where the
+      result's type carries Explicit axes).
     name: the layer's name (its module path), for error messages and the
       active `nvfp4_jax.sharding.mesh_rules`.
     sharding: how to split the layer over a device mesh (see
       `nvfp4_jax.sharding.LinearSharding`); default: what the active
-      `mesh_rules` give `name`, else unsharded. The sharded layer computes
-      the unsharded one's quantized operands bit for bit; results differ
-      only by the order of FP32 sums across shards.
+      `mesh_rules` give `name`, else what the operands' sharding types say
+      under Explicit mesh axes (`sharding.linear_sharding_for`; operands
+      split otherwise are resharded to it), else unsharded. The sharded
+      layer computes the unsharded one's quantized operands bit for bit;
+      results differ only by the order of FP32 sums across shards.
 
   Returns:
     The result, with `jax.lax.dot_general`'s shape.
@@ -573,14 +589,107 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
     k *= lhs.shape[d]
   free_shape = ([lhs.shape[d] for d in lhs_free]
                 + [rhs.shape[d] for d in rhs_free])
-  x = jnp.transpose(lhs, lhs_free + list(lc)).reshape(-1, k)
-  w = jnp.transpose(rhs, list(rc) + rhs_free).reshape(k, -1)
+  x = jnp.transpose(lhs, lhs_free + list(lc))
+  w = jnp.transpose(rhs, list(rc) + rhs_free)
+  mesh = explicit_mesh(lhs, rhs)
+  if mesh is None:
+    x, w, y_sharding = x.reshape(-1, k), w.reshape(k, -1), None
+  else:
+    x, w, shard, y_sharding = _explicit_operands(
+        x, w, len(lhs_free), len(lc), mesh, shard, prefix)
   plan = gemm_plan(recipe.residuals, platform=dispatch.platform(),
                    cc=dispatch.compute_capability(),
                    impl=dispatch.current_default())
   y = _linear(x, w, key, recipe, precision, out_dtype, x.dtype,
               f"layer {name!r}: " if name else "", plan, shard)
-  y = y.reshape(free_shape)
-  if out_sharding is not None:
-    y = jax.lax.with_sharding_constraint(y, out_sharding)
-  return y
+  if y_sharding is None:
+    y = y.reshape(free_shape)
+  else:
+    y = jax.lax.reshape(y, tuple(free_shape), out_sharding=y_sharding)
+  return apply_out_sharding(y, out_sharding)
+
+
+def apply_out_sharding(y: jax.Array, out_sharding) -> jax.Array:
+  """`y` with the sharding `out_sharding` (None: as it is): resharded
+  where its type carries Explicit axes, else a sharding constraint."""
+  if out_sharding is None:
+    return y
+  if explicit_mesh(y) is not None:
+    return jax.sharding.reshard(y, out_sharding)
+  return jax.lax.with_sharding_constraint(y, out_sharding)
+
+
+def explicit_mesh(*arrays) -> AbstractMesh | None:
+  """The mesh of the first operand whose sharding type has Explicit axes
+  (JAX's sharding in types: `jax.set_mesh` with `AxisType.Explicit`), else
+  None (no mesh, Auto axes, or inside a `shard_map`)."""
+  for a in arrays:
+    mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+    if (mesh is not None and not mesh.empty
+        and AxisType.Explicit in tuple(mesh.axis_types)):
+      return mesh
+  return None
+
+
+def _dims_entry(spec: P, dims, keep=None):
+  """One PartitionSpec entry for the merge of `dims` (major to minor) of a
+  tensor of sharding `spec`, keeping only the axes in `keep` if given."""
+  axes = [a for d in dims
+          for a in spmd.entry_axes(spec[d] if d < len(spec) else None)
+          if keep is None or a in keep]
+  return spmd.entry(axes)
+
+
+def _explicit_operands(x, w, n_free, n_contract, mesh: AbstractMesh,
+                       shard: LinearSharding | None, prefix: str):
+  """`x: [..free, ..contracting]` and `w: [..contracting, ..free]` as the
+  2-D operands of `_linear` under sharding in types, the `LinearSharding`
+  they run with, and the sharding of the result `[..lhs free, ..rhs free]`.
+
+  The layer's split is what the operands' types say
+  (`sharding.linear_sharding_for`), or `shard` (from `sharding=` or the
+  `mesh_rules` in force) if given; each operand is resharded to it (a
+  no-op where its type says the same). The flattening reshapes carry their
+  `out_sharding`: the merged dimensions keep every axis that split them.
+  """
+  xs, ws = jax.typeof(x).sharding.spec, jax.typeof(w).sharding.spec
+  x_spec = P(_dims_entry(xs, range(n_free)),
+             _dims_entry(xs, range(n_free, x.ndim)))
+  w_spec = P(_dims_entry(ws, range(n_contract)),
+             _dims_entry(ws, range(n_contract, w.ndim)))
+  if shard is None:
+    shard = sharding_lib.linear_sharding_for(mesh, x_spec, w_spec)
+  else:
+    if dict(shard.mesh.shape) != dict(mesh.shape):
+      raise ValueError(
+          f"{prefix}the layer's LinearSharding is on a mesh "
+          f"{dict(shard.mesh.shape)}, but its operands' sharding types are "
+          f"on {dict(mesh.shape)}; give it the operands' mesh "
+          f"(jax.typeof(x).sharding.mesh), or leave sharding=None to follow "
+          f"the operands' types.")
+    shard = dataclasses.replace(shard, mesh=mesh)
+  # The result splits back as the operands' free dimensions were split.
+  lhs_free, rhs_free = range(n_free), range(n_contract, w.ndim)
+  y_lhs = ([_dims_entry(xs, (d,)) for d in lhs_free]
+           if spmd.entry_axes(_dims_entry(xs, lhs_free)) == shard.tokens else
+           [spmd.entry(shard.tokens)] + [None] * (n_free - 1))
+  n_axes = set(shard.n_axes)
+  y_rhs = [_dims_entry(ws, (d,), keep=n_axes) for d in rhs_free]
+  if (spmd.entry_axes(_dims_entry(ws, rhs_free, keep=n_axes))
+      != shard.n_axes):
+    y_rhs = [spmd.entry(shard.n_axes)] + [None] * (len(rhs_free) - 1)
+  tokens, k = math.prod(x.shape[:n_free]), math.prod(x.shape[n_free:])
+  x = jax.lax.reshape(x, (tokens, k), out_sharding=NamedSharding(mesh, x_spec))
+  w = jax.lax.reshape(w, (k, math.prod(w.shape[n_contract:])),
+                      out_sharding=NamedSharding(mesh, w_spec))
+  y_sharding = NamedSharding(mesh, P(*y_lhs, *y_rhs))
+  sizes = dict(mesh.shape)
+  if all(sizes[a] == 1 for a in spmd.spec_axes(shard.x_spec)
+         + spmd.spec_axes(shard.kernel_spec)):
+    # Nothing split (one device, or axes of size 1): the whole layer.
+    shard, x_spec, w_spec = None, P(), P()
+  else:
+    x_spec, w_spec = shard.x_spec, shard.kernel_spec
+  x = jax.sharding.reshard(x, NamedSharding(mesh, x_spec))
+  w = jax.sharding.reshard(w, NamedSharding(mesh, w_spec))
+  return x, w, shard, y_sharding
