@@ -58,7 +58,7 @@ def param_count(cfg: GPTConfig) -> int:
   def init():
     with nvfp4_jax.precision_rules(hp):
       return GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 32), jnp.int32))
-  shapes = jax.eval_shape(init)
+  shapes = jax.eval_shape(init)["params"]  # Not the MoE losses it sows.
   return int(sum(np.prod(x.shape) for x in jax.tree.leaves(shapes)))
 
 
