@@ -37,8 +37,9 @@ from nvfp4_jax.core import tile
 
 
 def backend() -> str:
-  """The platform the kernels will run on: "gpu", "cpu", "tpu", ..."""
-  return jax.default_backend()
+  """The platform the kernels will run on: "gpu", "cpu", "tpu", ...
+  (a `dispatch.target_device` block's, if any)."""
+  return dispatch.target_platform() or jax.default_backend()
 
 
 def check_backend(what: str) -> bool:

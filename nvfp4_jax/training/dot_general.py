@@ -577,7 +577,8 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
   w = jnp.transpose(rhs, list(rc) + rhs_free).reshape(k, -1)
   plan = gemm_plan(recipe.residuals, platform=dispatch.platform(),
                    cc=dispatch.compute_capability(),
-                   impl=dispatch.current_default())
+                   impl=dispatch.current_default(),
+                   cudnn=dispatch.cudnn_version())
   y = _linear(x, w, key, recipe, precision, out_dtype, x.dtype,
               f"layer {name!r}: " if name else "", plan, shard)
   y = y.reshape(free_shape)

@@ -77,10 +77,42 @@ def _kernel():
   return nvfp4_gemm_kernel
 
 
-def has_fp4_mma() -> bool:
-  """Whether the GPU has block-scaled FP4 MMA (compute capability >= 10)."""
-  cc = common.compute_capability()
-  return cc is not None and cc >= (10, 0)
+# Compute capabilities where Triton 3.6 lowers `tl.dot_scaled` on E2M1
+# operands with E4M3 scales to a block-scaled MMA, compiled ahead of time
+# (`python -m benchmarks.check_device --target`): sm_100 and sm_103
+# `tcgen05.mma ... kind::mxf4nvf4.block_scale.scale_vec::4X`, sm_120
+# `mma.sync ... kind::mxf4nvf4.block_scale.scale_vec::4X` (SASS OMMA). On
+# sm_121 (GB10), sm_110 and sm_90 TritonGPUAccelerateMatmul fails ("TTIR->TTGIR
+# pass failed!"): a compile error at lowering, so dispatch must not pick it.
+BLOCK_SCALED_MMA_CCS = ((10, 0), (10, 3), (12, 0))
+
+# K is padded up to a multiple of this: with K = 32 (mod 64) the K loop's
+# BLOCK_K would be 32, which fails to compile on sm_100/103/120 ("Instruction
+# shape is too large" / "Invalid index"). Zero code bytes and zero scale
+# bytes add exact zeros to every dot product.
+K_MULTIPLE = 64
+
+
+def has_fp4_mma(cc: tuple[int, int] | None = None) -> bool:
+  """Whether this kernel compiles to a block-scaled FP4 MMA on compute
+  capability `cc` (default: the GPU dispatch targets)."""
+  cc = common.compute_capability() if cc is None else cc
+  return cc is not None and tuple(cc) in BLOCK_SCALED_MMA_CCS
+
+
+def padded_k(k: int) -> int:
+  """The K the kernel runs: `k` rounded up to `K_MULTIPLE`."""
+  return -(-k // K_MULTIPLE) * K_MULTIPLE
+
+
+def pad_k(q: NVFP4Array, k: int) -> NVFP4Array:
+  """`q` with K padded to `k` by zero codes and zero scales (exact)."""
+  extra = k - q.shape[1]
+  if not extra:
+    return q
+  return NVFP4Array(
+      codes=jnp.pad(q.codes, ((0, 0), (0, extra // 2))),
+      scales=jnp.pad(q.scales, ((0, 0), (0, extra // 16))), amax=q.amax)
 
 
 def block_scaled_matmul(a: NVFP4Array, b: NVFP4Array, alpha: jax.Array, *,
@@ -90,8 +122,8 @@ def block_scaled_matmul(a: NVFP4Array, b: NVFP4Array, alpha: jax.Array, *,
   """`(a @ b.T) * alpha` on NVFP4 operands `a: [M, K]`, `b: [N, K]`.
 
   Raises:
-    NotImplementedError: not on a GPU with FP4 MMA, jax-triton missing, MX
-      operands, or K not a multiple of 32.
+    NotImplementedError: not on a GPU where Triton compiles the block-scaled
+      MMA (`BLOCK_SCALED_MMA_CCS`), jax-triton missing, or MX operands.
   """
   if common.backend() != "gpu":
     raise NotImplementedError(
@@ -99,9 +131,11 @@ def block_scaled_matmul(a: NVFP4Array, b: NVFP4Array, alpha: jax.Array, *,
         "implementation='xla' (or 'pallas') elsewhere.")
   if not has_fp4_mma():
     raise NotImplementedError(
-        f"implementation='triton' runs tl.dot_scaled on FP4 tensor cores "
-        f"(compute capability >= 10); this GPU is "
-        f"{common.compute_capability()}. Use 'pallas' (the exact emulation).")
+        f"implementation='triton' runs tl.dot_scaled on FP4 tensor cores, "
+        f"which Triton compiles for compute capability "
+        f"{', '.join(f'{a}.{b}' for a, b in BLOCK_SCALED_MMA_CCS)}; this GPU "
+        f"is {common.compute_capability()}. Use 'scaled_matmul' (cuDNN) or "
+        f"'pallas' (the exact emulation).")
   if not (isinstance(a, NVFP4Array) and isinstance(b, NVFP4Array)):
     raise NotImplementedError("the triton GEMM takes NVFP4Arrays only.")
   try:
@@ -110,14 +144,14 @@ def block_scaled_matmul(a: NVFP4Array, b: NVFP4Array, alpha: jax.Array, *,
     raise NotImplementedError(
         "implementation='triton' needs jax-triton (pip install "
         "'nvfp4-jax[gpu]').") from e
-  (m, k), (n, _) = a.shape, b.shape
-  if k % 32:
-    raise NotImplementedError(
-        f"the FP4 GEMM needs K to be a multiple of 32, got K={k}.")
+  k = padded_k(a.shape[1])
+  a, b = pad_k(a, k), pad_k(b, k)
+  (m, _), (n, _) = a.shape, b.shape
   bk = block_k
   while k % bk:
     bk //= 2
   grid = (common.cdiv(m, block_m) * common.cdiv(n, block_n),)
+  cc = common.compute_capability()
   return jt.triton_call(
       a.codes, a.scales, b.codes, b.scales,
       jnp.reshape(alpha.astype(jnp.float32), (1,)),
@@ -125,4 +159,6 @@ def block_scaled_matmul(a: NVFP4Array, b: NVFP4Array, alpha: jax.Array, *,
       out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
       grid=grid, num_warps=num_warps, num_stages=num_stages,
       M=m, N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
-      GROUP_M=8)
+      GROUP_M=8,
+      # The GPU compiled for (dispatch.target_device when ahead of time).
+      compute_capability=cc[0] * 10 + cc[1])
