@@ -181,6 +181,7 @@ class Compiler:
   cudnn: tuple[int, int]
   device: Any
   triton_kernels: list[TritonKernel]
+  _triton_cache: dict = dataclasses.field(default_factory=dict)
 
   def abstract(self, shape, dtype) -> jax.ShapeDtypeStruct:
     """An argument on the target device (nothing is allocated)."""
@@ -192,8 +193,11 @@ class Compiler:
     return jax.tree.map(lambda x: self.abstract(x.shape, x.dtype), tree)
 
   def lower(self, fn: Callable, *args, **kwargs):
-    """`jax.jit(fn)` lowered for the target, arguments placed on it."""
+    """`jax.jit(fn)` lowered for the target, arguments placed on it;
+    `triton_kernels` then holds the Triton kernels of this program."""
     args, kwargs = self.place((args, kwargs))
+    del self.triton_kernels[:]
+    self._triton_cache.clear()
     return jax.jit(fn).trace(*args, **kwargs).lower()
 
   def compile(self, fn: Callable, *args, **kwargs) -> str:
@@ -217,6 +221,7 @@ def compiling_for(name: str | Target, *, cudnn: tuple[int, int] = DEFAULT_CUDNN
     reason = unavailable_reason() or f"{type(e).__name__}: {e}"
     raise Unavailable(f"cannot compile for {t.name}: {reason}") from e
   kernels: list[TritonKernel] = []
+  cache: dict = {}
   # JAX caches traces by function and argument types, not by the device
   # dispatch answers for: a trace made before (or in) the block must not be
   # reused in (or after) it.
@@ -224,24 +229,26 @@ def compiling_for(name: str | Target, *, cudnn: tuple[int, int] = DEFAULT_CUDNN
   try:
     with contextlib.ExitStack() as stack:
       stack.enter_context(dispatch.target_device("gpu", t.cc, cudnn))
-      stack.enter_context(_recording_triton(kernels))
+      stack.enter_context(_recording_triton(kernels, cache))
       stack.enter_context(_pallas_triton_target(t.cc))
-      yield Compiler(t, cudnn, device, kernels)
+      yield Compiler(t, cudnn, device, kernels, cache)
   finally:
     jax.clear_caches()
 
 
 @contextlib.contextmanager
-def _recording_triton(kernels: list[TritonKernel]) -> Iterator[None]:
+def _recording_triton(kernels: list[TritonKernel], cache: dict
+                      ) -> Iterator[None]:
   """Records the PTX of each kernel jax-triton compiles in the block; its
-  kernel cache is set aside so that each one compiles (and is recorded)."""
+  kernel cache is `cache` meanwhile (cleared per program), so that each
+  program's kernels compile (and are recorded)."""
   try:
     from jax_triton import triton_lib  # pylint: disable=g-import-not-at-top
   except ImportError:
     yield
     return
   compile_ttir = triton_lib.compile_ttir_inplace
-  cache = triton_lib._COMPILED_KERNEL_CACHE  # pylint: disable=protected-access
+  saved = triton_lib._COMPILED_KERNEL_CACHE  # pylint: disable=protected-access
 
   def record(*args, **kwargs):
     result = compile_ttir(*args, **kwargs)
@@ -249,12 +256,12 @@ def _recording_triton(kernels: list[TritonKernel]) -> Iterator[None]:
     return result
 
   triton_lib.compile_ttir_inplace = record
-  triton_lib._COMPILED_KERNEL_CACHE = {}  # pylint: disable=protected-access
+  triton_lib._COMPILED_KERNEL_CACHE = cache  # pylint: disable=protected-access
   try:
     yield
   finally:
     triton_lib.compile_ttir_inplace = compile_ttir
-    triton_lib._COMPILED_KERNEL_CACHE = cache  # pylint: disable=protected-access
+    triton_lib._COMPILED_KERNEL_CACHE = saved  # pylint: disable=protected-access
 
 
 @contextlib.contextmanager
