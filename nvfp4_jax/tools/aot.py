@@ -94,6 +94,9 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("gb10", "NVIDIA GB10", (12, 1), 48, memory_bytes=119 * _GIB,
            bandwidth=2.73e11, l2_bytes=24 * (1 << 20), clock_ghz=2.42,
            **_CONSUMER),
+    Target("thor", "NVIDIA Thor", (11, 0), 20, memory_bytes=119 * _GIB,
+           bandwidth=2.73e11, l2_bytes=32 * (1 << 20), clock_ghz=1.57,
+           **_DC),
 )}
 
 # cuDNN's version in the jax[cuda13] wheels this was written against.
@@ -204,6 +207,27 @@ class Compiler:
     """The optimized HLO text XLA compiled `fn` to for the target."""
     return self.lower(fn, *args, **kwargs).compile().as_text()
 
+  def cudnn_visible(self) -> bool:
+    """Whether this JAX's compile without a GPU hands a block-scaled dot to
+    cuDNN at all (a bare `jax.nn.scaled_matmul`, NVFP4 operands, aligned
+    shapes, compiled for a B200 with this cuDNN version). jax 0.10's XLA
+    reads cuDNN's version from the target config; jax 0.11's compiles for a
+    topology "devicelessly" and its autotuner sees no cuDNN (version 0.0.0:
+    "Cudnn version is too old"), so it decomposes every block-scaled dot,
+    whatever the GPU would run. (Probed on sm_100: jax 0.11.2's XLA aborts
+    the process compiling the decomposition's E2M1 convert for sm_120.)
+    """
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    device = _topology_device(TARGETS["b200"], self.cudnn)
+    s = lambda shape, dtype: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+    f4, e4 = jnp.float4_e2m1fn, jnp.float8_e4m3fn
+    hlo = jax.jit(lambda a, b, sa, sb: jax.nn.scaled_matmul(
+        a, b, sa, sb, preferred_element_type=jnp.float32)).trace(
+            s((1, 128, 128), f4), s((1, 128, 128), f4), s((1, 128, 8), e4),
+            s((1, 128, 8), e4)).lower().compile().as_text()
+    return "__cudnn$blockScaledDot" in hlo
+
 
 @contextlib.contextmanager
 def compiling_for(name: str | Target, *, cudnn: tuple[int, int] = DEFAULT_CUDNN
@@ -226,6 +250,13 @@ def compiling_for(name: str | Target, *, cudnn: tuple[int, int] = DEFAULT_CUDNN
   # dispatch answers for: a trace made before (or in) the block must not be
   # reused in (or after) it.
   jax.clear_caches()
+  # The persistent compilation cache holds executables for this process's
+  # devices; one compiled for a topology cannot be read back: off in the
+  # block (JAX decides once per process whether it uses the cache, hence
+  # the reset, before and after).
+  cache_on = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  _reset_compilation_cache()
   try:
     with contextlib.ExitStack() as stack:
       stack.enter_context(dispatch.target_device("gpu", t.cc, cudnn))
@@ -233,7 +264,17 @@ def compiling_for(name: str | Target, *, cudnn: tuple[int, int] = DEFAULT_CUDNN
       stack.enter_context(_pallas_triton_target(t.cc))
       yield Compiler(t, cudnn, device, kernels, cache)
   finally:
+    jax.config.update("jax_enable_compilation_cache", cache_on)
+    _reset_compilation_cache()
     jax.clear_caches()
+
+
+def _reset_compilation_cache() -> None:
+  try:
+    from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
+    compilation_cache.reset_cache()
+  except (ImportError, AttributeError):
+    pass
 
 
 @contextlib.contextmanager
