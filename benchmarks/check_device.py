@@ -151,6 +151,24 @@ def gemm_exactness(k: int) -> list[dict]:
   vb = np.abs(np.asarray(nv.block_dequantize(hb)[0], np.float64))
   bound = (va @ vb.T) * float(gemm_ref.gemm_alpha(ha, hb)) * k * 2.0**-23
   rows = []
+  for fmt in ("mxfp4", "mxfp8"):  # Native on Blackwell: within the bound.
+    ma = nv.quantize_mx(jnp.asarray(check_input((128, k), 1), jnp.float32), fmt)
+    mb = nv.quantize_mx(jnp.asarray(check_input((64, k), 2), jnp.float32), fmt)
+    vma = np.abs(np.asarray(nv.block_dequantize(ma)[0], np.float64))
+    vmb = np.abs(np.asarray(nv.block_dequantize(mb)[0], np.float64))
+    mx_want = np.asarray(jax.jit(functools.partial(
+        gemm_api.block_scaled_matmul, implementation="xla"))(ma, mb),
+                         np.float64)
+    mx_bound = (vma @ vmb.T) * k * 2.0**-23
+    try:
+      got = np.asarray(jax.jit(gemm_api.block_scaled_matmul)(ma, mb),
+                       np.float64)
+      within = bool(np.all(np.abs(got - mx_want) <= mx_bound))
+      rows.append(dict(check=f"GEMM {fmt} default", result=(
+          f"{'within' if within else 'OUTSIDE'} the FP32 order bound")))
+    except Exception as e:  # pylint: disable=broad-except
+      rows.append(dict(check=f"GEMM {fmt} default", result=f"failed: "
+                       f"{type(e).__name__}: {str(e)[:100]}"))
   for impl in (None, "pallas", "triton", "scaled_matmul"):
     name = impl or "default"
     try:
@@ -187,14 +205,15 @@ class AotCase:
     name: the row's name.
     build: returns `(fn, args)`, args abstract (`jax.ShapeDtypeStruct`).
     native: on Blackwell every GEMM of it must run native FP4 (cuDNN's
-      block-scaled dot or Triton's block-scaled MMA).
+      block-scaled dot or Triton's block-scaled MMA); None: where dispatch
+      picks a native implementation.
     dispatch: what the project's dispatch picks, in words (computed inside
       the target's block).
   """
 
   name: str
   build: Callable[[], tuple[Callable, tuple]]
-  native: bool = False
+  native: bool | None = False
   dispatch: Callable[[], str] = lambda: ""
 
 
@@ -215,15 +234,17 @@ def _mx(rows, k, fmt):
                  fmt=fmt)
 
 
-def _gemm_order(m, n, k):
+def _gemm_order(m, n, k, fmt="nvfp4"):
   """Which implementation `block_scaled_matmul(implementation=None)` runs
   for `[m, k] x [n, k]` here: the first in its order that accepts."""
+  q = _nvfp4 if fmt == "nvfp4" else functools.partial(_mx, fmt=fmt)
+
   def first():
     for name in gemm_api.BLOCK_SCALED_MATMUL.order():
       try:
         jax.eval_shape(functools.partial(gemm_api.block_scaled_matmul,
                                          implementation=name),
-                       _nvfp4(m, k), _nvfp4(n, k))
+                       q(m, k), q(n, k))
         return name
       except NotImplementedError:
         continue
@@ -288,7 +309,7 @@ def aot_cases() -> list[AotCase]:
         f"NVFP4 GEMM {m}x{n}x{k}{what}",
         lambda m=m, n=n, k=k: (gemm_api.block_scaled_matmul,
                                (_nvfp4(m, k), _nvfp4(n, k))),
-        native=not what, dispatch=_gemm_order(m, n, k)))
+        native=None, dispatch=_gemm_order(m, n, k)))
   for impl in gemm_api.BLOCK_SCALED_MATMUL.order()[:-1]:  # Each path named.
     cases.append(AotCase(
         f"NVFP4 GEMM 256x384x512, implementation={impl!r}",
@@ -301,7 +322,7 @@ def aot_cases() -> list[AotCase]:
         f"{fmt.upper()} GEMM 256x384x512",
         lambda fmt=fmt: (gemm_api.block_scaled_matmul,
                          (_mx(256, 512, fmt), _mx(384, 512, fmt))),
-        dispatch=lambda: "xla (reference)"))
+        native=None, dispatch=_gemm_order(256, 384, 512, fmt)))
   return cases
 
 
@@ -389,7 +410,9 @@ def ahead_of_time(target: str, *, cudnn=aot.DEFAULT_CUDNN, sass: bool = True,
                                                 visible)
         low = aot.lowering(post)
         cudnn_by_dispatch = not visible and "__op$block_scaled_dot" in pre
-        if (case.native and t.cc >= (10, 0) and not low.cudnn_block_scaled
+        native = (case.native if case.native is not None else
+                  row["dispatch"] in ("triton", "scaled_matmul"))
+        if (native and t.cc >= (10, 0) and not low.cudnn_block_scaled
             and not low.triton_calls and not cudnn_by_dispatch):
           problems.append("no native FP4 GEMM")
       except Exception as e:  # pylint: disable=broad-except

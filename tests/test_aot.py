@@ -77,13 +77,65 @@ def test_padding_k_with_zero_codes_and_scales_is_exact():
   """What the Triton path multiplies for K = 48 (padded to 64) gives the
   reference's bits: zero codes times zero scales add exact zeros."""
   rng = np.random.default_rng(0)
-  a = nv.quantize(jnp.asarray(rng.standard_normal((32, 48)), jnp.float32))
-  b = nv.quantize(jnp.asarray(rng.standard_normal((16, 48)), jnp.float32))
+
+  def operand(rows):  # Random codes and E4M3 scale bytes (finite, 0x00-0x7e).
+    return NVFP4Array(
+        codes=jnp.asarray(rng.integers(0, 256, (rows, 24)), jnp.uint8),
+        scales=jax.lax.bitcast_convert_type(jnp.asarray(
+            rng.integers(0, 0x7F, (rows, 3)), jnp.uint8), jnp.float8_e4m3fn),
+        amax=jnp.float32(3.0))
+  a, b = operand(32), operand(16)
   pa, pb = triton_gemm.pad_k(a, 64), triton_gemm.pad_k(b, 64)
   assert pa.shape == (32, 64) and pb.scales.shape == (16, 4)
   np.testing.assert_array_equal(
       gemm_ref._matmul_xla(pa, pb, out_dtype=jnp.float32),  # pylint: disable=protected-access
       gemm_ref._matmul_xla(a, b, out_dtype=jnp.float32))  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "nvfp4"])
+def test_operands_as_cudnn_takes_them_are_the_reference_values(fmt):
+  """What `jax.nn.scaled_matmul` receives (elements as float4_e2m1fn /
+  float8_e4m3fn, the scales as they are) means the reference's block values
+  bit for bit: elements x scales = `block_dequantize`'s values (both exact
+  in FP32). The dot itself is cuDNN's (or XLA's), FP32 accumulation."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((8, 128)) * np.exp(
+      2 * rng.standard_normal((8, 128))), jnp.float32)
+  q = nv.quantize(x) if fmt == "nvfp4" else nv.quantize_mx(x, fmt)
+  block = 16 if fmt == "nvfp4" else 32
+  got = cudnn._elements(q)[0].astype(jnp.float32) * jnp.repeat(  # pylint: disable=protected-access
+      q.scales.astype(jnp.float32), block, axis=-1)
+  np.testing.assert_array_equal(
+      got, nv.block_dequantize(q)[0].astype(jnp.float32))
+
+
+def test_mx_padding_is_exact():
+  rng = np.random.default_rng(2)
+  for fmt in ("mxfp4", "mxfp8"):
+    q = nv.quantize_mx(jnp.asarray(rng.standard_normal((4, 96)),
+                                   jnp.float32), fmt)
+    p = triton_gemm.pad_k(q, triton_gemm.padded_k(96, mx=True))
+    assert p.shape == (4, 128) and p.scales.shape == (4, 4)
+    v, pv = nv.block_dequantize(q)[0], nv.block_dequantize(p)[0]
+    np.testing.assert_array_equal(pv[:, :96], v)
+    assert not np.any(np.asarray(pv[:, 96:], np.float32))
+
+
+def test_mx_dispatch_on_blackwell():
+  """MXFP8 takes cuDNN's block-scaled dot; MXFP4 not (XLA decomposes it)."""
+  mx = lambda rows, fmt: nv.MXArray(
+      data=jax.ShapeDtypeStruct((rows, 256 if fmt == "mxfp4" else 512),
+                                jnp.uint8 if fmt == "mxfp4"
+                                else jnp.float8_e4m3fn),
+      scales=jax.ShapeDtypeStruct((rows, 16), jnp.float8_e8m0fnu), fmt=fmt)
+  f = functools.partial(gemm_api.block_scaled_matmul,
+                        implementation="scaled_matmul")
+  with dispatch.target_device("gpu", (10, 0), (9, 14)):
+    jax.eval_shape(f, mx(256, "mxfp8"), mx(384, "mxfp8"))
+    with pytest.raises(NotImplementedError, match="MXFP4"):
+      jax.eval_shape(f, mx(256, "mxfp4"), mx(384, "mxfp4"))
+    with pytest.raises(NotImplementedError, match="one format"):
+      jax.eval_shape(f, mx(256, "mxfp8"), mx(384, "mxfp4"))
 
 
 @pytest.mark.parametrize("m, n, k, ok", [
@@ -239,6 +291,27 @@ def test_triton_k_32_mod_64_compiles(target, k):
     low = aot.lowering(_gemm_hlo(c, 256, 384, k, "triton"))
     assert low.triton_calls == 1
     assert "kind::mxf4nvf4" in _block_scaled_mma(c), c.triton_kernels
+
+
+@needs_plugin
+@pytest.mark.parametrize("target, fmt, want", [
+    ("b200", "mxfp8", "cudnn"), ("b200", "mxfp4", "tcgen05 kind::mxf4 "),
+    ("rtx-pro-6000", "mxfp4", "kind::mxf4nvf4 scale_vec::2X"),
+    ("rtx-pro-6000", "mxfp8", "kind::mxf8f6f4")])
+def test_mx_gemms_run_native(target, fmt, want):
+  s = jax.ShapeDtypeStruct
+  mx = lambda rows: nv.MXArray(
+      data=s((rows, 256), jnp.uint8) if fmt == "mxfp4" else s(
+          (rows, 512), jnp.float8_e4m3fn),
+      scales=s((rows, 16), jnp.float8_e8m0fnu), fmt=fmt)
+  with aot.compiling_for(target) as c:
+    low = aot.lowering(c.compile(gemm_api.block_scaled_matmul, mx(256),
+                                 mx(384)))
+    if want == "cudnn":
+      assert low.cudnn_block_scaled == int(_CUDNN_VISIBLE), low
+    else:
+      assert low.triton_calls == 1, low
+      assert want in _block_scaled_mma(c), c.triton_kernels
 
 
 @needs_plugin

@@ -31,6 +31,7 @@ from nvfp4_jax.core.arrays import check_nvfp4_array
 
 from nvfp4_jax.ops.block_scaled_matmul.cudnn import _matmul_scaled_matmul
 from nvfp4_jax.ops.block_scaled_matmul.cudnn import _require_nvfp4
+from nvfp4_jax.ops.block_scaled_matmul.cudnn import _require_same_format
 from nvfp4_jax.ops.block_scaled_matmul.cudnn import native as cudnn_native
 from nvfp4_jax.ops.block_scaled_matmul.reference import _matmul_xla
 from nvfp4_jax.ops.block_scaled_matmul.reference import _values_matmul_xla
@@ -59,10 +60,12 @@ def block_scaled_matmul(a: QArray, b: QArray, *, out_dtype=jnp.float32,
         FP32 accumulation (`block_values_matmul`'s default: XLA's GEMM, or
         on Hopper our Mosaic GPU kernel where it is measured to win). NVFP4
         only.
-      - "triton": a jax-triton kernel with `tl.dot_scaled` (FP4 tensor cores;
-        compute capability >= 10 only). NVFP4 only.
-      - "scaled_matmul": `jax.nn.scaled_matmul` on float4_e2m1fn operands
-        (cuDNN on Blackwell; XLA decomposes it elsewhere). NVFP4 on GPU only.
+      - "triton": a jax-triton kernel with `tl.dot_scaled` (block-scaled
+        tensor cores; compute capability 10.0, 10.3, 12.0). NVFP4, MXFP4,
+        MXFP8 (both operands of one format).
+      - "scaled_matmul": `jax.nn.scaled_matmul` (cuDNN's block-scaled dot on
+        Blackwell from cuDNN 9.10; XLA decomposes it elsewhere). NVFP4 and
+        MXFP8 on GPU only (XLA decomposes MXFP4 even on Blackwell).
       - None: a native FP4 path on Blackwell (compute capability >= 10;
         see `gemm_preference`), "pallas" on other GPUs, "xla" elsewhere;
         a path that cannot run the call falls back to the next.
@@ -217,7 +220,7 @@ def _matmul_pallas(a, b, *, out_dtype):
 
 
 def _matmul_triton(a, b, *, out_dtype):
-  _require_nvfp4(a, b, "triton")
+  _require_same_format(a, b, "triton")
   from nvfp4_jax.ops.block_scaled_matmul import triton as kernel  # pylint: disable=g-import-not-at-top
   return kernel.block_scaled_matmul(a, b, gemm_alpha(a, b),
                                     out_dtype=out_dtype)
