@@ -347,3 +347,40 @@ def test_old_cudnn_decomposes_and_the_report_says_so():
       "native FP4: cuDNN scaled_matmul"}
   assert all(g.implementation.startswith("emulation: XLA decomposed")
              for g in compiled.quantized), compiled
+
+
+# --- Blackwell's E2M1 conversion in the quantizers ---------------------------
+
+
+@pytest.mark.parametrize("cc, hw, want", [
+    ((10, 0), True, True), ((10, 3), True, True),
+    ((12, 0), True, False),  # XLA's Triton targets plain sm_120: no cvt.
+    ((9, 0), True, False), ((10, 0), False, False)])
+def test_round_to_nearest_codes_use_the_e2m1_conversion(monkeypatch, cc, hw,
+                                                        want):
+  """Lowered for CUDA (nothing runs): the RTNE quantizer carries
+  `cvt.rn.satfinite.e2m1x2.f32` on 10.0/10.3 and the software encoder
+  elsewhere or with `HW_E2M1` off; stochastic rounding never converts in
+  hardware (see `common._ENCODE_CODES_CVT_ASM`). Bit-exactness on the device:
+  tests/test_encoder.py's `test_assembly_equals_reference` and
+  `check_device`, on a Blackwell GPU."""
+  from jax._src.pallas.triton import pallas_call_registration as reg  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.quantize import pallas_triton as pallas_quantize  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(common, "HW_E2M1", hw)
+  if hasattr(reg, "gpu_info_lib"):  # jax >= 0.11 asks the (absent) GPU.
+    monkeypatch.setattr(reg, "gpu_info_lib", types.SimpleNamespace(
+        get_gpu_info=lambda: types.SimpleNamespace(
+            compute_capability=cc[0] * 10 + cc[1])))
+  x = jax.ShapeDtypeStruct((32, 256), jnp.bfloat16)
+  lower = lambda fn: jax.jit(fn).trace(x).lower(
+      lowering_platforms=("cuda",)).as_text()
+  jax.clear_caches()  # Traces are cached by function, not by target.
+  with dispatch.target_device("gpu", cc):
+    rtne = lower(pallas_quantize.quantize)
+    assert ("cvt.rn.satfinite.e2m1x2.f32" in rtne) == want
+    assert ("mul.rn.ftz.sat.f32" in rtne) != want  # The software encoder.
+    if want:
+      sr = lower(lambda x: pallas_quantize.quantize(
+          x, rounding="stochastic", key=jax.random.key(0)))
+      assert "e2m1x2" not in sr and "fma.rp.f32" in sr

@@ -88,6 +88,9 @@ def target_device(platform_name: str, cc: tuple[int, int] | None = None,
   `cudnn_version()` describe another device than this process's: the one a
   program is compiled for ahead of time (`nvfp4_jax.tools.aot`), so that
   dispatch picks that device's kernels while tracing. Nothing runs on it.
+  JAX caches traces by function and argument types, not by this block:
+  clear them (`jax.clear_caches()`) on entering and leaving it, as
+  `aot.compiling_for` does.
   """
   if platform_name not in ("cpu", "gpu", "tpu"):
     raise ValueError(f"target_device: platform {platform_name!r}; use "
