@@ -22,7 +22,9 @@ run. Prints, as Markdown tables:
 2. exactness: every kernel's bytes (codes, E4M3 scales, amax, SR bits, bf16
    values) against the pure-jnp reference run on the CPU, and every GEMM
    implementation against the reference: bit for bit where every partial sum
-   is exact, within the FP32 summation-order bound otherwise;
+   is exact, within the FP32 summation-order bound otherwise (also on every
+   E4M3 scale byte, subnormal and zero ones included, and zero blocks; MXFP4
+   and MXFP8 too);
 3. speed, ratios from this run: the NVFP4 GEMM (default, each native path,
    the emulation) against cuBLAS bf16, `NVFP4Dense` fwd+bwd against
    `nn.Dense`, and the GPT `small` train step NVFP4 against BF16 (each step
@@ -150,6 +152,16 @@ def gemm_exactness(k: int) -> list[dict]:
   va = np.abs(np.asarray(nv.block_dequantize(ha)[0], np.float64))
   vb = np.abs(np.asarray(nv.block_dequantize(hb)[0], np.float64))
   bound = (va @ vb.T) * float(gemm_ref.gemm_alpha(ha, hb)) * k * 2.0**-23
+  # Every scale byte a quantizer can write (0x00-0x7E: zero, the E4M3
+  # subnormals 0x01-0x07, up to 448) on random codes, and zero blocks: the
+  # native GEMMs decode the scales themselves.
+  ra, rb = _random_scales(rng, 128, k), _random_scales(rng, 64, k)
+  want_r = np.asarray(jax.jit(functools.partial(
+      gemm_api.block_scaled_matmul, implementation="xla"))(ra, rb),
+                      np.float64)
+  vra = np.abs(np.asarray(nv.block_dequantize(ra)[0], np.float64))
+  vrb = np.abs(np.asarray(nv.block_dequantize(rb)[0], np.float64))
+  bound_r = (vra @ vrb.T) * float(gemm_ref.gemm_alpha(ra, rb)) * k * 2.0**-23
   rows = []
   for fmt in ("mxfp4", "mxfp8"):  # Native on Blackwell: within the bound.
     ma = nv.quantize_mx(jnp.asarray(check_input((128, k), 1), jnp.float32), fmt)
@@ -177,15 +189,33 @@ def gemm_exactness(k: int) -> list[dict]:
       exact = np.array_equal(np.asarray(f(a, b)), want_exact)
       within = bool(np.all(np.abs(np.asarray(f(ha, hb), np.float64) - want)
                            <= bound))
+      within_r = bool(np.all(np.abs(np.asarray(f(ra, rb), np.float64)
+                                    - want_r) <= bound_r))
       rows.append(dict(check=f"GEMM {name}", result=(
           f"{'exact' if exact else 'DIFFERS'} on exact sums; "
-          f"{'within' if within else 'OUTSIDE'} the FP32 order bound")))
+          f"{'within' if within else 'OUTSIDE'} the FP32 order bound; "
+          f"every scale byte: {'within' if within_r else 'OUTSIDE'}")))
     except NotImplementedError as e:
       rows.append(dict(check=f"GEMM {name}", result=f"not here: {e}"[:140]))
     except Exception as e:  # pylint: disable=broad-except
       rows.append(dict(check=f"GEMM {name}", result=f"failed: "
                        f"{type(e).__name__}: {str(e)[:100]}"))
   return rows
+
+
+def _random_scales(rng, rows: int, k: int) -> NVFP4Array:
+  """An NVFP4 operand of random code bytes and random finite E4M3 scale
+  bytes (0x00-0x7E, positive as a quantizer writes them), every eighth
+  block zero (codes and scale)."""
+  codes = rng.integers(0, 256, (rows, k // 2), dtype=np.uint8)
+  scales = rng.integers(0, 0x7F, (rows, k // 16), dtype=np.uint8)
+  scales[:, ::8] = 0
+  codes.reshape(rows, k // 16, 8)[:, ::8] = 0
+  return NVFP4Array(
+      codes=jnp.asarray(codes),
+      scales=jax.lax.bitcast_convert_type(jnp.asarray(scales),
+                                          jnp.float8_e4m3fn),
+      amax=jnp.float32(1000.0))
 
 
 # --- Ahead of time (--target) ------------------------------------------------
