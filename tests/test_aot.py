@@ -76,20 +76,37 @@ def test_triton_pads_k_to_a_multiple_of_64(k, want):
 def test_padding_k_with_zero_codes_and_scales_is_exact():
   """What the Triton path multiplies for K = 48 (padded to 64) gives the
   reference's bits: zero codes times zero scales add exact zeros."""
-  rng = np.random.default_rng(0)
-
-  def operand(rows):  # Random codes and E4M3 scale bytes (finite, 0x00-0x7e).
-    return NVFP4Array(
-        codes=jnp.asarray(rng.integers(0, 256, (rows, 24)), jnp.uint8),
-        scales=jax.lax.bitcast_convert_type(jnp.asarray(
-            rng.integers(0, 0x7F, (rows, 3)), jnp.uint8), jnp.float8_e4m3fn),
-        amax=jnp.float32(3.0))
-  a, b = operand(32), operand(16)
+  a = _random_operand("nvfp4", 32, 48, 3)
+  b = _random_operand("nvfp4", 16, 48, 4)
   pa, pb = triton_gemm.pad_k(a, 64), triton_gemm.pad_k(b, 64)
   assert pa.shape == (32, 64) and pb.scales.shape == (16, 4)
-  np.testing.assert_array_equal(
-      gemm_ref._matmul_xla(pa, pb, out_dtype=jnp.float32),  # pylint: disable=protected-access
-      gemm_ref._matmul_xla(a, b, out_dtype=jnp.float32))  # pylint: disable=protected-access
+  gemm = jax.jit(functools.partial(gemm_ref._matmul_xla,  # pylint: disable=protected-access
+                                   out_dtype=jnp.float32))
+  np.testing.assert_array_equal(gemm(pa, pb), gemm(a, b))
+
+
+def _random_operand(fmt, rows, k, seed):
+  """Random code bytes and scale bytes (E4M3 0x00-0x7E: zero, subnormal, up
+  to 448; UE8M0 2^-27..2^22), the bytes a quantizer may write."""
+  rng = np.random.default_rng(seed)
+  if fmt == "nvfp4":
+    return NVFP4Array(
+        codes=jnp.asarray(rng.integers(0, 256, (rows, k // 2), np.uint8)),
+        scales=jax.lax.bitcast_convert_type(jnp.asarray(
+            rng.integers(0, 0x7F, (rows, k // 16), np.uint8)),
+                                            jnp.float8_e4m3fn),
+        amax=jnp.float32(3.0))
+  data = rng.integers(0, 256, (rows, k // 2 if fmt == "mxfp4" else k),
+                      np.uint8)
+  if fmt == "mxfp8":  # No NaN (0x7F, 0xFF) among the E4M3 elements.
+    data[(data & 0x7F) == 0x7F] = 0
+  data = jnp.asarray(data)
+  return nv.MXArray(
+      data=data if fmt == "mxfp4" else jax.lax.bitcast_convert_type(
+          data, jnp.float8_e4m3fn),
+      scales=jax.lax.bitcast_convert_type(jnp.asarray(
+          rng.integers(100, 150, (rows, k // 32), np.uint8)),
+                                          jnp.float8_e8m0fnu), fmt=fmt)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "nvfp4"])
@@ -98,27 +115,31 @@ def test_operands_as_cudnn_takes_them_are_the_reference_values(fmt):
   float8_e4m3fn, the scales as they are) means the reference's block values
   bit for bit: elements x scales = `block_dequantize`'s values (both exact
   in FP32). The dot itself is cuDNN's (or XLA's), FP32 accumulation."""
-  rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.standard_normal((8, 128)) * np.exp(
-      2 * rng.standard_normal((8, 128))), jnp.float32)
-  q = nv.quantize(x) if fmt == "nvfp4" else nv.quantize_mx(x, fmt)
+  q = _random_operand(fmt, 8, 128, 1)
   block = 16 if fmt == "nvfp4" else 32
-  got = cudnn._elements(q)[0].astype(jnp.float32) * jnp.repeat(  # pylint: disable=protected-access
-      q.scales.astype(jnp.float32), block, axis=-1)
-  np.testing.assert_array_equal(
-      got, nv.block_dequantize(q)[0].astype(jnp.float32))
+
+  @jax.jit
+  def both(q):
+    got = cudnn._elements(q)[0].astype(jnp.float32) * jnp.repeat(  # pylint: disable=protected-access
+        q.scales.astype(jnp.float32), block, axis=-1)
+    return got, nv.block_dequantize(q)[0].astype(jnp.float32)
+  got, want = both(q)
+  np.testing.assert_array_equal(got, want)
 
 
 def test_mx_padding_is_exact():
-  rng = np.random.default_rng(2)
+  """Padded MX operands: the elements as they were, then zeros (which add
+  zeros), under finite scales (127: 2^0)."""
   for fmt in ("mxfp4", "mxfp8"):
-    q = nv.quantize_mx(jnp.asarray(rng.standard_normal((4, 96)),
-                                   jnp.float32), fmt)
+    q = _random_operand(fmt, 4, 96, 2)
     p = triton_gemm.pad_k(q, triton_gemm.padded_k(96, mx=True))
     assert p.shape == (4, 128) and p.scales.shape == (4, 4)
-    v, pv = nv.block_dequantize(q)[0], nv.block_dequantize(p)[0]
-    np.testing.assert_array_equal(pv[:, :96], v)
-    assert not np.any(np.asarray(pv[:, 96:], np.float32))
+    data = lambda a: np.asarray(a).view(np.uint8)
+    cols = data(q.data).shape[1]
+    np.testing.assert_array_equal(data(p.data)[:, :cols], data(q.data))
+    assert not data(p.data)[:, cols:].any()
+    np.testing.assert_array_equal(data(p.scales)[:, :3], data(q.scales))
+    assert (data(p.scales)[:, 3] == 127).all()
 
 
 def test_mx_dispatch_on_blackwell():
