@@ -232,6 +232,13 @@ def test_report_reads_the_compiled_program():
   assert got.startswith("emulation: XLA decomposed"), got
 
 
+def test_compiled_report_compiles_and_reports():
+  rep = nv.compiled_report(lambda a, b: a @ b, jnp.ones((4, 8)),
+                           jnp.ones((8, 2)))
+  assert [(g.gemm, g.reason) for g in rep.gemms] == [
+      ("other", "not an NVFP4 layer")]
+
+
 # --- Ahead of time: where JAX's CUDA plugin is installed ----------------------
 
 _WHY = aot.unavailable_reason()
