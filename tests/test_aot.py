@@ -15,6 +15,7 @@ decomposed the block-scaled dot silently.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -412,3 +413,45 @@ def test_round_to_nearest_codes_use_the_e2m1_conversion(monkeypatch, cc, hw,
       sr = lower(lambda x: pallas_quantize.quantize(
           x, rounding="stochastic", key=jax.random.key(0)))
       assert "e2m1x2" not in sr and "fma.rp.f32" in sr
+
+
+# --- Native FP4 plans: the weight quantized as it is stored -------------------
+
+
+def test_native_plan_quantizes_the_weight_once_in_its_layout(monkeypatch):
+  """Under a native plan (here: `default_implementation("triton")`, which
+  the CPU runs as the reference), the weight is quantized as stored
+  (`[in, out]`, 16x16 tiles): the same outputs and gradients, bit for bit,
+  as quantizing its FP32 transpose, and the program has no FP32 transpose
+  of the weight and no transpose of codes in the backward pass."""
+  from nvfp4_jax.training import dot_general as dg  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((32, 64)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((64, 48)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((32, 48)), jnp.float32)
+  dn = (((1,), (0,)), ((), ()))
+
+  def step(x, w, dy):
+    y, vjp = jax.vjp(lambda x, w: nv.dot_general(
+        x, w, dn, recipe=nv.Recipe.nvfp4(), key=jax.random.key(0)), x, w)
+    return y, vjp(dy)
+
+  def run(on):
+    monkeypatch.setattr(dg, "NATIVE_KERNEL_LAYOUT", on)
+    jax.clear_caches()
+    with nv.default_implementation("triton"):
+      out = jax.jit(step)(x, w, dy)
+      jaxpr = str(jax.make_jaxpr(step)(x, w, dy))
+    return out, jaxpr
+  (got, text_on), (want, text_off) = run(True), run(False)
+  for g, h in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
+  transposed = lambda text: sorted(re.findall(
+      r"(\w+\[[\d,]+\]) = transpose\[", text))
+  # Off: the FP32 weight's transpose (before Fprop's quantizer) and Dgrad's
+  # transpose of the codes; on: only Fprop's transpose of the codes.
+  assert "f32[48,64]" in transposed(text_off) and "u8[64,48]" in transposed(
+      text_off)
+  assert "f32[48,64]" not in transposed(text_on), transposed(text_on)
+  assert [t for t in transposed(text_on) if t.startswith("u8")] == [
+      "u8[48,64]"]
