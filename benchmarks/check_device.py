@@ -2,6 +2,16 @@
 
     python -m benchmarks.check_device            # on the GPU (a few minutes)
     python -m benchmarks.check_device --small    # smoke run (CPU: interpreted)
+    python -m benchmarks.check_device --target b200   # ahead of time, no GPU
+
+`--target {b200,gb200,b300,rtx-pro-6000,rtx-5090,gb10}` compiles for that
+GPU on any machine (no GPU needed: JAX's CUDA plugin, the `gpu` extra, and
+nothing else) and prints what each program lowered to: the NVFP4 layer's
+forward and backward, every quantizer, the weight-only matmul and the GEMMs
+(NVFP4 and MX); with the `triton` package, each Pallas-Triton kernel's SASS
+instructions per element (`benchmarks.sass_report`). It exits non-zero on a
+compile error, on a block-scaled dot XLA decomposed, or on a Blackwell GEMM
+that runs no native FP4. Nothing runs: exactness and speed need the GPU.
 
 Made for Blackwell users (compute capability 10.x / 12.x), where the default
 GEMM is a native FP4 path that the project's own CI and benchmarks cannot
@@ -12,7 +22,9 @@ run. Prints, as Markdown tables:
 2. exactness: every kernel's bytes (codes, E4M3 scales, amax, SR bits, bf16
    values) against the pure-jnp reference run on the CPU, and every GEMM
    implementation against the reference: bit for bit where every partial sum
-   is exact, within the FP32 summation-order bound otherwise;
+   is exact, within the FP32 summation-order bound otherwise (also on every
+   E4M3 scale byte, subnormal and zero ones included, and zero blocks; MXFP4
+   and MXFP8 too);
 3. speed, ratios from this run: the NVFP4 GEMM (default, each native path,
    the emulation) against cuBLAS bf16, `NVFP4Dense` fwd+bwd against
    `nn.Dense`, and the GPT `small` train step NVFP4 against BF16 (each step
@@ -24,8 +36,20 @@ Send the output with a bug report; nothing else is written.
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import functools
 import importlib.metadata
+import os
+import sys
+import tempfile
+from typing import Callable
+
+# `--target` compiles for a GPU that is not here: JAX's CUDA plugin must
+# register without loading CUDA's libraries, which it does when JAX runs on
+# the CPU (set before JAX starts a backend).
+if __name__ == "__main__" and "--target" in " ".join(sys.argv):
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +68,12 @@ from nvfp4_jax.ops.quantize_pair import api as pair_api
 from nvfp4_jax.ops.quantize_rht_t import api as rht_t_api
 from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
 from nvfp4_jax.ops.block_scaled_matmul import reference as gemm_ref
+from nvfp4_jax.ops.block_scaled_matmul import cudnn as cudnn_api
 from nvfp4_jax.core.recipe import Operand
+from nvfp4_jax.core.arrays import MXArray
+from nvfp4_jax.core.arrays import NVFP4Array
+from nvfp4_jax.ops.weight_only_matmul import api as wo_api
+from nvfp4_jax.tools import aot
 
 _OPS = {"quantize": quantize_api.QUANTIZE, "quantize_rht_t": rht_t_api.QUANTIZE_RHT_T,
         "quantize_pair": pair_api.QUANTIZE_PAIR,
@@ -123,7 +152,35 @@ def gemm_exactness(k: int) -> list[dict]:
   va = np.abs(np.asarray(nv.block_dequantize(ha)[0], np.float64))
   vb = np.abs(np.asarray(nv.block_dequantize(hb)[0], np.float64))
   bound = (va @ vb.T) * float(gemm_ref.gemm_alpha(ha, hb)) * k * 2.0**-23
+  # Every scale byte a quantizer can write (0x00-0x7E: zero, the E4M3
+  # subnormals 0x01-0x07, up to 448) on random codes, and zero blocks: the
+  # native GEMMs decode the scales themselves.
+  ra, rb = _random_scales(rng, 128, k), _random_scales(rng, 64, k)
+  want_r = np.asarray(jax.jit(functools.partial(
+      gemm_api.block_scaled_matmul, implementation="xla"))(ra, rb),
+                      np.float64)
+  vra = np.abs(np.asarray(nv.block_dequantize(ra)[0], np.float64))
+  vrb = np.abs(np.asarray(nv.block_dequantize(rb)[0], np.float64))
+  bound_r = (vra @ vrb.T) * float(gemm_ref.gemm_alpha(ra, rb)) * k * 2.0**-23
   rows = []
+  for fmt in ("mxfp4", "mxfp8"):  # Native on Blackwell: within the bound.
+    ma = nv.quantize_mx(jnp.asarray(check_input((128, k), 1), jnp.float32), fmt)
+    mb = nv.quantize_mx(jnp.asarray(check_input((64, k), 2), jnp.float32), fmt)
+    vma = np.abs(np.asarray(nv.block_dequantize(ma)[0], np.float64))
+    vmb = np.abs(np.asarray(nv.block_dequantize(mb)[0], np.float64))
+    mx_want = np.asarray(jax.jit(functools.partial(
+        gemm_api.block_scaled_matmul, implementation="xla"))(ma, mb),
+                         np.float64)
+    mx_bound = (vma @ vmb.T) * k * 2.0**-23
+    try:
+      got = np.asarray(jax.jit(gemm_api.block_scaled_matmul)(ma, mb),
+                       np.float64)
+      within = bool(np.all(np.abs(got - mx_want) <= mx_bound))
+      rows.append(dict(check=f"GEMM {fmt} default", result=(
+          f"{'within' if within else 'OUTSIDE'} the FP32 order bound")))
+    except Exception as e:  # pylint: disable=broad-except
+      rows.append(dict(check=f"GEMM {fmt} default", result=f"failed: "
+                       f"{type(e).__name__}: {str(e)[:100]}"))
   for impl in (None, "pallas", "triton", "scaled_matmul"):
     name = impl or "default"
     try:
@@ -132,9 +189,12 @@ def gemm_exactness(k: int) -> list[dict]:
       exact = np.array_equal(np.asarray(f(a, b)), want_exact)
       within = bool(np.all(np.abs(np.asarray(f(ha, hb), np.float64) - want)
                            <= bound))
+      within_r = bool(np.all(np.abs(np.asarray(f(ra, rb), np.float64)
+                                    - want_r) <= bound_r))
       rows.append(dict(check=f"GEMM {name}", result=(
           f"{'exact' if exact else 'DIFFERS'} on exact sums; "
-          f"{'within' if within else 'OUTSIDE'} the FP32 order bound")))
+          f"{'within' if within else 'OUTSIDE'} the FP32 order bound; "
+          f"every scale byte: {'within' if within_r else 'OUTSIDE'}")))
     except NotImplementedError as e:
       rows.append(dict(check=f"GEMM {name}", result=f"not here: {e}"[:140]))
     except Exception as e:  # pylint: disable=broad-except
@@ -143,13 +203,329 @@ def gemm_exactness(k: int) -> list[dict]:
   return rows
 
 
+def _random_scales(rng, rows: int, k: int) -> NVFP4Array:
+  """An NVFP4 operand of random code bytes and random finite E4M3 scale
+  bytes (0x00-0x7E, positive as a quantizer writes them), every eighth
+  block zero (codes and scale)."""
+  codes = rng.integers(0, 256, (rows, k // 2), dtype=np.uint8)
+  scales = rng.integers(0, 0x7F, (rows, k // 16), dtype=np.uint8)
+  scales[:, ::8] = 0
+  codes.reshape(rows, k // 16, 8)[:, ::8] = 0
+  return NVFP4Array(
+      codes=jnp.asarray(codes),
+      scales=jax.lax.bitcast_convert_type(jnp.asarray(scales),
+                                          jnp.float8_e4m3fn),
+      amax=jnp.float32(1000.0))
+
+
+# --- Ahead of time (--target) ------------------------------------------------
+
+AOT_COLS = ("program", "dispatch", "lowered to", "status")
+# `--target` choices: the Blackwell GPUs (`aot.TARGETS` also has Thor, cc
+# 11.0, for the dispatch's tests: XLA's Triton cannot compile the Pallas
+# kernels for it, jax 0.11.2).
+AOT_TARGETS = ("b200", "gb200", "b300", "rtx-pro-6000", "rtx-5090", "gb10")
+
+
+@dataclasses.dataclass
+class AotCase:
+  """One program to compile for the target.
+
+  Attributes:
+    name: the row's name.
+    build: returns `(fn, args)`, args abstract (`jax.ShapeDtypeStruct`).
+    native: on Blackwell every GEMM of it must run native FP4 (cuDNN's
+      block-scaled dot or Triton's block-scaled MMA); None: where dispatch
+      picks a native implementation.
+    dispatch: what the project's dispatch picks, in words (computed inside
+      the target's block).
+  """
+
+  name: str
+  build: Callable[[], tuple[Callable, tuple]]
+  native: bool | None = False
+  dispatch: Callable[[], str] = lambda: ""
+
+
+def _sds(shape, dtype):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _nvfp4(rows, k):
+  return NVFP4Array(codes=_sds((rows, k // 2), jnp.uint8),
+                    scales=_sds((rows, k // 16), jnp.float8_e4m3fn),
+                    amax=_sds((), jnp.float32))
+
+
+def _mx(rows, k, fmt):
+  data = (_sds((rows, k // 2), jnp.uint8) if fmt == "mxfp4"
+          else _sds((rows, k), jnp.float8_e4m3fn))
+  return MXArray(data=data, scales=_sds((rows, k // 32), jnp.float8_e8m0fnu),
+                 fmt=fmt)
+
+
+def _gemm_order(m, n, k, fmt="nvfp4"):
+  """Which implementation `block_scaled_matmul(implementation=None)` runs
+  for `[m, k] x [n, k]` here: the first in its order that accepts."""
+  q = _nvfp4 if fmt == "nvfp4" else functools.partial(_mx, fmt=fmt)
+
+  def first():
+    for name in gemm_api.BLOCK_SCALED_MATMUL.order():
+      try:
+        jax.eval_shape(functools.partial(gemm_api.block_scaled_matmul,
+                                         implementation=name),
+                       q(m, k), q(n, k))
+        return name
+      except NotImplementedError:
+        continue
+    return "xla"
+  return first
+
+
+def _layer_case(tokens, features=512, out=384, native=True):
+  def build():
+    model = nv.NVFP4Dense(out, recipe="nvfp4")
+    x = jnp.zeros((tokens, features), jnp.bfloat16)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)
+
+    def loss(params, x, key):
+      y = model.apply(params, x, rngs={nv.RNG_STREAM: key})
+      return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    def step(params, x):
+      return jax.value_and_grad(loss, argnums=(0, 1))(params, x,
+                                                      jax.random.key(1))
+    return step, (params, _sds(x.shape, x.dtype))
+  return AotCase(
+      f"NVFP4Dense fwd+bwd, {tokens} tokens x {features} -> {out}", build,
+      native=native, dispatch=lambda: "GEMMs: " + " -> ".join(
+          gemm_api.BLOCK_SCALED_MATMUL.order()))
+
+
+def aot_cases() -> list[AotCase]:
+  """The programs `--target` compiles."""
+  sr, sr_t = Operand(rounding="stochastic"), Operand(rounding="stochastic",
+                                                     rht=True)
+  x = _sds((256, 512), jnp.bfloat16)
+  key = jax.random.key(0)
+  quantizers = [
+      ("quantize 1x16 RTNE", nv.quantize),
+      ("quantize 1x16 SR", functools.partial(nv.quantize,
+                                             rounding="stochastic", key=key)),
+      ("quantize 16x16", functools.partial(nv.quantize, block_2d=True)),
+      ("quantize_with_values", quantize_api.quantize_with_values),
+      ("quantize_rht_t SR", functools.partial(
+          rht_t_api.quantize_rht_t, rounding="stochastic", key=key)),
+      ("quantize_pair (dY: SR + RHT)", lambda x: pair_api.quantize_pair(
+          x, sr, sr_t, key_row=key, key_t=jax.random.key(8))),
+      ("block_dequantize", lambda x: nv.block_dequantize(nv.quantize(x))),
+  ]
+  # 4000 tokens: Wgrad's K = 32 (mod 64) and rows no multiple of 128; on
+  # GB10 (no Triton MMA) cuDNN declines those shapes: the emulation runs.
+  cases = [_layer_case(256), _layer_case(4000, native=False)]
+  for name, fn in quantizers:
+    op = _OPS["quantize_pair" if "pair" in name else "quantize_rht_t"
+              if "rht_t" in name else "quantize"]
+    cases.append(AotCase(name, lambda fn=fn: (fn, (x,)),
+                         dispatch=lambda op=op: op.order()[0]))
+  cases.append(AotCase(
+      "weight_only_matmul 16 x 4096 -> 4096",
+      lambda: (functools.partial(nv.weight_only_matmul),
+               (_sds((16, 4096), jnp.bfloat16), _nvfp4(4096, 4096))),
+      dispatch=lambda: wo_api.WEIGHT_ONLY_MATMUL.order()[0]))
+  for m, n, k, what in ((256, 384, 512, ""), (256, 384, 544, ", K = 32 mod 64"),
+                        (256, 384, 48, ", K = 48"), (40, 384, 512, ", M = 40")):
+    cases.append(AotCase(
+        f"NVFP4 GEMM {m}x{n}x{k}{what}",
+        lambda m=m, n=n, k=k: (gemm_api.block_scaled_matmul,
+                               (_nvfp4(m, k), _nvfp4(n, k))),
+        native=None, dispatch=_gemm_order(m, n, k)))
+  for impl in gemm_api.BLOCK_SCALED_MATMUL.order()[:-1]:  # Each path named.
+    cases.append(AotCase(
+        f"NVFP4 GEMM 256x384x512, implementation={impl!r}",
+        lambda impl=impl: (functools.partial(
+            gemm_api.block_scaled_matmul, implementation=impl),
+                           (_nvfp4(256, 512), _nvfp4(384, 512))),
+        native=impl in ("triton", "scaled_matmul"), dispatch=lambda: "named"))
+  for fmt in ("mxfp4", "mxfp8"):
+    cases.append(AotCase(
+        f"{fmt.upper()} GEMM 256x384x512",
+        lambda fmt=fmt: (gemm_api.block_scaled_matmul,
+                         (_mx(256, 512, fmt), _mx(384, 512, fmt))),
+        native=None, dispatch=_gemm_order(256, 384, 512, fmt)))
+  return cases
+
+
+def _describe(pre: str, post: str, kernels, cudnn_visible: bool = True
+              ) -> tuple[str, list[str]]:
+  """What a compiled program runs, and what is wrong with it.
+  `cudnn_visible=False`: this compile cannot hand block-scaled dots to cuDNN
+  (`aot.Compiler.cudnn_visible`), so a decomposition says nothing about the
+  GPU: reported, not a failure."""
+  low = aot.lowering(post)
+  requested = pre.count("__op$block_scaled_dot")
+  parts, problems = [], []
+  if low.cudnn_block_scaled:
+    parts.append(f"cuDNN __cudnn$blockScaledDot x{low.cudnn_block_scaled}")
+  if low.triton_calls:
+    mma = aot.describe_mma(tuple(sorted({m for k in kernels
+                                         for m in aot.ptx_mma(k.ptx)})))
+    parts.append(f"Triton {mma} x{low.triton_calls}")
+    if "block_scale" not in "".join(m for k in kernels
+                                    for m in aot.ptx_mma(k.ptx)):
+      problems.append("a Triton GEMM without block-scaled MMA")
+  if low.pallas_triton:
+    parts.append(f"Pallas-Triton kernels x{low.pallas_triton}")
+  decomposed = requested - low.cudnn_block_scaled
+  if decomposed > 0 and cudnn_visible:
+    problems.append(f"{decomposed} block-scaled dot(s) decomposed by XLA")
+    parts.append(f"XLA decomposition (dequantize + dot) x{decomposed}")
+  elif decomposed > 0:
+    parts.append(f"cuDNN block-scaled dot x{decomposed} (dispatch; not "
+                 f"verifiable by this compile: decomposed here)")
+  dots = collections.Counter(low.dots)
+  if dots and decomposed <= 0:
+    parts.append("XLA dot " + ", ".join(f"{t} x{n}" for t, n in dots.items())
+                 + (" (emulation)" if not (low.cudnn_block_scaled
+                                           or low.triton_calls) else ""))
+  if low.cublas:
+    parts.append(f"cuBLAS x{len(low.cublas)}")
+  return "; ".join(parts) or "elementwise XLA only", problems
+
+
+def ahead_of_time(target: str, *, cudnn=aot.DEFAULT_CUDNN, sass: bool = True,
+                  cases: list[AotCase] | None = None) -> int:
+  """Compiles every case for `target`, prints the tables; the number of
+  failed rows (0: all compiled as expected)."""
+  t = aot.target(target)
+  print(f"target: {t.name} ({t.device_kind}), compute capability "
+        f"{t.cc[0]}.{t.cc[1]}, cuDNN {cudnn[0]}.{cudnn[1]}, compiled ahead of "
+        f"time on {jax.devices()[0].platform}\nversions: " + ", ".join(
+            f"{p} {_version(p)}" for p in (
+                "jax", "jaxlib", "jax-cuda13-plugin", "triton",
+                "jax-triton")), flush=True)
+  rows, failed = [], 0
+  with aot.compiling_for(t, cudnn=cudnn) as c:
+    visible = cudnn < cudnn_api.MIN_CUDNN or c.cudnn_visible()
+    decomposes = cudnn < cudnn_api.MIN_CUDNN or not visible
+    if not visible:
+      print(f"\nNOTE: jax {jax.__version__} compiling without a GPU "
+            f"decomposes every block-scaled dot (its deviceless compile sees "
+            f"no cuDNN version), so the rows that run cuDNN's block-scaled "
+            f"dot cannot be verified here; jax 0.10.2 with jax-cuda13-plugin "
+            f"0.10.2 can.", flush=True)
+    print("\n" + timing.table([dict(op=name, tries=" -> ".join(op.order()))
+                               for name, op in _OPS.items()],
+                              ("op", "tries")), flush=True)
+    for case in cases if cases is not None else aot_cases():
+      row = dict(program=case.name)
+      try:
+        row["dispatch"] = case.dispatch()
+        fn, args = case.build()
+        lowered = c.lower(fn, *args)
+        pre = lowered.as_text()
+        if (decomposes and t.cc >= (11, 0)
+            and "__op$block_scaled_dot" in pre):
+          # The decomposition converts E2M1 in XLA's own kernels, which
+          # jax 0.11.2's XLA aborts the process on for sm_110/sm_120/sm_121
+          # (LLVM: "Cannot select: intrinsic llvm.nvvm.e2m1x2.to.f16x2.rn").
+          row["lowered to"] = ("not compiled: XLA would decompose it here, "
+                               "and jax 0.11.2's XLA aborts compiling that "
+                               "decomposition for cc >= 11")
+          row["status"] = "skipped"
+          rows.append(row)
+          continue
+        post = lowered.compile().as_text()
+        row["lowered to"], problems = _describe(pre, post, c.triton_kernels,
+                                                visible)
+        low = aot.lowering(post)
+        cudnn_by_dispatch = not visible and "__op$block_scaled_dot" in pre
+        native = (case.native if case.native is not None else
+                  row["dispatch"] in ("triton", "scaled_matmul"))
+        if (native and t.cc >= (10, 0) and not low.cudnn_block_scaled
+            and not low.triton_calls and not cudnn_by_dispatch):
+          problems.append("no native FP4 GEMM")
+      except Exception as e:  # pylint: disable=broad-except
+        row["lowered to"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        problems = ["compile error"]
+      row["status"] = "FAIL: " + "; ".join(problems) if problems else "ok"
+      failed += bool(problems)
+      rows.append(row)
+  print("\n## Compiled for " + t.name + "\n" + timing.table(rows, AOT_COLS),
+        flush=True)
+  if sass:
+    failed += _sass(t)
+  return failed
+
+
+def _sass(t) -> int:
+  """The Pallas-Triton kernels' SASS instructions per element on the
+  target (`benchmarks.sass_report`); 0, or 1 if it could not run."""
+  try:
+    from benchmarks import sass_report  # pylint: disable=g-import-not-at-top
+    import triton  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    print(f"\n(SASS report skipped: {e}; it needs the triton package)")
+    return 0
+  cap = t.cc[0] * 10 + t.cc[1]
+  ptxas = sass_report.tool(triton, "ptxas-blackwell" if cap >= 100
+                           else "ptxas")
+  rows, failures = [], []
+  saved = os.environ.get("TRITON_CACHE_DIR")
+  with tempfile.TemporaryDirectory(prefix="check_device_sass_") as work:
+    # Triton's compile cache: a scratch one, whatever $HOME allows.
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(work, "cache")
+    for case in sass_report._cases():  # pylint: disable=protected-access
+      try:
+        lowered = sass_report.lower_case(case, t.cc)
+        sub = os.path.join(work, case.name)
+        os.makedirs(sub)
+        compiled = sass_report.compile_ttir(triton, lowered, cap, ptxas, sub)
+        rows.append(sass_report.Row(case, lowered, compiled,
+                                    sass_report.parse_sass(compiled.sass,
+                                                           lowered.name)))
+      except Exception as e:  # pylint: disable=broad-except
+        failures.append(f"{case.name}: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:160] if str(e) else ''}")
+  if saved is None:
+    os.environ.pop("TRITON_CACHE_DIR", None)
+  else:
+    os.environ["TRITON_CACHE_DIR"] = saved
+  print(f"\n## Quantizer kernels' SASS on sm_{cap} (triton "
+        f"{triton.__version__}, static counts)\n" + sass_report.table(rows),
+        flush=True)
+  for f in failures:
+    print("FAILED", f)
+  return len(failures)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--small", action="store_true",
                  help="small shapes and the tiny preset (a smoke run)")
   p.add_argument("--no-step", action="store_true",
                  help="skip the GPT train-step timing")
+  p.add_argument("--target", choices=AOT_TARGETS,
+                 help="compile ahead of time for this GPU (no GPU needed) "
+                      "and report what each program lowered to")
+  p.add_argument("--cudnn", default=None,
+                 help="with --target: cuDNN version MAJOR.MINOR to compile "
+                      f"against (default {aot.DEFAULT_CUDNN[0]}."
+                      f"{aot.DEFAULT_CUDNN[1]})")
+  p.add_argument("--no-sass", action="store_true",
+                 help="with --target: skip the SASS instruction counts")
   a = p.parse_args(argv)
+  if a.target:
+    cudnn = (tuple(int(v) for v in a.cudnn.split(".")) if a.cudnn
+             else aot.DEFAULT_CUDNN)
+    try:
+      failed = ahead_of_time(a.target, cudnn=cudnn, sass=not a.no_sass)
+    except aot.Unavailable as e:
+      raise SystemExit(f"check_device --target: {e}") from e
+    if failed:
+      raise SystemExit(f"check_device --target {a.target}: {failed} "
+                       f"program(s) failed (see the status column).")
+    return
   print(header(), flush=True)
   rows = exactness((64, 128) if a.small else (256, 512))
   rows += gemm_exactness(128 if a.small else 512)

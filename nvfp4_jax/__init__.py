@@ -41,6 +41,7 @@ from nvfp4_jax.core.recipe import Operand
 from nvfp4_jax.tools.report import Gemm
 from nvfp4_jax.tools.report import Report
 from nvfp4_jax.tools.report import report
+from nvfp4_jax.tools.report import compiled_report
 from nvfp4_jax.core.recipe import Recipe
 from nvfp4_jax.flax.rules import LateSwitch
 from nvfp4_jax.flax.rules import PrecisionRules

@@ -37,8 +37,9 @@ from nvfp4_jax.core import tile
 
 
 def backend() -> str:
-  """The platform the kernels will run on: "gpu", "cpu", "tpu", ..."""
-  return jax.default_backend()
+  """The platform the kernels will run on: "gpu", "cpu", "tpu", ...
+  (a `dispatch.target_device` block's, if any)."""
+  return dispatch.target_platform() or jax.default_backend()
 
 
 def check_backend(what: str) -> bool:
@@ -325,8 +326,63 @@ def _encode_values_asm(stochastic: bool) -> str:
           "mov.b32 k4b, 0x4B000000;\n" + "\n".join(body) + "\n}")
 
 
+def _encode_codes_cvt_asm() -> str:
+  """`_encode_codes_asm(False)` with Blackwell's E2M1 conversion
+  (`HW_E2M1_CCS`): `cvt.rn.satfinite.e2m1x2.f32` rounds two values to
+  nearest even and packs them (first operand in the high nibble).
+
+  Bit for bit the software encoder by construction: the magnitude converted
+  is `max(|y|, 0)` with `abs.ftz` (FTZ flushes subnormals, which round to
+  code 0 in both; `max` without `.NaN` maps NaN to 0, as the software
+  encoder's `.sat` does); on non-negative finite inputs the conversion is
+  E2M1's round-to-nearest-even with saturation at 6 (`.satfinite`: code 7),
+  the encoder's rounding (`numerics.e2m1_encode`: ties to the even code,
+  whose mantissa bit is 0, as the `rint` of `2^23 + off + |y| / step` with
+  an even offset); the sign bits come from `y` itself, gathered as before.
+  Checked bit for bit on the device by `benchmarks.check_device` (the
+  quantizers against the CPU reference).
+  """
+  ye, yo, _, _ = _operands(1, False, False)
+  body = []
+  for k in range(4):  # Byte k: pair k, odd element high.
+    body += [f"abs.ftz.f32 e, {ye[k]};", "max.f32 e, e, 0f00000000;",
+             f"abs.ftz.f32 o, {yo[k]};", "max.f32 o, o, 0f00000000;",
+             f"cvt.rn.satfinite.e2m1x2.f32 b{k}, o, e;"]
+  body.append("mov.b32 acc, {b0, b1, b2, b3};")
+  order = [y[k] for k in (3, 2, 1, 0) for y in (yo, ye)]  # Nibble 7 first.
+  body.append(f"shr.b32 s, {order[0]}, 28;")
+  body += [f"shf.l.wrap.b32 s, {y}, s, 4;" for y in order[1:]]
+  body.append("lop3.b32 $0, s, 0x88888888, acc, 0xEA;")  # (s & 0x88..) | acc
+  return ("{\n.reg .b32 e, o, acc, s;\n.reg .b8 b0, b1, b2, b3;\n"
+          + "\n".join(body) + "\n}")
+
+
 _ENCODE_ASM = {(v, sr): (_encode_values_asm if v else _encode_codes_asm)(sr)
                for v in (False, True) for sr in (False, True)}
+# Round-to-nearest codes where the E2M1 conversion compiles (HW_E2M1_CCS).
+# Stochastic rounding keeps the software encoder: PTX's `cvt.rs` takes
+# caller-given random bits, but its specification does not say how they
+# enter the rounding, so nothing shows it gives the reference's bits
+# (`numerics.e2m1_encode_stochastic`: up iff 256 t > r + 1/2).
+_ENCODE_CODES_CVT_ASM = _encode_codes_cvt_asm()
+
+# Whether the kernels convert with the hardware's E2M1 conversion where the
+# GPU has it (benchmarks switch it off to compare in the same run).
+HW_E2M1 = True
+
+
+# Where the E2M1 conversion compiles in the Pallas-Triton kernels: it is an
+# arch-specific instruction (sm_100a, sm_103a, sm_120a), and XLA's Triton
+# pipeline targets sm_100a/sm_103a but plain sm_120 (ptxas: "not supported
+# on .target 'sm_120'"; compiled ahead of time with jax 0.10.2).
+HW_E2M1_CCS = ((10, 0), (10, 3))
+
+
+def hardware_e2m1() -> bool:
+  """Whether the kernels convert to E2M1 with `cvt...e2m1x2.f32` on the GPU
+  they compile for (`HW_E2M1_CCS`)."""
+  cc = compute_capability()
+  return HW_E2M1 and cc is not None and tuple(cc) in HW_E2M1_CCS
 
 # Whether the kernels use `_ENCODE_ASM` on the GPU (benchmarks switch it off
 # to time the jnp encoders in the same run).
@@ -343,8 +399,10 @@ def _asm_encode(y: jax.Array, rwords: jax.Array | None, d: jax.Array, *,
     extra = [jnp.stack([rwords, rwords >> 16], axis=-1).reshape(ye.shape)]
   packed = vals = None
   if codes:
+    asm = (_ENCODE_CODES_CVT_ASM if not sr and hardware_e2m1()
+           else _ENCODE_ASM[False, sr])
     [packed] = plt.elementwise_inline_asm(
-        _ENCODE_ASM[False, sr], args=args + extra,
+        asm, args=args + extra,
         constraints="=r," + ",".join(["f"] * 8 + ["r"] * (4 * len(extra))),
         pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(ye.shape,
                                                           jnp.int8)])

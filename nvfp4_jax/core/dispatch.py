@@ -26,6 +26,10 @@ import jax
 from nvfp4_jax.core.scope import ScopeStack
 
 _OVERRIDE: ScopeStack[str] = ScopeStack()
+# `(platform, compute capability, cuDNN version)` of a device compiled for
+# ahead of time.
+_TARGET: ScopeStack[tuple[str, tuple[int, int] | None,
+                          tuple[int, int] | None]] = ScopeStack()
 
 # Platform -> implementation names tried in order before the reference. The
 # one preference of every op: kernels on GPUs, the reference elsewhere.
@@ -33,18 +37,67 @@ PREFERRED: Mapping[str, tuple[str, ...]] = {"gpu": ("pallas",)}
 
 
 def platform() -> str:
-  """The default backend's platform: "cpu", "gpu", "tpu"."""
+  """The default backend's platform: "cpu", "gpu", "tpu" (inside a
+  `target_device` block: that device's)."""
+  target = _TARGET.current()
+  if target is not None:
+    return target[0]
   return jax.default_backend()
 
 
+def target_platform() -> str | None:
+  """The platform of the innermost `target_device` block, or None."""
+  target = _TARGET.current()
+  return None if target is None else target[0]
+
+
 def compute_capability() -> tuple[int, int] | None:
-  """`(major, minor)` of the first GPU, or None if unknown (or no GPU)."""
+  """`(major, minor)` of the first GPU, or None if unknown (or no GPU);
+  inside a `target_device` block, that device's."""
+  target = _TARGET.current()
+  if target is not None:
+    return target[1]
   try:
     cc = jax.devices("gpu")[0].compute_capability
   except (RuntimeError, AttributeError, IndexError):
     return None
   major, minor = str(cc).split(".")[:2]
   return int(major), int(minor)
+
+
+def cudnn_version() -> tuple[int, int] | None:
+  """`(major, minor)` of the cuDNN XLA compiles against, or None if unknown
+  (no CUDA plugin); inside a `target_device` block, that device's."""
+  target = _TARGET.current()
+  if target is not None:
+    return target[2]
+  if platform() != "gpu":
+    return None
+  try:
+    from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
+    v = int(cuda_versions.cudnn_get_version())
+  except Exception:  # pylint: disable=broad-except
+    return None
+  return v // 10000, v // 100 % 100
+
+
+@contextlib.contextmanager
+def target_device(platform_name: str, cc: tuple[int, int] | None = None,
+                  cudnn: tuple[int, int] | None = None) -> Iterator[None]:
+  """Within the block, `platform()`, `compute_capability()` and
+  `cudnn_version()` describe another device than this process's: the one a
+  program is compiled for ahead of time (`nvfp4_jax.tools.aot`), so that
+  dispatch picks that device's kernels while tracing. Nothing runs on it.
+  JAX caches traces by function and argument types, not by this block:
+  clear them (`jax.clear_caches()`) on entering and leaving it, as
+  `aot.compiling_for` does.
+  """
+  if platform_name not in ("cpu", "gpu", "tpu"):
+    raise ValueError(f"target_device: platform {platform_name!r}; use "
+                     f"'cpu', 'gpu' or 'tpu'.")
+  pair = lambda v: None if v is None else (int(v[0]), int(v[1]))
+  with _TARGET.push((platform_name, pair(cc), pair(cudnn))):
+    yield
 
 
 @contextlib.contextmanager

@@ -1,6 +1,14 @@
 """Did NVFP4 really run? A report of every linear GEMM in a traced program.
 
     print(nvfp4_jax.report(train_step, state, batch))
+    print(nvfp4_jax.report(train_step, state, batch).compiled(
+        jax.jit(train_step).lower(state, batch).compile().as_text()))
+
+`Report.compiled(hlo)` corrects the report by what XLA compiled: a GEMM
+traced as cuDNN's block-scaled dot that the optimized HLO does not hand to
+cuDNN (`__cudnn$blockScaledDot`; e.g. cuDNN below 9.10, where XLA decomposes
+it into dequantize and an FP32 GEMM without a word) is reported as that
+decomposition (`compiled_report` does both steps on this process's device).
 
 `report` traces the function (`jax.make_jaxpr`: no FLOPs) and reads the
 program, not the configuration: each NVFP4 layer's GEMMs carry a name scope
@@ -77,6 +85,27 @@ class Report:
     """How many GEMMs (of kind `gemm`, if given) ran quantized (or not)."""
     return sum(g.quantized == quantized and (gemm is None or g.gemm == gemm)
                for g in self.gemms)
+
+  def compiled(self, hlo: str) -> "Report":
+    """This report, with each native GEMM's implementation read from `hlo`,
+    the optimized HLO text of the same program (`compile().as_text()`)."""
+    found = _compiled_targets(hlo)
+    gemms = []
+    for g in self.gemms:
+      if g.quantized and g.implementation.startswith("native FP4"):
+        targets = found.get((g.layer, g.gemm), set())
+        if "__cudnn$blockScaledDot" in targets:
+          impl = "native FP4: cuDNN block-scaled dot"
+        elif "triton_kernel_call" in targets:
+          impl = "native FP4: triton tl.dot_scaled"
+        else:
+          impl = ("emulation: XLA decomposed the block-scaled dot "
+                  "(dequantize + " + ("cuBLAS" if any(
+                      t.startswith("__cublas") for t in targets)
+                                      else "XLA") + " FP32 GEMM)")
+        g = dataclasses.replace(g, implementation=impl)
+      gemms.append(g)
+    return Report(tuple(gemms))
 
   def summary(self) -> str:
     """One line: quantized GEMMs and their implementations, high-precision
@@ -208,6 +237,35 @@ def _walk(jaxpr, branch: str, out: list, quant: dict,
       _walk(sub, branch if i is None else
             f"{branch + ' ' if branch else ''}cond {i + 1}/{n}", out, quant,
             scope)
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def _compiled_targets(hlo: str) -> dict[tuple[str, str], set[str]]:
+  """`(layer, gemm) -> custom-call targets` of an optimized HLO text, read
+  from each instruction's `op_name` (which holds the layer scope and the
+  GEMM's region, e.g. `nvfp4_layer[blk/mlp|...]/jit(nvfp4_fprop)`)."""
+  out: dict[tuple[str, str], set[str]] = {}
+  for line in hlo.splitlines():
+    t, n = _TARGET.search(line), _OP_NAME.search(line)
+    if not (t and n):
+      continue
+    scope = _SCOPE.search(n.group(1))
+    gemm = re.search(r"\(nvfp4_(fprop|dgrad|wgrad)\)", n.group(1))
+    if scope and gemm:
+      out.setdefault((scope.group(1), gemm.group(1)), set()).add(t.group(1))
+  return out
+
+
+def compiled_report(fn: Callable[..., Any], *args, **kwargs) -> Report:
+  """`report(fn, ...)`, corrected by what XLA compiles `jax.jit(fn)` to on
+  this process's default device (`Report.compiled`). Compiles; runs
+  nothing."""
+  hlo = jax.jit(lambda *a, **k: fn(*a, **k)).lower(
+      *args, **kwargs).compile().as_text()
+  return report(fn, *args, **kwargs).compiled(hlo)
 
 
 def report(fn: Callable[..., Any], *args, **kwargs) -> Report:

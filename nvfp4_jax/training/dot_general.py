@@ -312,6 +312,11 @@ def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, plan: GemmPlan,
     y = _named("nvfp4_fprop", lambda qx, qw_vals: block_values_matmul(
         qx.values, qw_vals.values, gemm_alpha(qx, qw_vals),
         out_dtype=acc_dtype, vb_kn=True))(qx, NVFP4Values(vw, qw.amax))
+  elif _weight_kernel_layout_native(recipe, plan, ctx):
+    # `q(kernel)`, Dgrad's operand (saved); Fprop multiplies its transpose.
+    qw = _named("nvfp4_quantize_w", lambda w, k: quantize_operand(
+        w, recipe.fprop_w, k))(w, keys["fprop_w"])
+    y = _gemm("nvfp4_fprop", acc_dtype)(qx, qw.T)
   elif recipe.fprop_x.quantized:
     # The stored weight shard is quantized (amax across its shards) and the
     # quantized bytes are gathered.
@@ -374,6 +379,30 @@ def _weight_in_kernel_layout(recipe: Recipe, plan: GemmPlan,
           and recipe.dgrad_w == w)
 
 
+# Whether native FP4 plans quantize the weight in flax's `[in, out]` layout
+# (`_weight_kernel_layout_native`); a switch for tests and benchmarks.
+NATIVE_KERNEL_LAYOUT = True
+
+
+def _weight_kernel_layout_native(recipe: Recipe, plan: GemmPlan,
+                                 ctx: _Whole) -> bool:
+  """Whether a native FP4 GEMM's weight is quantized once as it is stored.
+
+  The kernel quantized in 16x16 tiles along `out` is Dgrad's operand
+  `q(kernel)` as it is, and its transpose is Fprop's `q(kernel^T)` code for
+  code (`NVFP4Array.T`): no FP32 transpose of the weight before the
+  quantizer, and none of the codes in the backward pass (the one transpose
+  of the codes is Fprop's). Same conditions as `_weight_in_kernel_layout`,
+  where the GEMM multiplies codes instead of block values.
+  """
+  w = recipe.fprop_w
+  return (NATIVE_KERNEL_LAYOUT and ctx is _WHOLE
+          and recipe.fprop_x.quantized and w.format == "nvfp4"
+          and not _as_values(w, plan)
+          and w.block_2d and w.rounding == "nearest" and not w.four_over_six
+          and recipe.dgrad_w == w)
+
+
 def _t(placement):
   return None if placement is None else placement.T
 
@@ -421,7 +450,8 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, res, dy,
                               dy, keys["dgrad_dy"], keys["wgrad_dy"])
 
   if dgrad_q:
-    if _weight_in_kernel_layout(recipe, plan, ctx):
+    if (_weight_in_kernel_layout(recipe, plan, ctx)
+        or _weight_kernel_layout_native(recipe, plan, ctx)):
       qw = qw_fprop  # Already `q(kernel)`, `[in, out]` along `out`.
     elif qw_fprop is not None:
       qw = ctx.gather_w(qw_fprop, True).T
@@ -599,7 +629,8 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
         x, w, len(lhs_free), len(lc), mesh, shard, prefix)
   plan = gemm_plan(recipe.residuals, platform=dispatch.platform(),
                    cc=dispatch.compute_capability(),
-                   impl=dispatch.current_default())
+                   impl=dispatch.current_default(),
+                   cudnn=dispatch.cudnn_version())
   y = _linear(x, w, key, recipe, precision, out_dtype, x.dtype,
               f"layer {name!r}: " if name else "", plan, shard)
   if y_sharding is None:

@@ -31,6 +31,8 @@ from nvfp4_jax.core.arrays import check_nvfp4_array
 
 from nvfp4_jax.ops.block_scaled_matmul.cudnn import _matmul_scaled_matmul
 from nvfp4_jax.ops.block_scaled_matmul.cudnn import _require_nvfp4
+from nvfp4_jax.ops.block_scaled_matmul.cudnn import _require_same_format
+from nvfp4_jax.ops.block_scaled_matmul.cudnn import native as cudnn_native
 from nvfp4_jax.ops.block_scaled_matmul.reference import _matmul_xla
 from nvfp4_jax.ops.block_scaled_matmul.reference import _values_matmul_xla
 from nvfp4_jax.ops.block_scaled_matmul.reference import gemm_alpha
@@ -58,10 +60,12 @@ def block_scaled_matmul(a: QArray, b: QArray, *, out_dtype=jnp.float32,
         FP32 accumulation (`block_values_matmul`'s default: XLA's GEMM, or
         on Hopper our Mosaic GPU kernel where it is measured to win). NVFP4
         only.
-      - "triton": a jax-triton kernel with `tl.dot_scaled` (FP4 tensor cores;
-        compute capability >= 10 only). NVFP4 only.
-      - "scaled_matmul": `jax.nn.scaled_matmul` on float4_e2m1fn operands
-        (cuDNN on Blackwell; XLA decomposes it elsewhere). NVFP4 on GPU only.
+      - "triton": a jax-triton kernel with `tl.dot_scaled` (block-scaled
+        tensor cores; compute capability 10.0, 10.3, 12.0). NVFP4, MXFP4,
+        MXFP8 (both operands of one format).
+      - "scaled_matmul": `jax.nn.scaled_matmul` (cuDNN's block-scaled dot on
+        Blackwell from cuDNN 9.10; XLA decomposes it elsewhere). NVFP4 and
+        MXFP8 on GPU only (XLA decomposes MXFP4 even on Blackwell).
       - None: a native FP4 path on Blackwell (compute capability >= 10;
         see `gemm_preference`), "pallas" on other GPUs, "xla" elsewhere;
         a path that cannot run the call falls back to the next.
@@ -116,7 +120,8 @@ class GemmPlan:
 
 def gemm_plan(residuals: str = "codes", *, platform: str,
               cc: tuple[int, int] | None,
-              impl: str | None = None) -> GemmPlan:
+              impl: str | None = None,
+              cudnn: tuple[int, int] | None = None) -> GemmPlan:
   """The GEMM backend on `platform` (compute capability `cc`), and what it
   means for the operands and the residuals.
 
@@ -129,8 +134,10 @@ def gemm_plan(residuals: str = "codes", *, platform: str,
     platform: "cpu", "gpu" or "tpu".
     cc: the GPU's compute capability, None elsewhere.
     impl: a `default_implementation` name in force, or None.
+    cudnn: cuDNN's version, None if unknown.
   """
-  names = (impl,) if impl is not None else gemm_preference(platform, cc)
+  names = (impl,) if impl is not None else gemm_preference(platform, cc,
+                                                           cudnn)
   names = tuple(n for n in names if n in BLOCK_SCALED_MATMUL.implementations
                 and n != "xla") + ("xla",)
   backend = names[0]
@@ -153,7 +160,8 @@ def consumes_values() -> bool:
   """
   return gemm_plan(platform=dispatch.platform(),
                    cc=dispatch.compute_capability(),
-                   impl=dispatch.current_default()).values
+                   impl=dispatch.current_default(),
+                   cudnn=dispatch.cudnn_version()).values
 
 
 def _matmul_values(a, b, *, out_dtype, implementation):
@@ -212,26 +220,36 @@ def _matmul_pallas(a, b, *, out_dtype):
 
 
 def _matmul_triton(a, b, *, out_dtype):
-  _require_nvfp4(a, b, "triton")
+  _require_same_format(a, b, "triton")
   from nvfp4_jax.ops.block_scaled_matmul import triton as kernel  # pylint: disable=g-import-not-at-top
   return kernel.block_scaled_matmul(a, b, gemm_alpha(a, b),
                                     out_dtype=out_dtype)
 
 
-def gemm_preference(platform: str, cc: tuple[int, int] | None
-                    ) -> tuple[str, ...]:
+def gemm_preference(platform: str, cc: tuple[int, int] | None,
+                    cudnn: tuple[int, int] | None = None) -> tuple[str, ...]:
   """The implementations `block_scaled_matmul` tries first on a device.
 
   Blackwell (compute capability 10.x data-center, 12.x consumer) has
   block-scaled FP4 tensor cores: a native path first, the exact emulation
   ("pallas") as the fallback. Data-center parts take cuDNN through
   `jax.nn.scaled_matmul` first (JAX's own route to them), consumer parts
-  Triton's `tl.dot_scaled` first. Other GPUs (Hopper has no FP4 tensor cores)
-  take `dispatch.PREFERRED` (the emulation).
+  Triton's `tl.dot_scaled` first. Triton only where it compiles the
+  block-scaled MMA (`triton.BLOCK_SCALED_MMA_CCS`: not GB10's 12.1 nor
+  11.x); cuDNN only from cuDNN 9.10 (`cudnn`, None: unknown; below, XLA
+  decomposes its block-scaled dot). Each native path also declines shapes
+  it cannot run (cuDNN: `cudnn.unsupported`; Triton pads K), so a call
+  falls through to the next.
+  Other GPUs (Hopper has no FP4 tensor cores) take `dispatch.PREFERRED`
+  (the emulation).
   """
+  from nvfp4_jax.ops.block_scaled_matmul import triton as kernel  # pylint: disable=g-import-not-at-top
   if platform == "gpu" and cc is not None and cc >= (10, 0):
     native = (("triton", "scaled_matmul") if cc[0] >= 12
               else ("scaled_matmul", "triton"))
+    drop = (() if kernel.has_fp4_mma(cc) else ("triton",)) + (
+        () if cudnn_native(cc, cudnn) else ("scaled_matmul",))
+    native = tuple(n for n in native if n not in drop)
     return native + ("pallas",)
   return tuple(dispatch.PREFERRED.get(platform, ()))
 
@@ -242,4 +260,4 @@ BLOCK_SCALED_MATMUL = dispatch.Op("block_scaled_matmul", {
     "triton": _matmul_triton,
     "scaled_matmul": _matmul_scaled_matmul,
 }, preferred=lambda platform: gemm_preference(
-    platform, dispatch.compute_capability()))
+    platform, dispatch.compute_capability(), dispatch.cudnn_version()))

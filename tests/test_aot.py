@@ -1,0 +1,457 @@
+"""Blackwell without the hardware: the GEMM dispatch per (capability, shape,
+cuDNN), and the same choices compiled ahead of time for Blackwell targets.
+
+The pure-logic tests run everywhere (cheap). The ahead-of-time tests compile
+for a B200, an RTX PRO 6000, a GB10 and a Thor with JAX's CUDA plugin
+(`nvfp4_jax.tools.aot`); they skip where it is not installed (CPU CI) and
+run on the GPU machine's suite, or on a CPU machine with the `gpu` extra and
+`JAX_PLATFORMS=cpu`. Each crash they guard was a compile error before the
+dispatch learned to avoid it (issue 40): Triton's block-scaled MMA on GB10
+(12.1) and 11.x, `BLOCK_K = 32` for K = 32 (mod 64) on 12.0, and cuDNN on
+shapes it has no engine for (K = 48) on 10.0; below cuDNN 9.10 XLA
+decomposed the block-scaled dot silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nvfp4_jax as nv
+from nvfp4_jax.core import dispatch
+from nvfp4_jax.core.arrays import NVFP4Array
+from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
+from nvfp4_jax.ops.block_scaled_matmul import cudnn
+from nvfp4_jax.ops.block_scaled_matmul import reference as gemm_ref
+from nvfp4_jax.ops.block_scaled_matmul import triton as triton_gemm
+from nvfp4_jax.tools import aot
+from pallas_kernels import common
+
+# --- Pure logic: runs in CPU CI ----------------------------------------------
+
+
+@pytest.mark.parametrize("cc, cudnn_v, want", [
+    ((10, 0), (9, 14), ("scaled_matmul", "triton", "pallas")),
+    ((10, 3), (9, 14), ("scaled_matmul", "triton", "pallas")),
+    ((12, 0), (9, 14), ("triton", "scaled_matmul", "pallas")),
+    # GB10 / DGX Spark and 11.x: Triton's block-scaled MMA does not compile.
+    ((12, 1), (9, 14), ("scaled_matmul", "pallas")),
+    ((11, 0), (9, 14), ("scaled_matmul", "pallas")),
+    # cuDNN below 9.10: XLA would decompose the dot; not the default.
+    ((10, 0), (9, 8), ("triton", "pallas")),
+    ((12, 1), (9, 8), ("pallas",)),
+    ((10, 0), None, ("scaled_matmul", "triton", "pallas")),  # Unknown.
+    ((9, 0), (9, 14), ("pallas",)),
+])
+def test_gemm_preference_per_capability_and_cudnn(cc, cudnn_v, want):
+  assert gemm_api.gemm_preference("gpu", cc, cudnn_v) == want
+
+
+def test_target_device_answers_for_the_target_and_restores():
+  before = (dispatch.platform(), dispatch.compute_capability(),
+            common.backend())
+  with dispatch.target_device("gpu", (12, 1), (9, 14)):
+    assert dispatch.platform() == "gpu" and common.backend() == "gpu"
+    assert dispatch.compute_capability() == (12, 1)
+    assert dispatch.cudnn_version() == (9, 14)
+    assert gemm_api.BLOCK_SCALED_MATMUL.order() == (
+        "scaled_matmul", "pallas", "xla")
+  assert (dispatch.platform(), dispatch.compute_capability(),
+          common.backend()) == before
+  with pytest.raises(ValueError, match="platform 'cuda'"):
+    with dispatch.target_device("cuda", (10, 0)):
+      pass
+
+
+@pytest.mark.parametrize("k, want", [(512, 512), (544, 576), (48, 64),
+                                     (4000, 4032), (64, 64)])
+def test_triton_pads_k_to_a_multiple_of_64(k, want):
+  assert triton_gemm.padded_k(k) == want
+
+
+def test_padding_k_with_zero_codes_and_scales_is_exact():
+  """What the Triton path multiplies for K = 48 (padded to 64) gives the
+  reference's bits: zero codes times zero scales add exact zeros."""
+  a = _random_operand("nvfp4", 32, 48, 3)
+  b = _random_operand("nvfp4", 16, 48, 4)
+  pa, pb = triton_gemm.pad_k(a, 64), triton_gemm.pad_k(b, 64)
+  assert pa.shape == (32, 64) and pb.scales.shape == (16, 4)
+  gemm = jax.jit(functools.partial(gemm_ref._matmul_xla,  # pylint: disable=protected-access
+                                   out_dtype=jnp.float32))
+  np.testing.assert_array_equal(gemm(pa, pb), gemm(a, b))
+
+
+def _random_operand(fmt, rows, k, seed):
+  """Random code bytes and scale bytes (E4M3 0x00-0x7E: zero, subnormal, up
+  to 448; UE8M0 2^-27..2^22), the bytes a quantizer may write."""
+  rng = np.random.default_rng(seed)
+  if fmt == "nvfp4":
+    return NVFP4Array(
+        codes=jnp.asarray(rng.integers(0, 256, (rows, k // 2), np.uint8)),
+        scales=jax.lax.bitcast_convert_type(jnp.asarray(
+            rng.integers(0, 0x7F, (rows, k // 16), np.uint8)),
+                                            jnp.float8_e4m3fn),
+        amax=jnp.float32(3.0))
+  data = rng.integers(0, 256, (rows, k // 2 if fmt == "mxfp4" else k),
+                      np.uint8)
+  if fmt == "mxfp8":  # No NaN (0x7F, 0xFF) among the E4M3 elements.
+    data[(data & 0x7F) == 0x7F] = 0
+  data = jnp.asarray(data)
+  return nv.MXArray(
+      data=data if fmt == "mxfp4" else jax.lax.bitcast_convert_type(
+          data, jnp.float8_e4m3fn),
+      scales=jax.lax.bitcast_convert_type(jnp.asarray(
+          rng.integers(100, 150, (rows, k // 32), np.uint8)),
+                                          jnp.float8_e8m0fnu), fmt=fmt)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "nvfp4"])
+def test_operands_as_cudnn_takes_them_are_the_reference_values(fmt):
+  """What `jax.nn.scaled_matmul` receives (elements as float4_e2m1fn /
+  float8_e4m3fn, the scales as they are) means the reference's block values
+  bit for bit: elements x scales = `block_dequantize`'s values (both exact
+  in FP32). The dot itself is cuDNN's (or XLA's), FP32 accumulation."""
+  q = _random_operand(fmt, 8, 128, 1)
+  block = 16 if fmt == "nvfp4" else 32
+
+  @jax.jit
+  def both(q):
+    got = cudnn._elements(q)[0].astype(jnp.float32) * jnp.repeat(  # pylint: disable=protected-access
+        q.scales.astype(jnp.float32), block, axis=-1)
+    return got, nv.block_dequantize(q)[0].astype(jnp.float32)
+  got, want = both(q)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_mx_padding_is_exact():
+  """Padded MX operands: the elements as they were, then zeros (which add
+  zeros), under finite scales (127: 2^0)."""
+  for fmt in ("mxfp4", "mxfp8"):
+    q = _random_operand(fmt, 4, 96, 2)
+    p = triton_gemm.pad_k(q, triton_gemm.padded_k(96, mx=True))
+    assert p.shape == (4, 128) and p.scales.shape == (4, 4)
+    data = lambda a: np.asarray(a).view(np.uint8)
+    cols = data(q.data).shape[1]
+    np.testing.assert_array_equal(data(p.data)[:, :cols], data(q.data))
+    assert not data(p.data)[:, cols:].any()
+    np.testing.assert_array_equal(data(p.scales)[:, :3], data(q.scales))
+    assert (data(p.scales)[:, 3] == 127).all()
+
+
+def test_mx_dispatch_on_blackwell():
+  """MXFP8 takes cuDNN's block-scaled dot; MXFP4 not (XLA decomposes it)."""
+  mx = lambda rows, fmt: nv.MXArray(
+      data=jax.ShapeDtypeStruct((rows, 256 if fmt == "mxfp4" else 512),
+                                jnp.uint8 if fmt == "mxfp4"
+                                else jnp.float8_e4m3fn),
+      scales=jax.ShapeDtypeStruct((rows, 16), jnp.float8_e8m0fnu), fmt=fmt)
+  f = functools.partial(gemm_api.block_scaled_matmul,
+                        implementation="scaled_matmul")
+  with dispatch.target_device("gpu", (10, 0), (9, 14)):
+    jax.eval_shape(f, mx(256, "mxfp8"), mx(384, "mxfp8"))
+    with pytest.raises(NotImplementedError, match="MXFP4"):
+      jax.eval_shape(f, mx(256, "mxfp4"), mx(384, "mxfp4"))
+    with pytest.raises(NotImplementedError, match="one format"):
+      jax.eval_shape(f, mx(256, "mxfp8"), mx(384, "mxfp4"))
+
+
+@pytest.mark.parametrize("m, n, k, ok", [
+    (256, 384, 512, True), (256, 384, 48, False), (40, 384, 512, False),
+    (256, 384, 544, False), (128, 128, 64, True)])
+def test_cudnn_shapes(m, n, k, ok):
+  assert (cudnn.unsupported(m, n, k) is None) == ok
+
+
+def _abstract(rows, k):
+  s = jax.ShapeDtypeStruct
+  return NVFP4Array(codes=s((rows, k // 2), jnp.uint8),
+                    scales=s((rows, k // 16), jnp.float8_e4m3fn),
+                    amax=s((), jnp.float32))
+
+
+def test_cudnn_declines_shapes_with_no_engine_where_it_would_run():
+  """K = 48 on a 10.0 with cuDNN 9.14: NotImplementedError (dispatch falls
+  back) at trace time. Where XLA decomposes anyway (cuDNN 9.8) the named
+  implementation still traces."""
+  f = functools.partial(gemm_api.block_scaled_matmul,
+                        implementation="scaled_matmul")
+  with dispatch.target_device("gpu", (10, 0), (9, 14)):
+    with pytest.raises(NotImplementedError, match="K=48"):
+      jax.eval_shape(f, _abstract(256, 48), _abstract(384, 48))
+    jax.eval_shape(f, _abstract(256, 512), _abstract(384, 512))
+  with dispatch.target_device("gpu", (10, 0), (9, 8)):
+    jax.eval_shape(f, _abstract(256, 48), _abstract(384, 48))
+
+
+def test_triton_declines_capabilities_without_block_scaled_mma():
+  f = functools.partial(gemm_api.block_scaled_matmul, implementation="triton")
+  for cc in ((12, 1), (11, 0), (9, 0)):
+    with dispatch.target_device("gpu", cc):
+      with pytest.raises(NotImplementedError, match="compiles for compute"):
+        jax.eval_shape(f, _abstract(256, 512), _abstract(384, 512))
+
+
+def test_target_config_text():
+  text = aot.target_config("gb10", cudnn=(9, 8))
+  assert "cuda_compute_capability{major:12 minor:1}" in text
+  assert "dnn_version_info{major:9 minor:8}" in text
+  assert 'device_description_str:"NVIDIA GB10"' in text
+  with pytest.raises(ValueError, match="unknown target 'h300'.*b200"):
+    aot.target("h300")
+
+
+_PRE = 'stablehlo.custom_call @__op$block_scaled_dot(%a)'
+_NATIVE = ('%c = (f32[1,256,384]) custom-call(%a), custom_call_target='
+           '"__cudnn$blockScaledDot", metadata={op_name="jit(f)/'
+           'nvfp4_layer[blk/mlp|fprop=nvfp4]/jit(nvfp4_fprop)/scaled_matmul"}')
+_DECOMPOSED = ('%c = f32[256,384] custom-call(%a), custom_call_target='
+               '"__cublas$lt$matmul", metadata={op_name="jit(f)/'
+               'nvfp4_layer[blk/mlp|fprop=nvfp4]/jit(nvfp4_fprop)/x"}\n'
+               '%d = f32[256,384]{1,0} dot(%a, %b), lhs_contracting_dims={1}')
+
+
+def test_check_device_flags_a_decomposed_block_scaled_dot():
+  from benchmarks import check_device  # pylint: disable=g-import-not-at-top
+  what, problems = check_device._describe(_PRE, _NATIVE, [])  # pylint: disable=protected-access
+  assert problems == [] and "cuDNN __cudnn$blockScaledDot x1" in what
+  what, problems = check_device._describe(_PRE, _DECOMPOSED, [])  # pylint: disable=protected-access
+  assert problems == ["1 block-scaled dot(s) decomposed by XLA"], what
+
+
+def test_report_reads_the_compiled_program():
+  gemm = nv.Gemm(layer="blk/mlp", gemm="fprop", precision="nvfp4",
+                 implementation="native FP4: cuDNN scaled_matmul")
+  rep = nv.Report((gemm,))
+  assert rep.compiled(_NATIVE).gemms[0].implementation == (
+      "native FP4: cuDNN block-scaled dot")
+  got = rep.compiled(_DECOMPOSED).gemms[0].implementation
+  assert got.startswith("emulation: XLA decomposed"), got
+
+
+def test_compiled_report_compiles_and_reports():
+  rep = nv.compiled_report(lambda a, b: a @ b, jnp.ones((4, 8)),
+                           jnp.ones((8, 2)))
+  assert [(g.gemm, g.reason) for g in rep.gemms] == [
+      ("other", "not an NVFP4 layer")]
+
+
+# --- Ahead of time: where JAX's CUDA plugin is installed ----------------------
+
+_WHY = aot.unavailable_reason()
+needs_plugin = pytest.mark.skipif(
+    _WHY is not None, reason=f"compiles for Blackwell ahead of time: {_WHY}")
+
+
+def _cudnn_visible() -> bool:
+  if _WHY is not None:
+    return False
+  with aot.compiling_for("b200") as c:
+    return c.cudnn_visible()
+
+
+# jax 0.10's deviceless compile hands block-scaled dots to cuDNN; jax 0.11's
+# decomposes them all (`aot.Compiler.cudnn_visible`): the assertions that
+# cuDNN's dot is there need the former.
+_CUDNN_VISIBLE = _cudnn_visible()
+
+
+def _gemm_hlo(c, m, n, k, impl=None):
+  f = functools.partial(gemm_api.block_scaled_matmul, implementation=impl)
+  return c.compile(f, _abstract(m, k), _abstract(n, k))
+
+
+def _block_scaled_mma(c) -> str:
+  return aot.describe_mma(tuple(m for t in c.triton_kernels
+                                for m in aot.ptx_mma(t.ptx)))
+
+
+@needs_plugin
+@pytest.mark.parametrize("target", ["b200", "rtx-pro-6000"])
+def test_check_device_target_passes(target, capsys):
+  """`check_device --target` for B200 and RTX PRO 6000: every program
+  compiles, the layer's GEMMs and the aligned GEMM run native FP4."""
+  from benchmarks import check_device  # pylint: disable=g-import-not-at-top
+  assert check_device.ahead_of_time(target, sass=False) == 0
+  out = capsys.readouterr().out
+  assert "FAIL" not in out
+  layer = next(l for l in out.splitlines() if "256 tokens" in l)
+  if target == "b200":
+    native = ("cuDNN __cudnn$blockScaledDot x3" if _CUDNN_VISIBLE else
+              "cuDNN block-scaled dot x3 (dispatch; not verifiable")
+  else:
+    native = "Triton OMMA (mma.sync block_scale) kind::mxf4nvf4"
+  assert native in layer, layer
+
+
+@needs_plugin
+@pytest.mark.parametrize("target", ["gb10", "thor"])
+def test_no_triton_gemm_where_its_mma_does_not_compile(target, monkeypatch):
+  """cc 12.1 and 11.0: the default GEMM compiles (cuDNN), no Triton call;
+  Triton named explicitly fails there as it did in the default before."""
+  with aot.compiling_for(target) as c:
+    assert "triton" not in gemm_api.BLOCK_SCALED_MATMUL.order()
+    # jax 0.11.2's XLA aborts compiling the decomposed dot for cc >= 11.
+    if _CUDNN_VISIBLE:
+      low = aot.lowering(_gemm_hlo(c, 256, 384, 512))
+      assert low.triton_calls == 0, low
+      assert low.cudnn_block_scaled == int(_CUDNN_VISIBLE), low
+    # The compile error the dispatch now avoids.
+    with pytest.raises(NotImplementedError):
+      _gemm_hlo(c, 256, 384, 512, "triton")
+    # Without the guard, what the default did before: a compile error.
+    monkeypatch.setattr(triton_gemm, "has_fp4_mma", lambda cc=None: True)
+    with pytest.raises(Exception, match="TTIR->TTGIR"):
+      _gemm_hlo(c, 256, 384, 512, "triton")
+
+
+@needs_plugin
+@pytest.mark.parametrize("target, k", [("rtx-pro-6000", 544),
+                                       ("rtx-pro-6000", 4000),
+                                       ("b200", 544)])
+def test_triton_k_32_mod_64_compiles(target, k):
+  """K = 32 (mod 64) (Wgrad's K for 4000 tokens): padded to 64, it compiles
+  to the block-scaled MMA."""
+  with aot.compiling_for(target) as c:
+    low = aot.lowering(_gemm_hlo(c, 256, 384, k, "triton"))
+    assert low.triton_calls == 1
+    assert "kind::mxf4nvf4" in _block_scaled_mma(c), c.triton_kernels
+
+
+@needs_plugin
+@pytest.mark.parametrize("target, fmt, want", [
+    ("b200", "mxfp8", "cudnn"), ("b200", "mxfp4", "tcgen05 kind::mxf4 "),
+    ("rtx-pro-6000", "mxfp4", "kind::mxf4nvf4 scale_vec::2X"),
+    ("rtx-pro-6000", "mxfp8", "kind::mxf8f6f4")])
+def test_mx_gemms_run_native(target, fmt, want):
+  s = jax.ShapeDtypeStruct
+  mx = lambda rows: nv.MXArray(
+      data=s((rows, 256), jnp.uint8) if fmt == "mxfp4" else s(
+          (rows, 512), jnp.float8_e4m3fn),
+      scales=s((rows, 16), jnp.float8_e8m0fnu), fmt=fmt)
+  with aot.compiling_for(target) as c:
+    low = aot.lowering(c.compile(gemm_api.block_scaled_matmul, mx(256),
+                                 mx(384)))
+    if want == "cudnn":
+      assert low.cudnn_block_scaled == int(_CUDNN_VISIBLE), low
+    else:
+      assert low.triton_calls == 1, low
+      assert want in _block_scaled_mma(c), c.triton_kernels
+
+
+@needs_plugin
+def test_b200_k_48_leaves_cudnn_for_a_native_fallback():
+  with aot.compiling_for("b200") as c:
+    low = aot.lowering(_gemm_hlo(c, 256, 384, 48))
+    assert low.cudnn_block_scaled == 0 and low.triton_calls == 1, low
+    assert "tcgen05 kind::mxf4nvf4" in _block_scaled_mma(c)
+
+
+@needs_plugin
+def test_old_cudnn_decomposes_and_the_report_says_so():
+  """cuDNN 9.8: the default GEMM avoids cuDNN (Triton, native); forced onto
+  cuDNN, the compiled program is a decomposition, and `Report.compiled`
+  reports it as one."""
+  dn = (((1,), (0,)), ((), ()))
+
+  def layer(x, w, dy):
+    y, vjp = jax.vjp(lambda x, w: nv.dot_general(
+        x, w, dn, recipe=nv.Recipe.nvfp4(), key=jax.random.key(0),
+        name="blk/mlp"), x, w)
+    return y, vjp(dy)
+  s = jax.ShapeDtypeStruct
+  args = (s((256, 512), jnp.bfloat16), s((512, 384), jnp.float32),
+          s((256, 384), jnp.float32))
+  with aot.compiling_for("b200", cudnn=(9, 8)) as c:
+    low = aot.lowering(_gemm_hlo(c, 256, 384, 512))
+    assert low.triton_calls == 1 and low.cudnn_block_scaled == 0
+    with nv.default_implementation("scaled_matmul"):
+      rep = nv.report(layer, *args)
+      compiled = rep.compiled(c.compile(layer, *args))
+  assert {g.implementation for g in rep.quantized} == {
+      "native FP4: cuDNN scaled_matmul"}
+  assert all(g.implementation.startswith("emulation: XLA decomposed")
+             for g in compiled.quantized), compiled
+
+
+# --- Blackwell's E2M1 conversion in the quantizers ---------------------------
+
+
+@pytest.mark.parametrize("cc, hw, want", [
+    ((10, 0), True, True), ((10, 3), True, True),
+    ((12, 0), True, False),  # XLA's Triton targets plain sm_120: no cvt.
+    ((9, 0), True, False), ((10, 0), False, False)])
+def test_round_to_nearest_codes_use_the_e2m1_conversion(monkeypatch, cc, hw,
+                                                        want):
+  """Lowered for CUDA (nothing runs): the RTNE quantizer carries
+  `cvt.rn.satfinite.e2m1x2.f32` on 10.0/10.3 and the software encoder
+  elsewhere or with `HW_E2M1` off; stochastic rounding never converts in
+  hardware (see `common._ENCODE_CODES_CVT_ASM`). Bit-exactness on the device:
+  tests/test_encoder.py's `test_assembly_equals_reference` and
+  `check_device`, on a Blackwell GPU."""
+  from jax._src.pallas.triton import pallas_call_registration as reg  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.quantize import pallas_triton as pallas_quantize  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(common, "HW_E2M1", hw)
+  if hasattr(reg, "gpu_info_lib"):  # jax >= 0.11 asks the (absent) GPU.
+    monkeypatch.setattr(reg, "gpu_info_lib", types.SimpleNamespace(
+        get_gpu_info=lambda: types.SimpleNamespace(
+            compute_capability=cc[0] * 10 + cc[1])))
+  x = jax.ShapeDtypeStruct((32, 256), jnp.bfloat16)
+  lower = lambda fn: jax.jit(fn).trace(x).lower(
+      lowering_platforms=("cuda",)).as_text()
+  jax.clear_caches()  # Traces are cached by function, not by target.
+  with dispatch.target_device("gpu", cc):
+    rtne = lower(pallas_quantize.quantize)
+    assert ("cvt.rn.satfinite.e2m1x2.f32" in rtne) == want
+    assert ("mul.rn.ftz.sat.f32" in rtne) != want  # The software encoder.
+    if want:
+      sr = lower(lambda x: pallas_quantize.quantize(
+          x, rounding="stochastic", key=jax.random.key(0)))
+      assert "e2m1x2" not in sr and "fma.rp.f32" in sr
+
+
+# --- Native FP4 plans: the weight quantized as it is stored -------------------
+
+
+def test_native_plan_quantizes_the_weight_once_in_its_layout(monkeypatch):
+  """Under a native plan (here: `default_implementation("triton")`, which
+  the CPU runs as the reference), the weight is quantized as stored
+  (`[in, out]`, 16x16 tiles): the same outputs and gradients, bit for bit,
+  as quantizing its FP32 transpose, and the program has no FP32 transpose
+  of the weight and no transpose of codes in the backward pass."""
+  from nvfp4_jax.training import dot_general as dg  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((32, 64)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((64, 48)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((32, 48)), jnp.float32)
+  dn = (((1,), (0,)), ((), ()))
+
+  def step(x, w, dy):
+    y, vjp = jax.vjp(lambda x, w: nv.dot_general(
+        x, w, dn, recipe=nv.Recipe.nvfp4(), key=jax.random.key(0)), x, w)
+    return y, vjp(dy)
+
+  def run(on):
+    monkeypatch.setattr(dg, "NATIVE_KERNEL_LAYOUT", on)
+    jax.clear_caches()
+    with nv.default_implementation("triton"):
+      out = jax.jit(step)(x, w, dy)
+      jaxpr = str(jax.make_jaxpr(step)(x, w, dy))
+    return out, jaxpr
+  (got, text_on), (want, text_off) = run(True), run(False)
+  for g, h in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
+  transposed = lambda text: sorted(re.findall(
+      r"(\w+\[[\d,]+\]) = transpose\[", text))
+  # Off: the FP32 weight's transpose (before Fprop's quantizer) and Dgrad's
+  # transpose of the codes; on: only Fprop's transpose of the codes.
+  assert "f32[48,64]" in transposed(text_off) and "u8[64,48]" in transposed(
+      text_off)
+  assert "f32[48,64]" not in transposed(text_on), transposed(text_on)
+  assert [t for t in transposed(text_on) if t.startswith("u8")] == [
+      "u8[48,64]"]
