@@ -155,3 +155,24 @@ def test_gpt_moe_config_errors():
     GPTConfig(num_experts=4, top_k=5)
   with pytest.raises(ValueError, match=r"experts are SwiGLU"):
     GPTConfig(num_experts=4, mlp="relu2")
+
+
+@pytest.mark.slow  # Two 200-step runs, ~80 s on 2 cores.
+def test_moe_tiny_trains_within_3_percent_of_bf16(tmp_path):
+  """The `moe-tiny` preset trains 200 steps with the NVFP4 recipe (the
+  paper's rules: its middle blocks' experts in NVFP4) to a validation loss
+  within 3% of BF16's (a behaviour threshold, the issue's: 1.4% on one CPU;
+  the small GPT's gap over three seeds is 1.03% +- 0.36%)."""
+  from tiny_training import config, small_corpus  # pylint: disable=g-import-not-at-top
+  from train.loop import Trainer  # pylint: disable=g-import-not-at-top
+  corpus = small_corpus()
+  final = {}
+  for precision in ("bf16", "nvfp4"):
+    cfg = config(preset="moe-tiny", precision=precision, steps=200,
+                 batch_size=8, seq_len=64, eval_every=200, ckpt_every=200,
+                 eval_batches=4, warmup_steps=10, diagnostics=False)
+    result = Trainer(cfg, corpus).run(tmp_path / precision, progress=False)
+    assert result.skipped == 0
+    final[precision] = result.final_val_loss
+  assert final["nvfp4"] < 2.7                    # It learned (starts at 5.5).
+  assert abs(final["nvfp4"] / final["bf16"] - 1) < 0.03, final
