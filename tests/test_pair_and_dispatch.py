@@ -280,6 +280,11 @@ def test_native_paths_fall_back_where_they_cannot_run(monkeypatch):
   """On a (mocked) Blackwell without jax-triton or cuDNN lowering, the
   default GEMM falls back to the emulation: same result as the reference."""
   from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
+  # The operands are quantized for the device that is here: a quantizer
+  # traced for a mocked Blackwell would compile Blackwell's E2M1
+  # conversion for this GPU (ptxas refuses it on sm_90a).
+  a = jax.jit(nv.quantize)(heavy((32, 64), seed=1))
+  b = jax.jit(nv.quantize)(heavy((16, 64), seed=2))
   monkeypatch.setattr(dispatch, "compute_capability", lambda: (10, 0))
   monkeypatch.setattr(dispatch, "platform", lambda: "gpu")
 
@@ -289,8 +294,6 @@ def test_native_paths_fall_back_where_they_cannot_run(monkeypatch):
                scaled_matmul=refuse, triton=refuse)
   op = dispatch.Op("block_scaled_matmul", impls,
                    gemm_api.BLOCK_SCALED_MATMUL.preferred)
-  a = jax.jit(nv.quantize)(heavy((32, 64), seed=1))
-  b = jax.jit(nv.quantize)(heavy((16, 64), seed=2))
   assert op.order()[:2] == ("scaled_matmul", "triton")
   got = jax.jit(lambda a, b: op(None, a, b, out_dtype=jnp.float32))(
       a, b)  # "pallas", interpreted.
