@@ -53,23 +53,23 @@ def supported(m: int, n: int, k: int, config: Config | None = None,
   return (m // tm) * (n // tn) >= MIN_WAVES * num_sms
 
 
-def _check_device() -> int:
-  """The GPU's SM count; NotImplementedError off Hopper (wgmma is sm_90)."""
+def _check_device(what: str = "values_matmul") -> int:
+  """The GPU's SM count; NotImplementedError off Hopper (wgmma is sm_90).
+  `what` names the kernel in the message (the grouped GEMMs share it)."""
   if dispatch.platform() != "gpu":
     raise NotImplementedError(
-        "values_matmul: a Mosaic GPU kernel (no interpret mode); the "
-        f"platform is {dispatch.platform()}. Use implementation='xla' (None "
-        "falls back to it).")
+        f"{what}: a Mosaic GPU kernel (no interpret mode); the platform is "
+        f"{dispatch.platform()}. Use implementation='xla' (None falls back "
+        "to it).")
   cc = dispatch.compute_capability()
   if cc is None or cc[0] != 9:
     raise NotImplementedError(
-        f"values_matmul: wgmma needs compute capability 9.x, got {cc}. Use "
+        f"{what}: wgmma needs compute capability 9.x, got {cc}. Use "
         "implementation='xla' (None falls back to it).")
   try:
     return jax.devices("gpu")[0].core_count
   except (RuntimeError, IndexError, AttributeError) as e:
-    raise NotImplementedError(
-        f"values_matmul: no GPU device to run on ({e}).") from e
+    raise NotImplementedError(f"{what}: no GPU device to run on ({e}).") from e
 
 
 def values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,

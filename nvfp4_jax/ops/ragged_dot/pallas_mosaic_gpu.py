@@ -65,26 +65,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from nvfp4_jax.core import dispatch
+from nvfp4_jax.ops.block_scaled_matmul.pallas_mosaic_gpu import _check_device
 from nvfp4_jax.ops.ragged_dot.config import Config
-
-
-def _check_device(what: str) -> int:
-  """The GPU's SM count; NotImplementedError off Hopper (wgmma is sm_90)."""
-  if dispatch.platform() != "gpu":
-    raise NotImplementedError(
-        f"{what}: a Mosaic GPU kernel (no interpret mode); the platform is "
-        f"{dispatch.platform()}. Use implementation='xla' (None falls back "
-        "to it).")
-  cc = dispatch.compute_capability()
-  if cc is None or cc[0] != 9:
-    raise NotImplementedError(
-        f"{what}: wgmma needs compute capability 9.x, got {cc}. Use "
-        "implementation='xla' (None falls back to it).")
-  try:
-    return jax.devices("gpu")[0].core_count
-  except (RuntimeError, IndexError, AttributeError) as e:
-    raise NotImplementedError(f"{what}: no GPU device to run on ({e}).") from e
 
 
 def _check_dtypes(what, va, vb, out_dtype, group_sizes):
