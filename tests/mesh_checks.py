@@ -1169,6 +1169,26 @@ def check_moe_expert_parallel():
     print(f"moe {sizes} recipe={recipe or 'nvfp4'} cf={cf}: loss "
           f"{float(l1):.6f} vs {float(l2):.6f}, max |dy| "
           f"{float(np.abs(np.asarray(y1) - np.asarray(y2)).max()):.3g}")
+  # The user's mesh under sharding in types (Explicit axes, the user's axis
+  # name): the layer gathers its tokens and runs whole, as one device does
+  # (the last layer above, bf16, dropless): the same bounds.
+  explicit = jax.make_mesh((8,), ("batch",),
+                           axis_types=(jax.sharding.AxisType.Explicit,))
+  with jax.set_mesh(explicit):
+    xs = jax.device_put(x, NamedSharding(explicit, P("batch")))
+    (l3, y3), g3 = jax.jit(grad)(params, xs)
+    assert jax.typeof(y3).sharding.spec[0] == "batch", jax.typeof(y3)
+  check_within(y3, y1, np.float64(2 * dz * out_max + 4 * U * out_max),
+               "moe explicit y")
+  for name in ("up", "down"):
+    a = np.asarray(g1["experts"][name]["kernel"])
+    check_within(g3["experts"][name]["kernel"], a,
+                 np.float64(2 * t * U * t * np.abs(a).max()),
+                 f"moe explicit {name} grad")
+  r1 = np.asarray(g1["router"])
+  check_within(g3["router"], r1, np.float64(2 * t * U * t * np.abs(r1).max()),
+               "moe explicit router grad")
+  print(f"moe explicit batch=8: loss {float(l1):.6f} vs {float(l3):.6f}")
 
 
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()

@@ -159,10 +159,12 @@ def test_cli_mesh_run_matches_one_device(tmp_path):
 
 
 def test_moe_expert_parallel_equals_one_device():
-  """The MoE layer on `expert=8` (NVFP4, with a capacity) and `data=2 x
-  expert=4` (dropless) equals one device (mesh_checks: the derivation)."""
+  """The MoE layer on `expert=8` (NVFP4, with a capacity), `data=2 x
+  expert=4` (dropless) and a user's Explicit mesh equals one device
+  (mesh_checks: the derivation)."""
   out = run_checks("moe_expert_parallel")
   assert sum(line.startswith("moe {") for line in out.splitlines()) == 2
+  assert "moe explicit batch=8" in out
 
 def _free_port() -> int:
   import socket  # pylint: disable=g-import-not-at-top

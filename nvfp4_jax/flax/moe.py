@@ -45,6 +45,7 @@ from nvfp4_jax.flax.linen import layer_call
 from nvfp4_jax.core import spmd
 from nvfp4_jax.flax.rules import PrecisionRules
 from nvfp4_jax.parallel import current_rules
+from nvfp4_jax.training.dot_general import explicit_mesh
 from nvfp4_jax.training.ragged_dot import ragged_dot
 from jax.sharding import PartitionSpec as P
 
@@ -302,6 +303,7 @@ class NVFP4MoE(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     check_moe(self.num_experts, self.top_k, self.capacity_factor,
               _linen_path(self))
+    x, restore = _whole(x)
     shape = x.shape
     d = shape[-1]
     x = x.reshape(-1, d)
@@ -315,12 +317,13 @@ class NVFP4MoE(nn.Module):
     gemms = {name: ExpertGemm(path=path, recipe=as_recipe(self.recipe),
                               precision=self.precision)
              for name, (_, path, _) in proj.items()}
+    weights = {n: _whole(w)[0] for n, (w, _, _) in proj.items()}
     y, aux = moe_forward(
-        x, router, {n: w for n, (w, _, _) in proj.items()},
+        x, _whole(router)[0], weights,
         {n: k for n, (_, _, k) in proj.items()}, gemms, top_k=self.top_k,
         capacity_factor=self.capacity_factor)
     self.sow("losses", AUX_LOSS, aux)
-    return y.reshape(shape)
+    return restore(y.reshape(shape))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -433,6 +436,22 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
       out_specs=(tok, P()), check_vma=False)(x, router, weights, keys)
 
 
+def _whole(a: jax.Array):
+  """Under sharding in types (Explicit mesh axes), `a` replicated, and a
+  function that gives a result `a`'s sharding back; else `a` as it is.
+
+  The routing sorts every token of the layer, and each expert is quantized
+  from all of its tokens, so under Explicit axes the layer runs on the whole
+  arrays (its tokens gathered): the one-device result. Expert parallelism
+  runs under `mesh_rules` with an `expert` axis (`moe_forward`).
+  """
+  if explicit_mesh(a) is None:
+    return a, lambda y: y
+  spec = jax.typeof(a).sharding.spec
+  return jax.sharding.reshard(a, P()), lambda y: jax.sharding.reshard(y,
+                                                                      spec)
+
+
 def check_moe(num_experts: int, top_k: int, capacity_factor, path: str
               ) -> None:
   """A clear error for a configuration the MoE layer cannot run."""
@@ -490,13 +509,15 @@ class NNXMoE(nnx.Module):
     self.aux_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    x, restore = _whole(x)
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     keys = {n: self.sr_rngs() if hasattr(self, "sr_rngs") else None
             for n in ("up", "down")}
     y, aux = moe_forward(
-        x, self.router[...], {"up": self.up[...], "down": self.down[...]},
+        x, _whole(self.router[...])[0],
+        {"up": _whole(self.up[...])[0], "down": _whole(self.down[...])[0]},
         keys, {"up": self.up_gemm, "down": self.down_gemm}, top_k=self.top_k,
         capacity_factor=self.capacity_factor)
     self.aux_loss = nnx.Intermediate(aux)
-    return y.reshape(shape)
+    return restore(y.reshape(shape))
