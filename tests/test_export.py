@@ -30,13 +30,14 @@ def trained(tmp_path_factory):
   return model, params, tokens, path
 
 
-# Four-over-Six in the slow tier (the suite's time budget): the fast tier
-# keeps the paper's recipe and 1D weights.
+# Four-over-Six and 1D weights in the slow tier (the suite's time budget):
+# the fast tier keeps the paper's recipe.
 @pytest.mark.parametrize("recipe", [
     nv.Recipe.nvfp4(),
     pytest.param(nv.Recipe.nvfp4(four_over_six="weights"),
                  marks=pytest.mark.slow),
-    nv.Recipe.nvfp4(two_d_weights=False)])
+    pytest.param(nv.Recipe.nvfp4(two_d_weights=False),
+                 marks=pytest.mark.slow)])
 def test_w4a4_logits_equal_the_training_forward(trained, recipe):
   model, params, tokens, path = trained
   rules = nv.paper_rules(CFG.num_layers, recipe=recipe)

@@ -331,6 +331,7 @@ def test_nan_propagates_to_its_expert_only():
   assert np.isfinite(np.asarray(y[16:])).all()
 
 
+@SLOW  # The GPU fallback's check; the suite's time budget.
 def test_reference_gemms_agree_with_xla_ragged_dot_general():
   """The "lax" implementation (XLA's grouped GEMM, the GPU fallback) equals
   the reference loop up to the FP32 summation order (bf16 values, exact
