@@ -56,11 +56,32 @@ def compiled(f, *args):
 def residual_bytes(f, x, w) -> int:
   """Bytes of what `jax.vjp(f, x, w)` keeps for the backward pass beyond the
   FP32 master weight `w` (alive anyway): the activation `x` or its codes,
-  the weight's bf16 copy or its codes."""
-  _, vjp = jax.vjp(f, x, w)
-  leaves = [l for l in jax.tree.leaves(vjp) if hasattr(l, "nbytes")
+  the weight's bf16 copy or its codes. From shapes alone (`eval_shape`):
+  nothing is computed."""
+  leaves = jax.tree.leaves(jax.eval_shape(lambda x, w: jax.vjp(f, x, w)[1],
+                                          x, w))
+  leaves = [l for l in leaves if hasattr(l, "dtype")
+            and not jax.dtypes.issubdtype(l.dtype, jax.dtypes.prng_key)
             and not (l.shape == w.shape and l.dtype == w.dtype)]
-  return int(sum(l.nbytes for l in leaves))
+  return int(sum(np.prod(l.shape) * jnp.dtype(l.dtype).itemsize
+                 for l in leaves))
+
+
+def residuals(model, tokens: int, routing: str) -> dict:
+  """The residual bytes of both recipes at a shape (`--residuals-only`)."""
+  name, e, k, n, topk = model
+  m = tokens * topk
+  gs = jnp.asarray(group_sizes(m, e, routing))
+  x = jax.ShapeDtypeStruct((m, k), BF16)
+  w = jax.ShapeDtypeStruct((e, k, n), jnp.float32)
+  key = jax.random.key(0)
+  rb = residual_bytes(lambda x, w: nv.ragged_dot(
+      x, w.astype(BF16), gs, recipe="bf16"), x, w)
+  rq = residual_bytes(lambda x, w: nv.ragged_dot(
+      x, w, gs, preferred_element_type=BF16, recipe="nvfp4", key=key), x, w)
+  return dict(model=name, E=e, K=k, N=n, tokens=tokens, routing=routing,
+              bf16_residual_mib=rb / 2**20, nvfp4_residual_mib=rq / 2**20,
+              residual_ratio=rq / rb)
 
 
 def measure(model, tokens: int, routing: str, *, calls: int, reps: int
@@ -111,6 +132,10 @@ COLS = ("model", "E", "tokens", "routing", "dense_tflops", "bf16_tflops",
         "residual_ratio", "bf16_compile_s", "nvfp4_compile_s")
 
 
+RESIDUAL_COLS = ("model", "E", "K", "N", "tokens", "routing",
+                 "bf16_residual_mib", "nvfp4_residual_mib", "residual_ratio")
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--smoke", action="store_true",
@@ -118,12 +143,19 @@ def main(argv=None):
   p.add_argument("--tokens", default="16384")
   p.add_argument("--models", default="")
   p.add_argument("--routings", default="balanced,skewed")
+  p.add_argument("--residuals-only", action="store_true",
+                 help="only the residual bytes (from shapes; any device)")
   a = p.parse_args(argv)
   models = [mm for mm in MODELS if not a.models or mm[0] in a.models]
   tokens = [int(v) for v in a.tokens.split(",")]
   calls, reps = (1, 1) if a.smoke else (5, 5)
   if a.smoke:
     models, tokens = [("smoke", 4, 64, 64, 2)], [64]
+  if a.residuals_only:
+    rows = [residuals(mm, tk, r) for mm in models for tk in tokens
+            for r in a.routings.split(",")]
+    print(timing.table(rows, RESIDUAL_COLS))
+    return rows
   rows = []
   for mm in models:
     for tk in tokens:
