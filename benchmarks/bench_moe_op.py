@@ -146,7 +146,12 @@ def main(argv=None):
   p.add_argument("--residuals-only", action="store_true",
                  help="only the residual bytes (from shapes; any device)")
   a = p.parse_args(argv)
-  models = [mm for mm in MODELS if not a.models or mm[0] in a.models]
+  wanted = [w for w in a.models.split(",") if w]
+  models = [mm for mm in MODELS
+            if not wanted or any(mm[0].startswith(w) for w in wanted)]
+  if not models:
+    p.error(f"--models {a.models!r} names none of "
+            f"{[mm[0] for mm in MODELS]} (prefixes, comma-separated).")
   tokens = [int(v) for v in a.tokens.split(",")]
   calls, reps = (1, 1) if a.smoke else (5, 5)
   if a.smoke:
