@@ -207,6 +207,9 @@ def main(argv=None):
   else:
     models = [mm for mm in MODELS
               if not args.models or mm[0] in args.models.split(",")]
+    if not models:
+      p.error(f"--models {args.models!r} names none of "
+              f"{[mm[0] for mm in MODELS]} (comma-separated).")
     token_counts = [16384] if args.quick else [16384, 65536]
     if args.tokens:
       token_counts = [int(v) for v in args.tokens.split(",")]
