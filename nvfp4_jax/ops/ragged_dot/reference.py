@@ -57,10 +57,12 @@ def segment_amax(amax_bits: jax.Array, groups: jax.Array,
   Returns:
     FP32 `[E]`: 0 for an empty group, NaN where a NaN was seen.
   """
-  m = jax.ops.segment_max(amax_bits, groups, num_segments=num_groups + 1,
-                          indices_are_sorted=True)
-  # An empty segment's max is the dtype's minimum, 0: amax 0.
-  return jax.lax.bitcast_convert_type(m[:num_groups], jnp.float32)
+  # A masked max per group (E x n compares, no scatter: XLA's scatter-max
+  # on a GPU serializes on the few group addresses); an empty group's max
+  # is 0, amax 0.
+  mine = groups[None, :] == jnp.arange(num_groups, dtype=groups.dtype)[:, None]
+  m = jnp.max(jnp.where(mine, amax_bits[None, :], jnp.uint32(0)), axis=1)
+  return jax.lax.bitcast_convert_type(m, jnp.float32)
 
 
 def abs_bits(xf: jax.Array, axis) -> jax.Array:
