@@ -445,6 +445,8 @@ def test_progress_bar_shows_loss_tokens_per_second_and_eta(monkeypatch):
   assert quiet.getvalue() == ""
 
 
+@pytest.mark.slow  # 5-15 s (its own compile on another worker): the suite's
+# budget; the slow tier's two-process CLI run covers several processes.
 def test_a_later_process_writes_no_run_files(tmp_path, monkeypatch):
   """In a multi-process run (`--distributed`) only the first process
   writes the metrics, config and plots (every process writes its shards
