@@ -100,13 +100,12 @@ def header() -> str:
   return "\n".join(lines) + "\n\n" + timing.table(rows, ("op", "tries"))
 
 
-def exactness(shape) -> list[dict]:
-  """Each quantizer (default implementation) against the CPU reference."""
-  x = check_input(shape)
-  key = jax.random.key(7)
+def quantizer_cases(key) -> list[tuple[str, object]]:
+  """`(name, fn)` of every quantizer as the layers call it (`key` for the
+  stochastic ones): checked on a device and compiled ahead of time."""
   sr, sr_t = Operand(rounding="stochastic"), Operand(rounding="stochastic",
                                                      rht=True)
-  cases = [
+  return [
       ("quantize 1x16 RTNE", nv.quantize),
       ("quantize 1x16 SR", functools.partial(nv.quantize,
                                              rounding="stochastic", key=key)),
@@ -118,6 +117,12 @@ def exactness(shape) -> list[dict]:
           x, sr, sr_t, key_row=key, key_t=jax.random.key(8))),
       ("block_dequantize", lambda x: nv.block_dequantize(nv.quantize(x))),
   ]
+
+
+def exactness(shape) -> list[dict]:
+  """Each quantizer (default implementation) against the CPU reference."""
+  x = check_input(shape)
+  cases = quantizer_cases(jax.random.key(7))
   rows = []
   for name, fn in cases:
     try:
@@ -304,22 +309,8 @@ def _layer_case(tokens, features=512, out=384, native=True):
 
 def aot_cases() -> list[AotCase]:
   """The programs `--target` compiles."""
-  sr, sr_t = Operand(rounding="stochastic"), Operand(rounding="stochastic",
-                                                     rht=True)
   x = _sds((256, 512), jnp.bfloat16)
-  key = jax.random.key(0)
-  quantizers = [
-      ("quantize 1x16 RTNE", nv.quantize),
-      ("quantize 1x16 SR", functools.partial(nv.quantize,
-                                             rounding="stochastic", key=key)),
-      ("quantize 16x16", functools.partial(nv.quantize, block_2d=True)),
-      ("quantize_with_values", quantize_api.quantize_with_values),
-      ("quantize_rht_t SR", functools.partial(
-          rht_t_api.quantize_rht_t, rounding="stochastic", key=key)),
-      ("quantize_pair (dY: SR + RHT)", lambda x: pair_api.quantize_pair(
-          x, sr, sr_t, key_row=key, key_t=jax.random.key(8))),
-      ("block_dequantize", lambda x: nv.block_dequantize(nv.quantize(x))),
-  ]
+  quantizers = quantizer_cases(jax.random.key(0))
   # 4000 tokens: Wgrad's K = 32 (mod 64) and rows no multiple of 128; on
   # GB10 (no Triton MMA) cuDNN declines those shapes: the emulation runs.
   cases = [_layer_case(256), _layer_case(4000, native=False)]
