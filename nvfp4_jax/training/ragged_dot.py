@@ -173,15 +173,17 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, align, res, dy):
         dy, gs, recipe.dgrad_dy, k))(dy, keys["dgrad_dy"])
     if qw_dgrad is not None:
       qw = qw_dgrad
-      vw = (qw.block_values() if _weight_in_kernel_layout(recipe)
-            else jnp.swapaxes(qw.block_values(), 1, 2))
+      vw = qw.block_values()
+      # `[E, K, N]` (the kernel layout: contract its last axis), or Fprop's
+      # `[E, N, K]` read as it is (contract its first): no transpose pass.
+      layout = "nk" if _weight_in_kernel_layout(recipe) else "kn"
     else:
       qw = _named("nvfp4_quantize_w", lambda w, k: rg.quantize_experts(
           w, recipe.dgrad_w, k, codes=False))(w, keys["dgrad_w"])
-      vw = qw.values
+      vw, layout = qw.values, "nk"
     # dX in x's dtype straight from the FP32 accumulator, as the dense layer.
     dx = _named("nvfp4_dgrad", lambda a, b, alpha: rg.ragged_values_matmul(
-        a, b, gs, alpha, out_dtype=x_dtype, vb_layout="nk"))(
+        a, b, gs, alpha, out_dtype=x_dtype, vb_layout=layout))(
             qdy.values, vw, rg.group_alpha(qdy, qw))
   else:
     dx = _named("bf16_dgrad", lambda dy, w: rg.ragged_values_matmul(
