@@ -175,8 +175,8 @@ def test_operands_are_each_experts_own_quantization():
   def grouped(x, gs, keys):
     q = rg.quantize_rows(x, gs, Operand(rounding="stochastic"), keys,
                          codes=True)
-    rows, padded, length = rg.padded_layout(gs, m, 16)
-    qt = rg.quantize_tokens(rg.to_padded(x, rows, length).T, padded,
+    sources, padded, length = rg.padded_layout(gs, m, 16)
+    qt = rg.quantize_tokens(rg.to_padded(x, sources).T, padded,
                             Operand(rounding="stochastic", rht=True), keys,
                             codes=True)
     return q, qt, padded

@@ -84,17 +84,17 @@ def _weight_in_kernel_layout(recipe: Recipe) -> bool:
 
 
 def _layout(recipe: Recipe, group_sizes, m: int, align: str):
-  """`(rows, sizes, length)` of the Wgrad operands' token layout (see
+  """`(sources, sizes, length)` of the Wgrad operands' token layout (see
   `rg.padded_layout`); with "check"/"assume" the tokens stay in place."""
   need = rg.alignment(recipe.wgrad_x, recipe.rht_size)
   if align == "pad":
     return rg.padded_layout(group_sizes, m, need)
   length = -(-m // need) * need
-  return jnp.arange(m, dtype=jnp.int32), group_sizes.astype(jnp.int32), length
+  return None, group_sizes.astype(jnp.int32), length
 
 
-def _tokens(x, rows, length, align):
-  return rg.to_padded(x, rows, length) if align == "pad" else jnp.pad(
+def _tokens(x, sources, length, align):
+  return rg.to_padded(x, sources) if align == "pad" else jnp.pad(
       x, ((0, length - x.shape[0]), (0, 0)))
 
 
@@ -140,10 +140,10 @@ def _fprop(x, w, gs, key, recipe: Recipe, precision, out_dtype, align):
         precision=precision))(x, w)
   saved_x = x
   if recipe.gemm_format("wgrad") != "bf16":
-    rows, sizes, length = _layout(recipe, gs, x.shape[0], align)
+    sources, sizes, length = _layout(recipe, gs, x.shape[0], align)
     saved_x = _residual(_named(
         "nvfp4_quantize_x", lambda x, k: rg.quantize_tokens(
-            _tokens(x, rows, length, align).T, sizes, recipe.wgrad_x, k,
+            _tokens(x, sources, length, align).T, sizes, recipe.wgrad_x, k,
             rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector,
             values=False, codes=True))(x, keys["wgrad_x"]))
   return y, (saved_x, w, None if qw_dgrad is None else _residual(qw_dgrad),
@@ -190,9 +190,9 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, align, res, dy):
         dy.astype(out_dtype), w.astype(out_dtype), gs, out_dtype=out_dtype,
         vb_layout="nk", precision=precision))(dy, w)
   if recipe.gemm_format("wgrad") != "bf16":
-    rows, sizes, length = _layout(recipe, gs, m, align)
+    sources, sizes, length = _layout(recipe, gs, m, align)
     qdyt = _named("nvfp4_quantize_dy", lambda dy, k: rg.quantize_tokens(
-        _tokens(dy, rows, length, align).T, sizes, recipe.wgrad_dy, k,
+        _tokens(dy, sources, length, align).T, sizes, recipe.wgrad_dy, k,
         rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector))(
             dy, keys["wgrad_dy"])
     dw = _named("nvfp4_wgrad", lambda a, b, alpha: rg.ragged_values_matmul_t(

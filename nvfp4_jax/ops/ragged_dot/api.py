@@ -122,36 +122,33 @@ def alignment(recipe_wgrad: Operand, rht_size: int) -> int:
 
 
 def padded_layout(group_sizes: jax.Array, m: int, align: int):
-  """Where each row goes when every group is padded to `align` rows.
+  """The layout with every group padded to `align` rows, as a gather map.
 
   Returns:
-    `(rows, padded_sizes, length)`: int32 `[m]`, each row's position in the
-    padded layout (`length` for rows of no group: dropped by a scatter),
-    the padded group sizes `[E]`, and the static padded length (room for
-    `m` rows and `align - 1` rows of padding per group).
+    `(sources, padded_sizes, length)`: int32 `[length]`, the row of `x`
+    each padded position takes (`m`, out of range, for the padding: it
+    reads zeros), the padded group sizes `[E]`, and the static padded
+    length (room for `m` rows and `align - 1` rows of padding per group).
+    A gather, not a scatter of the rows: XLA's row scatter on a GPU ran
+    at under a tenth of copy bandwidth (1.8 ms for 65536 x 1408 bf16 on an
+    H100, where the gather copies).
   """
   num_groups = group_sizes.shape[0]
   length = -(-(m + num_groups * (align - 1)) // align) * align
   gs = group_sizes.astype(jnp.int32)
   padded = -(-gs // align) * align
-  g = ref.group_of(gs, m)
+  g = ref.group_of(padded, length)                       # E past the end.
+  gs_e = jnp.concatenate([gs, jnp.zeros((1,), jnp.int32)])
   src_off = jnp.concatenate([ref.offsets(gs), jnp.zeros((1,), jnp.int32)])
-  dst_off = jnp.concatenate([ref.offsets(padded),
-                             jnp.full((1,), length, jnp.int32)])
-  r = jnp.arange(m, dtype=jnp.int32)
-  rows = jnp.where(g < num_groups, dst_off[g] + r - src_off[g], length)
-  return rows, padded, length
+  dst_off = jnp.concatenate([ref.offsets(padded), jnp.zeros((1,), jnp.int32)])
+  local = jnp.arange(length, dtype=jnp.int32) - dst_off[g]
+  sources = jnp.where(local < gs_e[g], src_off[g] + local, m)
+  return sources, padded, length
 
 
-def to_padded(x: jax.Array, rows: jax.Array, length: int) -> jax.Array:
-  """`x`'s rows scattered to their padded positions, zeros elsewhere."""
-  out = jnp.zeros((length, *x.shape[1:]), x.dtype)
-  return out.at[rows].set(x, mode="drop", unique_indices=True)
-
-
-def from_padded(xp: jax.Array, rows: jax.Array) -> jax.Array:
-  """The rows of `x` back from the padded layout (zeros for no group)."""
-  return jnp.take(xp, rows, axis=0, mode="fill", fill_value=0)
+def to_padded(x: jax.Array, sources: jax.Array) -> jax.Array:
+  """`x`'s rows in the padded layout of `padded_layout` (zeros between)."""
+  return jnp.take(x, sources, axis=0, mode="fill", fill_value=0)
 
 
 def _encode(xf, op: Operand, block_group, amax, rbits, *, values, codes):
