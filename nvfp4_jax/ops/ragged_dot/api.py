@@ -147,8 +147,14 @@ def padded_layout(group_sizes: jax.Array, m: int, align: int):
 
 
 def to_padded(x: jax.Array, sources: jax.Array) -> jax.Array:
-  """`x`'s rows in the padded layout of `padded_layout` (zeros between)."""
-  return jnp.take(x, sources, axis=0, mode="fill", fill_value=0)
+  """`x`'s rows in the padded layout of `padded_layout` (zeros between).
+
+  Materialized (an optimization barrier): fused into its consumer, the
+  transposing quantizer, XLA:GPU gathered each element alone (0.78 ms for
+  65536 x 1408 bf16 on an H100, against about 0.1 ms for the copy).
+  """
+  return jax.lax.optimization_barrier(
+      jnp.take(x, sources, axis=0, mode="fill", fill_value=0))
 
 
 def _encode(xf, op: Operand, block_group, amax, rbits, *, values, codes):
