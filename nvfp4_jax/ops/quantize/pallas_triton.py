@@ -44,13 +44,24 @@ def tile_masks(rows: int, nb: int, m: int, nb_total: int):
       0: common.bounds_mask((rows, nb), *dims)}
 
 
-def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
-                     with_codes: bool, with_values: bool, interpret: bool,
-                     m: int, nb_total: int, four_over_six: bool,
-                     words_per_row: int):
+def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
+                    with_codes: bool, with_values: bool, interpret: bool,
+                    m: int, nb_total: int, four_over_six: bool,
+                    words_per_row: int, grouped: bool = False):
+  """The quantize kernel's program.
+
+  With `grouped`, each row is quantized as a row of its own tensor (the
+  grouped quantizer of `nvfp4_jax.ops.ragged_dot.pallas_triton`): the amax
+  ref holds one tensor amax per row `[rows]`, and with stochastic rounding
+  the seeds refs one pair per row (`[rows]` each) and the origin ref each
+  row's index within its tensor.
+  """
   refs = list(refs)
   amax_ref = refs.pop(0)
-  seeds_ref = refs.pop(0) if stochastic else None
+  if grouped:
+    seeds_ref = (refs.pop(0), refs.pop(0)) if stochastic else None
+  else:
+    seeds_ref = refs.pop(0) if stochastic else None
   origin_ref = refs.pop(0) if stochastic else None
   x_ref = refs.pop(0)
   codes_ref, scales_ref = (refs.pop(0), refs.pop(0)) if with_codes else (
@@ -58,14 +69,26 @@ def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
   values_ref = refs.pop(0) if with_values else None
   divide = common.exact_divide(interpret)
   # Shape (1,), not scalars: the inline-asm division needs tensor operands.
-  s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
-      amax_ref[...], divide=divide, four_over_six=four_over_six)
   rows, nb, _ = x_ref.shape
+  amax = amax_ref[...]
+  if grouped:
+    amax = amax.reshape(rows, 1)  # One tensor per row: [rows, 1] constants.
+  s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
+      amax, divide=divide, four_over_six=four_over_six)
   mask = tile_masks(rows, nb, m, nb_total)
 
   x = common.load(x_ref, mask[B]).astype(jnp.float32)  # Flushed when scaled.
   rwords = None
-  if stochastic:
+  if stochastic and grouped:
+    # Each row's place in its own tensor's stream.
+    shape = (rows, nb, B // 4)
+    per_row = lambda v: jnp.broadcast_to(v.reshape(rows, 1, 1), shape)
+    blk = pl.program_id(1) * nb + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 2)
+    rwords = prng.sr_hash(
+        prng.block_word_base(per_row(origin_ref[...]), blk, words_per_row)
+        + lane, per_row(seeds_ref[0][...]), per_row(seeds_ref[1][...]))
+  elif stochastic:
     # The tile's place in the (whole, maybe sharded) tensor's stream.
     rwords = prng.tile_words(origin_ref[0] + pl.program_id(0) * rows, rows,
                              origin_ref[1] + pl.program_id(1) * nb, nb,
@@ -147,7 +170,7 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
     out_specs.append(pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)))
 
   kernel = functools.partial(
-      _quantize_kernel, block_2d=block_2d, stochastic=stochastic,
+      quantize_kernel, block_2d=block_2d, stochastic=stochastic,
       with_codes=with_codes, with_values=with_values, interpret=interpret,
       m=m, nb_total=nb_total, four_over_six=four_over_six,
       words_per_row=words_per_row)

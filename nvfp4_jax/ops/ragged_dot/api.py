@@ -175,41 +175,84 @@ def _finish(xshape, op: Operand, packed, scales, vals, amax) -> Grouped:
   rows, cols = xshape
   return Grouped(
       data=None if packed is None else packed.reshape(rows, -1),
-      scales=scales.reshape(rows, -1),
+      scales=None if scales is None else scales.reshape(rows, -1),
       values=None if vals is None else vals.reshape(rows, cols),
       amax=amax, fmt=op.format, four_over_six=op.four_over_six)
 
 
 def quantize_rows(x: jax.Array, group_sizes: jax.Array, op: Operand,
                   keys: jax.Array | None, *, values: bool = True,
-                  codes: bool = False) -> Grouped:
+                  codes: bool = False,
+                  implementation: str | None = None) -> Grouped:
   """`x [M, C]` quantized along `C`, each group of rows as its own tensor.
 
   Group `e`'s rows get `quantize(x[rows_e])`'s codes and scales: amax over
   the group, stochastic bytes from `keys[e]` at the element's index in the
-  group's `[m_e, C]` tensor.
+  group's `[m_e, C]` tensor. NVFP4 runs `QUANTIZE_ROWS` (the Pallas kernel
+  on a GPU, the reference elsewhere) after the group amaxes' reduction.
   """
   m, c = x.shape
   b = block_size(op.format)
   num_groups = group_sizes.shape[0]
-  xf = nm.ftz(jax.lax.optimization_barrier(x).astype(jnp.float32))
-  xf = xf.reshape(m, c // b, b)
   g = ref.group_of(group_sizes, m)
-  amax = None
-  if op.format == "nvfp4":
-    amax = ref.segment_amax(ref.abs_bits(xf, (1, 2)), g, num_groups)
-  rbits = None
+  row_seeds = local = None
   if op.rounding == "stochastic":
     off = jnp.concatenate([ref.offsets(group_sizes),
                            jnp.zeros((1,), jnp.int32)])
     local = (jnp.arange(m, dtype=jnp.int32) - off[g]).astype(jnp.uint32)
-    blk = jnp.arange(c // b, dtype=jnp.uint32)
-    base = local[:, None] * jnp.uint32(c // 4) + blk[None, :] * (b // 4)
     seeds = ref.group_seeds(keys, num_groups)[g]
-    rbits = ref.block_bytes(base, seeds[:, None, :], b)
-  block_group = jnp.broadcast_to(g[:, None], (m, c // b))
-  return _finish((m, c), op, *_encode(xf, op, block_group, amax, rbits,
+    row_seeds = (seeds[:, 0], seeds[:, 1])
+  if op.format == "nvfp4":
+    xf = nm.ftz(x.astype(jnp.float32)).reshape(m, c // b, b)
+    amax = ref.segment_amax(ref.abs_bits(xf, (1, 2)), g, num_groups)
+    row_amax = jnp.concatenate([amax, jnp.zeros((1,), jnp.float32)])[g]
+    packed, scales, vals = QUANTIZE_ROWS(
+        implementation, x, row_amax, row_seeds=row_seeds, row_index=local,
+        four_over_six=op.four_over_six, with_codes=codes, with_values=values)
+    return _finish((m, c), op, packed, scales, vals, amax)
+  xf = nm.ftz(jax.lax.optimization_barrier(x).astype(jnp.float32))
+  xf = xf.reshape(m, c // b, b)
+  rbits = None
+  if row_seeds is not None:
+    rbits = _row_bytes(local, row_seeds, c, b)
+  return _finish((m, c), op, *_encode(xf, op, None, None, rbits,
                                       values=values, codes=codes))
+
+
+def _row_bytes(local, row_seeds, c: int, b: int) -> jax.Array:
+  """The stochastic bytes `[M, C // b, b]` of rows at index `local` of
+  their tensors (`[*, C]`, seeds `row_seeds`)."""
+  blk = jnp.arange(c // b, dtype=jnp.uint32)
+  base = local[:, None] * jnp.uint32(c // 4) + blk[None, :] * (b // 4)
+  seeds = jnp.stack(row_seeds, axis=-1)
+  return ref.block_bytes(base, seeds[:, None, :], b)
+
+
+def _quantize_rows_xla(x, row_amax, *, row_seeds=None, row_index=None,
+                       four_over_six=False, with_codes=True,
+                       with_values=True):
+  """The reference of `pallas_triton.quantize_rows` (the same arguments):
+  1x16 NVFP4 of each row with its own tensor amax `row_amax[r]`."""
+  m, c = x.shape
+  b = nm.NVFP4_BLOCK
+  xf = nm.ftz(jax.lax.optimization_barrier(x).astype(jnp.float32))
+  xf = xf.reshape(m, c // b, b)
+  rbits = None
+  if row_seeds is not None:
+    rbits = _row_bytes(row_index.astype(jnp.uint32), row_seeds, c, b)
+  s6, inv = jax.lax.optimization_barrier(
+      nm.nvfp4_scale_constants(row_amax, four_over_six=four_over_six))
+  packed, scales, vals = tile.encode_blocks(
+      xf, tile.block_amax(xf, False), s6[:, None], inv[:, None],
+      rbits=rbits, with_codes=with_codes, with_values=with_values,
+      barrier=jax.lax.optimization_barrier, four_over_six=four_over_six)
+  return packed, (scales if with_codes else None), vals
+
+
+QUANTIZE_ROWS = dispatch.Op("ragged_quantize_rows", {
+    "xla": _quantize_rows_xla,
+    "pallas": "nvfp4_jax.ops.ragged_dot.pallas_triton:quantize_rows",
+})
 
 
 def quantize_tokens(xt: jax.Array, padded_sizes: jax.Array, op: Operand,

@@ -1,0 +1,78 @@
+"""The grouped row quantizer's Pallas kernel (`ops/ragged_dot/pallas_triton`).
+
+`api.quantize_rows` reduces each group's amax, then quantizes every row with
+its group's constants and stream (`QUANTIZE_ROWS`). The kernel ("pallas",
+interpreted on the CPU, compiled on a GPU) must give the reference's bytes
+("xla") exactly: codes, scales and bf16 block values, on heavy-tailed rows
+of uneven, empty and skewed groups with rows past the sum, rounding to
+nearest and stochastically, with and without Four-over-Six. The reference
+path itself equals a per-expert loop of `nvfp4_jax.quantize`
+(tests/test_ragged_dot.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nvfp4_jax as nv
+from nvfp4_jax.core.recipe import Operand
+from nvfp4_jax.ops.ragged_dot import api as rg
+
+
+def heavy(rng, shape):
+  """Student-t (2 degrees of freedom) rows with a few outliers and zeros."""
+  x = rng.standard_t(2, size=shape).astype(np.float32)
+  x[rng.random(shape) < 0.01] *= 1e3
+  x[rng.random(shape) < 0.05] = 0.0
+  return jnp.asarray(x, jnp.bfloat16)
+
+
+def _bytes(a):
+  return None if a is None else np.asarray(a).view(np.uint8)
+
+
+def _keys(n):
+  return jax.vmap(lambda e: jax.random.fold_in(jax.random.key(3), e))(
+      jnp.arange(n))
+
+
+@pytest.mark.parametrize("sizes,m,rounding,four_over_six", [
+    ([0, 21, 12, 0, 19], 64, "stochastic", False),   # Empty, rows past sum.
+    ([59, 0, 5], 64, "nearest", False),               # Skewed.
+    pytest.param([24, 0, 40], 64, "nearest", True,    # Four-over-Six.
+                 marks=pytest.mark.slow),
+])
+def test_kernel_equals_reference(sizes, m, rounding, four_over_six):
+  rng = np.random.default_rng(len(sizes) + m)
+  x = heavy(rng, (m, 64))
+  x = x.at[: sizes[0] or 1].multiply(1e-3)  # Groups of unlike amax.
+  gs = jnp.asarray(sizes, jnp.int32)
+  op = Operand(rounding=rounding, four_over_six=four_over_six)
+  keys = _keys(len(sizes))
+
+  def run(impl):
+    return jax.jit(lambda x: rg.quantize_rows(
+        x, gs, op, keys, values=True, codes=True, implementation=impl))(x)
+
+  got, want = run("pallas"), run("xla")
+  for field in ("data", "scales", "values", "amax"):
+    np.testing.assert_array_equal(_bytes(getattr(got, field)),
+                                  _bytes(getattr(want, field)), err_msg=field)
+
+
+def test_kernel_uses_each_rows_own_group():
+  """Switched off (one tensor amax for all rows, one stream), the rows of a
+  small-amax group get other codes: the per-row constants and streams are
+  what the kernel applies."""
+  rng = np.random.default_rng(7)
+  x = heavy(rng, (48, 32)).at[:16].multiply(1e-3)
+  gs = jnp.asarray([16, 32], jnp.int32)
+  op = Operand(rounding="stochastic")
+  keys = _keys(2)
+  q = jax.jit(lambda x: rg.quantize_rows(x, gs, op, keys, codes=True,
+                                        implementation="pallas"))(x)
+  sr = jax.jit(lambda x: nv.quantize(x, rounding="stochastic", key=keys[0]))
+  whole, first = sr(x), sr(x[:16])
+  np.testing.assert_array_equal(_bytes(q.data[:16]), _bytes(first.codes))
+  assert not np.array_equal(_bytes(q.data[:16]), _bytes(whole.codes[:16]))
