@@ -176,7 +176,7 @@ def test_operands_are_each_experts_own_quantization():
     q = rg.quantize_rows(x, gs, Operand(rounding="stochastic"), keys,
                          codes=True)
     sources, padded, length = rg.padded_layout(gs, m, 16)
-    qt = rg.quantize_tokens(rg.to_padded(x, sources).T, padded,
+    qt = rg.quantize_tokens(rg.to_padded(x, sources), padded,
                             Operand(rounding="stochastic", rht=True), keys,
                             codes=True)
     return q, qt, padded

@@ -76,3 +76,28 @@ def test_kernel_uses_each_rows_own_group():
   whole, first = sr(x), sr(x[:16])
   np.testing.assert_array_equal(_bytes(q.data[:16]), _bytes(first.codes))
   assert not np.array_equal(_bytes(q.data[:16]), _bytes(whole.codes[:16]))
+
+
+@pytest.mark.parametrize("sizes,rounding,values", [
+    ([0, 32, 16, 0, 48], "stochastic", True),   # dY: SR, values; empty groups.
+    ([80, 0, 16], "nearest", False),            # X: RTNE, codes and scales.
+])
+def test_token_kernels_equal_reference(sizes, rounding, values):
+  """The Wgrad operands (16-point RHT along each group's tokens): the
+  amax pass and the encode pass, with a tail of rows past the groups."""
+  rng = np.random.default_rng(sum(sizes))
+  length = 112  # sum(sizes) = 96, then one block of no group.
+  x = heavy(rng, (length, 48)).at[: sizes[0] or 16].multiply(1e-3)
+  gs = jnp.asarray(sizes, jnp.int32)
+  op = Operand(rounding=rounding, rht=True)
+  keys = _keys(len(sizes))
+
+  def run(impl):
+    return jax.jit(lambda x: rg.quantize_tokens(
+        x, gs, op, keys, values=values, codes=not values,
+        implementation=impl))(x)
+
+  got, want = run("pallas"), run("xla")
+  for field in ("data", "scales", "values", "amax"):
+    np.testing.assert_array_equal(_bytes(getattr(got, field)),
+                                  _bytes(getattr(want, field)), err_msg=field)

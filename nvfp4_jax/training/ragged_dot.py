@@ -143,7 +143,7 @@ def _fprop(x, w, gs, key, recipe: Recipe, precision, out_dtype, align):
     sources, sizes, length = _layout(recipe, gs, x.shape[0], align)
     saved_x = _residual(_named(
         "nvfp4_quantize_x", lambda x, k: rg.quantize_tokens(
-            _tokens(x, sources, length, align).T, sizes, recipe.wgrad_x, k,
+            _tokens(x, sources, length, align), sizes, recipe.wgrad_x, k,
             rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector,
             values=False, codes=True))(x, keys["wgrad_x"]))
   return y, (saved_x, w, None if qw_dgrad is None else _residual(qw_dgrad),
@@ -192,7 +192,7 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, align, res, dy):
   if recipe.gemm_format("wgrad") != "bf16":
     sources, sizes, length = _layout(recipe, gs, m, align)
     qdyt = _named("nvfp4_quantize_dy", lambda dy, k: rg.quantize_tokens(
-        _tokens(dy, sources, length, align).T, sizes, recipe.wgrad_dy, k,
+        _tokens(dy, sources, length, align), sizes, recipe.wgrad_dy, k,
         rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector))(
             dy, keys["wgrad_dy"])
     dw = _named("nvfp4_wgrad", lambda a, b, alpha: rg.ragged_values_matmul_t(

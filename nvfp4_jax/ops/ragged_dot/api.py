@@ -255,49 +255,119 @@ QUANTIZE_ROWS = dispatch.Op("ragged_quantize_rows", {
 })
 
 
-def quantize_tokens(xt: jax.Array, padded_sizes: jax.Array, op: Operand,
+def quantize_tokens(x: jax.Array, padded_sizes: jax.Array, op: Operand,
                     keys: jax.Array | None, *, rht_size: int = 16,
                     sign_vector=None, values: bool = True,
-                    codes: bool = False) -> Grouped:
-  """`xt [F, L]` (features x padded tokens) quantized along the tokens, each
-  group of columns as its own tensor, after the RHT where `op.rht`.
+                    codes: bool = False,
+                    implementation: str | None = None) -> Grouped:
+  """`x [L, F]` (padded tokens x features) quantized along the tokens, each
+  group of tokens as its own tensor, after the RHT where `op.rht`: the
+  result is `[F, L]`.
 
   The groups are `padded_sizes` (multiples of the block and the Hadamard
   size, from `padded_layout`), so the result for group `e` is
   `quantize(rht(x_e^T))` with `x_e` its tokens padded with zero rows, as
   `dot_general` quantizes a layer's Wgrad operand: amax after the RHT over
   the group, stochastic bytes from `keys[e]` at the element's index in the
-  group's `[F, padded m_e]` tensor.
+  group's `[F, padded m_e]` tensor. NVFP4 with the 16-point RHT, writing
+  codes or values, runs `TOKEN_BLOCK_AMAX` and `QUANTIZE_TOKENS` (the
+  Pallas kernels on a GPU, the reference elsewhere).
   """
-  f, length = xt.shape
+  length, f = x.shape
   b = block_size(op.format)
   num_groups = padded_sizes.shape[0]
+  nb = length // b
+  bg = ref.group_of(padded_sizes, length)[::b]           # [nb]
+  block_seeds = local_blk = words = None
+  if op.rounding == "stochastic":
+    ps = jnp.concatenate([padded_sizes.astype(jnp.int32),
+                          jnp.zeros((1,), jnp.int32)])
+    off = jnp.concatenate([ref.offsets(ps[:-1]), jnp.zeros((1,), jnp.int32)])
+    words = (ps // 4).astype(jnp.uint32)[bg]
+    local_blk = ((jnp.arange(nb, dtype=jnp.int32) * b - off[bg]) // b
+                 ).astype(jnp.uint32)
+    seeds = ref.group_seeds(keys, num_groups)[bg]
+    block_seeds = (seeds[:, 0], seeds[:, 1])
+  if (op.format == "nvfp4" and op.rht and rht_size == nm.NVFP4_BLOCK
+      and not op.four_over_six and values != codes):
+    bits = TOKEN_BLOCK_AMAX(implementation, x, sign_vector=sign_vector)
+    amax = ref.segment_amax(bits, bg, num_groups)
+    block_amax = jnp.concatenate([amax, jnp.zeros((1,), jnp.float32)])[bg]
+    packed, scales, vals = QUANTIZE_TOKENS(
+        implementation, x, block_amax, block_seeds=block_seeds,
+        block_index=local_blk, block_words=words, sign_vector=sign_vector,
+        values=values)
+    return _finish((f, length), op, packed, scales, vals, amax)
+  xt = x.T
   if op.rht:
     xt = rht(xt, sign_vector=sign_vector, size=rht_size)
   xf = nm.ftz(jax.lax.optimization_barrier(xt).astype(jnp.float32))
-  nb = length // b
   xf = xf.reshape(f, nb, b)
-  bg = ref.group_of(padded_sizes, length)[::b]           # [nb]
   amax = None
   if op.format == "nvfp4":
     amax = ref.segment_amax(ref.abs_bits(xf, (0, 2)), bg, num_groups)
   rbits = None
-  if op.rounding == "stochastic":
-    ps = padded_sizes.astype(jnp.int32)
-    off = jnp.concatenate([ref.offsets(ps), jnp.zeros((1,), jnp.int32)])
-    words_per_row = (jnp.concatenate([ps, jnp.zeros((1,), jnp.int32)])
-                     // 4).astype(jnp.uint32)
-    local_blk = ((jnp.arange(nb, dtype=jnp.int32) * b - off[bg]) // b
-                 ).astype(jnp.uint32)
-    row = jnp.arange(f, dtype=jnp.uint32)
-    base = (row[:, None] * words_per_row[bg][None, :]
-            + local_blk[None, :] * jnp.uint32(b // 4))
-    seeds = ref.group_seeds(keys, num_groups)[bg]
-    rbits = ref.block_bytes(base, jnp.broadcast_to(seeds[None], (f, nb, 2)),
-                            b)
+  if block_seeds is not None:
+    rbits = _token_bytes(f, local_blk, words, block_seeds, b)
   block_group = jnp.broadcast_to(bg[None, :], (f, nb))
   return _finish((f, length), op, *_encode(xf, op, block_group, amax, rbits,
                                            values=values, codes=codes))
+
+
+def _token_bytes(f: int, local_blk, words, block_seeds, b: int) -> jax.Array:
+  """The stochastic bytes `[F, nb, b]` of token blocks at block `local_blk`
+  of their tensors (`[F, 4 * words]`, seeds `block_seeds`)."""
+  row = jnp.arange(f, dtype=jnp.uint32)
+  base = row[:, None] * words[None, :] + local_blk[None, :] * jnp.uint32(b // 4)
+  seeds = jnp.stack(block_seeds, axis=-1)
+  return ref.block_bytes(base, jnp.broadcast_to(seeds[None], (f, *seeds.shape)),
+                         b)
+
+
+def _rht_tokens(x, sign_vector):
+  """`rht(x.T)` flushed, as FP32 blocks `[F, T // 16, 16]`."""
+  t, f = x.shape
+  b = nm.NVFP4_BLOCK
+  z = rht(x.T, sign_vector=sign_vector, size=b)
+  return nm.ftz(jax.lax.optimization_barrier(z).astype(jnp.float32)).reshape(
+      f, t // b, b)
+
+
+def _token_block_amax_xla(x, *, sign_vector=None):
+  """The reference of `pallas_triton.token_block_amax`."""
+  return ref.abs_bits(_rht_tokens(x, sign_vector), (0, 2))
+
+
+def _quantize_tokens_xla(x, block_amax, *, block_seeds=None, block_index=None,
+                         block_words=None, sign_vector=None, values=False):
+  """The reference of `pallas_triton.quantize_tokens` (the same arguments)."""
+  xf = _rht_tokens(x, sign_vector)
+  f = xf.shape[0]
+  rbits = None
+  if block_seeds is not None:
+    rbits = _token_bytes(f, block_index.astype(jnp.uint32),
+                         block_words.astype(jnp.uint32), block_seeds,
+                         nm.NVFP4_BLOCK)
+  s6, inv = jax.lax.optimization_barrier(
+      nm.nvfp4_scale_constants(block_amax))
+  packed, scales, vals = tile.encode_blocks(
+      xf, tile.block_amax(xf, False), s6[None, :], inv[None, :],
+      rbits=rbits, with_codes=not values, with_values=values,
+      barrier=jax.lax.optimization_barrier)
+  if values:
+    return None, None, vals
+  return packed, scales, None
+
+
+TOKEN_BLOCK_AMAX = dispatch.Op("ragged_token_block_amax", {
+    "xla": _token_block_amax_xla,
+    "pallas": "nvfp4_jax.ops.ragged_dot.pallas_triton:token_block_amax",
+})
+
+QUANTIZE_TOKENS = dispatch.Op("ragged_quantize_tokens", {
+    "xla": _quantize_tokens_xla,
+    "pallas": "nvfp4_jax.ops.ragged_dot.pallas_triton:quantize_tokens",
+})
 
 
 def quantize_experts(w: jax.Array, op: Operand, keys: jax.Array | None, *,
