@@ -357,7 +357,9 @@ def _describe(pre: str, post: str, kernels, cudnn_visible: bool = True
   requested = pre.count("__op$block_scaled_dot")
   parts, problems = [], []
   if low.cudnn_block_scaled:
-    parts.append(f"cuDNN __cudnn$blockScaledDot x{low.cudnn_block_scaled}")
+    parts.append(f"cuDNN __cudnn$blockScaledDot x{low.cudnn_block_scaled}"
+                 + (f" (alpha in its graph x{low.cudnn_global_scaled})"
+                    if low.cudnn_global_scaled else ""))
   if low.triton_calls:
     mma = aot.describe_mma(tuple(sorted({m for k in kernels
                                          for m in aot.ptx_mma(k.ptx)})))

@@ -196,6 +196,38 @@ def test_triton_declines_capabilities_without_block_scaled_mma():
         jax.eval_shape(f, _abstract(256, 512), _abstract(384, 512))
 
 
+# A multiply over the [M, N] GEMM output in lowered StableHLO.
+_GEMM_OUT = re.compile(r"stablehlo\.multiply [^\n]*: tensor<(?:1x)?256x384xf32>")
+
+
+def _scaled_dot_calls(text):
+  """(target, operand count) of each block-scaled dot custom call in
+  lowered StableHLO."""
+  return [(t, len(ops.split(","))) for t, ops in re.findall(
+      r"custom_call @(__op\$block_scaled_dot)\(([^)]*)\)", text)]
+
+
+@pytest.mark.parametrize("cudnn_v, fused", [((9, 14), True), ((9, 13), True),
+                                            ((9, 12), False), (None, True)])
+def test_alpha_is_the_block_scaled_dots_global_scale(cudnn_v, fused):
+  """From cuDNN 9.13 the NVFP4 GEMM hands alpha to XLA's block-scaled dot
+  as its fifth operand (the global scale cuDNN applies in its graph): no
+  multiply over the [M, N] output is left in the lowered program. Below,
+  `jax.nn.scaled_matmul`'s four operands and `acc * alpha` after it.
+  Lowered for CUDA here (nothing runs; the compile for a B200 is
+  `test_b200_cudnn_dot_applies_alpha`)."""
+  f = functools.partial(gemm_api.block_scaled_matmul,
+                        implementation="scaled_matmul")
+  jax.clear_caches()
+  with dispatch.target_device("gpu", (10, 0), cudnn_v):
+    text = jax.jit(f).trace(_abstract(256, 512), _abstract(384, 512)).lower(
+        lowering_platforms=("cuda",)).as_text()
+  jax.clear_caches()
+  assert _scaled_dot_calls(text) == [
+      ("__op$block_scaled_dot", 5 if fused else 4)], text
+  assert bool(_GEMM_OUT.search(text)) != fused, text
+
+
 def test_target_config_text():
   text = aot.target_config("gb10", cudnn=(9, 8))
   assert "cuda_compute_capability{major:12 minor:1}" in text
@@ -341,6 +373,33 @@ def test_mx_gemms_run_native(target, fmt, want):
     else:
       assert low.triton_calls == 1, low
       assert want in _block_scaled_mma(c), c.triton_kernels
+
+
+@needs_plugin
+@pytest.mark.skipif(not _CUDNN_VISIBLE,
+                    reason="this JAX's compile without a GPU decomposes "
+                    "block-scaled dots (aot.Compiler.cudnn_visible)")
+@pytest.mark.parametrize("cudnn_v, out_dtype, passes", [
+    ((9, 14), jnp.float32, ()), ((9, 14), jnp.bfloat16, ("convert",)),
+    ((9, 12), jnp.float32, ("multiply",))])
+def test_b200_cudnn_dot_applies_alpha(cudnn_v, out_dtype, passes):
+  """Compiled for a B200: with cuDNN 9.14 one `__cudnn$blockScaledDot` with
+  alpha as its fifth operand and, for an FP32 output, no pass over the
+  output after it (a BF16 output keeps its one cast, as the spec's single
+  rounding wants: cuDNN's global scale has the result's type, so a BF16
+  result would round alpha to BF16). With cuDNN 9.12 XLA multiplies after
+  the call."""
+  f = functools.partial(gemm_api.block_scaled_matmul,
+                        implementation="scaled_matmul", out_dtype=out_dtype)
+  with aot.compiling_for("b200", cudnn=cudnn_v) as c:
+    hlo = c.compile(f, _abstract(256, 512), _abstract(384, 512))
+  low = aot.lowering(hlo)
+  assert low.cudnn_block_scaled == 1, low
+  assert low.cudnn_global_scaled == (1 if cudnn_v >= (9, 13) else 0), low
+  shape = "256,384]"
+  full = [op for op in ("multiply", "convert") if re.search(
+      rf"\[(?:1,)?{re.escape(shape)}\{{[^}}]*\}} {op}\(", hlo)]
+  assert tuple(full) == passes, hlo
 
 
 @needs_plugin
