@@ -403,6 +403,19 @@ def test_b200_cudnn_dot_applies_alpha(cudnn_v, out_dtype, passes):
 
 
 @needs_plugin
+def test_b200_triton_gemm_applies_alpha_in_its_epilogue():
+  """The Triton GEMM multiplies its FP32 accumulator by alpha before its one
+  store: nothing runs over the output after the kernel."""
+  f = functools.partial(gemm_api.block_scaled_matmul, implementation="triton")
+  with aot.compiling_for("b200") as c:
+    hlo = c.compile(f, _abstract(256, 384), _abstract(384, 384))
+    ptx = "".join(k.ptx for k in c.triton_kernels)
+  assert aot.lowering(hlo).triton_calls == 1
+  assert not re.search(r"\[256,384\]\{[^}]*\} (multiply|convert)\(", hlo), hlo
+  assert "mul.f32" in ptx or "mul.rn.f32" in ptx
+
+
+@needs_plugin
 def test_b200_k_48_leaves_cudnn_for_a_native_fallback():
   with aot.compiling_for("b200") as c:
     low = aot.lowering(_gemm_hlo(c, 256, 384, 48))
