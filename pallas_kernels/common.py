@@ -357,8 +357,66 @@ def _encode_codes_cvt_asm() -> str:
           + "\n".join(body) + "\n}")
 
 
+def _encode_codes_cvt_signed_asm() -> str:
+  """`_encode_codes_cvt_asm` without the magnitudes and the sign gathering,
+  for kernels whose blocks are NaN as a whole (`block_encoder(...,
+  block_nan=True)`): the conversion takes the signed scaled values.
+
+  Per the PTX ISA (`cvt`, "Floating Point Conversion" with `.f4x2type`
+  `.e2m1x2`), `cvt.rn.satfinite.e2m1x2.f32 d, a, b` rounds each FP32 input
+  to E2M1 to nearest even, clamps finite and infinite magnitudes above
+  MAX_NORM (6.0) to +-6.0 (`.satfinite`; code 7), and packs the value of `a`
+  into the upper and that of `b` into the lower nibble. As any IEEE
+  conversion it keeps the sign, also of results that round to zero (-0.1
+  and -0 give 0x8, E2M1's -0): the code is `sign | magnitude code`,
+  `numerics.e2m1_encode_nearest`'s, which takes the sign from bit 31 of `y`
+  (`common.e2m1x2_cvt_model`, tested against it in tests/test_encoder.py).
+  Subnormal inputs round to +-0 in both. The ISA does not say which code a
+  NaN input gets (E2M1 has no NaN), so NaNs are not converted: the kernels
+  that take this encoder have NaN scaled values exactly in the blocks whose
+  decoded scale is NaN (a NaN element makes its block amax NaN, hence the
+  scale and the reciprocal, and every `y` of the block; a NaN scale makes
+  every `y` NaN; the reciprocal is finite otherwise and `x` is then not
+  NaN), and there `mul.ftz.f32` returned the canonical NaN (0x7FFFFFFF,
+  sign 0), for which the other encoders write code 0. So one element of
+  the instance (its 4 pairs are 8 consecutive elements of one block, see
+  `block_encoder`) decides: NaN -> the word 0, else the conversion's.
+  Checked bit for bit on the device by `benchmarks.check_device`.
+  """
+  ye, yo, _, _ = _operands(1, False, False)
+  body = [f"cvt.rn.satfinite.e2m1x2.f32 b{k}, {yo[k]}, {ye[k]};"
+          for k in range(4)]  # Byte k: pair k, odd element high.
+  body += ["mov.b32 acc, {b0, b1, b2, b3};",
+           f"testp.notanumber.f32 nan, {ye[0]};",
+           "selp.b32 $0, 0, acc, nan;"]
+  return ("{\n.reg .b32 acc;\n.reg .b8 b0, b1, b2, b3;\n.reg .pred nan;\n"
+          + "\n".join(body) + "\n}")
+
+
+# The E2M1 magnitudes' rounding thresholds (between code i and i + 1).
+_E2M1_THRESHOLDS = np.array([.25, .75, 1.25, 1.75, 2.5, 3.5, 5.], np.float32)
+
+
+def e2m1x2_cvt_model(y: np.ndarray) -> np.ndarray:
+  """NumPy model of `_encode_codes_cvt_signed_asm`'s conversion, per
+  element: the E2M1 code of FP32 `y` as `cvt.rn.satfinite.e2m1x2.f32`
+  writes it (round to nearest, ties to the even code; magnitudes above 6
+  and infinities to 6; the sign kept), and code 0 for NaN (the word of a
+  NaN block). Written from the ISA's description (comparisons against the
+  thresholds), independently of `numerics.e2m1_encode_nearest`."""
+  y = np.asarray(y, np.float32)
+  mag = np.abs(y)
+  above = (mag[..., None] > _E2M1_THRESHOLDS).sum(-1)
+  tie_up = ((mag[..., None] == _E2M1_THRESHOLDS)
+            & (np.arange(7) % 2 == 1)).sum(-1)  # To the even code i + 1.
+  code = (above + tie_up).astype(np.uint8) | np.where(
+      np.signbit(y), np.uint8(8), np.uint8(0))
+  return np.where(np.isnan(y), np.uint8(0), code)
+
+
 _ENCODE_ASM = {(v, sr): (_encode_values_asm if v else _encode_codes_asm)(sr)
                for v in (False, True) for sr in (False, True)}
+_ENCODE_CODES_CVT_SIGNED_ASM = _encode_codes_cvt_signed_asm()
 # Round-to-nearest codes where the E2M1 conversion compiles (HW_E2M1_CCS).
 # Stochastic rounding keeps the software encoder: PTX's `cvt.rs` takes
 # caller-given random bits, but its specification does not say how they
@@ -390,7 +448,7 @@ ASM_ENCODE = True
 
 
 def _asm_encode(y: jax.Array, rwords: jax.Array | None, d: jax.Array, *,
-                codes: bool, values: bool):
+                codes: bool, values: bool, block_nan: bool = False):
   """`tile.encode_blocks`' encoder on the GPU (see `block_encoder`)."""
   ye, yo = jnp.unstack(y.reshape(*y.shape[:-1], -1, 2), axis=-1)
   args = [ye, yo]
@@ -401,6 +459,8 @@ def _asm_encode(y: jax.Array, rwords: jax.Array | None, d: jax.Array, *,
   if codes:
     asm = (_ENCODE_CODES_CVT_ASM if not sr and hardware_e2m1()
            else _ENCODE_ASM[False, sr])
+    if asm is _ENCODE_CODES_CVT_ASM and block_nan:
+      asm = _ENCODE_CODES_CVT_SIGNED_ASM
     [packed] = plt.elementwise_inline_asm(
         asm, args=args + extra,
         constraints="=r," + ",".join(["f"] * 8 + ["r"] * (4 * len(extra))),
@@ -420,11 +480,23 @@ def _asm_encode(y: jax.Array, rwords: jax.Array | None, d: jax.Array, *,
   return packed, vals
 
 
-def block_encoder(interpret: bool) -> Callable | None:
+def block_encoder(interpret: bool, block_nan: bool = False
+                  ) -> Callable | None:
   """`tile.encode_blocks(encoder=...)` for this backend: None (the
-  reference's jnp encoders) when interpreted, `_ENCODE_ASM` on the GPU."""
+  reference's jnp encoders) when interpreted, `_ENCODE_ASM` on the GPU.
+
+  `block_nan`: the caller's scaled values are NaN in whole blocks only
+  (where the block's decoded scale is NaN; see
+  `_encode_codes_cvt_signed_asm`) and its tile holds each block's 16
+  elements in 16 consecutive values of one thread (`y` from a `[rows, nb,
+  16]` load of contiguous blocks, 8 or 16 of them per thread): then, where
+  the E2M1 conversion exists, round-to-nearest codes convert the signed
+  values directly (one conversion per pair, one NaN test per 8 elements).
+  """
   if interpret or not ASM_ENCODE:
     return None
+  if block_nan:
+    return functools.partial(_asm_encode, block_nan=True)
   return _asm_encode
 
 

@@ -481,10 +481,57 @@ def test_round_to_nearest_codes_use_the_e2m1_conversion(monkeypatch, cc, hw,
     rtne = lower(pallas_quantize.quantize)
     assert ("cvt.rn.satfinite.e2m1x2.f32" in rtne) == want
     assert ("mul.rn.ftz.sat.f32" in rtne) != want  # The software encoder.
+    # The quantize kernels convert the signed values (blocks NaN as a
+    # whole: one NaN test per 8 elements), on their 8K tiles.
+    assert ("testp.notanumber.f32" in rtne) == want
+    assert ("abs.ftz.f32" in rtne) != want
+    assert pallas_quantize.wide_tiles(False, False, False) == want
+    two_d = lower(lambda x: pallas_quantize.quantize(x, block_2d=True))
+    assert ("testp.notanumber.f32" in two_d) == want
     if want:
       sr = lower(lambda x: pallas_quantize.quantize(
           x, rounding="stochastic", key=jax.random.key(0)))
       assert "e2m1x2" not in sr and "fma.rp.f32" in sr
+
+
+def _triton_or_none():
+  try:
+    import triton  # pylint: disable=g-import-not-at-top
+    from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top,unused-import
+    return triton
+  except ImportError:
+    return None
+
+
+@pytest.mark.skipif(_triton_or_none() is None, reason="needs triton")
+@pytest.mark.parametrize("kernel", ["quantize_rtne", "quantize_2d"])
+def test_signed_e2m1_conversion_sees_one_block_per_instance(kernel, tmp_path,
+                                                          monkeypatch):
+  """The quantize kernels' signed E2M1 conversion tests one element of each
+  4-pair instance for NaN (`common._encode_codes_cvt_signed_asm`): Triton's
+  layout for sm_100a gives each thread 4 (or 8) consecutive pairs of a
+  block, so an instance never spans two blocks. Read from the TTGIR Triton
+  3.6 compiles the kernel's TTIR to (no GPU)."""
+  import os  # pylint: disable=g-import-not-at-top
+  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+  from benchmarks import sass_report  # pylint: disable=g-import-not-at-top
+  triton = _triton_or_none()
+  monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+  with sass_report.capture_ttir((10, 0)):
+    case = next(c for c in sass_report._cases() if c.name == kernel)  # pylint: disable=protected-access
+  low = sass_report.lower_case(case, (10, 0))
+  path = os.path.join(tmp_path, "k.ttir")
+  with open(path, "w") as f:
+    f.write(low.ttir)
+  ttgir = triton.compile(path, target=GPUTarget("cuda", 100, 32), options=dict(
+      num_warps=low.num_warps, num_stages=low.num_stages)).asm["ttgir"]
+  layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
+  asm = [l for l in ttgir.splitlines() if "cvt.rn.satfinite.e2m1x2" in l]
+  assert len(asm) == 1 and "testp.notanumber" in asm[0], asm
+  shape, name = re.search(r": tensor<([\dx]+)xf32, (#\w+)>", asm[0]).groups()
+  assert shape.split("x")[-1] == "8", shape  # The 8 pairs of a block.
+  per_thread = re.search(r"sizePerThread = \[([\d, ]+)\]", layouts[name])
+  assert int(per_thread.group(1).split(",")[-1]) % 4 == 0, layouts[name]
 
 
 # --- Native FP4 plans: the weight quantized as it is stored -------------------

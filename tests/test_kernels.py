@@ -447,6 +447,18 @@ def test_quantize_small_tiles_many_grid_steps(block_2d, rounding):
   np.testing.assert_array_equal(bf16_bits(vals), bf16_bits(block_values(got)))
 
 
+@pytest.mark.parametrize("block_2d", [False, True])
+def test_quantize_wide_tiles(block_2d):
+  """Blackwell's round-to-nearest tiles (`default_config(wide=True)`,
+  16 x 512), the last tile along K partial: the reference's bits."""
+  x = heavy((48, 1056), jnp.bfloat16, seed=23)  # 16x16 tiles: rows % 16.
+  cfg = pallas_quantize.default_config(48, 1056, block_2d, wide=True)
+  assert (cfg.block_rows, cfg.block_cols) == (16, 512)
+  got = jax.jit(lambda x: pallas_quantize.quantize(
+      x, block_2d=block_2d, config=cfg))(x)
+  assert_same(got, jit_ref(block_2d=block_2d)(x))
+
+
 def test_rht_small_tiles_many_grid_steps():
   x = rht_input((96, 72), jnp.bfloat16, seed=22)
   cfg = pallas_rht.RHTConfig(block_tokens=32, block_features=16)

@@ -76,12 +76,23 @@ def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
       with_codes=with_codes, values_as_pairs=True, split_pack=True,
       four_over_six=four_over_six, block_2d=block_2d,
       multiply=common.ftz_multiply(interpret),
-      flush=common.flush(interpret), encoder=common.block_encoder(interpret))
+      flush=common.flush(interpret),
+      # NaN scaled values only in whole blocks (a NaN block amax or tensor
+      # amax), each block's 16 elements loaded contiguously.
+      encoder=common.block_encoder(interpret, block_nan=True))
   if with_codes:
     common.store(codes_ref, packed, mask[B // 2])
     common.store(scales_ref, scales, mask[0])
   if with_values:  # bf16 pairs as uint32 (see `tile.value_pairs`).
     common.store(values_ref, values, mask[B // 2])
+
+
+def wide_tiles(stochastic: bool, with_values: bool,
+               four_over_six: bool) -> bool:
+  """Whether `default_config(wide=True)` applies: round-to-nearest codes
+  only, where the kernel converts with Blackwell's E2M1 conversion."""
+  return (not (stochastic or with_values or four_over_six)
+          and common.hardware_e2m1())
 
 
 def quantize(x: jax.Array, *, block_2d: bool = False,
@@ -116,7 +127,8 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   if amax is None:
     amax = tile.abs_max(nm.ftz(x.astype(jnp.float32)))
   stochastic = rounding == "stochastic"
-  cfg = config or default_config(m, k, block_2d)
+  cfg = config or default_config(m, k, block_2d, wide=wide_tiles(
+      stochastic, with_values, four_over_six))
   if block_2d and cfg.block_rows % B:
     raise ValueError(
         f"16x16 scaling needs block_rows to be a multiple of {B}; got "
