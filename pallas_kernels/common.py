@@ -85,6 +85,24 @@ def exact_divide(interpret: bool) -> Callable[[jax.Array, jax.Array],
   return div_rn
 
 
+def exact_reciprocal(interpret: bool) -> Callable[[jax.Array], jax.Array]:
+  """`exact_divide(interpret)(1, b)`, bit for bit: on the GPU
+  `rcp.rn.f32`, which the PTX ISA specifies as the IEEE 754 reciprocal
+  rounded to nearest even (subnormals supported, no `.ftz`), the same
+  correctly rounded result as `div.rn.f32` of 1 (also IEEE 754, round to
+  nearest even) and a shorter sequence (no numerator to scale)."""
+  if interpret:
+    return lambda b: jnp.divide(jnp.float32(1.0), b)
+
+  def rcp_rn(b):
+    b = jnp.asarray(b, jnp.float32)
+    [out] = plt.elementwise_inline_asm(
+        "rcp.rn.f32 $0, $1;", args=[b], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(b.shape, jnp.float32)])
+    return out
+  return rcp_rn
+
+
 # `block_values` on the GPU: E2M1 decoding by byte permutation (`prmt`), the
 # way Triton's and TransformerEngine's FP8 conversions work. The magnitudes
 # 0, .5, 1, 1.5, 2, 3, 4, 6 are the bf16 patterns 0x0000, 0x3F00, 0x3F80,
@@ -478,6 +496,62 @@ def _asm_encode(y: jax.Array, rwords: jax.Array | None, d: jax.Array, *,
                                                           jnp.int32)])
     vals = jax.lax.bitcast_convert_type(vals, jnp.uint32)
   return packed, vals
+
+
+def widen_words(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """uint32 words of bf16 pairs -> `(even, odd)` FP32 elements (exact: the
+  low and high half, widened): one shift and one mask per word."""
+  f = lambda h: jax.lax.bitcast_convert_type(h, jnp.float32)
+  return f(w << 16), f(w & jnp.uint32(0xFFFF0000))
+
+
+def _scale_encode_cvt_asm() -> str:
+  """`mul.ftz.f32` of 4 pairs by their block's encode scale (`$9`), two
+  products per `mul.ftz.f32x2` (Blackwell's packed FP32: per lane the same
+  IEEE multiplication, flushing subnormal inputs and results, PTX ISA
+  `mul`), then `_encode_codes_cvt_signed_asm`'s conversion and NaN test."""
+  ye, yo, _, _ = _operands(1, False, False)
+  body = []
+  for k in range(4):
+    body += [f"mov.b64 x, {{{ye[k]}, {yo[k]}}};",
+             "mul.rn.ftz.f32x2 x, x, ee;",
+             "mov.b64 {e, o}, x;",
+             f"cvt.rn.satfinite.e2m1x2.f32 b{k}, o, e;"]
+    if k == 0:
+      body.append("testp.notanumber.f32 nan, e;")
+  body += ["mov.b32 acc, {b0, b1, b2, b3};", "selp.b32 $0, 0, acc, nan;"]
+  return ("{\n.reg .b32 acc, e, o;\n.reg .b64 x, ee;\n"
+          ".reg .b8 b0, b1, b2, b3;\n.reg .pred nan;\n"
+          "mov.b64 ee, {$9, $9};\n" + "\n".join(body) + "\n}")
+
+
+_SCALE_ENCODE_CVT_ASM = _scale_encode_cvt_asm()
+
+
+def scale_encode_codes(xe: jax.Array, xo: jax.Array, enc: jax.Array,
+                       interpret: bool) -> jax.Array:
+  """Packed round-to-nearest codes `[..., 8]` (even element in the low
+  nibble) of the even and odd elements `xe`, `xo` `[..., 8]` times their
+  block's encode scale `enc` `[...]`: `ftz(x) * enc` (`mul.ftz`), rounded
+  to E2M1 as `tile.encode_blocks` does, for blocks NaN as a whole
+  (`block_encoder`), where the E2M1 conversion exists (`hardware_e2m1`).
+
+  Interpreted, its software twin: the FTZ product, `numerics.
+  e2m1_encode_nearest` and code 0 for NaN (`e2m1x2_cvt_model`'s, which
+  tests/test_encoder.py checks against the reference; a NaN block's codes
+  are the GPU's, 0: the reference allows 0 or 8).
+  """
+  if interpret:
+    def code(x):
+      y = nm.ftz(x) * enc[..., None]
+      return jnp.where(jnp.isnan(y), jnp.uint8(0), nm.e2m1_encode_nearest(y))
+    return code(xe) | (code(xo) << 4)
+  eb = jnp.broadcast_to(enc[..., None], xe.shape)
+  [packed] = plt.elementwise_inline_asm(
+      _SCALE_ENCODE_CVT_ASM, args=[xe, xo, eb],
+      constraints="=r," + ",".join(["f"] * 12), pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(xe.shape, jnp.int8)])
+  return jax.lax.bitcast_convert_type(packed, jnp.uint8)
 
 
 def block_encoder(interpret: bool, block_nan: bool = False

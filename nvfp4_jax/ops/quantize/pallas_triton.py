@@ -44,10 +44,19 @@ def tile_masks(rows: int, nb: int, m: int, nb_total: int):
       0: common.bounds_mask((rows, nb), *dims)}
 
 
+def _tile_amax(a: jax.Array, block_2d: bool) -> jax.Array:
+  """`tile.block_amax` from the rows' block amax `a` `[rows, nb]`."""
+  if not block_2d:
+    return a
+  rows, nb = a.shape
+  t = tile.abs_max(a.reshape(rows // B, B, nb), axis=1)
+  return jnp.broadcast_to(t[:, None, :], (rows // B, B, nb)).reshape(rows, nb)
+
+
 def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
                      with_codes: bool, with_values: bool, interpret: bool,
                      m: int, nb_total: int, four_over_six: bool,
-                     words_per_row: int):
+                     words_per_row: int, words: bool = False):
   refs = list(refs)
   amax_ref = refs.pop(0)
   seeds_ref = refs.pop(0) if stochastic else None
@@ -58,11 +67,37 @@ def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
   values_ref = refs.pop(0) if with_values else None
   divide = common.exact_divide(interpret)
   # Shape (1,), not scalars: the inline-asm division needs tensor operands.
-  s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
-      amax_ref[...], divide=divide, four_over_six=four_over_six)
+  if words:  # `nm.nvfp4_scale_constants`, 1 / S_enc by `rcp.rn`.
+    s_enc = nm.global_encode_scale(amax_ref[...], divide=divide)
+    s_enc_over_6 = s_enc * jnp.float32(1.0 / nm.E2M1_MAX)
+    inv_s_enc = common.flush(interpret)(
+        common.exact_reciprocal(interpret)(s_enc))
+  else:
+    s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
+        amax_ref[...], divide=divide, four_over_six=four_over_six)
   rows, nb, _ = x_ref.shape
   mask = tile_masks(rows, nb, m, nb_total)
 
+  if words:
+    # Blackwell's round-to-nearest codes from bf16 pairs as uint32 words
+    # `[rows, nb, 8]`: widened per word, the block amax of the pairs'
+    # magnitudes, the products and the E2M1 conversion in one assembly.
+    even, odd = common.widen_words(common.load(x_ref, mask[B // 2]))
+    mx, flush = common.max_magnitude(interpret), common.flush(interpret)
+    pm = mx(even, odd)
+    while pm.shape[-1] > 1:  # Halving the block's 8 pair maxima.
+      pm = mx(*jnp.unstack(pm.reshape(*pm.shape[:-1], -1, 2), axis=-1))
+    bamax = flush(_tile_amax(tile.abs_max(pm, axis=-1), block_2d))
+    scales = nm.nvfp4_block_decode_scale(bamax, s_enc_over_6)
+    # `nm.nvfp4_block_encode_scale`, its flush one `cvt.ftz` (`common.flush`).
+    enc = common.exact_reciprocal(interpret)(
+        flush(scales.astype(jnp.float32) * inv_s_enc))
+    enc = jnp.where(enc > nm.F32_MAX, jnp.float32(nm.F32_MAX), enc)
+    common.store(codes_ref, common.scale_encode_codes(even, odd, enc,
+                                                      interpret),
+                 mask[B // 2])
+    common.store(scales_ref, scales, mask[0])
+    return
   x = common.load(x_ref, mask[B]).astype(jnp.float32)  # Flushed when scaled.
   rwords = None
   if stochastic:
@@ -85,6 +120,12 @@ def _quantize_kernel(*refs, block_2d: bool, stochastic: bool,
     common.store(scales_ref, scales, mask[0])
   if with_values:  # bf16 pairs as uint32 (see `tile.value_pairs`).
     common.store(values_ref, values, mask[B // 2])
+
+
+# Whether the interpreted kernel takes the word path of Blackwell's
+# round-to-nearest codes (its assembly replaced by software twins); tests
+# switch it on to check that path's plumbing against the reference.
+WORDS_INTERPRETED = False
 
 
 def wide_tiles(stochastic: bool, with_values: bool,
@@ -145,8 +186,18 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   if stochastic:
     in_specs += [common.scalar_spec(2), common.scalar_spec(2)]
     args += [prng.seeds_from_key(key), origin]
-  in_specs.append(pl.BlockSpec((br, bnb, B), lambda i, j: (i, j, 0)))
-  args.append(x.reshape(m, nb_total, B))
+  # Blackwell's round-to-nearest codes read bf16 pairs as uint32 words
+  # (`WORDS_INTERPRETED`: also interpreted, the assembly's software twins).
+  words = ((WORDS_INTERPRETED if interpret else wide_tiles(
+      stochastic, with_values, four_over_six)) and x.dtype == jnp.bfloat16
+           and with_codes and not (stochastic or with_values or four_over_six))
+  if words:
+    in_specs.append(pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)))
+    args.append(jax.lax.bitcast_convert_type(
+        x.reshape(m, nb_total, B // 2, 2), jnp.uint32))
+  else:
+    in_specs.append(pl.BlockSpec((br, bnb, B), lambda i, j: (i, j, 0)))
+    args.append(x.reshape(m, nb_total, B))
   with_values = with_values or not with_codes
   out_shape, out_specs = [], []
   if with_codes:
@@ -162,7 +213,7 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
       _quantize_kernel, block_2d=block_2d, stochastic=stochastic,
       with_codes=with_codes, with_values=with_values, interpret=interpret,
       m=m, nb_total=nb_total, four_over_six=four_over_six,
-      words_per_row=words_per_row)
+      words_per_row=words_per_row, words=words)
   name = "nvfp4_quantize_2d" if block_2d else "nvfp4_quantize"
   outs = list(common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
