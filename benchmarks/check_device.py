@@ -468,7 +468,7 @@ def _sass(t) -> int:
   with tempfile.TemporaryDirectory(prefix="check_device_sass_") as work:
     # Triton's compile cache: a scratch one, whatever $HOME allows.
     os.environ["TRITON_CACHE_DIR"] = os.path.join(work, "cache")
-    for case in sass_report._cases():  # pylint: disable=protected-access
+    for case in sass_report.cases_for(t.cc):
       try:
         lowered = sass_report.lower_case(case, t.cc)
         sub = os.path.join(work, case.name)

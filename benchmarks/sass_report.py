@@ -318,6 +318,13 @@ def _cases() -> list[Case]:
   ]
 
 
+def cases_for(cc: tuple[int, int]) -> list[Case]:
+  """`_cases()` with the tiles dispatch picks on compute capability `cc`
+  (e.g. Blackwell's round-to-nearest quantizers take 8K tiles)."""
+  with capture_ttir(cc):
+    return _cases()
+
+
 # --- Lowering off-GPU ---------------------------------------------------------
 
 
@@ -593,8 +600,7 @@ def main(argv=None):
   if args.software_e2m1:
     from pallas_kernels import common  # pylint: disable=g-import-not-at-top
     common.HW_E2M1 = False
-  with capture_ttir(cc):  # Tiles as dispatch picks them on that GPU.
-    cases = _cases()
+  cases = cases_for(cc)
   if args.list:
     print("\n".join(f"{c.name}: {c.kernel}, {c.tile}" for c in cases))
     return

@@ -517,8 +517,7 @@ def test_signed_e2m1_conversion_sees_one_block_per_instance(kernel, tmp_path,
   from benchmarks import sass_report  # pylint: disable=g-import-not-at-top
   triton = _triton_or_none()
   monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-  with sass_report.capture_ttir((10, 0)):
-    case = next(c for c in sass_report._cases() if c.name == kernel)  # pylint: disable=protected-access
+  case = next(c for c in sass_report.cases_for((10, 0)) if c.name == kernel)
   low = sass_report.lower_case(case, (10, 0))
   path = os.path.join(tmp_path, "k.ttir")
   with open(path, "w") as f:
