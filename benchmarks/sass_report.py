@@ -63,7 +63,7 @@ _CLASSES = {
             "SHR PRMT LEA ISETP IMNMX VIMNMX IABS BFE BFI BMSK FLO POPC BREV "
             "SGXT IDP ISCADD VIADD VIADDMNMX VIMNMX3").split(),
     "fp32": ("FADD FMUL FFMA FMNMX FSETP FSET FCHK MUFU FRND FSWZADD FADD32I "
-             "FMUL32I FFMA32I FMNMX3").split(),
+             "FMUL32I FFMA32I FMNMX3 FMUL2 FFMA2 FADD2").split(),  # x2: sm_100.
     "fp16x2": "HADD2 HMUL2 HFMA2 HMNMX2 HSETP2 HSET2 HADD2.F32".split(),
     "cvt": "F2F F2I I2F F2FP I2FP F2IP I2I I2IP FRND.F16".split(),
     "mov/sel": "MOV SEL FSEL CS2R S2R S2UR R2UR P2R R2P PLOP3 VOTE".split(),
@@ -71,7 +71,7 @@ _CLASSES = {
     "st.global": "STG".split(),
     "ld.shared": "LDS LDSM".split(),
     "st.shared": "STS STSM".split(),
-    "ld.const": "LDC ULDC".split(),
+    "ld.const": "LDC ULDC LDCU".split(),
     "local": "LDL STL".split(),
     "async/tma": ("LDGSTS LDGDEPBAR DEPBAR UTMALDG UTMASTG UBLKCP ARRIVES "
                   "SYNCS").split(),
