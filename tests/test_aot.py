@@ -228,6 +228,24 @@ def test_alpha_is_the_block_scaled_dots_global_scale(cudnn_v, fused):
   assert bool(_GEMM_OUT.search(text)) != fused, text
 
 
+def test_global_scaled_dot_vmaps():
+  """vmap over the NVFP4 cuDNN GEMM: one call per batch element, each with
+  its own alpha (a loop in the lowered program; nothing runs)."""
+  s = jax.ShapeDtypeStruct
+  ab = lambda rows: NVFP4Array(codes=s((3, rows, 256), jnp.uint8),
+                               scales=s((3, rows, 32), jnp.float8_e4m3fn),
+                               amax=s((3,), jnp.float32))
+  f = jax.vmap(functools.partial(gemm_api.block_scaled_matmul,
+                                 implementation="scaled_matmul"))
+  jax.clear_caches()
+  with dispatch.target_device("gpu", (10, 0), (9, 14)):
+    text = jax.jit(f).trace(ab(256), ab(384)).lower(
+        lowering_platforms=("cuda",)).as_text()
+  jax.clear_caches()
+  assert _scaled_dot_calls(text) == [("__op$block_scaled_dot", 5)], text
+  assert "stablehlo.while" in text
+
+
 def test_target_config_text():
   text = aot.target_config("gb10", cudnn=(9, 8))
   assert "cuda_compute_capability{major:12 minor:1}" in text

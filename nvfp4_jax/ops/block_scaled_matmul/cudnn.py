@@ -10,6 +10,7 @@ import json
 
 import jax
 import jax.extend.core  # pylint: disable=unused-import
+from jax.interpreters import batching  # pylint: disable=unused-import
 from jax.interpreters import mlir
 import jax.numpy as jnp
 
@@ -204,8 +205,19 @@ def _block_scaled_dot_impl(*args):
   return jax.jit(_BLOCK_SCALED_DOT.bind)(*args)
 
 
+def _block_scaled_dot_batch(args, dims):
+  """vmap: one call per batch element (`lax.map`), each with its own
+  alpha (the custom call takes one scalar global scale)."""
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  args = [jnp.moveaxis(a, d, 0) if d is not None else
+          jnp.broadcast_to(a, (size, *a.shape)) for a, d in zip(args, dims)]
+  return jax.lax.map(lambda xs: _BLOCK_SCALED_DOT.bind(*xs), args), 0
+
+
 _BLOCK_SCALED_DOT = jax.extend.core.Primitive("nvfp4_block_scaled_dot")
 _BLOCK_SCALED_DOT.def_impl(_block_scaled_dot_impl)
 _BLOCK_SCALED_DOT.def_abstract_eval(_block_scaled_dot_abstract)
+batching.primitive_batchers[_BLOCK_SCALED_DOT] = (
+    _block_scaled_dot_batch)
 mlir.register_lowering(_BLOCK_SCALED_DOT, _block_scaled_dot_lowering,
                        platform="cuda")
