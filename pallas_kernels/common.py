@@ -375,6 +375,38 @@ def _encode_codes_cvt_asm() -> str:
           + "\n".join(body) + "\n}")
 
 
+def _encode_values_cvt_asm() -> str:
+  """`_encode_values_asm(False)` with Blackwell's E2M1 conversions
+  (`HW_E2M1_CCS`): pair k's bf16 block values `e2m1_decode(code) * d`
+  (even element low), for any scaled values.
+
+  Bit for bit the software encoder, per the PTX ISA: the code's magnitude
+  comes from `_encode_codes_cvt_asm`'s conversion of `max(|y|, 0)` (NaN ->
+  0); `cvt.rn.f16x2.e2m1x2` decodes two E2M1 codes to f16, exactly (every
+  E2M1 value is an f16; the packed byte's upper nibble to the upper half),
+  `cvt.f32.f16` widens exactly, the sign is `y`'s bit 31 (as the code's
+  sign bit, `numerics.e2m1_encode_nearest`), and the rest is the software
+  encoder's: `mul.rn.f32` by `d` (exact: at most 2 x 4 significant bits)
+  and `cvt.rn.bf16x2.f32` (exact). A NaN `d` gives the GPU's canonical NaN,
+  as there.
+  """
+  ye, yo, d, _ = _operands(4, True, False)
+  body = []
+  for k in range(4):
+    body += [f"abs.ftz.f32 e, {ye[k]};", "max.f32 e, e, 0f00000000;",
+             f"abs.ftz.f32 o, {yo[k]};", "max.f32 o, o, 0f00000000;",
+             "cvt.rn.satfinite.e2m1x2.f32 b, o, e;",
+             "cvt.rn.f16x2.e2m1x2 h, b;",
+             "mov.b32 {he, ho}, h;",
+             "cvt.f32.f16 e, he;", "cvt.f32.f16 o, ho;",
+             f"lop3.b32 e, {ye[k]}, 0x80000000, e, 0xEA;",
+             f"lop3.b32 o, {yo[k]}, 0x80000000, o, 0xEA;",
+             f"mul.rn.f32 e, e, {d[k]};", f"mul.rn.f32 o, o, {d[k]};",
+             f"cvt.rn.bf16x2.f32 ${k}, o, e;"]
+  return ("{\n.reg .b32 e, o, h;\n.reg .b16 he, ho;\n.reg .b8 b;\n"
+          + "\n".join(body) + "\n}")
+
+
 def _encode_codes_cvt_signed_asm() -> str:
   """`_encode_codes_cvt_asm` without the magnitudes and the sign gathering,
   for kernels whose blocks are NaN as a whole (`block_encoder(...,
@@ -435,6 +467,7 @@ def e2m1x2_cvt_model(y: np.ndarray) -> np.ndarray:
 _ENCODE_ASM = {(v, sr): (_encode_values_asm if v else _encode_codes_asm)(sr)
                for v in (False, True) for sr in (False, True)}
 _ENCODE_CODES_CVT_SIGNED_ASM = _encode_codes_cvt_signed_asm()
+_ENCODE_VALUES_CVT_ASM = _encode_values_cvt_asm()
 # Round-to-nearest codes where the E2M1 conversion compiles (HW_E2M1_CCS).
 # Stochastic rounding keeps the software encoder: PTX's `cvt.rs` takes
 # caller-given random bits, but its specification does not say how they
@@ -489,7 +522,8 @@ def _asm_encode(y: jax.Array, rwords: jax.Array | None, d: jax.Array, *,
   if values:
     db = jnp.broadcast_to(d[..., None], ye.shape)
     [vals] = plt.elementwise_inline_asm(
-        _ENCODE_ASM[True, sr], args=args + [db] + extra,
+        _ENCODE_VALUES_CVT_ASM if not sr and hardware_e2m1()
+        else _ENCODE_ASM[True, sr], args=args + [db] + extra,
         constraints="=r,=r,=r,=r," + ",".join(
             ["f"] * 12 + ["r"] * (4 * len(extra))),
         pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(ye.shape,

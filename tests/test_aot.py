@@ -506,6 +506,9 @@ def test_round_to_nearest_codes_use_the_e2m1_conversion(monkeypatch, cc, hw,
     assert pallas_quantize.wide_tiles(False, False, False) == want
     two_d = lower(lambda x: pallas_quantize.quantize(x, block_2d=True))
     assert ("testp.notanumber.f32" in two_d) == want
+    # The bf16 block values decode the converted codes in hardware too.
+    vals = lower(lambda x: pallas_quantize.quantize(x, with_values=True))
+    assert ("cvt.rn.f16x2.e2m1x2" in vals) == want
     if want:
       sr = lower(lambda x: pallas_quantize.quantize(
           x, rounding="stochastic", key=jax.random.key(0)))
