@@ -543,7 +543,10 @@ def _scale_encode_cvt_asm() -> str:
   """`mul.ftz.f32` of 4 pairs by their block's encode scale (`$9`), two
   products per `mul.ftz.f32x2` (Blackwell's packed FP32: per lane the same
   IEEE multiplication, flushing subnormal inputs and results, PTX ISA
-  `mul`), then `_encode_codes_cvt_signed_asm`'s conversion and NaN test."""
+  `mul`), then `_encode_codes_cvt_signed_asm`'s conversion and NaN test
+  (on the first product: the block is NaN as a whole there too). `mov.b64
+  x, {a, b}` puts `a` in the low lane, which `mov.b64 {e, o}, x` reads back
+  as `e`."""
   ye, yo, _, _ = _operands(1, False, False)
   body = []
   for k in range(4):
@@ -595,11 +598,13 @@ def block_encoder(interpret: bool, block_nan: bool = False
 
   `block_nan`: the caller's scaled values are NaN in whole blocks only
   (where the block's decoded scale is NaN; see
-  `_encode_codes_cvt_signed_asm`) and its tile holds each block's 16
-  elements in 16 consecutive values of one thread (`y` from a `[rows, nb,
-  16]` load of contiguous blocks, 8 or 16 of them per thread): then, where
-  the E2M1 conversion exists, round-to-nearest codes convert the signed
-  values directly (one conversion per pair, one NaN test per 8 elements).
+  `_encode_codes_cvt_signed_asm`) and its tile keeps at least 8
+  consecutive elements of a block in one thread (`y` from a `[rows, nb,
+  16]` load of contiguous blocks: 8 per thread, read from the TTGIR by
+  tests/test_aot.py), so an assembly instance's 4 pairs lie in one block:
+  then, where the E2M1 conversion exists, round-to-nearest codes convert
+  the signed values directly (one conversion per pair, one NaN test per 8
+  elements).
   """
   if interpret or not ASM_ENCODE:
     return None
