@@ -357,7 +357,9 @@ def _describe(pre: str, post: str, kernels, cudnn_visible: bool = True
   requested = pre.count("__op$block_scaled_dot")
   parts, problems = [], []
   if low.cudnn_block_scaled:
-    parts.append(f"cuDNN __cudnn$blockScaledDot x{low.cudnn_block_scaled}")
+    parts.append(f"cuDNN __cudnn$blockScaledDot x{low.cudnn_block_scaled}"
+                 + (f" (alpha in its graph x{low.cudnn_global_scaled})"
+                    if low.cudnn_global_scaled else ""))
   if low.triton_calls:
     mma = aot.describe_mma(tuple(sorted({m for k in kernels
                                          for m in aot.ptx_mma(k.ptx)})))
@@ -466,7 +468,7 @@ def _sass(t) -> int:
   with tempfile.TemporaryDirectory(prefix="check_device_sass_") as work:
     # Triton's compile cache: a scratch one, whatever $HOME allows.
     os.environ["TRITON_CACHE_DIR"] = os.path.join(work, "cache")
-    for case in sass_report._cases():  # pylint: disable=protected-access
+    for case in sass_report.cases_for(t.cc):
       try:
         lowered = sass_report.lower_case(case, t.cc)
         sub = os.path.join(work, case.name)

@@ -63,7 +63,7 @@ _CLASSES = {
             "SHR PRMT LEA ISETP IMNMX VIMNMX IABS BFE BFI BMSK FLO POPC BREV "
             "SGXT IDP ISCADD VIADD VIADDMNMX VIMNMX3").split(),
     "fp32": ("FADD FMUL FFMA FMNMX FSETP FSET FCHK MUFU FRND FSWZADD FADD32I "
-             "FMUL32I FFMA32I FMNMX3").split(),
+             "FMUL32I FFMA32I FMNMX3 FMUL2 FFMA2 FADD2").split(),  # x2: sm_100.
     "fp16x2": "HADD2 HMUL2 HFMA2 HMNMX2 HSETP2 HSET2 HADD2.F32".split(),
     "cvt": "F2F F2I I2F F2FP I2FP F2IP I2I I2IP FRND.F16".split(),
     "mov/sel": "MOV SEL FSEL CS2R S2R S2UR R2UR P2R R2P PLOP3 VOTE".split(),
@@ -71,7 +71,7 @@ _CLASSES = {
     "st.global": "STG".split(),
     "ld.shared": "LDS LDSM".split(),
     "st.shared": "STS STSM".split(),
-    "ld.const": "LDC ULDC".split(),
+    "ld.const": "LDC ULDC LDCU".split(),
     "local": "LDL STL".split(),
     "async/tma": ("LDGSTS LDGDEPBAR DEPBAR UTMALDG UTMASTG UBLKCP ARRIVES "
                   "SYNCS").split(),
@@ -219,7 +219,12 @@ def _cases() -> list[Case]:
   def q(**kw):
     return lambda: (lambda x, a: pq.quantize(x, amax=a, **kw), (x, amax))
 
-  qc, qc2 = pq.default_config(n, n), pq.default_config(n, n, True)
+  # The round-to-nearest codes kernels take 8K tiles where the E2M1
+  # conversion exists (`pq.wide_tiles`; `capture_ttir` claims the GPU).
+  wide = pq.wide_tiles(False, False, False)
+  qc = pq.default_config(n, n)
+  wc1 = pq.default_config(n, n, wide=wide)
+  wc2 = pq.default_config(n, n, True, wide=wide)
   rc = pr.default_config(n, n)
   q_tile = f"{qc.block_rows}x{qc.block_cols}"
   r_tile = f"{rc.block_tokens}x{rc.block_features} (tok x feat)"
@@ -268,14 +273,15 @@ def _cases() -> list[Case]:
     return fn, (sds((wm, wk), jnp.bfloat16), sds((wn, wk), jnp.bfloat16))
 
   return [
-      Case("quantize_rtne", "nvfp4_quantize", q(), q_tile,
-           qc.block_rows * qc.block_cols),
+      Case("quantize_rtne", "nvfp4_quantize", q(),
+           f"{wc1.block_rows}x{wc1.block_cols}",
+           wc1.block_rows * wc1.block_cols),
       Case("quantize_sr", "nvfp4_quantize",
            q(rounding="stochastic", key=key(0)), q_tile,
            qc.block_rows * qc.block_cols),
       Case("quantize_2d", "nvfp4_quantize_2d", q(block_2d=True),
-           f"{qc2.block_rows}x{qc2.block_cols}",
-           qc2.block_rows * qc2.block_cols),
+           f"{wc2.block_rows}x{wc2.block_cols}",
+           wc2.block_rows * wc2.block_cols),
       Case("quantize_values", "nvfp4_quantize", q(with_values=True), q_tile,
            qc.block_rows * qc.block_cols),
       Case("block_values", "nvfp4_block_values", block_values, q_tile,
@@ -310,6 +316,13 @@ def _cases() -> list[Case]:
            wc.block_n * wk // wc.split_k, wc.block_n * wc.block_k,
            wk // (wc.block_k * wc.split_k)),
   ]
+
+
+def cases_for(cc: tuple[int, int]) -> list[Case]:
+  """`_cases()` with the tiles dispatch picks on compute capability `cc`
+  (e.g. Blackwell's round-to-nearest quantizers take 8K tiles)."""
+  with capture_ttir(cc):
+    return _cases()
 
 
 # --- Lowering off-GPU ---------------------------------------------------------
@@ -566,6 +579,9 @@ def main(argv=None):
   parser.add_argument("--out-dir", default=None,
                       help="keep TTIR/PTX/cubin/SASS here")
   parser.add_argument("--list", action="store_true", help="list the cases")
+  parser.add_argument("--software-e2m1", action="store_true",
+                      help="compile with `common.HW_E2M1 = False` (the "
+                      "software E2M1 encoder where the conversion exists)")
   args = parser.parse_args(argv)
 
   m = re.fullmatch(r"sm_(\d+)(\d)a?", args.arch)
@@ -581,7 +597,10 @@ def main(argv=None):
   os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(workdir, "cache"))
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-  cases = _cases()
+  if args.software_e2m1:
+    from pallas_kernels import common  # pylint: disable=g-import-not-at-top
+    common.HW_E2M1 = False
+  cases = cases_for(cc)
   if args.list:
     print("\n".join(f"{c.name}: {c.kernel}, {c.tile}" for c in cases))
     return

@@ -85,6 +85,24 @@ def exact_divide(interpret: bool) -> Callable[[jax.Array, jax.Array],
   return div_rn
 
 
+def exact_reciprocal(interpret: bool) -> Callable[[jax.Array], jax.Array]:
+  """`exact_divide(interpret)(1, b)`, bit for bit: on the GPU
+  `rcp.rn.f32`, which the PTX ISA specifies as the IEEE 754 reciprocal
+  rounded to nearest even (subnormals supported, no `.ftz`), the same
+  correctly rounded result as `div.rn.f32` of 1 (also IEEE 754, round to
+  nearest even) and a shorter sequence (no numerator to scale)."""
+  if interpret:
+    return lambda b: jnp.divide(jnp.float32(1.0), b)
+
+  def rcp_rn(b):
+    b = jnp.asarray(b, jnp.float32)
+    [out] = plt.elementwise_inline_asm(
+        "rcp.rn.f32 $0, $1;", args=[b], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(b.shape, jnp.float32)])
+    return out
+  return rcp_rn
+
+
 # `block_values` on the GPU: E2M1 decoding by byte permutation (`prmt`), the
 # way Triton's and TransformerEngine's FP8 conversions work. The magnitudes
 # 0, .5, 1, 1.5, 2, 3, 4, 6 are the bf16 patterns 0x0000, 0x3F00, 0x3F80,
@@ -357,8 +375,99 @@ def _encode_codes_cvt_asm() -> str:
           + "\n".join(body) + "\n}")
 
 
+def _encode_values_cvt_asm() -> str:
+  """`_encode_values_asm(False)` with Blackwell's E2M1 conversions
+  (`HW_E2M1_CCS`): pair k's bf16 block values `e2m1_decode(code) * d`
+  (even element low), for any scaled values.
+
+  Bit for bit the software encoder, per the PTX ISA: the code's magnitude
+  comes from `_encode_codes_cvt_asm`'s conversion of `max(|y|, 0)` (NaN ->
+  0); `cvt.rn.f16x2.e2m1x2` decodes two E2M1 codes to f16, exactly (every
+  E2M1 value is an f16; the packed byte's upper nibble to the upper half),
+  `cvt.f32.f16` widens exactly, the sign is `y`'s bit 31 (as the code's
+  sign bit, `numerics.e2m1_encode_nearest`), and the rest is the software
+  encoder's: `mul.rn.f32` by `d` (exact: at most 2 x 4 significant bits)
+  and `cvt.rn.bf16x2.f32` (exact). A NaN `d` gives the GPU's canonical NaN,
+  as there.
+  """
+  ye, yo, d, _ = _operands(4, True, False)
+  body = []
+  for k in range(4):
+    body += [f"abs.ftz.f32 e, {ye[k]};", "max.f32 e, e, 0f00000000;",
+             f"abs.ftz.f32 o, {yo[k]};", "max.f32 o, o, 0f00000000;",
+             "cvt.rn.satfinite.e2m1x2.f32 b, o, e;",
+             "cvt.rn.f16x2.e2m1x2 h, b;",
+             "mov.b32 {he, ho}, h;",
+             "cvt.f32.f16 e, he;", "cvt.f32.f16 o, ho;",
+             f"lop3.b32 e, {ye[k]}, 0x80000000, e, 0xEA;",
+             f"lop3.b32 o, {yo[k]}, 0x80000000, o, 0xEA;",
+             f"mul.rn.f32 e, e, {d[k]};", f"mul.rn.f32 o, o, {d[k]};",
+             f"cvt.rn.bf16x2.f32 ${k}, o, e;"]
+  return ("{\n.reg .b32 e, o, h;\n.reg .b16 he, ho;\n.reg .b8 b;\n"
+          + "\n".join(body) + "\n}")
+
+
+def _encode_codes_cvt_signed_asm() -> str:
+  """`_encode_codes_cvt_asm` without the magnitudes and the sign gathering,
+  for kernels whose blocks are NaN as a whole (`block_encoder(...,
+  block_nan=True)`): the conversion takes the signed scaled values.
+
+  Per the PTX ISA (`cvt`, "Floating Point Conversion" with `.f4x2type`
+  `.e2m1x2`), `cvt.rn.satfinite.e2m1x2.f32 d, a, b` rounds each FP32 input
+  to E2M1 to nearest even, clamps finite and infinite magnitudes above
+  MAX_NORM (6.0) to +-6.0 (`.satfinite`; code 7), and packs the value of `a`
+  into the upper and that of `b` into the lower nibble. As any IEEE
+  conversion it keeps the sign, also of results that round to zero (-0.1
+  and -0 give 0x8, E2M1's -0): the code is `sign | magnitude code`,
+  `numerics.e2m1_encode_nearest`'s, which takes the sign from bit 31 of `y`
+  (`common.e2m1x2_cvt_model`, tested against it in tests/test_encoder.py).
+  Subnormal inputs round to +-0 in both. The ISA does not say which code a
+  NaN input gets (E2M1 has no NaN), so NaNs are not converted: the kernels
+  that take this encoder have NaN scaled values exactly in the blocks whose
+  decoded scale is NaN (a NaN element makes its block amax NaN, hence the
+  scale and the reciprocal, and every `y` of the block; a NaN scale makes
+  every `y` NaN; the reciprocal is finite otherwise and `x` is then not
+  NaN), and there `mul.ftz.f32` returned the canonical NaN (0x7FFFFFFF,
+  sign 0), for which the other encoders write code 0. So one element of
+  the instance (its 4 pairs are 8 consecutive elements of one block, see
+  `block_encoder`) decides: NaN -> the word 0, else the conversion's.
+  Checked bit for bit on the device by `benchmarks.check_device`.
+  """
+  ye, yo, _, _ = _operands(1, False, False)
+  body = [f"cvt.rn.satfinite.e2m1x2.f32 b{k}, {yo[k]}, {ye[k]};"
+          for k in range(4)]  # Byte k: pair k, odd element high.
+  body += ["mov.b32 acc, {b0, b1, b2, b3};",
+           f"testp.notanumber.f32 nan, {ye[0]};",
+           "selp.b32 $0, 0, acc, nan;"]
+  return ("{\n.reg .b32 acc;\n.reg .b8 b0, b1, b2, b3;\n.reg .pred nan;\n"
+          + "\n".join(body) + "\n}")
+
+
+# The E2M1 magnitudes' rounding thresholds (between code i and i + 1).
+_E2M1_THRESHOLDS = np.array([.25, .75, 1.25, 1.75, 2.5, 3.5, 5.], np.float32)
+
+
+def e2m1x2_cvt_model(y: np.ndarray) -> np.ndarray:
+  """NumPy model of `_encode_codes_cvt_signed_asm`'s conversion, per
+  element: the E2M1 code of FP32 `y` as `cvt.rn.satfinite.e2m1x2.f32`
+  writes it (round to nearest, ties to the even code; magnitudes above 6
+  and infinities to 6; the sign kept), and code 0 for NaN (the word of a
+  NaN block). Written from the ISA's description (comparisons against the
+  thresholds), independently of `numerics.e2m1_encode_nearest`."""
+  y = np.asarray(y, np.float32)
+  mag = np.abs(y)
+  above = (mag[..., None] > _E2M1_THRESHOLDS).sum(-1)
+  tie_up = ((mag[..., None] == _E2M1_THRESHOLDS)
+            & (np.arange(7) % 2 == 1)).sum(-1)  # To the even code i + 1.
+  code = (above + tie_up).astype(np.uint8) | np.where(
+      np.signbit(y), np.uint8(8), np.uint8(0))
+  return np.where(np.isnan(y), np.uint8(0), code)
+
+
 _ENCODE_ASM = {(v, sr): (_encode_values_asm if v else _encode_codes_asm)(sr)
                for v in (False, True) for sr in (False, True)}
+_ENCODE_CODES_CVT_SIGNED_ASM = _encode_codes_cvt_signed_asm()
+_ENCODE_VALUES_CVT_ASM = _encode_values_cvt_asm()
 # Round-to-nearest codes where the E2M1 conversion compiles (HW_E2M1_CCS).
 # Stochastic rounding keeps the software encoder: PTX's `cvt.rs` takes
 # caller-given random bits, but its specification does not say how they
@@ -390,7 +499,7 @@ ASM_ENCODE = True
 
 
 def _asm_encode(y: jax.Array, rwords: jax.Array | None, d: jax.Array, *,
-                codes: bool, values: bool):
+                codes: bool, values: bool, block_nan: bool = False):
   """`tile.encode_blocks`' encoder on the GPU (see `block_encoder`)."""
   ye, yo = jnp.unstack(y.reshape(*y.shape[:-1], -1, 2), axis=-1)
   args = [ye, yo]
@@ -401,6 +510,8 @@ def _asm_encode(y: jax.Array, rwords: jax.Array | None, d: jax.Array, *,
   if codes:
     asm = (_ENCODE_CODES_CVT_ASM if not sr and hardware_e2m1()
            else _ENCODE_ASM[False, sr])
+    if asm is _ENCODE_CODES_CVT_ASM and block_nan:
+      asm = _ENCODE_CODES_CVT_SIGNED_ASM
     [packed] = plt.elementwise_inline_asm(
         asm, args=args + extra,
         constraints="=r," + ",".join(["f"] * 8 + ["r"] * (4 * len(extra))),
@@ -411,7 +522,8 @@ def _asm_encode(y: jax.Array, rwords: jax.Array | None, d: jax.Array, *,
   if values:
     db = jnp.broadcast_to(d[..., None], ye.shape)
     [vals] = plt.elementwise_inline_asm(
-        _ENCODE_ASM[True, sr], args=args + [db] + extra,
+        _ENCODE_VALUES_CVT_ASM if not sr and hardware_e2m1()
+        else _ENCODE_ASM[True, sr], args=args + [db] + extra,
         constraints="=r,=r,=r,=r," + ",".join(
             ["f"] * 12 + ["r"] * (4 * len(extra))),
         pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(ye.shape,
@@ -420,11 +532,84 @@ def _asm_encode(y: jax.Array, rwords: jax.Array | None, d: jax.Array, *,
   return packed, vals
 
 
-def block_encoder(interpret: bool) -> Callable | None:
+def widen_words(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """uint32 words of bf16 pairs -> `(even, odd)` FP32 elements (exact: the
+  low and high half, widened): one shift and one mask per word."""
+  f = lambda h: jax.lax.bitcast_convert_type(h, jnp.float32)
+  return f(w << 16), f(w & jnp.uint32(0xFFFF0000))
+
+
+def _scale_encode_cvt_asm() -> str:
+  """`mul.ftz.f32` of 4 pairs by their block's encode scale (`$9`), two
+  products per `mul.ftz.f32x2` (Blackwell's packed FP32: per lane the same
+  IEEE multiplication, flushing subnormal inputs and results, PTX ISA
+  `mul`), then `_encode_codes_cvt_signed_asm`'s conversion and NaN test
+  (on the first product: the block is NaN as a whole there too). `mov.b64
+  x, {a, b}` puts `a` in the low lane, which `mov.b64 {e, o}, x` reads back
+  as `e`."""
+  ye, yo, _, _ = _operands(1, False, False)
+  body = []
+  for k in range(4):
+    body += [f"mov.b64 x, {{{ye[k]}, {yo[k]}}};",
+             "mul.rn.ftz.f32x2 x, x, ee;",
+             "mov.b64 {e, o}, x;",
+             f"cvt.rn.satfinite.e2m1x2.f32 b{k}, o, e;"]
+    if k == 0:
+      body.append("testp.notanumber.f32 nan, e;")
+  body += ["mov.b32 acc, {b0, b1, b2, b3};", "selp.b32 $0, 0, acc, nan;"]
+  return ("{\n.reg .b32 acc, e, o;\n.reg .b64 x, ee;\n"
+          ".reg .b8 b0, b1, b2, b3;\n.reg .pred nan;\n"
+          "mov.b64 ee, {$9, $9};\n" + "\n".join(body) + "\n}")
+
+
+_SCALE_ENCODE_CVT_ASM = _scale_encode_cvt_asm()
+
+
+def scale_encode_codes(xe: jax.Array, xo: jax.Array, enc: jax.Array,
+                       interpret: bool) -> jax.Array:
+  """Packed round-to-nearest codes `[..., 8]` (even element in the low
+  nibble) of the even and odd elements `xe`, `xo` `[..., 8]` times their
+  block's encode scale `enc` `[...]`: `ftz(x) * enc` (`mul.ftz`), rounded
+  to E2M1 as `tile.encode_blocks` does, for blocks NaN as a whole
+  (`block_encoder`), where the E2M1 conversion exists (`hardware_e2m1`).
+
+  Interpreted, its software twin: the FTZ product, `numerics.
+  e2m1_encode_nearest` and code 0 for NaN (`e2m1x2_cvt_model`'s, which
+  tests/test_encoder.py checks against the reference; a NaN block's codes
+  are the GPU's, 0: the reference allows 0 or 8).
+  """
+  if interpret:
+    def code(x):
+      y = nm.ftz(x) * enc[..., None]
+      return jnp.where(jnp.isnan(y), jnp.uint8(0), nm.e2m1_encode_nearest(y))
+    return code(xe) | (code(xo) << 4)
+  eb = jnp.broadcast_to(enc[..., None], xe.shape)
+  [packed] = plt.elementwise_inline_asm(
+      _SCALE_ENCODE_CVT_ASM, args=[xe, xo, eb],
+      constraints="=r," + ",".join(["f"] * 12), pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(xe.shape, jnp.int8)])
+  return jax.lax.bitcast_convert_type(packed, jnp.uint8)
+
+
+def block_encoder(interpret: bool, block_nan: bool = False
+                  ) -> Callable | None:
   """`tile.encode_blocks(encoder=...)` for this backend: None (the
-  reference's jnp encoders) when interpreted, `_ENCODE_ASM` on the GPU."""
+  reference's jnp encoders) when interpreted, `_ENCODE_ASM` on the GPU.
+
+  `block_nan`: the caller's scaled values are NaN in whole blocks only
+  (where the block's decoded scale is NaN; see
+  `_encode_codes_cvt_signed_asm`) and its tile keeps at least 8
+  consecutive elements of a block in one thread (`y` from a `[rows, nb,
+  16]` load of contiguous blocks: 8 per thread, read from the TTGIR by
+  tests/test_aot.py), so an assembly instance's 4 pairs lie in one block:
+  then, where the E2M1 conversion exists, round-to-nearest codes convert
+  the signed values directly (one conversion per pair, one NaN test per 8
+  elements).
+  """
   if interpret or not ASM_ENCODE:
     return None
+  if block_nan:
+    return functools.partial(_asm_encode, block_nan=True)
   return _asm_encode
 
 

@@ -196,6 +196,56 @@ def test_triton_declines_capabilities_without_block_scaled_mma():
         jax.eval_shape(f, _abstract(256, 512), _abstract(384, 512))
 
 
+# A multiply over the [M, N] GEMM output in lowered StableHLO.
+_GEMM_OUT = re.compile(r"stablehlo\.multiply [^\n]*: tensor<(?:1x)?256x384xf32>")
+
+
+def _scaled_dot_calls(text):
+  """(target, operand count) of each block-scaled dot custom call in
+  lowered StableHLO."""
+  return [(t, len(ops.split(","))) for t, ops in re.findall(
+      r"custom_call @(__op\$block_scaled_dot)\(([^)]*)\)", text)]
+
+
+@pytest.mark.parametrize("cudnn_v, fused", [((9, 14), True), ((9, 13), True),
+                                            ((9, 12), False), (None, True)])
+def test_alpha_is_the_block_scaled_dots_global_scale(cudnn_v, fused):
+  """From cuDNN 9.13 the NVFP4 GEMM hands alpha to XLA's block-scaled dot
+  as its fifth operand (the global scale cuDNN applies in its graph): no
+  multiply over the [M, N] output is left in the lowered program. Below,
+  `jax.nn.scaled_matmul`'s four operands and `acc * alpha` after it.
+  Lowered for CUDA here (nothing runs; the compile for a B200 is
+  `test_b200_cudnn_dot_applies_alpha`)."""
+  f = functools.partial(gemm_api.block_scaled_matmul,
+                        implementation="scaled_matmul")
+  jax.clear_caches()
+  with dispatch.target_device("gpu", (10, 0), cudnn_v):
+    text = jax.jit(f).trace(_abstract(256, 512), _abstract(384, 512)).lower(
+        lowering_platforms=("cuda",)).as_text()
+  jax.clear_caches()
+  assert _scaled_dot_calls(text) == [
+      ("__op$block_scaled_dot", 5 if fused else 4)], text
+  assert bool(_GEMM_OUT.search(text)) != fused, text
+
+
+def test_global_scaled_dot_vmaps():
+  """vmap over the NVFP4 cuDNN GEMM: one call per batch element, each with
+  its own alpha (a loop in the lowered program; nothing runs)."""
+  s = jax.ShapeDtypeStruct
+  ab = lambda rows: NVFP4Array(codes=s((3, rows, 256), jnp.uint8),
+                               scales=s((3, rows, 32), jnp.float8_e4m3fn),
+                               amax=s((3,), jnp.float32))
+  f = jax.vmap(functools.partial(gemm_api.block_scaled_matmul,
+                                 implementation="scaled_matmul"))
+  jax.clear_caches()
+  with dispatch.target_device("gpu", (10, 0), (9, 14)):
+    text = jax.jit(f).trace(ab(256), ab(384)).lower(
+        lowering_platforms=("cuda",)).as_text()
+  jax.clear_caches()
+  assert _scaled_dot_calls(text) == [("__op$block_scaled_dot", 5)], text
+  assert "stablehlo.while" in text
+
+
 def test_target_config_text():
   text = aot.target_config("gb10", cudnn=(9, 8))
   assert "cuda_compute_capability{major:12 minor:1}" in text
@@ -344,6 +394,46 @@ def test_mx_gemms_run_native(target, fmt, want):
 
 
 @needs_plugin
+@pytest.mark.skipif(not _CUDNN_VISIBLE,
+                    reason="this JAX's compile without a GPU decomposes "
+                    "block-scaled dots (aot.Compiler.cudnn_visible)")
+@pytest.mark.parametrize("cudnn_v, out_dtype, passes", [
+    ((9, 14), jnp.float32, ()), ((9, 14), jnp.bfloat16, ("convert",)),
+    ((9, 12), jnp.float32, ("multiply",))])
+def test_b200_cudnn_dot_applies_alpha(cudnn_v, out_dtype, passes):
+  """Compiled for a B200: with cuDNN 9.14 one `__cudnn$blockScaledDot` with
+  alpha as its fifth operand and, for an FP32 output, no pass over the
+  output after it (a BF16 output keeps its one cast, as the spec's single
+  rounding wants: cuDNN's global scale has the result's type, so a BF16
+  result would round alpha to BF16). With cuDNN 9.12 XLA multiplies after
+  the call."""
+  f = functools.partial(gemm_api.block_scaled_matmul,
+                        implementation="scaled_matmul", out_dtype=out_dtype)
+  with aot.compiling_for("b200", cudnn=cudnn_v) as c:
+    hlo = c.compile(f, _abstract(256, 512), _abstract(384, 512))
+  low = aot.lowering(hlo)
+  assert low.cudnn_block_scaled == 1, low
+  assert low.cudnn_global_scaled == (1 if cudnn_v >= (9, 13) else 0), low
+  shape = "256,384]"
+  full = [op for op in ("multiply", "convert") if re.search(
+      rf"\[(?:1,)?{re.escape(shape)}\{{[^}}]*\}} {op}\(", hlo)]
+  assert tuple(full) == passes, hlo
+
+
+@needs_plugin
+def test_b200_triton_gemm_applies_alpha_in_its_epilogue():
+  """The Triton GEMM multiplies its FP32 accumulator by alpha before its one
+  store: nothing runs over the output after the kernel."""
+  f = functools.partial(gemm_api.block_scaled_matmul, implementation="triton")
+  with aot.compiling_for("b200") as c:
+    hlo = c.compile(f, _abstract(256, 384), _abstract(384, 384))
+    ptx = "".join(k.ptx for k in c.triton_kernels)
+  assert aot.lowering(hlo).triton_calls == 1
+  assert not re.search(r"\[256,384\]\{[^}]*\} (multiply|convert)\(", hlo), hlo
+  assert "mul.f32" in ptx or "mul.rn.f32" in ptx
+
+
+@needs_plugin
 def test_b200_k_48_leaves_cudnn_for_a_native_fallback():
   with aot.compiling_for("b200") as c:
     low = aot.lowering(_gemm_hlo(c, 256, 384, 48))
@@ -409,10 +499,59 @@ def test_round_to_nearest_codes_use_the_e2m1_conversion(monkeypatch, cc, hw,
     rtne = lower(pallas_quantize.quantize)
     assert ("cvt.rn.satfinite.e2m1x2.f32" in rtne) == want
     assert ("mul.rn.ftz.sat.f32" in rtne) != want  # The software encoder.
+    # The quantize kernels convert the signed values (blocks NaN as a
+    # whole: one NaN test per 8 elements), on their 8K tiles.
+    assert ("testp.notanumber.f32" in rtne) == want
+    assert ("abs.ftz.f32" in rtne) != want
+    assert pallas_quantize.wide_tiles(False, False, False) == want
+    two_d = lower(lambda x: pallas_quantize.quantize(x, block_2d=True))
+    assert ("testp.notanumber.f32" in two_d) == want
+    # The bf16 block values decode the converted codes in hardware too.
+    vals = lower(lambda x: pallas_quantize.quantize(x, with_values=True))
+    assert ("cvt.rn.f16x2.e2m1x2" in vals) == want
     if want:
       sr = lower(lambda x: pallas_quantize.quantize(
           x, rounding="stochastic", key=jax.random.key(0)))
       assert "e2m1x2" not in sr and "fma.rp.f32" in sr
+
+
+def _triton_or_none():
+  try:
+    import triton  # pylint: disable=g-import-not-at-top
+    from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top,unused-import
+    return triton
+  except ImportError:
+    return None
+
+
+@pytest.mark.skipif(_triton_or_none() is None, reason="needs triton")
+@pytest.mark.parametrize("kernel", ["quantize_rtne", "quantize_2d"])
+def test_signed_e2m1_conversion_sees_one_block_per_instance(kernel, tmp_path,
+                                                          monkeypatch):
+  """The quantize kernels' signed E2M1 conversion tests one element of each
+  4-pair instance for NaN (`common._encode_codes_cvt_signed_asm`): Triton's
+  layout for sm_100a gives each thread 4 (or 8) consecutive pairs of a
+  block, so an instance never spans two blocks. Read from the TTGIR Triton
+  3.6 compiles the kernel's TTIR to (no GPU)."""
+  import os  # pylint: disable=g-import-not-at-top
+  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+  from benchmarks import sass_report  # pylint: disable=g-import-not-at-top
+  triton = _triton_or_none()
+  monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+  case = next(c for c in sass_report.cases_for((10, 0)) if c.name == kernel)
+  low = sass_report.lower_case(case, (10, 0))
+  path = os.path.join(tmp_path, "k.ttir")
+  with open(path, "w") as f:
+    f.write(low.ttir)
+  ttgir = triton.compile(path, target=GPUTarget("cuda", 100, 32), options=dict(
+      num_warps=low.num_warps, num_stages=low.num_stages)).asm["ttgir"]
+  layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
+  asm = [l for l in ttgir.splitlines() if "cvt.rn.satfinite.e2m1x2" in l]
+  assert len(asm) == 1 and "testp.notanumber" in asm[0], asm
+  shape, name = re.search(r": tensor<([\dx]+)xf32, (#\w+)>", asm[0]).groups()
+  assert shape.split("x")[-1] == "8", shape  # The 8 pairs of a block.
+  per_thread = re.search(r"sizePerThread = \[([\d, ]+)\]", layouts[name])
+  assert int(per_thread.group(1).split(",")[-1]) % 4 == 0, layouts[name]
 
 
 # --- Native FP4 plans: the weight quantized as it is stored -------------------

@@ -173,10 +173,40 @@ def test_model_regime_minimum_is_needed():
   assert (two.astype(np.uint8) != want).any()
 
 
+def test_cvt_model_equals_reference():
+  """Blackwell's signed conversion (`common.e2m1x2_cvt_model`, written from
+  the PTX ISA's `cvt.rn.satfinite.e2m1x2.f32`) gives the reference's codes
+  on every boundary and special value above (both signs, zeros, 3e38, inf);
+  NaN gets code 0, one of the reference's two (`e2m1_encode_nearest`: 0 or
+  8), the one the other GPU encoders write for the kernels' canonical NaN."""
+  y = _with_signs(_magnitudes(4))
+  got = common.e2m1x2_cvt_model(y)
+  want = np.asarray(nm.e2m1_encode_nearest(jnp.asarray(y)))
+  finite = ~np.isnan(y)
+  np.testing.assert_array_equal(got[finite], want[finite])
+  assert (got[~finite] == 0).all() and ((want[~finite] & 7) == 0).all()
+  # Ties to the even code, both signs, and -0 as E2M1's -0 (0x8).
+  ties = np.float32([.25, .75, 1.25, 1.75, 2.5, 3.5, 5, 0])
+  np.testing.assert_array_equal(common.e2m1x2_cvt_model(ties),
+                                [0, 2, 2, 4, 4, 6, 6, 0])
+  np.testing.assert_array_equal(common.e2m1x2_cvt_model(-ties),
+                                [8, 10, 10, 12, 12, 14, 14, 8])
+
+
+def test_cvt_model_has_teeth():
+  """Ties away from zero instead of to even: the comparison fails."""
+  y = _with_signs(_magnitudes(4))
+  y = y[~np.isnan(y)]
+  mag = np.abs(y)
+  away = ((mag[:, None] >= common._E2M1_THRESHOLDS).sum(-1).astype(np.uint8)  # pylint: disable=protected-access
+          | np.where(np.signbit(y), np.uint8(8), np.uint8(0)))
+  assert (away != np.asarray(nm.e2m1_encode_nearest(jnp.asarray(y)))).any()
+
+
 def _encode_kernel(y_ref, w_ref, d_ref, codes_ref, pairs_ref, *,
-                   stochastic: bool):
+                   stochastic: bool, block_nan: bool = False):
   rwords = w_ref[...] if stochastic else None
-  packed, pairs = common.block_encoder(False)(
+  packed, pairs = common.block_encoder(False, block_nan)(
       y_ref[...], rwords, d_ref[...], codes=True, values=True)
   codes_ref[...], pairs_ref[...] = packed, pairs
 
@@ -255,3 +285,33 @@ def test_kernels_lower_with_the_encoder(claim_sm90, monkeypatch, asm):
     assert ("mul.rn.ftz.sat.f32" in text) == asm, name
     if "SR" in name or "dY" in name:
       assert ("fma.rp.f32" in text) == asm, name
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the assembly runs on the GPU")
+def test_block_nan_encoder_equals_reference():
+  """The quantize kernels' encoder (`block_encoder(..., block_nan=True)`;
+  on Blackwell the signed E2M1 conversion) on inputs that keep its
+  contract: a block is NaN as a whole (the kernels' canonical NaN, code 0)
+  or not at all. Codes bit for bit the reference's."""
+  rng = np.random.default_rng(5)
+  y = _with_signs(_magnitudes(6))
+  y = y[~np.isnan(y)]
+  y = np.concatenate([y, np.zeros((-y.size) % (16 * 64 * 16), np.float32)])
+  rows = y.size // (64 * 16)
+  y = rng.permutation(y).reshape(rows, 64, 16)
+  nan_block = rng.random((rows, 64)) < 0.05
+  y = jnp.asarray(np.where(nan_block[..., None], np.float32(np.nan), y))
+  d = jnp.ones((rows, 64), jnp.float32)
+  words = jnp.zeros((rows, 64, 4), jnp.uint32)
+  spec = lambda *s: pl.BlockSpec((16, *s), lambda i: (i,) + (0,) * len(s))
+  codes, _ = jax.jit(common.pallas_call(
+      functools.partial(_encode_kernel, stochastic=False, block_nan=True),
+      interpret=False, num_warps=4, num_stages=1, name="test_encoder_nan",
+      grid=(rows // 16,), in_specs=[spec(64, 16), spec(64, 4), spec(64)],
+      out_specs=[spec(64, 8), spec(64, 8)],
+      out_shape=[jax.ShapeDtypeStruct((rows, 64, 8), jnp.uint8),
+                 jax.ShapeDtypeStruct((rows, 64, 8), jnp.uint32)]))(
+                     y, words, d)
+  want, _ = jax.jit(_reference, static_argnums=3)(y, words, d, False)
+  want = np.where(nan_block[..., None], 0, np.asarray(want))  # +NaN: code 0.
+  np.testing.assert_array_equal(np.asarray(codes), want)

@@ -447,6 +447,44 @@ def test_quantize_small_tiles_many_grid_steps(block_2d, rounding):
   np.testing.assert_array_equal(bf16_bits(vals), bf16_bits(block_values(got)))
 
 
+@pytest.mark.parametrize("block_2d, words", [(False, False), (False, True),
+                                             (True, True)])
+def test_quantize_wide_tiles(block_2d, words, monkeypatch):
+  """Blackwell's round-to-nearest tiles (`default_config(wide=True)`,
+  16 x 512), the last tile along K partial: the reference's bits. `words`:
+  the kernel's word path (bf16 pairs as uint32, as on Blackwell), its
+  assembly replaced by the software twins: NaN, Inf, subnormal and zero
+  blocks included; a NaN block's codes are 0 there (the GPU's canonical
+  NaN), one of the reference's two."""
+  monkeypatch.setattr(pallas_quantize, "WORDS_INTERPRETED", words)
+  x = np.asarray(heavy((32, 544), jnp.bfloat16, seed=23), np.float32)
+  x[3, 20] = np.nan            # A NaN block (1x16), a NaN tile (16x16).
+  x[5, 40:56] = 0              # A zero block.
+  x[7, 70] = -np.inf           # Saturates its block's scale.
+  x[9, 96:112] = 1e-39         # Subnormals: flushed.
+  x = jnp.asarray(x, jnp.bfloat16)
+  cfg = pallas_quantize.default_config(32, 544, block_2d, wide=True)
+  assert (cfg.block_rows, cfg.block_cols) == (16, 512)
+  fn = lambda x: pallas_quantize.quantize(x, block_2d=block_2d, config=cfg,
+                                          amax=jnp.float32(9.0))
+  if words:  # The word path is the one that runs.
+    assert "u32[32,34,8]" in str(jax.make_jaxpr(fn)(x))
+  got = jax.jit(fn)(x)
+  want = jax.jit(lambda x: quantize_ref.quantize_reference(
+      x, block_2d=block_2d, amax=jnp.float32(9.0)))(x)
+  s_got, s_want = (np.asarray(jax.lax.bitcast_convert_type(q.scales,
+                                                           jnp.uint8))
+                   for q in (got, want))
+  np.testing.assert_array_equal(s_got, s_want)
+  nan = np.repeat(np.isnan(np.asarray(want.scales, np.float32)), 8, axis=1)
+  assert nan.any()
+  c_got, c_want = np.asarray(got.codes), np.asarray(want.codes)
+  np.testing.assert_array_equal(c_got[~nan], c_want[~nan])
+  assert ((c_want[nan] & 0x77) == 0).all()
+  if words:
+    assert (c_got[nan] == 0).all()
+
+
 def test_rht_small_tiles_many_grid_steps():
   x = rht_input((96, 72), jnp.bfloat16, seed=22)
   cfg = pallas_rht.RHTConfig(block_tokens=32, block_features=16)

@@ -334,6 +334,8 @@ def _pallas_triton_target(cc: tuple[int, int]) -> Iterator[None]:
 # --- Reading what a program lowered to --------------------------------------
 
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+_CUDNN_DOT_OPERANDS = re.compile(
+    r'custom-call\(([^)]*)\), custom_call_target="__cudnn\$blockScaledDot"')
 _DOT = re.compile(r"=\s*(\w+)\[[^\]]*\][^=]*?\s(?:dot|convolution)\(")
 
 
@@ -343,6 +345,8 @@ class Lowering:
 
   Attributes:
     cudnn_block_scaled: cuDNN block-scaled dots (`__cudnn$blockScaledDot`).
+    cudnn_global_scaled: those of them that take a global scale (a fifth
+      operand: NVFP4's alpha, applied in cuDNN's graph).
     scaled_dot_left: block-scaled dots XLA neither handed to cuDNN nor
       decomposed (`__op$block_scaled_dot` still there).
     triton_calls: jax-triton kernel calls (`triton_kernel_call`).
@@ -352,6 +356,7 @@ class Lowering:
   """
 
   cudnn_block_scaled: int
+  cudnn_global_scaled: int
   scaled_dot_left: int
   triton_calls: int
   pallas_triton: int
@@ -364,6 +369,8 @@ def lowering(hlo: str) -> Lowering:
   targets = _CUSTOM_CALL.findall(hlo)
   return Lowering(
       cudnn_block_scaled=sum(t == "__cudnn$blockScaledDot" for t in targets),
+      cudnn_global_scaled=sum(len(ops.split(",")) == 5
+                              for ops in _CUDNN_DOT_OPERANDS.findall(hlo)),
       scaled_dot_left=sum(t == "__op$block_scaled_dot" for t in targets),
       triton_calls=sum(t == "triton_kernel_call" for t in targets),
       pallas_triton=sum(t == "__gpu$xla.gpu.triton" for t in targets),

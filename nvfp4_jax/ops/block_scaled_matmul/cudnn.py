@@ -1,12 +1,17 @@
-"""The native block-scaled GEMM through cuDNN: `jax.nn.scaled_matmul`
-(Blackwell): NVFP4 (E2M1, E4M3 scales per 16), MXFP4 (E2M1) and MXFP8 (E4M3),
-both with UE8M0 scales per 32.
+"""The native block-scaled GEMM through cuDNN (Blackwell): XLA's block-scaled
+dot, as `jax.nn.scaled_matmul` emits it, for NVFP4 (E2M1, E4M3 scales per 16)
+with alpha as its global scale (applied in cuDNN's graph), and MXFP8 (E4M3,
+UE8M0 scales per 32).
 """
 
 from __future__ import annotations
 
+import json
 
 import jax
+import jax.extend.core  # pylint: disable=unused-import
+from jax.interpreters import batching  # pylint: disable=unused-import
+from jax.interpreters import mlir
 import jax.numpy as jnp
 
 from nvfp4_jax.core import dispatch
@@ -112,15 +117,107 @@ def _elements(q):
 
 
 def scaled_matmul(a, b, *, out_dtype=jnp.float32) -> jax.Array:
-  """`a @ b.T` through `jax.nn.scaled_matmul`, on any platform: cuDNN's
-  block-scaled dot on Blackwell; XLA decomposes it elsewhere (dequantize,
-  FP32 dot; XLA:CPU runs that). NVFP4's tensor scales are applied to the
-  FP32 result (`gemm_alpha`); MX has none. Operands as
-  `_require_same_format` takes them.
+  """`a @ b.T` through XLA's block-scaled dot: cuDNN's on Blackwell; XLA
+  decomposes it on other GPUs (dequantize, FP32 dot). CUDA only (XLA:CPU
+  has no lowering for it). Operands as `_require_same_format` takes them.
+
+  NVFP4's tensor scales multiply the FP32 product as one factor `alpha`
+  (`gemm_alpha`), then one cast to `out_dtype`. Where cuDNN applies a
+  global scale (`fuses_alpha`: cuDNN >= 9.13, or unknown) alpha is the
+  dot's global scale, applied inside cuDNN's graph (no pass over the
+  output for it); below, `jax.nn.scaled_matmul` and `acc * alpha` after it
+  (one elementwise pass, fused with the cast). MX has no tensor scale.
   """
+  if isinstance(a, NVFP4Array) and fuses_alpha(dispatch.cudnn_version()):
+    acc = _BLOCK_SCALED_DOT.bind(_elements(a), _elements(b), a.scales[None],
+                                 b.scales[None], gemm_alpha(a, b))
+    return acc[0].astype(out_dtype)
   acc = jax.nn.scaled_matmul(_elements(a), _elements(b), a.scales[None],
                              b.scales[None],
                              preferred_element_type=jnp.float32)[0]
   if isinstance(a, MXArray):
     return acc.astype(out_dtype)
   return (acc * gemm_alpha(a, b)).astype(out_dtype)
+
+
+# XLA passes a block-scaled dot's global scale into cuDNN's graph from
+# cuDNN 9.13 (`kCudnnSupportsBlockScaledDotWithGlobalScale` in XLA's
+# block_scaling_rewriter.h; before, "the graph is compiled, but the scaling
+# factor is not applied", openxla/xla#32525, so XLA multiplies after it).
+GLOBAL_SCALE_CUDNN = (9, 13)
+
+
+def fuses_alpha(cudnn: tuple[int, int] | None) -> bool:
+  """Whether `scaled_matmul` hands alpha to cuDNN as the dot's global scale
+  with cuDNN `cudnn` (None: unknown, taken as recent). Below 9.13 XLA would
+  multiply after the call, inside its own call computation, where the
+  multiply no longer fuses with the cast to a BF16 output: two passes
+  instead of the one of `acc * alpha` fused with the cast."""
+  return cudnn is None or tuple(cudnn) >= GLOBAL_SCALE_CUDNN
+
+
+# --- `__op$block_scaled_dot` with a global scale -----------------------------
+#
+# `jax.nn.scaled_matmul` (jax 0.10, 0.11) emits XLA's block-scaled dot custom
+# call with four operands; XLA's `BlockScalingRewriter` also takes a fifth,
+# the global scale (a scalar of the result's type: here FP32), and from cuDNN
+# 9.13 (`kCudnnSupportsBlockScaledDotWithGlobalScale`) passes it to
+# `__cudnn$blockScaledDot`, whose cuDNN graph multiplies the FP32 result by
+# it: one kernel, no FP32 pass over the output for alpha. Below 9.13 (and in
+# its decomposition: dequantize, FP32 dot) XLA multiplies the FP32 result by
+# it after the call, as `acc * alpha` did here before. The result is FP32
+# (the spec's one rounding, to `out_dtype`, stays the cast above): a BF16
+# result would need a BF16 global scale, i.e. alpha rounded to BF16.
+
+_CUSTOM_CALL = "__op$block_scaled_dot"
+
+
+def _block_scaled_dot_abstract(a, b, sa, sb, alpha):
+  del sa, sb
+  if alpha.shape != () or alpha.dtype != jnp.float32:
+    raise TypeError(f"block-scaled dot: the global scale must be an FP32 "
+                    f"scalar, got {alpha.dtype}{list(alpha.shape)}.")
+  return jax.core.ShapedArray((a.shape[0], a.shape[1], b.shape[1]),
+                              jnp.float32)
+
+
+def _block_scaled_dot_lowering(ctx, a, b, sa, sb, alpha):
+  from jax._src.interpreters import mlir as mlir_internal  # pylint: disable=g-import-not-at-top
+  ir = mlir.ir
+  (out,) = ctx.avals_out
+  shapes = [tuple(ir.RankedTensorType(v.type).shape)
+            for v in (a, b, sa, sb, alpha)]
+  layouts = lambda *ss: [tuple(range(len(s) - 1, -1, -1)) for s in ss]
+  # As `jax.nn.scaled_matmul` writes it (the rewriter reads the operand
+  # count, shapes and types).
+  config = json.dumps({"scaled_dot_backend_config": {
+      "lhs_batch_dimensions": [0], "rhs_batch_dimensions": [0],
+      "dequantize_type": "F32"}})
+  return [mlir_internal.custom_call(
+      _CUSTOM_CALL,
+      result_types=[ir.RankedTensorType.get(out.shape, ir.F32Type.get())],
+      operands=[a, b, sa, sb, alpha], backend_config=config,
+      operand_layouts=layouts(*shapes),
+      result_layouts=layouts(out.shape)).result]
+
+
+def _block_scaled_dot_impl(*args):
+  return jax.jit(_BLOCK_SCALED_DOT.bind)(*args)
+
+
+def _block_scaled_dot_batch(args, dims):
+  """vmap: one call per batch element (`lax.map`), each with its own
+  alpha (the custom call takes one scalar global scale)."""
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  args = [jnp.moveaxis(a, d, 0) if d is not None else
+          jnp.broadcast_to(a, (size, *a.shape)) for a, d in zip(args, dims)]
+  return jax.lax.map(lambda xs: _BLOCK_SCALED_DOT.bind(*xs), args), 0
+
+
+_BLOCK_SCALED_DOT = jax.extend.core.Primitive("nvfp4_block_scaled_dot")
+_BLOCK_SCALED_DOT.def_impl(_block_scaled_dot_impl)
+_BLOCK_SCALED_DOT.def_abstract_eval(_block_scaled_dot_abstract)
+batching.primitive_batchers[_BLOCK_SCALED_DOT] = (
+    _block_scaled_dot_batch)
+mlir.register_lowering(_BLOCK_SCALED_DOT, _block_scaled_dot_lowering,
+                       platform="cuda")

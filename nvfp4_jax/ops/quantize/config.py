@@ -33,13 +33,19 @@ class QuantizeConfig:
           f"QuantizeConfig.block_cols={self.block_cols} must be >= {B}.")
 
 
-def default_config(rows: int, cols: int, block_2d: bool = False
-                   ) -> QuantizeConfig:
-  """4K elements per program (16 x 256 at full size, 4 warps).
+def default_config(rows: int, cols: int, block_2d: bool = False, *,
+                   wide: bool = False) -> QuantizeConfig:
+  """4K elements per program (16 x 256 at full size, 4 warps); `wide`: 8K
+  (16 x 512), for the kernels whose per-block work is the larger part (the
+  round-to-nearest codes with Blackwell's E2M1 conversion: each thread's
+  fixed and per-block instructions spread over 64 elements instead of 32).
 
   Measured on H100 at 8192^2 bf16 (BENCHMARKS.md, tile sweep): 16x256 and
-  8x256 were fastest; 8K-element tiles were ~20% slower, 32K spilled.
+  8x256 were fastest; 8K-element tiles were ~20% slower, 32K spilled. The
+  8K tiles on Blackwell are chosen by instruction count (offline
+  `benchmarks.sass_report --arch sm_100`), not measured on the device.
   """
-  bc = min(256, common.next_pow2(cols))
-  br = max(B if block_2d else 1, min(16, common.next_pow2(rows), 4096 // bc))
+  bc = min(512 if wide else 256, common.next_pow2(cols))
+  br = max(B if block_2d else 1, min(16, common.next_pow2(rows),
+                                     (8192 if wide else 4096) // bc))
   return QuantizeConfig(block_rows=br, block_cols=bc, num_warps=4)

@@ -44,17 +44,28 @@ def tile_masks(rows: int, nb: int, m: int, nb_total: int):
       0: common.bounds_mask((rows, nb), *dims)}
 
 
+def _tile_amax(a: jax.Array, block_2d: bool) -> jax.Array:
+  """`tile.block_amax` from the rows' block amax `a` `[rows, nb]`."""
+  if not block_2d:
+    return a
+  rows, nb = a.shape
+  t = tile.abs_max(a.reshape(rows // B, B, nb), axis=1)
+  return jnp.broadcast_to(t[:, None, :], (rows // B, B, nb)).reshape(rows, nb)
+
+
 def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
                     with_codes: bool, with_values: bool, interpret: bool,
                     m: int, nb_total: int, four_over_six: bool,
-                    words_per_row: int, grouped: bool = False):
+                    words_per_row: int, words: bool = False,
+                    grouped: bool = False):
   """The quantize kernel's program.
 
-  With `grouped`, each row is quantized as a row of its own tensor (the
-  grouped quantizer of `nvfp4_jax.ops.ragged_dot.pallas_triton`): the amax
-  ref holds one tensor amax per row `[rows]`, and with stochastic rounding
-  the seeds refs one pair per row (`[rows]` each) and the origin ref each
-  row's index within its tensor.
+  With `words`, Blackwell's round-to-nearest codes from bf16 pairs (see
+  below). With `grouped`, each row is quantized as a row of its own tensor
+  (the grouped quantizer of `nvfp4_jax.ops.ragged_dot.pallas_triton`): the
+  amax ref holds one tensor amax per row `[rows]`, and with stochastic
+  rounding the seeds refs one pair per row (`[rows]` each) and the origin
+  ref each row's index within its tensor.
   """
   refs = list(refs)
   amax_ref = refs.pop(0)
@@ -73,10 +84,36 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
   amax = amax_ref[...]
   if grouped:
     amax = amax.reshape(rows, 1)  # One tensor per row: [rows, 1] constants.
-  s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
-      amax, divide=divide, four_over_six=four_over_six)
+  if words:  # `nm.nvfp4_scale_constants`, 1 / S_enc by `rcp.rn`.
+    s_enc = nm.global_encode_scale(amax, divide=divide)
+    s_enc_over_6 = s_enc * jnp.float32(1.0 / nm.E2M1_MAX)
+    inv_s_enc = common.flush(interpret)(
+        common.exact_reciprocal(interpret)(s_enc))
+  else:
+    s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
+        amax, divide=divide, four_over_six=four_over_six)
   mask = tile_masks(rows, nb, m, nb_total)
 
+  if words:
+    # Blackwell's round-to-nearest codes from bf16 pairs as uint32 words
+    # `[rows, nb, 8]`: widened per word, the block amax of the pairs'
+    # magnitudes, the products and the E2M1 conversion in one assembly.
+    even, odd = common.widen_words(common.load(x_ref, mask[B // 2]))
+    mx, flush = common.max_magnitude(interpret), common.flush(interpret)
+    pm = mx(even, odd)
+    while pm.shape[-1] > 1:  # Halving the block's 8 pair maxima.
+      pm = mx(*jnp.unstack(pm.reshape(*pm.shape[:-1], -1, 2), axis=-1))
+    bamax = flush(_tile_amax(tile.abs_max(pm, axis=-1), block_2d))
+    scales = nm.nvfp4_block_decode_scale(bamax, s_enc_over_6)
+    # `nm.nvfp4_block_encode_scale`, its flush one `cvt.ftz` (`common.flush`).
+    enc = common.exact_reciprocal(interpret)(
+        flush(scales.astype(jnp.float32) * inv_s_enc))
+    enc = jnp.where(enc > nm.F32_MAX, jnp.float32(nm.F32_MAX), enc)
+    common.store(codes_ref, common.scale_encode_codes(even, odd, enc,
+                                                      interpret),
+                 mask[B // 2])
+    common.store(scales_ref, scales, mask[0])
+    return
   x = common.load(x_ref, mask[B]).astype(jnp.float32)  # Flushed when scaled.
   rwords = None
   if stochastic and grouped:
@@ -99,12 +136,29 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
       with_codes=with_codes, values_as_pairs=True, split_pack=True,
       four_over_six=four_over_six, block_2d=block_2d,
       multiply=common.ftz_multiply(interpret),
-      flush=common.flush(interpret), encoder=common.block_encoder(interpret))
+      flush=common.flush(interpret),
+      # NaN scaled values only in whole blocks (a NaN block amax or tensor
+      # amax), each block's 16 elements loaded contiguously.
+      encoder=common.block_encoder(interpret, block_nan=True))
   if with_codes:
     common.store(codes_ref, packed, mask[B // 2])
     common.store(scales_ref, scales, mask[0])
   if with_values:  # bf16 pairs as uint32 (see `tile.value_pairs`).
     common.store(values_ref, values, mask[B // 2])
+
+
+# Whether the interpreted kernel takes the word path of Blackwell's
+# round-to-nearest codes (its assembly replaced by software twins); tests
+# switch it on to check that path's plumbing against the reference.
+WORDS_INTERPRETED = False
+
+
+def wide_tiles(stochastic: bool, with_values: bool,
+               four_over_six: bool) -> bool:
+  """Whether `default_config(wide=True)` applies: round-to-nearest codes
+  only, where the kernel converts with Blackwell's E2M1 conversion."""
+  return (not (stochastic or with_values or four_over_six)
+          and common.hardware_e2m1())
 
 
 def quantize(x: jax.Array, *, block_2d: bool = False,
@@ -139,7 +193,8 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   if amax is None:
     amax = tile.abs_max(nm.ftz(x.astype(jnp.float32)))
   stochastic = rounding == "stochastic"
-  cfg = config or default_config(m, k, block_2d)
+  cfg = config or default_config(m, k, block_2d, wide=wide_tiles(
+      stochastic, with_values, four_over_six))
   if block_2d and cfg.block_rows % B:
     raise ValueError(
         f"16x16 scaling needs block_rows to be a multiple of {B}; got "
@@ -156,8 +211,18 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   if stochastic:
     in_specs += [common.scalar_spec(2), common.scalar_spec(2)]
     args += [prng.seeds_from_key(key), origin]
-  in_specs.append(pl.BlockSpec((br, bnb, B), lambda i, j: (i, j, 0)))
-  args.append(x.reshape(m, nb_total, B))
+  # Blackwell's round-to-nearest codes read bf16 pairs as uint32 words
+  # (`WORDS_INTERPRETED`: also interpreted, the assembly's software twins).
+  words = ((WORDS_INTERPRETED if interpret else wide_tiles(
+      stochastic, with_values, four_over_six)) and x.dtype == jnp.bfloat16
+           and with_codes and not (stochastic or with_values or four_over_six))
+  if words:
+    in_specs.append(pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)))
+    args.append(jax.lax.bitcast_convert_type(
+        x.reshape(m, nb_total, B // 2, 2), jnp.uint32))
+  else:
+    in_specs.append(pl.BlockSpec((br, bnb, B), lambda i, j: (i, j, 0)))
+    args.append(x.reshape(m, nb_total, B))
   with_values = with_values or not with_codes
   out_shape, out_specs = [], []
   if with_codes:
@@ -173,7 +238,7 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
       quantize_kernel, block_2d=block_2d, stochastic=stochastic,
       with_codes=with_codes, with_values=with_values, interpret=interpret,
       m=m, nb_total=nb_total, four_over_six=four_over_six,
-      words_per_row=words_per_row)
+      words_per_row=words_per_row, words=words)
   name = "nvfp4_quantize_2d" if block_2d else "nvfp4_quantize"
   outs = list(common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
