@@ -592,6 +592,7 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
   if not recipe.quantized or lhs.size == 0 or rhs.size == 0:
     # Exactly XLA's product of the operands as given (with no elements
     # there is nothing to quantize: an empty result, or zeros for K = 0).
+    rhs = _gathered_weight(lhs, rhs, rc, lb or rb, shard)
     return jax.lax.dot_general(lhs, rhs, ((lc, rc), (lb, rb)),
                                precision=precision,
                                preferred_element_type=preferred_element_type,
@@ -638,6 +639,34 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
   else:
     y = jax.lax.reshape(y, tuple(free_shape), out_sharding=y_sharding)
   return apply_out_sharding(y, out_sharding)
+
+
+def _gathered_weight(lhs, rhs, rc, batched, shard: LinearSharding | None):
+  """A high-precision layer's 2-D weight, gathered over its `fsdp` axis
+  before XLA partitions its product (a sharding constraint to
+  `shard.used_kernel_spec`).
+
+  Left to itself, XLA's partitioner carries the stored weight's FSDP split
+  onto the weight gradient's GEMM: it then gathers the whole batch's
+  activation gradient (`[tokens, out]`, per layer) to compute each shard's
+  rows, instead of summing each device's full-size weight gradient with a
+  reduce-scatter. Gathering the weight itself (what the quantized path does
+  explicitly) makes the gradient's cotangent replicated over `fsdp`, so it
+  is reduced where the parameters' sharding asks: a reduce-scatter of
+  weight-sized bytes. A no-op without an `fsdp` axis, for weights of
+  other ranks, inside a `shard_map` and under Explicit axes (there the
+  types say where the operands live)."""
+  if (shard is None or shard.fsdp is None or batched or rhs.ndim != 2
+      or explicit_mesh(lhs, rhs) is not None):
+    return rhs
+  abstract = jax.sharding.get_abstract_mesh()
+  if not abstract.empty and abstract.manual_axes:
+    return rhs
+  spec = shard.used_kernel_spec
+  if tuple(rc) == (1,):  # The weight stored `[out, in]`.
+    spec = P(spec[1], spec[0])
+  return jax.lax.with_sharding_constraint(
+      rhs, NamedSharding(shard.mesh, spec))
 
 
 def apply_out_sharding(y: jax.Array, out_sharding) -> jax.Array:
