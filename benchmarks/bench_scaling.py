@@ -60,6 +60,7 @@ class Config:
   steps: int = 20
   profile: int = 0  # Steps to trace (0: none).
   compile_only: bool = False
+  variant: str = ""  # A name from `--variant`: its XLA flags are added.
 
   @property
   def devices(self) -> int:
@@ -71,7 +72,8 @@ class Config:
 
   @property
   def label(self) -> str:
-    return f"{self.preset} {self.precision} {self.mesh or 'no mesh'}"
+    v = f" [{self.variant}]" if self.variant else ""
+    return f"{self.preset} {self.precision} {self.mesh or 'no mesh'}{v}"
 
 
 def _cache(cache_dir: str) -> None:
@@ -116,7 +118,10 @@ def _child(cfg: Config, cache_dir: str) -> dict:
     sync.append(time.perf_counter() - t0)
   out["ms_sync"] = statistics.median(sync) * 1e3
   if cfg.profile:
-    out.update(_profile(compiled, state, batch, cfg.profile))
+    try:
+      out.update(_profile(compiled, state, batch, cfg.profile))
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"profile failed: {type(e).__name__}: {e}", file=sys.stderr)
   return out
 
 
@@ -138,9 +143,10 @@ def _profile(compiled, state, batch, steps: int) -> dict:
   if not files:
     return {}
   nccl, other = [], []
-  for plane in ProfileData.from_file(files[0]).planes:
-    if plane.name != "/device:GPU:0":
-      continue
+  planes = sorted((p for p in ProfileData.from_file(files[0]).planes
+                   if p.name.startswith("/device:GPU")),
+                  key=lambda p: p.name)
+  for plane in planes[:1]:  # The first GPU.
     lines = list(plane.lines)
     streams = [l for l in lines if "stream" in l.name.lower()] or [
         l for l in lines if "xla" not in l.name.lower()]
@@ -164,8 +170,12 @@ def busy_and_span(intervals):
   return f(intervals)
 
 
-def _run(cfg: Config, cache_dir: str, env: dict) -> dict:
+def _run(cfg: Config, cache_dir: str, env: dict,
+         variants: dict | None = None) -> dict:
   payload = json.dumps({"cfg": dataclasses.asdict(cfg), "cache": cache_dir})
+  if cfg.variant:
+    env = dict(env, XLA_FLAGS=(env.get("XLA_FLAGS", "") + " "
+                               + (variants or {})[cfg.variant]).strip())
   out = subprocess.run(
       [sys.executable, "-m", "benchmarks.bench_scaling", "--child", payload],
       capture_output=True, text=True, check=False, env=env)
@@ -187,9 +197,25 @@ def configs(a) -> list[Config]:
     b, s = shapes[preset]
     for prec in a.precisions.split(","):
       for mesh in meshes:
-        out.append(Config(preset, prec, b, s, mesh, a.warmup, a.steps,
-                          a.profile if mesh not in ("", "data=1") or
-                          a.profile_baseline else 0))
+        c = Config(preset, prec, b, s, mesh, a.warmup, a.steps,
+                   a.profile if mesh not in ("", "data=1") or
+                   a.profile_baseline else 0)
+        out.append(c)
+        if mesh not in ("", "data=1"):
+          out += [dataclasses.replace(c, variant=v) for v in variants(a)]
+  return out
+
+
+def variants(a) -> dict[str, str]:
+  """`--variant NAME=FLAGS` as `{NAME: FLAGS}`."""
+  out = {}
+  for item in a.variant:
+    name, _, flags = item.partition("=")
+    if not name or not flags:
+      raise SystemExit(f"--variant {item!r}: write NAME=XLA_FLAGS, e.g. "
+                       f"'lhs=--xla_gpu_enable_latency_hiding_scheduler="
+                       f"true'.")
+    out[name] = flags
   return out
 
 
@@ -237,6 +263,10 @@ def main(argv=None):
                  "temporary directory)")
   p.add_argument("--xla-flags", default="",
                  help="appended to XLA_FLAGS in every process")
+  p.add_argument("--variant", action="append", default=[],
+                 help="NAME=FLAGS (repeatable): also time every mesh "
+                 "configuration with these XLA flags added (labelled "
+                 "[NAME]); the baselines run once, without them")
   p.add_argument("--smoke", action="store_true",
                  help="8 CPU devices, the tiny preset, 1 round of 2 steps")
   a = p.parse_args(argv)
@@ -246,6 +276,8 @@ def main(argv=None):
     return
   start = time.perf_counter()
   env = dict(os.environ)
+  # NVLink multicast stays off on the lent machines (shared GPUs).
+  env.setdefault("NCCL_NVLS_ENABLE", "0")
   if a.smoke:
     a.presets, a.warmup, a.steps, a.rounds = "tiny", 1, 2, 1
     env["JAX_PLATFORMS"] = "cpu"
@@ -261,7 +293,7 @@ def main(argv=None):
   compile_s = {}
   with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
     futs = {pool.submit(_run, dataclasses.replace(c, compile_only=True),
-                        cache_dir, env): c for c in cfgs}
+                        cache_dir, env, variants(a)): c for c in cfgs}
     for f in concurrent.futures.as_completed(futs):
       c = futs[f]
       try:
@@ -283,13 +315,13 @@ def main(argv=None):
         continue
       t0 = time.perf_counter()
       try:
-        r = _run(c, cache_dir, env)
+        r = _run(c, cache_dir, env, variants(a))
       except RuntimeError as e:
         print(f"  {e}", flush=True)
         continue
       took[c] = time.perf_counter() - t0
       results[c].append(r)
-      base_cfg = dataclasses.replace(c, mesh="data=1",
+      base_cfg = dataclasses.replace(c, mesh="data=1", variant="",
                                      profile=results_profile(cfgs, c))
       base = results.get(base_cfg, [None])[-1]
       print(f"  round {rnd + 1}: {_fmt_row(c, r, base)} "
@@ -299,7 +331,7 @@ def main(argv=None):
     runs = results.get(c)
     if not runs:
       continue
-    base_cfg = dataclasses.replace(c, mesh="data=1",
+    base_cfg = dataclasses.replace(c, mesh="data=1", variant="",
                                    profile=results_profile(cfgs, c))
     base_runs = results.get(base_cfg, [])
     ms = statistics.median(r["ms"] for r in runs)
