@@ -179,6 +179,9 @@ class _Whole:
 
   x_axes = y_axes = w_axes = ()
   reduces_y = reduces_dx = False
+  # Every device holds the whole weight (no axis splits it; the tokens may
+  # be split): the weight's quantization needs no collective.
+  whole_w = True
 
   def place_x(self, x):
     del x
@@ -207,6 +210,7 @@ class _Shard(_Whole):
     self.x_axes = spmd.spec_axes(s.x_spec)
     self.y_axes = spmd.spec_axes(s.y_spec)
     self.w_axes = spmd.spec_axes(s.kernel_spec)
+    self.whole_w = spmd.num_shards(s.sizes, self.w_axes) == 1
     self.reduces_y = bool(s.k_axes)
     self.reduces_dx = bool(s.n_axes)
 
@@ -370,10 +374,11 @@ def _weight_in_kernel_layout(recipe: Recipe, plan: GemmPlan,
   Fprop. It needs round-to-nearest (a stochastic stream runs over one
   layout's row-major order), no Four-over-Six (its per-tile choice sums
   errors in one layout's order), Dgrad reusing Fprop's weight, and the
-  whole tensor (a shard gathers codes, not values).
+  whole weight on the device (a shard gathers codes, not values; data
+  parallelism holds it whole).
   """
   w = recipe.fprop_w
-  return (ctx is _WHOLE and _as_values(w, plan)
+  return (ctx.whole_w and _as_values(w, plan)
           and _as_values(recipe.fprop_x, plan)
           and w.block_2d and w.rounding == "nearest" and not w.four_over_six
           and recipe.dgrad_w == w)
@@ -396,7 +401,7 @@ def _weight_kernel_layout_native(recipe: Recipe, plan: GemmPlan,
   where the GEMM multiplies codes instead of block values.
   """
   w = recipe.fprop_w
-  return (NATIVE_KERNEL_LAYOUT and ctx is _WHOLE
+  return (NATIVE_KERNEL_LAYOUT and ctx.whole_w
           and recipe.fprop_x.quantized and w.format == "nvfp4"
           and not _as_values(w, plan)
           and w.block_2d and w.rounding == "nearest" and not w.four_over_six
