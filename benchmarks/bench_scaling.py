@@ -190,13 +190,15 @@ def configs(a) -> list[Config]:
     name, bs = item.split("=")
     b, s = bs.split("x")
     shapes[name] = (int(b), int(s))
-  meshes = (["data=1"] + (["" ] if a.no_mesh_baseline else [])
-            + [m for m in a.meshes.split() if m])
+  meshes = ["data=1", ""] + [m for m in a.meshes.split() if m]
+  no_mesh = (a.no_mesh_baseline or "").split(",")
   out = []
   for preset in a.presets.split(","):
     b, s = shapes[preset]
     for prec in a.precisions.split(","):
       for mesh in meshes:
+        if mesh == "" and not {"all", preset} & set(no_mesh):
+          continue
         c = Config(preset, prec, b, s, mesh, a.warmup, a.steps,
                    a.profile if mesh not in ("", "data=1") or
                    a.profile_baseline else 0)
@@ -244,8 +246,10 @@ def main(argv=None):
   p.add_argument("--meshes", default="data=2 fsdp=2 model=2",
                  help="space-separated meshes besides the one-device "
                  "baseline (data=1)")
-  p.add_argument("--no-mesh-baseline", action="store_true",
-                 help="also time one device without a mesh")
+  p.add_argument("--no-mesh-baseline", nargs="?", const="all", default="",
+                 help="also time one device without a mesh (what "
+                 "bench_step took as one GPU): for every preset, or for "
+                 "the comma-listed ones")
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--profile", type=int, default=0,
