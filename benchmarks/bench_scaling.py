@@ -23,8 +23,8 @@ throughput) and `--steps` steps waiting on each (`ms_sync`). A row prints
 as each process finishes; the table at the end has the median over rounds
 and the spread of the per-round values.
 
-`--profile` traces a few more steps and splits the first GPU's time per
-step: `nccl_ms` (NCCL kernels), `exposed_ms` (NCCL running while no other
+`--profile` traces a few more steps (first round only) and splits the
+first GPU's time per step: `nccl_ms` (NCCL kernels), `exposed_ms` (NCCL running while no other
 kernel runs: communication that is not hidden), `compute_ms` (the other
 kernels) and `idle_ms` (no kernel at all: waiting on the host or on the
 other GPUs).
@@ -319,7 +319,9 @@ def main(argv=None):
         continue
       t0 = time.perf_counter()
       try:
-        r = _run(c, cache_dir, env, variants(a))
+        # The breakdown is traced in the first round only.
+        r = _run(c if rnd == 0 else dataclasses.replace(c, profile=0),
+                 cache_dir, env, variants(a))
       except RuntimeError as e:
         print(f"  {e}", flush=True)
         continue
