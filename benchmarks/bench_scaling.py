@@ -282,6 +282,8 @@ def main(argv=None):
   env = dict(os.environ)
   # NVLink multicast stays off on the lent machines (shared GPUs).
   env.setdefault("NCCL_NVLS_ENABLE", "0")
+  # Many processes share the GPUs while they compile.
+  env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   if a.smoke:
     a.presets, a.warmup, a.steps, a.rounds = "tiny", 1, 2, 1
     env["JAX_PLATFORMS"] = "cpu"
