@@ -15,7 +15,11 @@ the causal attention products added (`mfu_attn`, see
 `attention_flops_per_token`) and the compiled step's memory.
 With `--meshes`, each configuration also runs on those meshes with `--batch`
 sequences per device (weak scaling), and the table adds the scaling
-efficiency: tokens/s per device over the same configuration on one device.
+efficiency: tokens/s per device over the same configuration on one device
+(there a mesh of one device, `data=1`: the same sharded program).
+`benchmarks.bench_scaling` is the multi-GPU benchmark (all configurations
+compiled at once, the baseline's order alternated, a communication
+breakdown).
 """
 
 from __future__ import annotations
@@ -103,6 +107,8 @@ def _child(cfg: StepConfig) -> dict:
   from models import param_count  # pylint: disable=g-import-not-at-top
 
   trainer, state, batch = build(cfg)
+  if trainer.mesh_rules is None:  # On the device, as a mesh's batch is.
+    batch = jax.device_put(batch, jax.devices()[0])
   mc = trainer.model_cfg
   compiled = trainer.train_step.lower(state, batch).compile()
   mem = compiled.memory_analysis()
@@ -212,7 +218,10 @@ def main(argv=None):
   if a.child:
     print(json.dumps(_child(StepConfig(**json.loads(a.child)))))
     return
-  meshes = [""] + a.meshes.split()
+  # With meshes, one device is a mesh of one (`data=1`): the trainer's same
+  # sharded program (MeshRules, the sharded NVFP4 layers), as
+  # `bench_scaling` times it.
+  meshes = ["data=1" if a.meshes else ""] + a.meshes.split()
   configs = []
   for att in a.attention.split(","):
     for remat in a.remat.split(","):

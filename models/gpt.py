@@ -238,6 +238,13 @@ class Embed(nn.Embed):
       raise ValueError("Input type must be an integer or unsigned integer.")
     (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype,
                                       inexact=False)
+    rules = nvfp4_jax.sharding.current_rules()
+    if rules is not None:
+      # The table whole on every device (it is small): the gradient is then
+      # each device's full table summed with a reduce-scatter, not a
+      # gather of the whole batch's output gradient (MeshRules.gathered).
+      embedding = rules.gathered("/".join(self.scope.path + ("embedding",)),
+                                 embedding)
     return embed_lookup(embedding, inputs)
 
 

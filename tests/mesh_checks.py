@@ -826,13 +826,13 @@ GPT_MESHES = {"dp": dict(data=8), "fsdp": dict(data=2, fsdp=4),
               "mixed": dict(data=2, fsdp=2, model=2)}
 
 
-def _trainer(mesh_sizes):
+def _trainer(mesh_sizes, gpt_rules=GPT_RULES):
   import train.loop as loop  # pylint: disable=g-import-not-at-top
   from models import preset  # pylint: disable=g-import-not-at-top
   from tiny_training import small_corpus  # pylint: disable=g-import-not-at-top
   from train.config import TrainConfig  # pylint: disable=g-import-not-at-top
   rules = nv.PrecisionRules(rules=tuple(
-      (p, nv.Recipe.from_name(r)) for p, r in GPT_RULES))
+      (p, nv.Recipe.from_name(r)) for p, r in gpt_rules))
   cfg = TrainConfig(preset="tiny", precision="nvfp4", steps=8, batch_size=8,
                     seq_len=16, lr=3e-3, warmup_steps=1, eval_every=8,
                     ckpt_every=8, eval_batches=1, diagnostics=False)
@@ -989,7 +989,25 @@ def _check_step_collectives(name, compiled):
     print(f"    {where}, bytes per device: {d}")
 
 
-def check_gpt_step(names=("dp", "mixed"), resume=True):
+def _check_weights_gathered(name, compiled, params):
+  """XLA's own partition of a step's high-precision parts moves weights,
+  not activations: every all-gather's results are whole parameters (the
+  FSDP gather of a weight before use), and nothing is exchanged all-to-all.
+  Left to itself XLA gathers the whole batch's output gradients (and token
+  ids) to compute each FSDP shard's weight gradient, and reshards the
+  norms' activations all-to-all (`training.dot_general._gathered_weight`,
+  `MeshRules.gathered`)."""
+  shapes = {tuple(np.shape(x)) for x in jax.tree.leaves(params)}
+  cs = [c for c in shd.collectives(compiled) if not c.trivial]
+  for c in cs:
+    assert c.op != "all-to-all", (name, c.line)
+    if c.op == "all-gather":
+      assert all(s in shapes for _, s in c.results), (name, c.line)
+  print(f"    {name}: {sum(c.op == 'all-gather' for c in cs)} all-gathers, "
+        f"all of whole parameters; no all-to-all")
+
+
+def check_gpt_step(names=("dp", "mixed"), resume=True, gpt_rules=GPT_RULES):
   """One train step from the same state and batch on meshes `names` (here
   the data-parallel one and the mixed one, which splits along all three
   axes; `check_gpt_step_fsdp_tp` runs the pure FSDP and tensor-parallel
@@ -1021,7 +1039,7 @@ def check_gpt_step(names=("dp", "mixed"), resume=True):
   """
   import tempfile  # pylint: disable=g-import-not-at-top
   from train.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
-  one = _trainer(None)
+  one = _trainer(None, gpt_rules)
   state = one.init_state()
   batches = [one.batcher.batch(s).reshape(1, one.cfg.micro_batch, -1)
              for s in (0, 1)]
@@ -1046,7 +1064,7 @@ def check_gpt_step(names=("dp", "mixed"), resume=True):
   for name in names:
     sizes = GPT_MESHES[name]
     t0 = time.perf_counter()
-    tr = _trainer(sizes)
+    tr = _trainer(sizes, gpt_rules)
     if name == "mixed":
       st = tr.init_state()
       for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(state)):
@@ -1062,6 +1080,8 @@ def check_gpt_step(names=("dp", "mixed"), resume=True):
           f"of the bound, {flipped} entries with a flipped code "
           f"({time.perf_counter() - t0:.1f}s)")
     _check_step_collectives(name, fn)
+    if gpt_rules is GPT_HIGH_PRECISION:
+      _check_weights_gathered(name, fn, st.params)
   if not resume:
     return
 
@@ -1100,6 +1120,17 @@ def check_gpt_step(names=("dp", "mixed"), resume=True):
           f"{master.sharding.spec}, {master.addressable_shards[0].data.shape}"
           f" per device of {master.shape}")
   print(f"  checkpoint resharded ({time.perf_counter() - t0:.1f}s)")
+
+
+GPT_HIGH_PRECISION = ((r".*", "bf16"),)
+
+
+def check_gpt_step_high_precision_fsdp():
+  """`check_gpt_step` on the FSDP mesh with every projection in high
+  precision (XLA partitions the whole step): equal to one device within
+  the same bound, and its collectives move weights, not activations
+  (`_check_weights_gathered`)."""
+  check_gpt_step(("fsdp",), resume=False, gpt_rules=GPT_HIGH_PRECISION)
 
 
 def check_gpt_step_fsdp_tp():

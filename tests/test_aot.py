@@ -594,3 +594,33 @@ def test_native_plan_quantizes_the_weight_once_in_its_layout(monkeypatch):
   assert "f32[48,64]" not in transposed(text_on), transposed(text_on)
   assert [t for t in transposed(text_on) if t.startswith("u8")] == [
       "u8[48,64]"]
+
+
+@needs_plugin
+def test_fsdp_step_on_two_h100s_gathers_weights_once_not_activations():
+  """The trainer's GPT step (tiny, BF16) compiled for a 2-GPU H100 host
+  (`aot.topology_devices`) with `fsdp=2`: XLA's async all-gathers carry
+  whole weights only (each once), its reduce-scatters the weight gradients,
+  and nothing moves all-to-all; so each device sends what data parallelism
+  all-reduces (`benchmarks.aot_collectives`)."""
+  from benchmarks import aot_collectives
+  from nvfp4_jax.parallel import hlo
+  text = aot_collectives.compile_step("tiny", "bf16", 4, 64, {"fsdp": 2})
+  cs = [c for c in hlo.collectives(text) if not c.trivial]
+  assert len(aot.topology_devices("h100", 2)) == 2
+  assert not [c for c in cs if c.op == "all-to-all"]
+  gathers = [c for c in cs if c.op == "all-gather"]
+  assert gathers and all("-start(" in c.line for c in gathers)
+  gathered = sum(c.result_bytes for c in gathers)
+  scattered = sum(hlo._nbytes(d, s) for c in cs if c.op == "reduce-scatter"  # pylint: disable=protected-access
+                  for d, s in c.operands)
+  # The 2-D weights (every parameter but the norm scales) in bf16: gathered
+  # whole once, and their gradients reduce-scattered from whole.
+  from models import preset
+  cfg = preset("tiny")
+  width = 2 * cfg.d_ff
+  per_block = cfg.d_model * (4 * cfg.d_model + width + cfg.d_ff)
+  weights = 2 * (cfg.num_layers * per_block + 2 * 256 * cfg.d_model)
+  assert gathered == weights, (gathered, weights)
+  assert scattered >= weights - 2 * 256 * cfg.d_model * 2, (scattered,
+                                                              weights)

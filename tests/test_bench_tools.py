@@ -320,3 +320,47 @@ def test_sass_report_cases_lower_to_the_kernels_they_name():
   assert {"nvfp4_quantize_rht_t_columns_values", "nvfp4_quantize_values",
           "nvfp4_quantize_x_and_rht_t_values",
           "nvfp4_rht_amax_columns"} <= names
+
+
+def test_bench_scaling_baseline_rounds_and_variants(monkeypatch, capsys):
+  """bench_scaling: every configuration is compiled first (compile-only
+  children), then timed; the one-device baseline is a mesh of one device
+  (`data=1`); a `--variant` adds its XLA flags to the mesh configurations
+  only; rounds alternate the order; scaling is per-device tokens/s over the
+  baseline's (weak scaling: the same per-device batch)."""
+  from benchmarks import bench_scaling
+  ms = {"data=1": 10.0, "data=2": 12.5, "fsdp=2": 20.0}
+  calls = []
+
+  def fake_run(cmd, env=None, **_):
+    d = json.loads(cmd[-1])
+    cfg = bench_scaling.Config(**d["cfg"])
+    calls.append((cfg, env.get("XLA_FLAGS", "")))
+    out = {"compile_s": 1.0, "device": "NVIDIA H100", "jax": "x"}
+    if not cfg.compile_only:
+      out.update(ms=ms[cfg.mesh] * (0.8 if cfg.variant else 1.0),
+                 ms_sync=ms[cfg.mesh])
+    return types.SimpleNamespace(returncode=0, stdout=json.dumps(out),
+                                 stderr="")
+
+  monkeypatch.setattr(subprocess, "run", fake_run)
+  bench_scaling.main(["--presets", "small", "--precisions", "bf16",
+                      "--meshes", "data=2 fsdp=2", "--rounds", "2",
+                      "--variant", "v=--xla_x=1", "--jobs", "1",
+                      "--cache-dir", "/nonexistent"])
+  compiles = [c for c, _ in calls if c.compile_only]
+  timed = [(c, f) for c, f in calls if not c.compile_only]
+  assert [c.label for c in compiles] == [
+      "small bf16 data=1", "small bf16 data=2", "small bf16 data=2 [v]",
+      "small bf16 fsdp=2", "small bf16 fsdp=2 [v]"]
+  assert len(timed) == 10  # Two rounds of five.
+  assert [c.label for c, _ in timed[5:]] == [c.label for c, _ in
+                                             timed[:5]][::-1]
+  assert all(("--xla_x=1" in f) == bool(c.variant) for c, f in timed)
+  out = capsys.readouterr().out
+  table = {line.split("|")[1].strip(): line.split("|")
+           for line in out.splitlines() if line.startswith("| small")}
+  # scaling = baseline ms / ms (the same tokens per device).
+  assert float(table["small bf16 data=2"][7]) == pytest.approx(0.8)
+  assert float(table["small bf16 fsdp=2 [v]"][7]) == pytest.approx(
+      10 / 16, rel=1e-2)

@@ -98,6 +98,15 @@ def test_gpt_step_on_fsdp_and_tensor_parallel_meshes():
   assert "fsdp {" in out and "tp {" in out
 
 
+@pytest.mark.slow  # ~20 s on 2 cores.
+def test_high_precision_gpt_step_on_fsdp_gathers_weights_not_activations():
+  """Every projection in high precision (XLA partitions the whole step):
+  equal to one device, and every all-gather is of a whole parameter, with
+  no all-to-all (`mesh_checks._check_weights_gathered`)."""
+  out = run_checks("gpt_step_high_precision_fsdp")
+  assert "all of whole parameters; no all-to-all" in out
+
+
 def _train_cli(out, *flags, devices=1):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
       [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(

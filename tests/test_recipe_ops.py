@@ -303,6 +303,28 @@ def test_weight_in_kernel_layout_is_the_transposed_quantization(monkeypatch):
     assert np.all(np.abs(y_new - y_old) <= 2 * k * 2.0**-24 * terms + ulp)
 
 
+def test_data_parallel_layer_quantizes_its_whole_weight_in_place():
+  """Where no mesh axis splits the weight (data parallelism, axes of size
+  1), each device holds it whole and quantizes it as one device does (the
+  kernel-layout pass: codes and Fprop's values at once, no dequantize
+  before Fprop); an FSDP or tensor-parallel split gathers codes instead."""
+  from jax.sharding import AbstractMesh
+  from nvfp4_jax.training import dot_general as ops
+  mesh = AbstractMesh((2, 1, 1), ("data", "fsdp", "model"))
+  split = AbstractMesh((1, 2, 1), ("data", "fsdp", "model"))
+  recipe = nv.Recipe.nvfp4()
+  plan = ops.gemm_plan(platform=jax.default_backend(), cc=None)
+  dp = ops._Shard(nv.LinearSharding(mesh=mesh, tokens=("data", "fsdp"),
+                                    fsdp="fsdp"))
+  fsdp = ops._Shard(nv.LinearSharding(mesh=split, tokens=("data", "fsdp"),
+                                      fsdp="fsdp"))
+  assert dp.whole_w and not fsdp.whole_w
+  assert ops._weight_in_kernel_layout(recipe, plan, dp) == (
+      ops._weight_in_kernel_layout(recipe, plan, ops._WHOLE))
+  assert not ops._weight_in_kernel_layout(recipe, plan, fsdp)
+  assert not ops._weight_kernel_layout_native(recipe, plan, fsdp)
+
+
 def test_dense_general_and_einsum_via_dot_general_cls():
   x = heavy(jax.random.key(0), (2, 16, 4, 16))
   dg = nn.DenseGeneral((3, 16), axis=(-2, -1),

@@ -101,7 +101,13 @@ def collectives(compiled: Any) -> tuple[Collective, ...]:
   for op, args, result, line in found:
     names = re.findall(r"%([\w.-]+)", args)
     operands = tuple(s for n in names for s in _shapes(types.get(n, "")))
-    out.append(Collective(op=op, operands=operands, results=_shapes(result),
+    results = _shapes(result)
+    if (re.search(r"\s[\w-]+-start\(", line)
+        and results[:len(operands)] == operands
+        and len(results) > len(operands)):
+      # An async start's type (GPU) is `((operands), (results))`.
+      results = results[len(operands):]
+    out.append(Collective(op=op, operands=operands, results=results,
                           line=line, group_size=_group_size(line)))
   return tuple(out)
 
@@ -113,4 +119,13 @@ def _group_size(line: str) -> int:
   if m:
     return len(m.group(1).split(","))
   m = re.search(r"replica_groups=\[([0-9]+),([0-9]+)\]", line)
-  return int(m.group(2)) if m else 0
+  if m:
+    return int(m.group(2))
+  # Shardy's form: `replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`
+  # (groups along the braced axes).
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+  if m:
+    sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+    return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'",
+                                                         m.group(2)))
+  return 0

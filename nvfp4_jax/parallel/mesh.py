@@ -188,6 +188,12 @@ class LinearSharding:
     return P(*(spmd.entry(d) for d in dims))
 
   @property
+  def used_kernel_spec(self) -> P:
+    """The kernel's spec while its GEMMs run: `kernel_spec` without `fsdp`
+    (gathered over it; still split over `model`)."""
+    return P(spmd.entry(self.k_axes), spmd.entry(self.n_axes))
+
+  @property
   def x_spec(self) -> P:
     return P(spmd.entry(self.tokens), spmd.entry(self.k_axes))
 
@@ -408,6 +414,22 @@ class MeshRules:
       if size % n == 0:
         return P(*([None] * d + [self.fsdp]))
     return P()
+
+  def gathered(self, path: str, x: jax.Array) -> jax.Array:
+    """The parameter `x` at `path` as its computation uses it: gathered
+    over `fsdp` (a sharding constraint to `param_spec` without that axis;
+    `model` splits stay). For parameters that a model's own high-precision
+    code contracts with batch-split activations (an embedding table): left
+    FSDP-split, XLA's partitioner can compute the gradient's shard from the
+    whole batch's activations, gathered, instead of reduce-scattering the
+    gradient. Call it while tracing, outside a `shard_map`."""
+    spec = self.param_spec(path, np.shape(x))
+    if self.fsdp is None:
+      return x
+    dims = [tuple(a for a in spmd.entry_axes(e) if a != self.fsdp)
+            for e in spec]
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(self.mesh, P(*(spmd.entry(d) for d in dims))))
 
   def param_specs(self, params: Any) -> Any:
     """`param_spec` of every leaf of `params` (a nested dict)."""

@@ -97,6 +97,11 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("thor", "NVIDIA Thor", (11, 0), 20, memory_bytes=119 * _GIB,
            bandwidth=2.73e11, l2_bytes=32 * (1 << 20), clock_ghz=1.57,
            **_DC),
+    # Hopper, the lent GPUs: to read what a multi-GPU program communicates
+    # (`topology_devices`) without them.
+    Target("h100", "NVIDIA H100 80GB HBM3", (9, 0), 132,
+           memory_bytes=80 * _GIB, bandwidth=3.35e12,
+           l2_bytes=50 * (1 << 20), clock_ghz=1.98, **_DC),
 )}
 
 # cuDNN's version in the jax[cuda13] wheels this was written against.
@@ -161,11 +166,20 @@ def unavailable_reason() -> str | None:
 
 
 def _topology_device(t: Target, cudnn: tuple[int, int]):
+  return topology_devices(t, 1, cudnn)[0]
+
+
+def topology_devices(t: str | Target, n: int,
+                     cudnn: tuple[int, int] = DEFAULT_CUDNN) -> list:
+  """`n` devices of target `t` in one process (one host), for
+  `jax.sharding.Mesh`es that a program is compiled for ahead of time
+  (topology "1x1xN": slices x hosts x devices per host)."""
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  t = target(t)
   topo = topologies.get_topology_desc(
       t.name, "cuda", target_config=target_config(t, cudnn),
-      topology="1x1x1")
-  return topo.devices[0]
+      topology=f"1x1x{n}")
+  return list(topo.devices)
 
 
 @dataclasses.dataclass

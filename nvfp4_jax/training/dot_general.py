@@ -179,6 +179,9 @@ class _Whole:
 
   x_axes = y_axes = w_axes = ()
   reduces_y = reduces_dx = False
+  # Every device holds the whole weight (no axis splits it; the tokens may
+  # be split): the weight's quantization needs no collective.
+  whole_w = True
 
   def place_x(self, x):
     del x
@@ -207,6 +210,7 @@ class _Shard(_Whole):
     self.x_axes = spmd.spec_axes(s.x_spec)
     self.y_axes = spmd.spec_axes(s.y_spec)
     self.w_axes = spmd.spec_axes(s.kernel_spec)
+    self.whole_w = spmd.num_shards(s.sizes, self.w_axes) == 1
     self.reduces_y = bool(s.k_axes)
     self.reduces_dx = bool(s.n_axes)
 
@@ -370,10 +374,11 @@ def _weight_in_kernel_layout(recipe: Recipe, plan: GemmPlan,
   Fprop. It needs round-to-nearest (a stochastic stream runs over one
   layout's row-major order), no Four-over-Six (its per-tile choice sums
   errors in one layout's order), Dgrad reusing Fprop's weight, and the
-  whole tensor (a shard gathers codes, not values).
+  whole weight on the device (a shard gathers codes, not values; data
+  parallelism holds it whole).
   """
   w = recipe.fprop_w
-  return (ctx is _WHOLE and _as_values(w, plan)
+  return (ctx.whole_w and _as_values(w, plan)
           and _as_values(recipe.fprop_x, plan)
           and w.block_2d and w.rounding == "nearest" and not w.four_over_six
           and recipe.dgrad_w == w)
@@ -396,7 +401,7 @@ def _weight_kernel_layout_native(recipe: Recipe, plan: GemmPlan,
   where the GEMM multiplies codes instead of block values.
   """
   w = recipe.fprop_w
-  return (NATIVE_KERNEL_LAYOUT and ctx is _WHOLE
+  return (NATIVE_KERNEL_LAYOUT and ctx.whole_w
           and recipe.fprop_x.quantized and w.format == "nvfp4"
           and not _as_values(w, plan)
           and w.block_2d and w.rounding == "nearest" and not w.four_over_six
@@ -592,6 +597,7 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
   if not recipe.quantized or lhs.size == 0 or rhs.size == 0:
     # Exactly XLA's product of the operands as given (with no elements
     # there is nothing to quantize: an empty result, or zeros for K = 0).
+    rhs = _gathered_weight(lhs, rhs, rc, lb or rb, shard)
     return jax.lax.dot_general(lhs, rhs, ((lc, rc), (lb, rb)),
                                precision=precision,
                                preferred_element_type=preferred_element_type,
@@ -638,6 +644,34 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
   else:
     y = jax.lax.reshape(y, tuple(free_shape), out_sharding=y_sharding)
   return apply_out_sharding(y, out_sharding)
+
+
+def _gathered_weight(lhs, rhs, rc, batched, shard: LinearSharding | None):
+  """A high-precision layer's 2-D weight, gathered over its `fsdp` axis
+  before XLA partitions its product (a sharding constraint to
+  `shard.used_kernel_spec`).
+
+  Left to itself, XLA's partitioner carries the stored weight's FSDP split
+  onto the weight gradient's GEMM: it then gathers the whole batch's
+  activation gradient (`[tokens, out]`, per layer) to compute each shard's
+  rows, instead of summing each device's full-size weight gradient with a
+  reduce-scatter. Gathering the weight itself (what the quantized path does
+  explicitly) makes the gradient's cotangent replicated over `fsdp`, so it
+  is reduced where the parameters' sharding asks: a reduce-scatter of
+  weight-sized bytes. A no-op without an `fsdp` axis, for weights of
+  other ranks, inside a `shard_map` and under Explicit axes (there the
+  types say where the operands live)."""
+  if (shard is None or shard.fsdp is None or batched or rhs.ndim != 2
+      or explicit_mesh(lhs, rhs) is not None):
+    return rhs
+  abstract = jax.sharding.get_abstract_mesh()
+  if not abstract.empty and abstract.manual_axes:
+    return rhs
+  spec = shard.used_kernel_spec
+  if tuple(rc) == (1,):  # The weight stored `[out, in]`.
+    spec = P(spec[1], spec[0])
+  return jax.lax.with_sharding_constraint(
+      rhs, NamedSharding(shard.mesh, spec))
 
 
 def apply_out_sharding(y: jax.Array, out_sharding) -> jax.Array:

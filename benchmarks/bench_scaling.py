@@ -1,0 +1,380 @@
+"""Weak scaling of the GPT train step over one host's GPUs, against a fair
+one-GPU baseline, with where the communication time goes.
+
+    python -m benchmarks.bench_scaling                   # 2 GPUs
+    python -m benchmarks.bench_scaling --meshes "data=4 fsdp=4 data=2,model=2 data=2,fsdp=2"
+    python -m benchmarks.bench_scaling --smoke           # 8 CPU devices, tiny
+
+`--batch` sequences per device (weak scaling); "scaling" is tokens/s per
+device over the same preset and precision on one device. The one-device
+baseline is the trainer's own sharded step on a mesh of one device
+(`data=1`: the same `MeshRules`, the same sharded NVFP4 layers and the same
+device-resident batch as on the meshes); `--no-mesh-baseline` also times
+the step jitted without a mesh (what `bench_step` took as one GPU).
+
+Every configuration runs in its own process. First all of them compile at
+once (`--jobs` processes) into a persistent compilation cache; then each is
+timed alone in a fresh process that loads its executable from the cache
+(`compile_s` shows the hit), round after round (the order reversed every
+other round, so no configuration always runs first) while the next round
+fits in `--budget-s`. Each process runs `--warmup` steps, then `--steps`
+steps back to back with one wait at the end (`ms`, the training loop's
+throughput) and `--steps` steps waiting on each (`ms_sync`). A row prints
+as each process finishes; the table at the end has the median over rounds
+and the spread of the per-round values.
+
+`--profile` traces a few more steps (first round only) and splits the
+first GPU's time per step: `nccl_ms` (NCCL kernels), `exposed_ms` (NCCL running while no other
+kernel runs: communication that is not hidden), `compute_ms` (the other
+kernels) and `idle_ms` (no kernel at all: waiting on the host or on the
+other GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks import timing
+
+SHAPES = {"small": (64, 512), "base": (16, 1024), "tiny": (4, 64)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  preset: str
+  precision: str
+  batch: int  # Per device.
+  seq: int
+  mesh: str  # "" (no mesh) or `--mesh` syntax, e.g. "data=2,fsdp=2".
+  warmup: int = 3
+  steps: int = 20
+  profile: int = 0  # Steps to trace (0: none).
+  compile_only: bool = False
+  variant: str = ""  # A name from `--variant`: its XLA flags are added.
+
+  @property
+  def devices(self) -> int:
+    n = 1
+    for kv in self.mesh.split(","):
+      if kv:
+        n *= int(kv.split("=")[1])
+    return n
+
+  @property
+  def label(self) -> str:
+    v = f" [{self.variant}]" if self.variant else ""
+    return f"{self.preset} {self.precision} {self.mesh or 'no mesh'}{v}"
+
+
+def _cache(cache_dir: str) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_compilation_cache_dir", cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _child(cfg: Config, cache_dir: str) -> dict:
+  """Compiles (or loads) and times `cfg` in this process."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from benchmarks import bench_step  # pylint: disable=g-import-not-at-top
+  if cache_dir:
+    _cache(cache_dir)
+  t0 = time.perf_counter()
+  trainer, state, batch = bench_step.build(bench_step.StepConfig(
+      cfg.preset, cfg.precision, cfg.batch * cfg.devices, cfg.seq,
+      mesh=cfg.mesh))
+  if trainer.mesh_rules is None:  # The batch on the device, as on a mesh.
+    batch = jax.device_put(batch, jax.devices()[0])
+  compiled = trainer.train_step.lower(state, batch).compile()
+  compile_s = time.perf_counter() - t0
+  out = {"compile_s": compile_s, "device": jax.devices()[0].device_kind,
+         "jax": jax.__version__}
+  if cfg.compile_only:
+    return out
+  for _ in range(cfg.warmup):
+    state, m = compiled(state, batch)
+  jax.block_until_ready(m)
+  t0 = time.perf_counter()
+  for _ in range(cfg.steps):
+    state, m = compiled(state, batch)
+  jax.block_until_ready(m)
+  out["ms"] = (time.perf_counter() - t0) / cfg.steps * 1e3
+  sync = []
+  for _ in range(cfg.steps):
+    t0 = time.perf_counter()
+    state, m = compiled(state, batch)
+    jax.block_until_ready(m)
+    sync.append(time.perf_counter() - t0)
+  out["ms_sync"] = statistics.median(sync) * 1e3
+  if cfg.profile:
+    try:
+      out.update(_profile(compiled, state, batch, cfg.profile))
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"profile failed: {type(e).__name__}: {e}", file=sys.stderr)
+  return out
+
+
+def _profile(compiled, state, batch, steps: int) -> dict:
+  """The first GPU's time per step from a trace of `steps` steps: NCCL
+  kernels, NCCL with no other kernel running, other kernels, and no
+  kernel (empty without a GPU)."""
+  import glob  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+  d = tempfile.mkdtemp()
+  jax.profiler.start_trace(d)
+  for _ in range(steps):
+    state, m = compiled(state, batch)
+  jax.block_until_ready(m)
+  jax.profiler.stop_trace()
+  files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+  if not files:
+    return {}
+  nccl, other = [], []
+  planes = sorted((p for p in ProfileData.from_file(files[0]).planes
+                   if p.name.startswith("/device:GPU")),
+                  key=lambda p: p.name)
+  for plane in planes[:1]:  # The first GPU.
+    lines = list(plane.lines)
+    streams = [l for l in lines if "stream" in l.name.lower()] or [
+        l for l in lines if "xla" not in l.name.lower()]
+    for line in streams:
+      for ev in line.events:
+        iv = (ev.start_ns, ev.start_ns + ev.duration_ns)
+        (nccl if "nccl" in ev.name.lower() else other).append(iv)
+  if not nccl + other:
+    return {}
+  union = lambda ivs: busy_and_span(ivs)[0]
+  busy_all, span = busy_and_span(nccl + other)
+  busy_other = union(other)
+  per = 1e6 * steps
+  return {"nccl_ms": union(nccl) / per, "exposed_ms": (busy_all - busy_other)
+          / per, "compute_ms": busy_other / per,
+          "idle_ms": (span - busy_all) / per}
+
+
+def busy_and_span(intervals):
+  from benchmarks.profile_step import busy_and_span as f  # pylint: disable=g-import-not-at-top
+  return f(intervals)
+
+
+def _run(cfg: Config, cache_dir: str, env: dict,
+         variants: dict | None = None) -> dict:
+  payload = json.dumps({"cfg": dataclasses.asdict(cfg), "cache": cache_dir})
+  if cfg.variant:
+    env = dict(env, XLA_FLAGS=(env.get("XLA_FLAGS", "") + " "
+                               + (variants or {})[cfg.variant]).strip())
+  out = subprocess.run(
+      [sys.executable, "-m", "benchmarks.bench_scaling", "--child", payload],
+      capture_output=True, text=True, check=False, env=env)
+  if out.returncode:
+    raise RuntimeError(f"{cfg.label} failed:\n{out.stderr[-3000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def configs(a) -> list[Config]:
+  shapes = dict(SHAPES)
+  for item in a.shapes.split(",") if a.shapes else ():
+    name, bs = item.split("=")
+    b, s = bs.split("x")
+    shapes[name] = (int(b), int(s))
+  meshes = ["data=1", ""] + [m for m in a.meshes.split() if m]
+  no_mesh = (a.no_mesh_baseline or "").split(",")
+  out = []
+  for preset in a.presets.split(","):
+    b, s = shapes[preset]
+    for prec in a.precisions.split(","):
+      for mesh in meshes:
+        if mesh == "" and not {"all", preset} & set(no_mesh):
+          continue
+        c = Config(preset, prec, b, s, mesh, a.warmup, a.steps,
+                   a.profile if mesh not in ("", "data=1") or
+                   a.profile_baseline else 0)
+        out.append(c)
+        if mesh not in ("", "data=1"):
+          out += [dataclasses.replace(c, variant=v) for v in variants(a)]
+  return out
+
+
+def variants(a) -> dict[str, str]:
+  """`--variant NAME=FLAGS` as `{NAME: FLAGS}`."""
+  out = {}
+  for item in a.variant:
+    name, _, flags = item.partition("=")
+    if not name or not flags:
+      raise SystemExit(f"--variant {item!r}: write NAME=XLA_FLAGS, e.g. "
+                       f"'lhs=--xla_gpu_enable_latency_hiding_scheduler="
+                       f"true'.")
+    out[name] = flags
+  return out
+
+
+def _fmt_row(cfg: Config, r: dict, base: dict | None) -> str:
+  tok = cfg.batch * cfg.seq  # Per device.
+  scaling = (base["ms"] / r["ms"]) if base else float("nan")
+  prof = ""
+  if "nccl_ms" in r:
+    prof = (f", nccl {r['nccl_ms']:.2f} ms, exposed {r['exposed_ms']:.2f}, "
+            f"compute {r['compute_ms']:.2f}, idle {r['idle_ms']:.2f}")
+  return (f"{cfg.label}: {r['ms']:.2f} ms ({r['ms_sync']:.2f} synced), "
+          f"{tok / r['ms'] * 1e3:.0f} tokens/s per device, scaling "
+          f"{scaling:.3f}, compile {r['compile_s']:.0f} s{prof}")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--child", help=argparse.SUPPRESS)
+  p.add_argument("--presets", default="small,base")
+  p.add_argument("--precisions", default="bf16,nvfp4")
+  p.add_argument("--shapes", default="",
+                 help="per-device batch x seq overrides, e.g. "
+                 "'small=64x512,base=16x1024' (defaults: "
+                 + ", ".join(f"{k}={b}x{s}" for k, (b, s) in SHAPES.items())
+                 + ")")
+  p.add_argument("--meshes", default="data=2 fsdp=2 model=2",
+                 help="space-separated meshes besides the one-device "
+                 "baseline (data=1)")
+  p.add_argument("--no-mesh-baseline", nargs="?", const="all", default="",
+                 help="also time one device without a mesh (what "
+                 "bench_step took as one GPU): for every preset, or for "
+                 "the comma-listed ones")
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--steps", type=int, default=20)
+  p.add_argument("--profile", type=int, default=0,
+                 help="trace this many steps of each mesh configuration "
+                 "for the communication breakdown")
+  p.add_argument("--profile-baseline", action="store_true",
+                 help="also trace the one-device configurations")
+  p.add_argument("--rounds", type=int, default=3, help="at most")
+  p.add_argument("--budget-s", type=float, default=520,
+                 help="start no process that would end after this")
+  p.add_argument("--jobs", type=int, default=0,
+                 help="processes compiling at once (default: CPUs / 4)")
+  p.add_argument("--cache-dir", default="",
+                 help="persistent compilation cache (default: a new "
+                 "temporary directory)")
+  p.add_argument("--xla-flags", default="",
+                 help="appended to XLA_FLAGS in every process")
+  p.add_argument("--variant", action="append", default=[],
+                 help="NAME=FLAGS (repeatable): also time every mesh "
+                 "configuration with these XLA flags added (labelled "
+                 "[NAME]); the baselines run once, without them")
+  p.add_argument("--smoke", action="store_true",
+                 help="8 CPU devices, the tiny preset, 1 round of 2 steps")
+  a = p.parse_args(argv)
+  if a.child:
+    d = json.loads(a.child)
+    print(json.dumps(_child(Config(**d["cfg"]), d["cache"])))
+    return
+  start = time.perf_counter()
+  env = dict(os.environ)
+  # NVLink multicast stays off on the lent machines (shared GPUs).
+  env.setdefault("NCCL_NVLS_ENABLE", "0")
+  # Many processes share the GPUs while they compile.
+  env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  if a.smoke:
+    a.presets, a.warmup, a.steps, a.rounds = "tiny", 1, 2, 1
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        " --xla_force_host_platform_device_count=8").strip()
+  if a.xla_flags:
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + a.xla_flags).strip()
+  cache_dir = a.cache_dir or tempfile.mkdtemp(prefix="jax-cache-")
+  cfgs = configs(a)
+  jobs = a.jobs or max(1, (os.cpu_count() or 4) // 4)
+  print(f"{len(cfgs)} configurations; compiling {jobs} at a time into "
+        f"{cache_dir}", flush=True)
+  compile_s = {}
+  with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+    futs = {pool.submit(_run, dataclasses.replace(c, compile_only=True),
+                        cache_dir, env, variants(a)): c for c in cfgs}
+    for f in concurrent.futures.as_completed(futs):
+      c = futs[f]
+      try:
+        compile_s[c] = f.result()["compile_s"]
+        print(f"  compiled {c.label} in {compile_s[c]:.0f} s", flush=True)
+      except RuntimeError as e:
+        print(f"  {e}", flush=True)
+  print(f"compile phase: {time.perf_counter() - start:.0f} s", flush=True)
+  cfgs = [c for c in cfgs if c in compile_s]
+  results = collections.defaultdict(list)
+  took = {}
+  for rnd in range(a.rounds):
+    order = cfgs if rnd % 2 == 0 else cfgs[::-1]
+    for c in order:
+      left = a.budget_s - (time.perf_counter() - start)
+      if took.get(c, 0.0) * 1.2 + 5 > left:
+        print(f"  skipped {c.label} (round {rnd + 1}): {left:.0f} s left",
+              flush=True)
+        continue
+      t0 = time.perf_counter()
+      try:
+        # The breakdown is traced in the first round only.
+        r = _run(c if rnd == 0 else dataclasses.replace(c, profile=0),
+                 cache_dir, env, variants(a))
+      except RuntimeError as e:
+        print(f"  {e}", flush=True)
+        continue
+      took[c] = time.perf_counter() - t0
+      results[c].append(r)
+      base_cfg = dataclasses.replace(c, mesh="data=1", variant="",
+                                     profile=results_profile(cfgs, c))
+      base = results.get(base_cfg, [None])[-1]
+      print(f"  round {rnd + 1}: {_fmt_row(c, r, base)} "
+            f"[{took[c]:.0f} s]", flush=True)
+  rows = []
+  for c in cfgs:
+    runs = results.get(c)
+    if not runs:
+      continue
+    base_cfg = dataclasses.replace(c, mesh="data=1", variant="",
+                                   profile=results_profile(cfgs, c))
+    base_runs = results.get(base_cfg, [])
+    ms = statistics.median(r["ms"] for r in runs)
+    base_ms = (statistics.median(r["ms"] for r in base_runs)
+               if base_runs else float("nan"))
+    row = {"config": c.label, "ms": ms,
+           "spread_ms": f"{min(r['ms'] for r in runs):.2f}-"
+                        f"{max(r['ms'] for r in runs):.2f}",
+           "ms_sync": statistics.median(r["ms_sync"] for r in runs),
+           "rounds": len(runs),
+           "tokens_per_s_per_dev": c.batch * c.seq / ms * 1e3,
+           "scaling": base_ms / ms}
+    for k in ("nccl_ms", "exposed_ms", "compute_ms", "idle_ms"):
+      vals = [r[k] for r in runs if k in r]
+      if vals:
+        row[k] = statistics.median(vals)
+    rows.append(row)
+  device = next(iter(results.values()))[0] if results else {}
+  print(f"\ndevice: {device.get('device')}; jax {device.get('jax')}; "
+        f"per device batch x seq as listed; {a.warmup} warm-up + {a.steps} "
+        f"steps per process; wall {time.perf_counter() - start:.0f} s")
+  cols = ("config", "ms", "spread_ms", "ms_sync", "rounds",
+          "tokens_per_s_per_dev", "scaling")
+  if any("nccl_ms" in r for r in rows):
+    cols += ("nccl_ms", "exposed_ms", "compute_ms", "idle_ms")
+  print(timing.table(rows, cols), flush=True)
+
+
+def results_profile(cfgs: list[Config], c: Config) -> int:
+  """The `profile` field of `c`'s one-device baseline in `cfgs`."""
+  for b in cfgs:
+    if (b.preset, b.precision, b.mesh) == (c.preset, c.precision, "data=1"):
+      return b.profile
+  return 0
+
+
+if __name__ == "__main__":
+  main()
