@@ -479,6 +479,113 @@ def check_user_mesh_quick():
       raise AssertionError("no error for 17 tokens per shard")
 
 
+def _no_f32_gather_of(compiled, shapes, what):
+  """No all-gather of an FP32 tensor of one of `shapes` (a quantizer's input
+  gathered whole) in the compiled program."""
+  text = compiled.as_text()
+  bad = [line.strip()[:160] for line in text.splitlines()
+         if " all-gather(" in line
+         and any(f"f32[{','.join(map(str, sh))}]" in line for sh in shapes)]
+  assert not bad, f"{what}: the quantizer's input is gathered: {bad}"
+
+
+def check_auto_kernels_quick():
+  """Auto mode (`jax.jit` in_shardings on the user's mesh) with the Pallas
+  kernels (interpreted on CPU): the pair quantizer of dY (stochastic
+  rounding, RHT'd Wgrad operand), tokens split 8 ways over the user's
+  ("batch", "fsdp"), runs per shard through `custom_partitioning`: codes,
+  scales and amaxes equal the unsharded kernel's bit for bit, and the
+  compiled program gathers no FP32 dY (with `spmd.AUTO_PARTITION` off XLA
+  gathers it, as the opaque kernel needs the whole tensor)."""
+  from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
+  m = jax.make_mesh((4, 2), ("batch", "fsdp"),
+                    axis_types=(AxisType.Auto,) * 2)
+  dy = jnp.asarray(make_heavy_tailed((128, 64), seed=3))
+  r = nv.Recipe.nvfp4()
+  keys = r.operand_keys(jax.random.key(7))
+
+  def f(dy):
+    return nv.quantize_pair(dy, r.dgrad_dy, r.wgrad_dy,
+                            key_row=keys["dgrad_dy"], key_t=keys["wgrad_dy"],
+                            implementation="pallas")
+  split = NamedSharding(m, P(("batch", "fsdp"), None))
+  compiled = jax.jit(f, in_shardings=split).lower(dy).compile()
+  _no_f32_gather_of(compiled, [(128, 64)], "pair kernel")
+  got = compiled(jax.device_put(dy, split))
+  want = jax.jit(f)(dy)
+  for g, w, what in zip(got, want, ("row", "wgrad")):
+    assert_same_q(g, w, f"auto-partitioned pair kernel ({what})")
+  assert got[0].codes.sharding.is_equivalent_to(split, 2), got[0].codes.sharding
+  ops = [c.op for c in shd.collectives(compiled) if not c.trivial]
+  print(f"  auto pair kernel (SR, RHT) on batch x fsdp: equal; collectives "
+        f"{ops}")
+  # 64 tokens over 8 devices would cut the Wgrad operand's 16-token blocks:
+  # the minor axis is dropped, 4 shards of 16 tokens (each replicated over
+  # "fsdp"), still the whole tensor's bytes.
+  small = dy[:64]
+  compiled = jax.jit(f, in_shardings=split).lower(small).compile()
+  got = compiled(jax.device_put(small, split))
+  for g, w, what in zip(got, jax.jit(f)(small), ("row", "wgrad")):
+    assert_same_q(g, w, f"pair kernel, 8-token shards ({what})")
+  want_split = NamedSharding(m, P("batch", None))
+  assert got[0].codes.sharding.is_equivalent_to(want_split, 2), (
+      got[0].codes.sharding)
+  print(f"  8-token shards: run on {got[0].codes.sharding.spec}, equal")
+
+
+def check_auto_kernels():
+  """`nv.dot_general` (NVFP4 recipe: SR on dY, RHT on the Wgrad operands,
+  16x16 weight tiles) in auto mode with the Pallas kernels (interpreted on
+  CPU), data-sharded activations and an FSDP weight on the user's mesh
+  ("batch" x "fsdp", 4 x 2): the quantizers run per shard
+  (`custom_partitioning`), so Fprop's Y and Dgrad's dX, whose contractions
+  are not split, equal the unsharded op bit for bit; the weight gradient
+  sums the token shards in another order, within `gemm_bound`. The
+  compiled program gathers neither X nor dY in FP32."""
+  from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
+  b, s, k, n = 8, 16, 64, 96
+  t = b * s
+  x = jnp.asarray(make_heavy_tailed((t, k), seed=1)).reshape(b, s, k)
+  w = jnp.asarray(make_heavy_tailed((k, n), seed=2)) * 0.01
+  dy = jnp.asarray(make_heavy_tailed((t, n), seed=3)).reshape(b, s, n)
+  key = jax.random.key(7)
+  recipe = nv.Recipe.nvfp4()
+  dn = (((2,), (0,)), ((), ()))
+
+  def f(x, w, dy):
+    y, vjp = jax.vjp(lambda x, w: nv.dot_general(x, w, dn, recipe=recipe,
+                                                 key=key), x, w)
+    return (y, *vjp(dy))
+  m = jax.make_mesh((4, 2), ("batch", "fsdp"),
+                    axis_types=(AxisType.Auto,) * 2)
+  xs, ws = P(("batch", "fsdp")), P("fsdp", None)
+  with nv.default_implementation("pallas"):
+    y0, dx0, dw0 = jax.jit(f)(x, w, dy)
+    fn = jax.jit(f, in_shardings=tuple(NamedSharding(m, p)
+                                       for p in (xs, ws, xs)),
+                 out_shardings=tuple(NamedSharding(m, p)
+                                     for p in (xs, xs, ws)))
+    compiled = fn.lower(x, w, dy).compile()
+    y, dx, dw = compiled(x, w, dy)
+  for what, g, r in (("y", y, y0), ("dx", dx, dx0)):
+    diff = int(np.sum(np.asarray(g) != np.asarray(r)))
+    assert diff == 0, f"auto {what}: {diff} elements differ"
+  qx, qxt, qdy, qdyt, _ = _operands(recipe, x.reshape(t, k), w,
+                                    dy.reshape(t, n), key)
+  del qx, qdy
+  check_within(dw, dw0, gemm_bound(qxt, qdyt, t), "dw")
+  _no_f32_gather_of(compiled, [(t, k), (b, s, k), (t, n), (b, s, n),
+                               (b, s, 2 * k), (b, s, 2 * n)],
+                    "auto dot_general")
+  summary = {}
+  for c in shd.collectives(compiled):
+    if not c.trivial:
+      op = f"{c.op} {'/'.join(sorted(set(c.dtypes)))}"
+      summary[op] = summary.get(op, 0) + c.result_bytes
+  print(f"  auto kernels data+fsdp: y, dx exact; collectives (bytes per "
+        f"device): {summary}")
+
+
 # ----------------------------------------------------------------------------
 # The vendored third-party models, sharded the user's way.
 # ----------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nvfp4_jax.core import dispatch
@@ -282,3 +283,209 @@ def resolve_implementation(implementation: str | None) -> str | None:
 
 # The static arguments every sharded quantizer's jitted body takes.
 STATIC = ("mesh", "spec", "implementation")
+
+
+# ----------------------------------------------------------------------------
+# Kernels per shard under `jax.jit` shardings (auto mode).
+# ----------------------------------------------------------------------------
+
+# Whether kernels called outside `shard_map` run per shard when their operand
+# is split (`blockwise`, through `custom_partitioning`); off, XLA's
+# partitioner sees an opaque call and gathers its operands. A switch for
+# tests.
+AUTO_PARTITION = True
+
+
+def _is_traced(tree: Any) -> bool:
+  return any(isinstance(l, jax.core.Tracer) for l in jax.tree.leaves(tree))
+
+
+def _is_key(a: Any) -> bool:
+  return (hasattr(a, "dtype")
+          and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key))
+
+
+def fit_spec(sizes: Mapping[str, int], spec: Any, grid: Sequence[int]) -> P:
+  """The split of a `grid[0] x grid[1]` grid of blocks closest to `spec`
+  that keeps every block inside one shard: along each dimension the mesh
+  axes of `spec`, dropping minor axes until their shard count divides the
+  blocks (none left: that dimension is replicated)."""
+  spec = tuple(spec) if spec is not None else ()
+  used, dims = set(), []
+  for d, n in enumerate(grid):
+    axes = [a for a in (entry_axes(spec[d]) if d < len(spec) else ())
+            if a in sizes and a not in used]
+    while axes and n % num_shards(sizes, axes):
+      axes.pop()
+    used.update(axes)
+    dims.append(entry(axes))
+  return P(*dims)
+
+
+def _sdy_rule(grid, operand_shapes, other_shapes, out_shapes):
+  """Shardy's rule for `blockwise`: each 2-D array is a grid of blocks
+  (factors `i`, `j`; transposed outputs `j`, `i`), a block's elements one
+  more factor; other arrays are replicated."""
+  from jax.experimental.custom_partitioning import CompoundFactor  # pylint: disable=g-import-not-at-top
+  from jax.experimental.custom_partitioning import SdyShardingRule  # pylint: disable=g-import-not-at-top
+  sizes, whole, count = {}, set(), [0]
+
+  def factor(name, size):
+    count[0] += 1
+    extra = f"e{count[0]}"
+    sizes[extra] = size
+    return CompoundFactor(name, extra)
+
+  def dim(name, n, size):
+    if size == n:
+      whole.add(name)
+      return name
+    return factor(name, size // n)
+
+  def mapping(shape, transposed=False):
+    if len(shape) != 2:
+      dims = []
+      for size in shape:
+        count[0] += 1
+        dims.append(f"r{count[0]}")
+        replicated.append(f"r{count[0]}")
+      return tuple(dims)
+    names = ("j", "i") if transposed else ("i", "j")
+    ns = (grid[1], grid[0]) if transposed else tuple(grid)
+    return tuple(dim(nm_, n, s) for nm_, n, s in zip(names, ns, shape))
+  replicated = []
+  operands = tuple(mapping(s) for s in operand_shapes) + tuple(
+      mapping(s) for s in other_shapes)
+  results = tuple(mapping(s, t) for s, t in out_shapes)
+  for name, n in (("i", grid[0]), ("j", grid[1])):
+    if name not in whole:
+      sizes[name] = n
+  return SdyShardingRule(operands, results,
+                         need_replication_factors=tuple(replicated), **sizes)
+
+
+def blockwise(fn: Callable, operand: Any, *, grid: Sequence[int],
+              transposed_out: Any = False,
+              shard_kwargs: Callable[[P, Any], dict] | None = None,
+              **kwargs) -> Any:
+  """`fn(operand, **kwargs)`, run per shard where `operand` is split.
+
+  For a kernel (a `pallas_call`, opaque to XLA's SPMD partitioner) on a
+  tensor made of independent blocks, outside `shard_map`: under `jax.jit`
+  with the operand sharded (auto mode), the call is a `custom_partitioning`
+  whose per-shard function runs `fn` on the device's shard, so XLA neither
+  gathers the operand nor replicates the kernel. `shard_kwargs(spec,
+  local_operand)` gives the shard's extra arguments (its `placement` for
+  stochastic rounding, the mesh axes its tensor amax is max-reduced over):
+  the result is the whole call's, bit for bit.
+
+  The split of the operand is kept where it holds whole blocks; a mesh axis
+  whose split would cut a block (a 16-element scale block, a 16x16 weight
+  tile, a 16-token Hadamard tile) is dropped from that dimension, which is
+  then gathered (`fit_spec`): correct, at the cost of moving it.
+  Other array arguments (keys, an amax) are replicated. Eagerly, inside
+  `shard_map`, on one device or with `AUTO_PARTITION` off this is
+  `fn(operand, **kwargs)`.
+
+  Args:
+    fn: the kernel's call.
+    operand: an array or pytree whose non-scalar leaves are 2-D, each a
+      `grid[0] x grid[1]` grid of blocks (its dimensions multiples of the
+      grid's).
+    grid: the blocks along each dimension.
+    transposed_out: a prefix of `fn`'s output: True for subtrees laid over
+      the transposed grid (a transposed operand); scalar leaves (amaxes)
+      are replicated.
+    shard_kwargs: the per-shard extra keyword arguments, from the shard's
+      PartitionSpec and its local operand.
+    **kwargs: `fn`'s other arguments, static values or replicated arrays.
+  """
+  leaves, op_tree = jax.tree.flatten(operand)
+  big = [l for l in leaves if jnp.ndim(l) == 2]
+  if (not AUTO_PARTITION or not big
+      or any(jnp.ndim(l) not in (0, 2) for l in leaves)
+      or not _is_traced((operand, kwargs))
+      or jax.sharding.get_abstract_mesh().manual_axes
+      or any(s % n for l in big for s, n in zip(jnp.shape(l), grid))):
+    return fn(operand, **kwargs)
+  from jax.experimental.custom_partitioning import custom_partitioning  # pylint: disable=g-import-not-at-top
+  names = sorted(kwargs)
+  is_array = [isinstance(kwargs[k], (jax.Array, np.ndarray)) for k in names]
+  key_impls = {k: jax.random.key_impl(kwargs[k]) for k in names
+               if _is_key(kwargs[k])}
+  static = {k: kwargs[k] for k, a in zip(names, is_array) if not a}
+  arrays = [k for k, a in zip(names, is_array) if a]
+  others = [jax.random.key_data(kwargs[k]) if k in key_impls else kwargs[k]
+            for k in arrays]
+  box = {}
+
+  def rebuild(flat):
+    op = jax.tree.unflatten(op_tree, flat[:len(leaves)])
+    kw = dict(static)
+    for k, a in zip(arrays, flat[len(leaves):]):
+      kw[k] = jax.random.wrap_key_data(a, impl=key_impls[k]) if (
+          k in key_impls) else a
+    return op, kw
+
+  def whole(*flat):
+    op, kw = rebuild(flat)
+    return fn(op, **kw)
+
+  def call(*flat):
+    # A nested jit keeps the kernel's constants inside its own jaxpr
+    # (`custom_partitioning` takes none).
+    out = jax.jit(whole)(*flat)
+    t_tree = jax.tree.structure(transposed_out)
+    flags = []
+    for t, sub in zip(jax.tree.leaves(transposed_out),
+                      t_tree.flatten_up_to(out)):
+      flags += [bool(t)] * len(jax.tree.leaves(sub))
+    box["flags"] = flags
+    return out
+
+  def specs(mesh, arg_shapes):
+    """The operand's split (fitted to its blocks), from its first leaf."""
+    first = jax.tree.leaves(arg_shapes)[leaves.index(big[0])]
+    spec = getattr(first.sharding, "spec", None)
+    return fit_spec(dict(mesh.shape), spec, grid)
+
+  def out_shardings(mesh, spec, result_shape):
+    outs = jax.tree.leaves(result_shape)
+    return box["out_tree"].unflatten([
+        NamedSharding(mesh, P() if not s.shape else
+                      transposed(spec) if t else spec)
+        for s, t in zip(outs, box["flags"])])
+
+  def partition(mesh, arg_shapes, result_shape):
+    spec = specs(mesh, arg_shapes)
+    axes = spec_axes(spec)
+
+    def shard(*flat):
+      op, kw = rebuild(flat)
+      if axes and shard_kwargs is not None:
+        kw.update(shard_kwargs(spec, op))
+      return fn(op, **kw)
+
+    def local(*flat):
+      return jax.jit(shard)(*flat)
+    arg_sh = tuple(NamedSharding(mesh, spec if jnp.ndim(l) == 2 else P())
+                   for l in leaves) + tuple(
+                       NamedSharding(mesh, P()) for _ in others)
+    return mesh, local, out_shardings(mesh, spec, result_shape), arg_sh
+
+  def infer(mesh, arg_shapes, result_shape):
+    return out_shardings(mesh, specs(mesh, arg_shapes), result_shape)
+
+  def rule(mesh, operand_types, result_types):
+    del mesh
+    shapes = [tuple(t.shape) for t in operand_types]
+    outs = [tuple(t.shape) for t in result_types]
+    return _sdy_rule(grid, shapes[:len(leaves)], shapes[len(leaves):],
+                     list(zip(outs, box["flags"])))
+
+  cp = custom_partitioning(call)
+  cp.def_partition(partition, infer_sharding_from_operands=infer,
+                   sharding_rule=rule)
+  out = cp(*leaves, *others)
+  box["out_tree"] = jax.tree.structure(out)
+  return out
