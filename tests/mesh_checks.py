@@ -531,6 +531,15 @@ def check_auto_kernels_quick():
   assert got[0].codes.sharding.is_equivalent_to(want_split, 2), (
       got[0].codes.sharding)
   print(f"  8-token shards: run on {got[0].codes.sharding.spec}, equal")
+  # custom_partitioning has no batching rule: a vmapped kernel runs the
+  # kernel vmapped, unpartitioned (`spmd._batchable`), with the same bytes.
+  stack = dy[:64].reshape(2, 32, 64)
+  got = jax.vmap(jax.jit(f))(stack)
+  for i in range(2):
+    for g, w, what in zip(jax.tree.map(lambda a, i=i: a[i], got),
+                          jax.jit(f)(stack[i]), ("row", "wgrad")):
+      assert_same_q(g, w, f"vmapped pair kernel {i} ({what})")
+  print("  vmap(jit(pair kernel)): equal")
 
 
 def check_auto_kernels():
@@ -541,7 +550,11 @@ def check_auto_kernels():
   (`custom_partitioning`), so Fprop's Y and Dgrad's dX, whose contractions
   are not split, equal the unsharded op bit for bit; the weight gradient
   sums the token shards in another order, within `gemm_bound`. The
-  compiled program gathers neither X nor dY in FP32."""
+  compiled program gathers neither X nor dY in FP32. Also the Wgrad
+  quantizer alone on a 2-D split (transposed result), and the values
+  GEMM's per-shard rule (`spmd.matmul_per_shard`, the Mosaic GPU kernel's
+  on Hopper) around a stand-in kernel: per shard, with the XLA fallback
+  for a shard the kernel turns down, equal to the whole GEMM."""
   from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
   b, s, k, n = 8, 16, 64, 96
   t = b * s
@@ -584,6 +597,54 @@ def check_auto_kernels():
       summary[op] = summary.get(op, 0) + c.result_bytes
   print(f"  auto kernels data+fsdp: y, dx exact; collectives (bytes per "
         f"device): {summary}")
+  # The Wgrad quantizer alone (SR, RHT) with both dimensions split: tokens
+  # over "batch", features over "fsdp"; its result is split transposed.
+  split = NamedSharding(m, P("batch", "fsdp"))
+  g = jax.jit(lambda a: nv.quantize_rht_t(a, rounding="stochastic", key=key,
+                                          implementation="pallas"),
+              in_shardings=split)
+  compiled = g.lower(dy.reshape(t, n)).compile()
+  _no_f32_gather_of(compiled, [(t, n)], "quantize_rht_t")
+  got = compiled(jax.device_put(dy.reshape(t, n), split))
+  want = jax.jit(lambda a: nv.quantize_rht_t(
+      a, rounding="stochastic", key=key, implementation="pallas"))(
+          dy.reshape(t, n))
+  assert_same_q(got, want, "auto quantize_rht_t")
+  assert got.codes.sharding.is_equivalent_to(
+      NamedSharding(m, P("fsdp", "batch")), 2), got.codes.sharding
+  print("  auto quantize_rht_t (SR) on batch x fsdp (2-D split): equal")
+  # The values GEMM's per-shard rule (the Mosaic GPU kernel's on Hopper;
+  # here around XLA's GEMM, standing for it): rows split as va's, columns
+  # as vb's N, a split K gathered; each shard's output is the whole one's.
+  from nvfp4_jax.ops.block_scaled_matmul import api as bsm  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.block_scaled_matmul.reference import _values_matmul_xla  # pylint: disable=g-import-not-at-top
+  va = jnp.asarray(make_heavy_tailed((128, 64), seed=4), jnp.bfloat16)
+  vb = jnp.asarray(make_heavy_tailed((64, 96), seed=5), jnp.bfloat16)
+  alpha = jnp.float32(0.37)
+  seen = []
+
+  def kernel(va, vb, alpha, *, small_ok, **kw):
+    seen.append(va.shape)
+    if not small_ok and va.shape[0] < 128:
+      raise NotImplementedError("too small")
+    return _values_matmul_xla(va, vb, alpha, **kw)
+  want = jax.jit(functools.partial(_values_matmul_xla, out_dtype=jnp.float32,
+                                   vb_kn=True))(va, vb, alpha)
+  for small_ok in (True, False):
+    seen.clear()
+    g = jax.jit(lambda va, vb, a: bsm.VALUES_MATMUL.per_shard(
+        functools.partial(kernel, small_ok=small_ok), va, vb, a,
+        out_dtype=jnp.float32, vb_kn=True),
+                in_shardings=(NamedSharding(m, P("batch", "fsdp")),
+                              NamedSharding(m, P(None, "fsdp")),
+                              NamedSharding(m, P())))(va, vb, alpha)
+    assert (32, 64) in seen, seen  # A shard: 128 rows / 4, K gathered.
+    assert g.sharding.is_equivalent_to(
+        NamedSharding(m, P("batch", "fsdp")), 2), g.sharding
+    diff = int(np.sum(np.asarray(g) != np.asarray(want)))
+    assert diff == 0, f"values GEMM per shard: {diff} elements differ"
+  print(f"  values GEMM per shard: {g.sharding.spec}, equal (kernel and "
+        f"fallback)")
 
 
 # ----------------------------------------------------------------------------

@@ -62,8 +62,11 @@ def test_sharded_dot_general_pallas():
   run_checks("dot_general_pallas")
 
 
-@pytest.mark.slow  # ~25 s on 2 cores.
+@pytest.mark.slow  # ~40 s on 2 cores.
 def test_dot_general_under_the_users_mesh_every_layout():
+  """Every user layout in Explicit and auto mode; README's example; auto
+  mode with the Pallas kernels per shard (`mesh_checks.check_auto_kernels`:
+  data + FSDP, Y and dX bit for bit, no FP32 activation gathered)."""
   out = run_checks("user_mesh", "readme_explicit", "auto_kernels")
   assert "explicit sequence" in out and "auto weight_only" in out
   assert "auto kernels data+fsdp: y, dx exact" in out

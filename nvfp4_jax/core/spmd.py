@@ -296,13 +296,47 @@ STATIC = ("mesh", "spec", "implementation")
 AUTO_PARTITION = True
 
 
-def _is_traced(tree: Any) -> bool:
-  return any(isinstance(l, jax.core.Tracer) for l in jax.tree.leaves(tree))
+def _auto_partitions(tree: Any) -> bool:
+  """Whether a kernel call on the arrays of `tree` may be partitioned by
+  XLA: traced (under `jit`) in a process with several devices, outside
+  `shard_map`, on arrays whose types carry no Explicit mesh axes (sharding
+  in types runs per shard in `shard_map` already)."""
+  leaves = [l for l in jax.tree.leaves(tree)
+            if isinstance(l, (jax.Array, np.ndarray))]
+  if (not AUTO_PARTITION or jax.device_count() == 1
+      or not any(isinstance(l, jax.core.Tracer) for l in leaves)
+      or jax.sharding.get_abstract_mesh().manual_axes):
+    return False
+  for l in leaves:
+    mesh = getattr(getattr(jax.typeof(l), "sharding", None), "mesh", None)
+    if mesh is not None and jax.sharding.AxisType.Explicit in tuple(
+        getattr(mesh, "axis_types", ())):
+      return False
+  return True
 
 
 def _is_key(a: Any) -> bool:
   return (hasattr(a, "dtype")
           and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key))
+
+
+def _batchable(partitioned: Callable, whole: Callable) -> Callable:
+  """`partitioned` (a `custom_partitioning`, which has no batching rule)
+  under `jax.vmap` too: batched, the call is `whole` vmapped, unpartitioned
+  (a vmapped kernel is already batched work on each device)."""
+  from jax.custom_batching import custom_vmap  # pylint: disable=g-import-not-at-top
+
+  @custom_vmap
+  def f(*flat):
+    return partitioned(*flat)
+
+  @f.def_vmap
+  def _(axis_size, in_batched, *flat):
+    del axis_size
+    out = jax.vmap(whole, in_axes=tuple(0 if b else None
+                                        for b in in_batched))(*flat)
+    return out, jax.tree.map(lambda _: True, out)
+  return f
 
 
 def fit_spec(sizes: Mapping[str, int], spec: Any, grid: Sequence[int]) -> P:
@@ -384,8 +418,8 @@ def blockwise(fn: Callable, operand: Any, *, grid: Sequence[int],
   tile, a 16-token Hadamard tile) is dropped from that dimension, which is
   then gathered (`fit_spec`): correct, at the cost of moving it.
   Other array arguments (keys, an amax) are replicated. Eagerly, inside
-  `shard_map`, on one device or with `AUTO_PARTITION` off this is
-  `fn(operand, **kwargs)`.
+  `shard_map`, under Explicit mesh axes, in a process with one device or
+  with `AUTO_PARTITION` off this is `fn(operand, **kwargs)`.
 
   Args:
     fn: the kernel's call.
@@ -402,13 +436,12 @@ def blockwise(fn: Callable, operand: Any, *, grid: Sequence[int],
   """
   leaves, op_tree = jax.tree.flatten(operand)
   big = [l for l in leaves if jnp.ndim(l) == 2]
-  if (not AUTO_PARTITION or not big
-      or any(jnp.ndim(l) not in (0, 2) for l in leaves)
-      or not _is_traced((operand, kwargs))
-      or jax.sharding.get_abstract_mesh().manual_axes
-      or any(s % n for l in big for s, n in zip(jnp.shape(l), grid))):
+  if (not big or any(jnp.ndim(l) not in (0, 2) for l in leaves)
+      or any(s % n for l in big for s, n in zip(jnp.shape(l), grid))
+      or not _auto_partitions((operand, kwargs))):
     return fn(operand, **kwargs)
   from jax.experimental.custom_partitioning import custom_partitioning  # pylint: disable=g-import-not-at-top
+  first_big = next(i for i, l in enumerate(leaves) if jnp.ndim(l) == 2)
   names = sorted(kwargs)
   is_array = [isinstance(kwargs[k], (jax.Array, np.ndarray)) for k in names]
   key_impls = {k: jax.random.key_impl(kwargs[k]) for k in names
@@ -445,7 +478,7 @@ def blockwise(fn: Callable, operand: Any, *, grid: Sequence[int],
 
   def specs(mesh, arg_shapes):
     """The operand's split (fitted to its blocks), from its first leaf."""
-    first = jax.tree.leaves(arg_shapes)[leaves.index(big[0])]
+    first = jax.tree.leaves(arg_shapes)[first_big]
     spec = getattr(first.sharding, "spec", None)
     return fit_spec(dict(mesh.shape), spec, grid)
 
@@ -486,6 +519,82 @@ def blockwise(fn: Callable, operand: Any, *, grid: Sequence[int],
   cp = custom_partitioning(call)
   cp.def_partition(partition, infer_sharding_from_operands=infer,
                    sharding_rule=rule)
-  out = cp(*leaves, *others)
+  out = _batchable(cp, whole)(*leaves, *others)
   box["out_tree"] = jax.tree.structure(out)
   return out
+
+
+def matmul_per_shard(fn: Callable, a: jax.Array, b: jax.Array,
+                     *args: jax.Array, b_kn: bool = False,
+                     fallback: Callable | None = None, **kwargs) -> Any:
+  """`fn(a, b, *args, **kwargs)`, a GEMM kernel `a @ b.T` (`a @ b` with
+  `b_kn`) -> `[M, N]`, run per shard under `jax.jit` shardings.
+
+  The result's rows are split as `a`'s rows, its columns as `b`'s `N`
+  (less axes already splitting the rows); the contraction K is gathered
+  where split (each output element's sum stays on one device, in the
+  kernel's order, so no partial sums cross devices). `args` (an alpha) are
+  replicated. A shard the kernel turns down (`NotImplementedError` on its
+  local shape) runs `fallback` (same signature) instead. Where `blockwise`
+  calls its kernel as it is, this is `fn(a, b, *args, **kwargs)`.
+  """
+  if (jnp.ndim(a) != 2 or jnp.ndim(b) != 2
+      or not _auto_partitions((a, b, args))):
+    return fn(a, b, *args, **kwargs)
+  from jax.experimental.custom_partitioning import SdyShardingRule  # pylint: disable=g-import-not-at-top
+  from jax.experimental.custom_partitioning import custom_partitioning  # pylint: disable=g-import-not-at-top
+
+  def whole(a, b, *args):
+    return fn(a, b, *args, **kwargs)
+
+  def call(a, b, *args):
+    return jax.jit(whole)(a, b, *args)
+
+  def specs(mesh, arg_shapes):
+    def dim(shape, d):
+      spec = getattr(shape.sharding, "spec", None) or ()
+      return [x for x in (entry_axes(spec[d]) if d < len(spec) else ())
+              if x in mesh.shape]
+    m = dim(arg_shapes[0], 0)
+    n = [x for x in dim(arg_shapes[1], 1 if b_kn else 0) if x not in m]
+    return P(entry(m)), P(entry(n)), P(entry(m), entry(n))
+
+  def shardings(mesh, arg_shapes):
+    a_s, n_s, out = specs(mesh, arg_shapes)
+    b_s = P(None, n_s[0]) if b_kn else P(n_s[0], None)
+    args_sh = (NamedSharding(mesh, P(a_s[0], None)), NamedSharding(mesh, b_s),
+               *(NamedSharding(mesh, P()) for _ in args))
+    return args_sh, NamedSharding(mesh, out)
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    args_sh, out_sh = shardings(mesh, arg_shapes)
+
+    def shard(a, b, *args):
+      try:
+        return fn(a, b, *args, **kwargs)
+      except NotImplementedError:
+        if fallback is None:
+          raise
+        return fallback(a, b, *args, **kwargs)
+
+    def local(a, b, *args):
+      return jax.jit(shard)(a, b, *args)
+    return mesh, local, out_sh, args_sh
+
+  def infer(mesh, arg_shapes, result_shape):
+    del result_shape
+    return shardings(mesh, arg_shapes)[1]
+
+  rule = SdyShardingRule(
+      (("m", "k"), ("k", "n") if b_kn else ("n", "k"),
+       *(tuple(f"r{i}_{d}" for d in range(jnp.ndim(x)))
+         for i, x in enumerate(args))),
+      (("m", "n"),),
+      need_replication_factors=("k",) + tuple(
+          f"r{i}_{d}" for i, x in enumerate(args)
+          for d in range(jnp.ndim(x))))
+  cp = custom_partitioning(call)
+  cp.def_partition(partition, infer_sharding_from_operands=infer,
+                   sharding_rule=rule)
+  return _batchable(cp, whole)(a, b, *args)

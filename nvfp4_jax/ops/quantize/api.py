@@ -90,7 +90,7 @@ def _per_shard(kernel, x, **kwargs):
   tile with `block_2d`) leaves that dimension gathered."""
   if kwargs.get("placement") is not None or jnp.ndim(x) != 2:
     return kernel(x, **kwargs)
-  rows = x.shape[0] // B if kwargs["block_2d"] else x.shape[0]
+  rows = x.shape[0] // B if kwargs.get("block_2d") else x.shape[0]
 
   def shard_kwargs(spec, x):
     extra = {"placement": spmd.placement(spec, x.shape)}

@@ -123,9 +123,9 @@ def _per_shard(kernel, x, row: Operand, wgrad: Operand, **kwargs):
   at the shard's global offset). A split that would cut a block (16
   features for the row operand; 16 tokens, or an RHT tile, for the Wgrad
   operand) leaves that dimension gathered."""
-  if kwargs["placement"] is not None or kwargs["amax_axes"]:
+  if kwargs.get("placement") is not None or kwargs.get("amax_axes"):
     return kernel(x, row, wgrad, **kwargs)
-  need_t = max(block_size(wgrad.format), kwargs["rht_size"] if wgrad.rht
+  need_t = max(block_size(wgrad.format), kwargs.get("rht_size", 16) if wgrad.rht
                else 1) if wgrad.quantized else 1
   need_row = block_size(row.format) if row.quantized else 1
   return spmd.blockwise(
