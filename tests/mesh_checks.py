@@ -557,9 +557,11 @@ def check_auto_kernels():
   sums the token shards in another order, within `gemm_bound`. The
   compiled program gathers neither X nor dY in FP32. Also the Wgrad
   quantizer alone on a 2-D split (transposed result), and the values
-  GEMM's per-shard rule (`spmd.matmul_per_shard`, the Mosaic GPU kernel's
-  on Hopper) around a stand-in kernel: per shard, with the XLA fallback
-  for a shard the kernel turns down, equal to the whole GEMM."""
+  GEMM's and the native FP4 GEMM's per-shard rule
+  (`spmd.matmul_per_shard`: the Mosaic GPU kernel's on Hopper, Triton's
+  and cuDNN's on Blackwell) around stand-in kernels: per shard, with the
+  XLA fallback for a shard the kernel turns down, equal to the whole
+  GEMM."""
   from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
   b, s, k, n = 8, 16, 64, 96
   t = b * s
@@ -648,6 +650,33 @@ def check_auto_kernels():
     assert diff == 0, f"values GEMM per shard: {diff} elements differ"
   print(f"  values GEMM per shard: {g.sharding.spec}, equal (kernel and "
         f"fallback)")
+  # A native FP4 GEMM's rule (Triton, cuDNN on Blackwell) on quantized
+  # operands, around the reference standing for the kernel: X's rows over
+  # "batch", the weight's N over "fsdp".
+  from nvfp4_jax.ops.block_scaled_matmul.reference import _matmul_xla  # pylint: disable=g-import-not-at-top
+  qa = nv.quantize(x.reshape(t, k))
+  qb = nv.quantize(w.T, block_2d=True)
+
+  def native(a, b, **kw):
+    seen.append(a.shape)
+    return _matmul_xla(a, b, **kw)
+
+  def placed(q, spec):
+    return jax.tree.map(lambda l: NamedSharding(m, spec if l.ndim else P()),
+                        q)
+  seen.clear()
+  g = jax.jit(lambda a, b: bsm.BLOCK_SCALED_MATMUL.per_shard(
+      native, a, b, out_dtype=jnp.float32),
+              in_shardings=(placed(qa, P("batch", None)),
+                            placed(qb, P("fsdp", None))))(qa, qb)
+  want = jax.jit(functools.partial(_matmul_xla, out_dtype=jnp.float32))(qa,
+                                                                      qb)
+  assert (t // 4, k) in seen, seen
+  assert g.sharding.is_equivalent_to(NamedSharding(m, P("batch", "fsdp")),
+                                     2), g.sharding
+  diff = int(np.sum(np.asarray(g) != np.asarray(want)))
+  assert diff == 0, f"native GEMM per shard: {diff} elements differ"
+  print(f"  native FP4 GEMM rule per shard: {g.sharding.spec}, equal")
 
 
 # ----------------------------------------------------------------------------

@@ -524,77 +524,106 @@ def blockwise(fn: Callable, operand: Any, *, grid: Sequence[int],
   return out
 
 
-def matmul_per_shard(fn: Callable, a: jax.Array, b: jax.Array,
-                     *args: jax.Array, b_kn: bool = False,
-                     fallback: Callable | None = None, **kwargs) -> Any:
+def matmul_per_shard(fn: Callable, a: Any, b: Any, *args: jax.Array,
+                     b_kn: bool = False, fallback: Callable | None = None,
+                     **kwargs) -> Any:
   """`fn(a, b, *args, **kwargs)`, a GEMM kernel `a @ b.T` (`a @ b` with
   `b_kn`) -> `[M, N]`, run per shard under `jax.jit` shardings.
 
-  The result's rows are split as `a`'s rows, its columns as `b`'s `N`
-  (less axes already splitting the rows); the contraction K is gathered
-  where split (each output element's sum stays on one device, in the
-  kernel's order, so no partial sums cross devices). `args` (an alpha) are
-  replicated. A shard the kernel turns down (`NotImplementedError` on its
-  local shape) runs `fallback` (same signature) instead. Where `blockwise`
-  calls its kernel as it is, this is `fn(a, b, *args, **kwargs)`.
+  `a` and `b` are arrays or quantized arrays (pytrees whose non-scalar
+  leaves are 2-D with rows first: codes, scales; `[K, N]` leaves with
+  `b_kn`). The result's rows are split as `a`'s rows, its columns as `b`'s
+  `N` (less axes already splitting the rows); the contraction K is
+  gathered where split (each output element's sum stays on one device, in
+  the kernel's order, so no partial sums cross devices). `args` (an alpha)
+  and scalar leaves (amaxes) are replicated. A shard the kernel turns down
+  (`NotImplementedError` on its local shape) runs `fallback` (same
+  signature) instead. Where `blockwise` calls its kernel as it is, this is
+  `fn(a, b, *args, **kwargs)`.
   """
-  if (jnp.ndim(a) != 2 or jnp.ndim(b) != 2
+  a_leaves, a_tree = jax.tree.flatten(a)
+  b_leaves, b_tree = jax.tree.flatten(b)
+  ops = a_leaves + b_leaves
+  if (any(jnp.ndim(l) not in (0, 2) for l in ops)
+      or not any(jnp.ndim(l) == 2 for l in a_leaves)
+      or not any(jnp.ndim(l) == 2 for l in b_leaves)
       or not _auto_partitions((a, b, args))):
     return fn(a, b, *args, **kwargs)
   from jax.experimental.custom_partitioning import SdyShardingRule  # pylint: disable=g-import-not-at-top
   from jax.experimental.custom_partitioning import custom_partitioning  # pylint: disable=g-import-not-at-top
+  na, nb = len(a_leaves), len(b_leaves)
+  first_a = next(i for i, l in enumerate(a_leaves) if jnp.ndim(l) == 2)
+  first_b = na + next(i for i, l in enumerate(b_leaves) if jnp.ndim(l) == 2)
+  n_dim = 1 if b_kn else 0
 
-  def whole(a, b, *args):
-    return fn(a, b, *args, **kwargs)
+  def unflat(flat):
+    return (jax.tree.unflatten(a_tree, flat[:na]),
+            jax.tree.unflatten(b_tree, flat[na:na + nb]), flat[na + nb:])
 
-  def call(a, b, *args):
-    return jax.jit(whole)(a, b, *args)
+  def whole(*flat):
+    a, b, rest = unflat(flat)
+    return fn(a, b, *rest, **kwargs)
 
-  def specs(mesh, arg_shapes):
+  def call(*flat):
+    return jax.jit(whole)(*flat)
+
+  def shardings(mesh, arg_shapes):
+    shapes = jax.tree.leaves(arg_shapes)
+
     def dim(shape, d):
       spec = getattr(shape.sharding, "spec", None) or ()
       return [x for x in (entry_axes(spec[d]) if d < len(spec) else ())
               if x in mesh.shape]
-    m = dim(arg_shapes[0], 0)
-    n = [x for x in dim(arg_shapes[1], 1 if b_kn else 0) if x not in m]
-    return P(entry(m)), P(entry(n)), P(entry(m), entry(n))
-
-  def shardings(mesh, arg_shapes):
-    a_s, n_s, out = specs(mesh, arg_shapes)
-    b_s = P(None, n_s[0]) if b_kn else P(n_s[0], None)
-    args_sh = (NamedSharding(mesh, P(a_s[0], None)), NamedSharding(mesh, b_s),
-               *(NamedSharding(mesh, P()) for _ in args))
-    return args_sh, NamedSharding(mesh, out)
+    m = entry(dim(shapes[first_a], 0))
+    n = entry([x for x in dim(shapes[first_b], n_dim)
+               if x not in entry_axes(m)])
+    b_spec = P(None, n) if b_kn else P(n, None)
+    args_sh = tuple(
+        NamedSharding(mesh, P() if not s.shape else
+                      P(m, None) if i < na else b_spec)
+        for i, s in enumerate(shapes[:na + nb])) + tuple(
+            NamedSharding(mesh, P()) for _ in args)
+    return args_sh, NamedSharding(mesh, P(m, n))
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
     args_sh, out_sh = shardings(mesh, arg_shapes)
 
-    def shard(a, b, *args):
+    def shard(*flat):
+      a, b, rest = unflat(flat)
       try:
-        return fn(a, b, *args, **kwargs)
+        return fn(a, b, *rest, **kwargs)
       except NotImplementedError:
         if fallback is None:
           raise
-        return fallback(a, b, *args, **kwargs)
+        return fallback(a, b, *rest, **kwargs)
 
-    def local(a, b, *args):
-      return jax.jit(shard)(a, b, *args)
+    def local(*flat):
+      return jax.jit(shard)(*flat)
     return mesh, local, out_sh, args_sh
 
   def infer(mesh, arg_shapes, result_shape):
     del result_shape
     return shardings(mesh, arg_shapes)[1]
 
+  # Rows `m` and `n` pass through; every other dimension is replicated.
+  replicated = []
+
+  def mapping(x, row, row_dim=0):
+    dims = []
+    for d in range(jnp.ndim(x)):
+      if row is not None and d == row_dim:
+        dims.append(row)
+      else:
+        replicated.append(f"r{len(replicated)}")
+        dims.append(replicated[-1])
+    return tuple(dims)
   rule = SdyShardingRule(
-      (("m", "k"), ("k", "n") if b_kn else ("n", "k"),
-       *(tuple(f"r{i}_{d}" for d in range(jnp.ndim(x)))
-         for i, x in enumerate(args))),
-      (("m", "n"),),
-      need_replication_factors=("k",) + tuple(
-          f"r{i}_{d}" for i, x in enumerate(args)
-          for d in range(jnp.ndim(x))))
+      tuple(mapping(l, "m") for l in a_leaves)
+      + tuple(mapping(l, "n", n_dim) for l in b_leaves)
+      + tuple(mapping(x, None) for x in args),
+      (("m", "n"),), need_replication_factors=tuple(replicated))
   cp = custom_partitioning(call)
   cp.def_partition(partition, infer_sharding_from_operands=infer,
                    sharding_rule=rule)
-  return _batchable(cp, whole)(a, b, *args)
+  return _batchable(cp, whole)(*ops, *args)

@@ -266,10 +266,23 @@ def gemm_preference(platform: str, cc: tuple[int, int] | None,
   return tuple(dispatch.PREFERRED.get(platform, ()))
 
 
+def _native_per_shard(kernel, a, b, *, out_dtype):
+  """A native FP4 GEMM (Triton, cuDNN) per shard under `jax.jit`
+  shardings (`spmd.matmul_per_shard`): output rows split as `a`'s rows,
+  columns as `b`'s; a split K is gathered. A shard the kernel turns down
+  runs the reference (exact products; only the FP32 summation order
+  differs). The emulation ("pallas") is its kernels' composition, each
+  per shard already."""
+  if kernel is _matmul_pallas:
+    return kernel(a, b, out_dtype=out_dtype)
+  return spmd.matmul_per_shard(kernel, a, b, fallback=_matmul_xla,
+                               out_dtype=out_dtype)
+
+
 BLOCK_SCALED_MATMUL = dispatch.Op("block_scaled_matmul", {
     "xla": _matmul_xla,
     "pallas": _matmul_pallas,
     "triton": _matmul_triton,
     "scaled_matmul": _matmul_scaled_matmul,
-}, preferred=lambda platform: gemm_preference(
+}, per_shard=_native_per_shard, preferred=lambda platform: gemm_preference(
     platform, dispatch.compute_capability(), dispatch.cudnn_version()))
