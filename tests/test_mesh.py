@@ -47,22 +47,29 @@ def test_sharded_dot_general_reference():
   """Also under a mesh the library did not make: sharding in types on
   FSDP with tensor parallelism (`mesh_checks.check_user_mesh`; the slow
   tier runs every layout, Explicit and auto, and README's example)."""
-  out = run_checks("dot_general_xla", "dot_general_values", "user_mesh_quick")
+  out = run_checks("dot_general_xla", "dot_general_values", "user_mesh_quick",
+                   "auto_kernels_quick")
   assert "3.97x fewer" in out  # FSDP weights travel as 4-bit codes.
   # With residuals saved as values, too.
   assert out.split("[dot_general_values]")[1].split(
       "[user_mesh_quick]")[0].count("3.97x fewer") == 2
   assert "explicit row+fsdp" in out
+  # Auto mode with the Pallas kernels: per shard (custom_partitioning).
+  assert "auto pair kernel (SR, RHT) on batch x fsdp: equal" in out
 
 
 def test_sharded_dot_general_pallas():
   run_checks("dot_general_pallas")
 
 
-@pytest.mark.slow  # ~25 s on 2 cores.
+@pytest.mark.slow  # ~40 s on 2 cores.
 def test_dot_general_under_the_users_mesh_every_layout():
-  out = run_checks("user_mesh", "readme_explicit")
+  """Every user layout in Explicit and auto mode; README's example; auto
+  mode with the Pallas kernels per shard (`mesh_checks.check_auto_kernels`:
+  data + FSDP, Y and dX bit for bit, no FP32 activation gathered)."""
+  out = run_checks("user_mesh", "readme_explicit", "auto_kernels")
   assert "explicit sequence" in out and "auto weight_only" in out
+  assert "auto kernels data+fsdp: y, dx exact" in out
   assert "README example" in out
 
 

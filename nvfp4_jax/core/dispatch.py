@@ -143,11 +143,17 @@ class Op:
     preferred: a callable `platform -> names` overriding `PREFERRED` for this
       op (e.g. a GEMM that prefers native FP4 on some GPUs); None uses
       `PREFERRED`.
+    per_shard: how a kernel runs per shard when XLA partitions the program
+      (auto mode): a callable `(kernel, *args, **kwargs) -> result` that
+      calls the kernel (e.g. through `spmd.blockwise`). The reference
+      ("xla") is pure jnp, which XLA partitions itself. None: the kernel is
+      called as it is.
   """
 
   name: str
   implementations: Mapping[str, Callable[..., Any] | str]
   preferred: Callable[[str], tuple[str, ...]] | None = None
+  per_shard: Callable[..., Any] | None = None
 
   def __post_init__(self):
     if "xla" not in self.implementations:
@@ -183,13 +189,19 @@ class Op:
       *kernels, _ = self.order()
       for name in kernels:
         try:
-          return self.resolve(name)(*args, **kwargs)
+          return self._run(name, *args, **kwargs)
         except NotImplementedError:
           continue
-      return self.resolve("xla")(*args, **kwargs)
+      return self._run("xla", *args, **kwargs)
     if implementation not in self.implementations:
       raise ValueError(
           f"{self.name}: unknown implementation {implementation!r}; use one "
           f"of {tuple(self.implementations)} or None (the platform's "
           f"default).")
-    return self.resolve(implementation)(*args, **kwargs)
+    return self._run(implementation, *args, **kwargs)
+
+  def _run(self, name: str, *args, **kwargs) -> Any:
+    fn = self.resolve(name)
+    if name == "xla" or self.per_shard is None:
+      return fn(*args, **kwargs)
+    return self.per_shard(fn, *args, **kwargs)

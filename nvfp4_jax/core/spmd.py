@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nvfp4_jax.core import dispatch
@@ -282,3 +283,347 @@ def resolve_implementation(implementation: str | None) -> str | None:
 
 # The static arguments every sharded quantizer's jitted body takes.
 STATIC = ("mesh", "spec", "implementation")
+
+
+# ----------------------------------------------------------------------------
+# Kernels per shard under `jax.jit` shardings (auto mode).
+# ----------------------------------------------------------------------------
+
+# Whether kernels called outside `shard_map` run per shard when their operand
+# is split (`blockwise`, through `custom_partitioning`); off, XLA's
+# partitioner sees an opaque call and gathers its operands. A switch for
+# tests.
+AUTO_PARTITION = True
+
+
+def _auto_partitions(tree: Any) -> bool:
+  """Whether a kernel call on the arrays of `tree` may be partitioned by
+  XLA: traced (under `jit`) in a process with several devices, outside
+  `shard_map`, on arrays whose types carry no Explicit mesh axes (sharding
+  in types runs per shard in `shard_map` already)."""
+  leaves = [l for l in jax.tree.leaves(tree)
+            if isinstance(l, (jax.Array, np.ndarray))]
+  if (not AUTO_PARTITION or jax.device_count() == 1
+      or not any(isinstance(l, jax.core.Tracer) for l in leaves)
+      or jax.sharding.get_abstract_mesh().manual_axes):
+    return False
+  for l in leaves:
+    mesh = getattr(getattr(jax.typeof(l), "sharding", None), "mesh", None)
+    if mesh is not None and jax.sharding.AxisType.Explicit in tuple(
+        getattr(mesh, "axis_types", ())):
+      return False
+  return True
+
+
+def _is_key(a: Any) -> bool:
+  return (hasattr(a, "dtype")
+          and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key))
+
+
+def _batchable(partitioned: Callable, whole: Callable) -> Callable:
+  """`partitioned` (a `custom_partitioning`, which has no batching rule)
+  under `jax.vmap` too: batched, the call is `whole` vmapped, unpartitioned
+  (a vmapped kernel is already batched work on each device)."""
+  from jax.custom_batching import custom_vmap  # pylint: disable=g-import-not-at-top
+
+  @custom_vmap
+  def f(*flat):
+    return partitioned(*flat)
+
+  @f.def_vmap
+  def _(axis_size, in_batched, *flat):
+    del axis_size
+    out = jax.vmap(whole, in_axes=tuple(0 if b else None
+                                        for b in in_batched))(*flat)
+    return out, jax.tree.map(lambda _: True, out)
+  return f
+
+
+def fit_spec(sizes: Mapping[str, int], spec: Any, grid: Sequence[int]) -> P:
+  """The split of a `grid[0] x grid[1]` grid of blocks closest to `spec`
+  that keeps every block inside one shard: along each dimension the mesh
+  axes of `spec`, dropping minor axes until their shard count divides the
+  blocks (none left: that dimension is replicated)."""
+  spec = tuple(spec) if spec is not None else ()
+  used, dims = set(), []
+  for d, n in enumerate(grid):
+    axes = [a for a in (entry_axes(spec[d]) if d < len(spec) else ())
+            if a in sizes and a not in used]
+    while axes and n % num_shards(sizes, axes):
+      axes.pop()
+    used.update(axes)
+    dims.append(entry(axes))
+  return P(*dims)
+
+
+def _sdy_rule(grid, operand_shapes, other_shapes, out_shapes):
+  """Shardy's rule for `blockwise`: each 2-D array is a grid of blocks
+  (factors `i`, `j`; transposed outputs `j`, `i`), a block's elements one
+  more factor; other arrays are replicated."""
+  from jax.experimental.custom_partitioning import CompoundFactor  # pylint: disable=g-import-not-at-top
+  from jax.experimental.custom_partitioning import SdyShardingRule  # pylint: disable=g-import-not-at-top
+  sizes, whole, count = {}, set(), [0]
+
+  def factor(name, size):
+    count[0] += 1
+    extra = f"e{count[0]}"
+    sizes[extra] = size
+    return CompoundFactor(name, extra)
+
+  def dim(name, n, size):
+    if size == n:
+      whole.add(name)
+      return name
+    return factor(name, size // n)
+
+  def mapping(shape, transposed=False):
+    if len(shape) != 2:
+      dims = []
+      for size in shape:
+        count[0] += 1
+        dims.append(f"r{count[0]}")
+        replicated.append(f"r{count[0]}")
+      return tuple(dims)
+    names = ("j", "i") if transposed else ("i", "j")
+    ns = (grid[1], grid[0]) if transposed else tuple(grid)
+    return tuple(dim(nm_, n, s) for nm_, n, s in zip(names, ns, shape))
+  replicated = []
+  operands = tuple(mapping(s) for s in operand_shapes) + tuple(
+      mapping(s) for s in other_shapes)
+  results = tuple(mapping(s, t) for s, t in out_shapes)
+  for name, n in (("i", grid[0]), ("j", grid[1])):
+    if name not in whole:
+      sizes[name] = n
+  return SdyShardingRule(operands, results,
+                         need_replication_factors=tuple(replicated), **sizes)
+
+
+def blockwise(fn: Callable, operand: Any, *, grid: Sequence[int],
+              transposed_out: Any = False,
+              shard_kwargs: Callable[[P, Any], dict] | None = None,
+              **kwargs) -> Any:
+  """`fn(operand, **kwargs)`, run per shard where `operand` is split.
+
+  For a kernel (a `pallas_call`, opaque to XLA's SPMD partitioner) on a
+  tensor made of independent blocks, outside `shard_map`: under `jax.jit`
+  with the operand sharded (auto mode), the call is a `custom_partitioning`
+  whose per-shard function runs `fn` on the device's shard, so XLA neither
+  gathers the operand nor replicates the kernel. `shard_kwargs(spec,
+  local_operand)` gives the shard's extra arguments (its `placement` for
+  stochastic rounding, the mesh axes its tensor amax is max-reduced over):
+  the result is the whole call's, bit for bit.
+
+  The split of the operand is kept where it holds whole blocks; a mesh axis
+  whose split would cut a block (a 16-element scale block, a 16x16 weight
+  tile, a 16-token Hadamard tile) is dropped from that dimension, which is
+  then gathered (`fit_spec`): correct, at the cost of moving it.
+  Other array arguments (keys, an amax) are replicated. Eagerly, inside
+  `shard_map`, under Explicit mesh axes, in a process with one device or
+  with `AUTO_PARTITION` off this is `fn(operand, **kwargs)`.
+
+  Args:
+    fn: the kernel's call.
+    operand: an array or pytree whose non-scalar leaves are 2-D, each a
+      `grid[0] x grid[1]` grid of blocks (its dimensions multiples of the
+      grid's).
+    grid: the blocks along each dimension.
+    transposed_out: a prefix of `fn`'s output: True for subtrees laid over
+      the transposed grid (a transposed operand); scalar leaves (amaxes)
+      are replicated.
+    shard_kwargs: the per-shard extra keyword arguments, from the shard's
+      PartitionSpec and its local operand.
+    **kwargs: `fn`'s other arguments, static values or replicated arrays.
+  """
+  leaves, op_tree = jax.tree.flatten(operand)
+  big = [l for l in leaves if jnp.ndim(l) == 2]
+  if (not big or any(jnp.ndim(l) not in (0, 2) for l in leaves)
+      or any(s % n for l in big for s, n in zip(jnp.shape(l), grid))
+      or not _auto_partitions((operand, kwargs))):
+    return fn(operand, **kwargs)
+  from jax.experimental.custom_partitioning import custom_partitioning  # pylint: disable=g-import-not-at-top
+  first_big = next(i for i, l in enumerate(leaves) if jnp.ndim(l) == 2)
+  names = sorted(kwargs)
+  is_array = [isinstance(kwargs[k], (jax.Array, np.ndarray)) for k in names]
+  key_impls = {k: jax.random.key_impl(kwargs[k]) for k in names
+               if _is_key(kwargs[k])}
+  static = {k: kwargs[k] for k, a in zip(names, is_array) if not a}
+  arrays = [k for k, a in zip(names, is_array) if a]
+  others = [jax.random.key_data(kwargs[k]) if k in key_impls else kwargs[k]
+            for k in arrays]
+  box = {}
+
+  def rebuild(flat):
+    op = jax.tree.unflatten(op_tree, flat[:len(leaves)])
+    kw = dict(static)
+    for k, a in zip(arrays, flat[len(leaves):]):
+      kw[k] = jax.random.wrap_key_data(a, impl=key_impls[k]) if (
+          k in key_impls) else a
+    return op, kw
+
+  def whole(*flat):
+    op, kw = rebuild(flat)
+    return fn(op, **kw)
+
+  def call(*flat):
+    # A nested jit keeps the kernel's constants inside its own jaxpr
+    # (`custom_partitioning` takes none).
+    out = jax.jit(whole)(*flat)
+    t_tree = jax.tree.structure(transposed_out)
+    flags = []
+    for t, sub in zip(jax.tree.leaves(transposed_out),
+                      t_tree.flatten_up_to(out)):
+      flags += [bool(t)] * len(jax.tree.leaves(sub))
+    box["flags"] = flags
+    return out
+
+  def specs(mesh, arg_shapes):
+    """The operand's split (fitted to its blocks), from its first leaf."""
+    first = jax.tree.leaves(arg_shapes)[first_big]
+    spec = getattr(first.sharding, "spec", None)
+    return fit_spec(dict(mesh.shape), spec, grid)
+
+  def out_shardings(mesh, spec, result_shape):
+    outs = jax.tree.leaves(result_shape)
+    return box["out_tree"].unflatten([
+        NamedSharding(mesh, P() if not s.shape else
+                      transposed(spec) if t else spec)
+        for s, t in zip(outs, box["flags"])])
+
+  def partition(mesh, arg_shapes, result_shape):
+    spec = specs(mesh, arg_shapes)
+    axes = spec_axes(spec)
+
+    def shard(*flat):
+      op, kw = rebuild(flat)
+      if axes and shard_kwargs is not None:
+        kw.update(shard_kwargs(spec, op))
+      return fn(op, **kw)
+
+    def local(*flat):
+      return jax.jit(shard)(*flat)
+    arg_sh = tuple(NamedSharding(mesh, spec if jnp.ndim(l) == 2 else P())
+                   for l in leaves) + tuple(
+                       NamedSharding(mesh, P()) for _ in others)
+    return mesh, local, out_shardings(mesh, spec, result_shape), arg_sh
+
+  def infer(mesh, arg_shapes, result_shape):
+    return out_shardings(mesh, specs(mesh, arg_shapes), result_shape)
+
+  def rule(mesh, operand_types, result_types):
+    del mesh
+    shapes = [tuple(t.shape) for t in operand_types]
+    outs = [tuple(t.shape) for t in result_types]
+    return _sdy_rule(grid, shapes[:len(leaves)], shapes[len(leaves):],
+                     list(zip(outs, box["flags"])))
+
+  cp = custom_partitioning(call)
+  cp.def_partition(partition, infer_sharding_from_operands=infer,
+                   sharding_rule=rule)
+  out = _batchable(cp, whole)(*leaves, *others)
+  box["out_tree"] = jax.tree.structure(out)
+  return out
+
+
+def matmul_per_shard(fn: Callable, a: Any, b: Any, *args: jax.Array,
+                     b_kn: bool = False, fallback: Callable | None = None,
+                     **kwargs) -> Any:
+  """`fn(a, b, *args, **kwargs)`, a GEMM kernel `a @ b.T` (`a @ b` with
+  `b_kn`) -> `[M, N]`, run per shard under `jax.jit` shardings.
+
+  `a` and `b` are arrays or quantized arrays (pytrees whose non-scalar
+  leaves are 2-D with rows first: codes, scales; `[K, N]` leaves with
+  `b_kn`). The result's rows are split as `a`'s rows, its columns as `b`'s
+  `N` (less axes already splitting the rows); the contraction K is
+  gathered where split (each output element's sum stays on one device, in
+  the kernel's order, so no partial sums cross devices). `args` (an alpha)
+  and scalar leaves (amaxes) are replicated. A shard the kernel turns down
+  (`NotImplementedError` on its local shape) runs `fallback` (same
+  signature) instead. Where `blockwise` calls its kernel as it is, this is
+  `fn(a, b, *args, **kwargs)`.
+  """
+  a_leaves, a_tree = jax.tree.flatten(a)
+  b_leaves, b_tree = jax.tree.flatten(b)
+  ops = a_leaves + b_leaves
+  if (any(jnp.ndim(l) not in (0, 2) for l in ops)
+      or not any(jnp.ndim(l) == 2 for l in a_leaves)
+      or not any(jnp.ndim(l) == 2 for l in b_leaves)
+      or not _auto_partitions((a, b, args))):
+    return fn(a, b, *args, **kwargs)
+  from jax.experimental.custom_partitioning import SdyShardingRule  # pylint: disable=g-import-not-at-top
+  from jax.experimental.custom_partitioning import custom_partitioning  # pylint: disable=g-import-not-at-top
+  na, nb = len(a_leaves), len(b_leaves)
+  first_a = next(i for i, l in enumerate(a_leaves) if jnp.ndim(l) == 2)
+  first_b = na + next(i for i, l in enumerate(b_leaves) if jnp.ndim(l) == 2)
+  n_dim = 1 if b_kn else 0
+
+  def unflat(flat):
+    return (jax.tree.unflatten(a_tree, flat[:na]),
+            jax.tree.unflatten(b_tree, flat[na:na + nb]), flat[na + nb:])
+
+  def whole(*flat):
+    a, b, rest = unflat(flat)
+    return fn(a, b, *rest, **kwargs)
+
+  def call(*flat):
+    return jax.jit(whole)(*flat)
+
+  def shardings(mesh, arg_shapes):
+    shapes = jax.tree.leaves(arg_shapes)
+
+    def dim(shape, d):
+      spec = getattr(shape.sharding, "spec", None) or ()
+      return [x for x in (entry_axes(spec[d]) if d < len(spec) else ())
+              if x in mesh.shape]
+    m = entry(dim(shapes[first_a], 0))
+    n = entry([x for x in dim(shapes[first_b], n_dim)
+               if x not in entry_axes(m)])
+    b_spec = P(None, n) if b_kn else P(n, None)
+    args_sh = tuple(
+        NamedSharding(mesh, P() if not s.shape else
+                      P(m, None) if i < na else b_spec)
+        for i, s in enumerate(shapes[:na + nb])) + tuple(
+            NamedSharding(mesh, P()) for _ in args)
+    return args_sh, NamedSharding(mesh, P(m, n))
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    args_sh, out_sh = shardings(mesh, arg_shapes)
+
+    def shard(*flat):
+      a, b, rest = unflat(flat)
+      try:
+        return fn(a, b, *rest, **kwargs)
+      except NotImplementedError:
+        if fallback is None:
+          raise
+        return fallback(a, b, *rest, **kwargs)
+
+    def local(*flat):
+      return jax.jit(shard)(*flat)
+    return mesh, local, out_sh, args_sh
+
+  def infer(mesh, arg_shapes, result_shape):
+    del result_shape
+    return shardings(mesh, arg_shapes)[1]
+
+  # Rows `m` and `n` pass through; every other dimension is replicated.
+  replicated = []
+
+  def mapping(x, row, row_dim=0):
+    dims = []
+    for d in range(jnp.ndim(x)):
+      if row is not None and d == row_dim:
+        dims.append(row)
+      else:
+        replicated.append(f"r{len(replicated)}")
+        dims.append(replicated[-1])
+    return tuple(dims)
+  rule = SdyShardingRule(
+      tuple(mapping(l, "m") for l in a_leaves)
+      + tuple(mapping(l, "n", n_dim) for l in b_leaves)
+      + tuple(mapping(x, None) for x in args),
+      (("m", "n"),), need_replication_factors=tuple(replicated))
+  cp = custom_partitioning(call)
+  cp.def_partition(partition, infer_sharding_from_operands=infer,
+                   sharding_rule=rule)
+  return _batchable(cp, whole)(*ops, *args)

@@ -29,7 +29,9 @@ step equals the single-device step up to the order of FP32 sums.
 
 Under a mesh the library did not make (the user's axis names, JAX's
 sharding in types), `linear_sharding_for` derives a layer's
-`LinearSharding` from its operands' shardings.
+`LinearSharding` from its operands' shardings. In auto mode (`jax.jit`
+shardings, no `MeshRules`) the kernels themselves run per shard through
+`custom_partitioning` (`nvfp4_jax.core.spmd.blockwise`).
 
 `quantize`, `quantize_rht_t` and `quantize_pair` here are the public
 quantizers for a sharded global array; `collectives` lists what a compiled

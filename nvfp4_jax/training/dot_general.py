@@ -39,8 +39,12 @@ Under a mesh the library did not make, with JAX's sharding in types
 is split (`sharding.linear_sharding_for`): the same per-shard computation,
 with reshapes that carry their `out_sharding` and a result of a sharded
 type. In auto mode (`jax.jit` shardings) XLA partitions the op as the rest
-of the program; the library's `MeshRules` (any axis names) run it per
-shard there too.
+of the program, and its Pallas kernels (quantizers, block values, the
+GEMMs) run per shard through `custom_partitioning`
+(`core.spmd.blockwise`: amax reduced over the axes that split each tensor,
+stochastic rounding at the shard's offset, so the quantized operands are
+the whole tensor's; `core.spmd.matmul_per_shard`); the library's
+`MeshRules` (any axis names) run the whole layer per shard there too.
 """
 
 from __future__ import annotations

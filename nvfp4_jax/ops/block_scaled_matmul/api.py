@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax.core import dispatch
+from nvfp4_jax.core import spmd
 from nvfp4_jax.core.arrays import MXArray
 from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.core.arrays import NVFP4Values
@@ -206,10 +207,21 @@ def block_values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
                        vb_kn=vb_kn)
 
 
+def _values_per_shard(kernel, va, vb, alpha, *, out_dtype, vb_kn):
+  """The GEMM kernel per shard under `jax.jit` shardings
+  (`spmd.matmul_per_shard`): output rows split as `va`'s rows, columns as
+  `vb`'s N; a split K is gathered (no partial sums across devices). A shard
+  too small for the kernel's tiles runs XLA's GEMM (exact products too;
+  only the FP32 summation order differs)."""
+  return spmd.matmul_per_shard(kernel, va, vb, alpha, b_kn=vb_kn,
+                               fallback=_values_matmul_xla,
+                               out_dtype=out_dtype, vb_kn=vb_kn)
+
+
 VALUES_MATMUL = dispatch.Op("block_values_matmul", {
     "xla": _values_matmul_xla,
     "pallas": "nvfp4_jax.ops.block_scaled_matmul.pallas_mosaic_gpu:values_matmul",
-})
+}, per_shard=_values_per_shard)
 
 
 def _matmul_pallas(a, b, *, out_dtype):
@@ -254,10 +266,23 @@ def gemm_preference(platform: str, cc: tuple[int, int] | None,
   return tuple(dispatch.PREFERRED.get(platform, ()))
 
 
+def _native_per_shard(kernel, a, b, *, out_dtype):
+  """A native FP4 GEMM (Triton, cuDNN) per shard under `jax.jit`
+  shardings (`spmd.matmul_per_shard`): output rows split as `a`'s rows,
+  columns as `b`'s; a split K is gathered. A shard the kernel turns down
+  runs the reference (exact products; only the FP32 summation order
+  differs). The emulation ("pallas") is its kernels' composition, each
+  per shard already."""
+  if kernel is _matmul_pallas:
+    return kernel(a, b, out_dtype=out_dtype)
+  return spmd.matmul_per_shard(kernel, a, b, fallback=_matmul_xla,
+                               out_dtype=out_dtype)
+
+
 BLOCK_SCALED_MATMUL = dispatch.Op("block_scaled_matmul", {
     "xla": _matmul_xla,
     "pallas": _matmul_pallas,
     "triton": _matmul_triton,
     "scaled_matmul": _matmul_scaled_matmul,
-}, preferred=lambda platform: gemm_preference(
+}, per_shard=_native_per_shard, preferred=lambda platform: gemm_preference(
     platform, dispatch.compute_capability(), dispatch.cudnn_version()))

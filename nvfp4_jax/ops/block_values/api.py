@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax.core import dispatch
+from nvfp4_jax.core import numerics as nm
+from nvfp4_jax.core import spmd
 from nvfp4_jax.core.arrays import MXArray
 from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.core.arrays import NVFP4Values
@@ -57,7 +59,17 @@ def block_dequantize(q: QArray) -> tuple[jax.Array, jax.Array]:
 
 
 # The bf16 block values of an NVFP4Array: the emulated GEMM's operand.
+def _per_shard(kernel, q):
+  """The kernel on each shard of a 2-D `NVFP4Array` split under `jax.jit`
+  shardings (`spmd.blockwise`): values are per block, so a shard's are the
+  whole array's. A split of K that would cut a 16-element block leaves K
+  gathered."""
+  if not isinstance(q, NVFP4Array) or q.ndim != 2:
+    return kernel(q)
+  return spmd.blockwise(kernel, q, grid=(q.shape[0], q.shape[1] // nm.NVFP4_BLOCK))
+
+
 BLOCK_VALUES = dispatch.Op("block_values", {
     "xla": lambda q: block_dequantize(q)[0],
     "pallas": "nvfp4_jax.ops.block_values.pallas_triton:block_values",
-})
+}, per_shard=_per_shard)

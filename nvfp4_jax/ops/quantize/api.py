@@ -82,10 +82,29 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
                   placement=placement)
 
 
+def _per_shard(kernel, x, **kwargs):
+  """The kernel on each shard of a 2-D `x` split under `jax.jit` shardings
+  (`spmd.blockwise`): the shard's amax max-reduced over the axes that split
+  `x` and its stochastic-rounding bytes at its global offset, so the bytes
+  are the whole call's. A split that would cut a 16-element block (a 16x16
+  tile with `block_2d`) leaves that dimension gathered."""
+  if kwargs.get("placement") is not None or jnp.ndim(x) != 2:
+    return kernel(x, **kwargs)
+  rows = x.shape[0] // B if kwargs.get("block_2d") else x.shape[0]
+
+  def shard_kwargs(spec, x):
+    extra = {"placement": spmd.placement(spec, x.shape)}
+    if kwargs.get("amax") is None:
+      extra["amax"] = _reduced_amax(x, spmd.spec_axes(spec))
+    return extra
+  return spmd.blockwise(kernel, x, grid=(rows, x.shape[1] // B),
+                        shard_kwargs=shard_kwargs, **kwargs)
+
+
 QUANTIZE = dispatch.Op("quantize", {
     "xla": quantize_reference,
     "pallas": "nvfp4_jax.ops.quantize.pallas_triton:quantize",
-})
+}, per_shard=_per_shard)
 
 
 def block_size(fmt: str) -> int:
@@ -147,4 +166,4 @@ def quantize_with_values(x: jax.Array, *, block_2d: bool = False,
 QUANTIZE_WITH_VALUES = dispatch.Op("quantize_with_values", {
     "xla": quantize_reference,
     "pallas": "nvfp4_jax.ops.quantize.pallas_triton:quantize",
-})
+}, per_shard=_per_shard)

@@ -15,6 +15,7 @@ import jax
 
 from nvfp4_jax.core import dispatch
 from nvfp4_jax.core import prng
+from nvfp4_jax.core import spmd
 from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.core.arrays import NVFP4Values
 from nvfp4_jax.core.arrays import QArray
@@ -115,10 +116,31 @@ def _quantize_pair_pallas(x, row: Operand, wgrad: Operand, **kwargs):
       t_four_over_six=wgrad.four_over_six, **kwargs)
 
 
+def _per_shard(kernel, x, row: Operand, wgrad: Operand, **kwargs):
+  """The kernel on each shard of `x` split under `jax.jit` shardings
+  (`spmd.blockwise`): both operands are the whole tensor's shards, bit for
+  bit (amaxes max-reduced over the axes that split `x`, stochastic rounding
+  at the shard's global offset). A split that would cut a block (16
+  features for the row operand; 16 tokens, or an RHT tile, for the Wgrad
+  operand) leaves that dimension gathered."""
+  if kwargs.get("placement") is not None or kwargs.get("amax_axes"):
+    return kernel(x, row, wgrad, **kwargs)
+  need_t = max(block_size(wgrad.format), kwargs.get("rht_size", 16) if wgrad.rht
+               else 1) if wgrad.quantized else 1
+  need_row = block_size(row.format) if row.quantized else 1
+  return spmd.blockwise(
+      lambda x, **kw: kernel(x, row, wgrad, **kw), x,
+      grid=(x.shape[0] // need_t, x.shape[1] // need_row),
+      transposed_out=(False, True),
+      shard_kwargs=lambda spec, x: dict(
+          placement=spmd.placement(spec, x.shape),
+          amax_axes=spmd.spec_axes(spec)), **kwargs)
+
+
 QUANTIZE_PAIR = dispatch.Op("quantize_pair", {
     "xla": _quantize_pair_xla,
     "pallas": _quantize_pair_pallas,
-})
+}, per_shard=_per_shard)
 
 
 def split_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -14,6 +14,8 @@ from typing import Sequence
 import jax
 
 from nvfp4_jax.core import dispatch
+from nvfp4_jax.core import numerics as nm
+from nvfp4_jax.core import spmd
 from nvfp4_jax.core import prng
 from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.core.arrays import check_amax
@@ -86,7 +88,24 @@ def quantize_rht_t(x: jax.Array, *, rounding: str = "nearest",
                         amax_axes=tuple(amax_axes))
 
 
+def _per_shard(kernel, x, **kwargs):
+  """The kernel on each shard of `x` split under `jax.jit` shardings
+  (`spmd.blockwise`): the shard of the whole tensor's operand, bit for bit
+  (amax max-reduced over the axes that split `x`, stochastic rounding at
+  the shard's global offset). A token split that would cut a 16-token
+  block or Hadamard tile leaves the tokens gathered."""
+  if kwargs.get("placement") is not None or kwargs.get("amax_axes"):
+    return kernel(x, **kwargs)
+  tokens = max(nm.NVFP4_BLOCK, kwargs.get("size", 16))
+  return spmd.blockwise(
+      kernel, x, grid=(x.shape[0] // tokens, x.shape[1]),
+      transposed_out=True,
+      shard_kwargs=lambda spec, x: dict(
+          placement=spmd.placement(spec, x.shape),
+          amax_axes=spmd.spec_axes(spec)), **kwargs)
+
+
 QUANTIZE_RHT_T = dispatch.Op("quantize_rht_t", {
     "xla": _quantize_rht_t_xla,
     "pallas": "nvfp4_jax.ops.quantize_rht_t.pallas_triton:quantize_rht_t",
-})
+}, per_shard=_per_shard)
