@@ -37,8 +37,10 @@ from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.core import tile
 from nvfp4_jax.core.hadamard import rht
 from nvfp4_jax.core.recipe import Operand
+from nvfp4_jax.ops.block_values.api import BLOCK_VALUES
 from nvfp4_jax.ops.block_values.reference import dequantize_mx
 from nvfp4_jax.core.arrays import MXArray
+from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.ops.quantize.api import block_size
 from nvfp4_jax.ops.quantize.mx import quantize_mx
 from nvfp4_jax.ops.quantize.reference import quantize_reference
@@ -79,11 +81,14 @@ class Grouped:
     if self.fmt != "nvfp4":
       return dequantize_mx(MXArray(self.data, self.scales, self.fmt),
                            jnp.bfloat16)
+    # The block values kernel (`nvfp4_jax.ops.block_values`) on a GPU:
+    # values are per block, no group's constant enters.
     *lead, half = self.data.shape
     nb = half * 2 // nm.NVFP4_BLOCK
-    v = tile.block_values(self.data.reshape(-1, nb, nm.NVFP4_BLOCK // 2),
-                          self.scales.reshape(-1, nb))
-    return v.reshape(*lead, half * 2)
+    q = NVFP4Array(codes=self.data.reshape(-1, half),
+                   scales=self.scales.reshape(-1, nb),
+                   amax=jnp.zeros((), jnp.float32))
+    return BLOCK_VALUES(None, q).reshape(*lead, half * 2)
 
   def without_values(self) -> "Grouped":
     """The codes alone (what a residual keeps)."""
