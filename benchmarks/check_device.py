@@ -73,12 +73,14 @@ from nvfp4_jax.core.recipe import Operand
 from nvfp4_jax.core.arrays import MXArray
 from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.ops.weight_only_matmul import api as wo_api
+from nvfp4_jax.ops.ragged_dot import api as ragged_api
 from nvfp4_jax.tools import aot
 
 _OPS = {"quantize": quantize_api.QUANTIZE, "quantize_rht_t": rht_t_api.QUANTIZE_RHT_T,
         "quantize_pair": pair_api.QUANTIZE_PAIR,
         "quantize_with_values": quantize_api.QUANTIZE_WITH_VALUES,
-        "block_scaled_matmul": gemm_api.BLOCK_SCALED_MATMUL}
+        "block_scaled_matmul": gemm_api.BLOCK_SCALED_MATMUL,
+        "ragged_codes_matmul": ragged_api.RAGGED_CODES_MATMUL}
 
 
 def _version(pkg: str) -> str:
@@ -307,6 +309,28 @@ def _layer_case(tokens, features=512, out=384, native=True):
           gemm_api.BLOCK_SCALED_MATMUL.order()))
 
 
+def _moe_case(experts=8, tokens=1000, features=544, out=384):
+  """`nvfp4_jax.ragged_dot` forward and backward (a mixture of experts'
+  layer, uneven K): on 10.x / 12.0 its three grouped GEMMs multiply codes
+  in the Triton kernel (`ops/ragged_dot/triton.py`)."""
+  def build():
+    def step(x, w, gs, dy):
+      y, vjp = jax.vjp(lambda x, w: nv.ragged_dot(
+          x, w, gs, recipe="nvfp4", key=jax.random.key(0)), x, w)
+      return y, vjp(dy)
+    return step, (_sds((tokens, features), jnp.bfloat16),
+                  _sds((experts, features, out), jnp.float32),
+                  _sds((experts,), jnp.int32), _sds((tokens, out), jnp.float32))
+
+  def dispatch_():
+    if ragged_api.multiplies_codes():
+      return ragged_api.RAGGED_CODES_MATMUL.order()[0]
+    return "values: " + " -> ".join(ragged_api.RAGGED_VALUES_MATMUL.order())
+  return AotCase(
+      f"ragged_dot (MoE) fwd+bwd, {experts} experts, {tokens} tokens x "
+      f"{features} -> {out}", build, native=None, dispatch=dispatch_)
+
+
 def aot_cases() -> list[AotCase]:
   """The programs `--target` compiles."""
   x = _sds((256, 512), jnp.bfloat16)
@@ -338,6 +362,7 @@ def aot_cases() -> list[AotCase]:
             gemm_api.block_scaled_matmul, implementation=impl),
                            (_nvfp4(256, 512), _nvfp4(384, 512))),
         native=impl in ("triton", "scaled_matmul"), dispatch=lambda: "named"))
+  cases.append(_moe_case())
   for fmt in ("mxfp4", "mxfp8"):
     cases.append(AotCase(
         f"{fmt.upper()} GEMM 256x384x512",
