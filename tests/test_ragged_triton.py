@@ -141,6 +141,97 @@ def test_b200_ragged_dot_runs_three_native_fp4_kernels():
                in i for i in mma), (kn.name, mma)
 
 
+# --- In Triton's interpreter: where the triton package is installed ----------
+
+
+def _has_triton() -> bool:
+  try:
+    import triton  # pylint: disable=g-import-not-at-top,unused-import
+    return True
+  except ImportError:
+    return False
+
+
+def _u8(a):
+  return np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_triton(), reason="needs the triton package")
+@pytest.mark.parametrize("native", [True, False])
+def test_kernels_in_tritons_interpreter(native, monkeypatch):
+  """Both kernels, both forms, run by Triton's interpreter (NumPy; no GPU)
+  with `tl.dot_scaled` as documented (`triton_interpreter.py`), against the
+  reference: uneven, empty groups, rows past the sum, K padded (96 -> 128),
+  Wgrad groups ending inside a block and inside a code byte. Exact sums
+  in both (NumPy's FP64 / FP32 dot of exact products in one order here):
+  compared with the summation bound all the same."""
+  import triton  # pylint: disable=g-import-not-at-top
+  import triton_interpreter as ti  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.block_scaled_matmul import triton as dense  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.ragged_dot import triton as kernel  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.ragged_dot.pallas_mosaic_gpu import _tile_map  # pylint: disable=g-import-not-at-top
+  fk, tk = ti.kernels(monkeypatch)
+  rng = np.random.default_rng(0)
+  m, k, n, e = 300, 96, 80, 4
+  gs = jnp.asarray([37, 0, 200, 50], jnp.int32)        # 287 of 300 rows.
+  qa = _quantized_rows(rng, m, k, gs)
+  w = jnp.asarray(rng.standard_t(3, (e, n, k)) * .1, jnp.float32)
+  qb = rg.quantize_experts(w, Operand(block_2d=True), None, values=False)
+  alpha = rg.group_alpha(qa, qb)
+  want = np.asarray(ref.ragged_codes_matmul(qa.data, qa.scales, qb.data,
+                                            qb.scales, gs, alpha))
+  kp = dense.padded_k(k)
+  ac, asc = kernel._pad_k(qa.data, qa.scales, kp)  # pylint: disable=protected-access
+  bc, bsc = kernel._pad_k(qb.data, qb.scales, kp)  # pylint: disable=protected-access
+  bm, bn, bk = 64, 32, 64
+  tmap = [ti.Arr(np.asarray(t), "int32") for t in _tile_map(gs, m, bm)]
+  out = ti.Arr(np.full((m, n), np.nan, np.float32), "float32")
+  fk[(len(tmap[0].a) * triton.cdiv(n, bn),)](
+      *tmap, ti.Arr(_u8(ac), "uint8"), ti.Arr(_u8(asc), "float8_e4m3fn"),
+      ti.Arr(_u8(bc), "uint8"), ti.Arr(_u8(bsc), "float8_e4m3fn"),
+      ti.Arr(np.asarray(alpha), "float32"), out, M=m, N=n, K=kp, E=e,
+      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NATIVE=native, HAS_ALPHA=True)
+  va = np.abs(np.asarray(ref.codes_values(qa.data, qa.scales), np.float64))
+  vb = np.abs(np.asarray(ref.codes_values(qb.data, qb.scales), np.float64))
+  rows = np.asarray(ref.group_of(gs, m))
+  for g in range(e):
+    r = rows == g
+    tol = _bound(va[r], vb[g].T, float(alpha[g]), k)
+    assert np.all(np.abs(out.a[r] - want[r]) <= tol), g
+  np.testing.assert_array_equal(out.a[287:], 0)
+
+  kk, nn = 48, 40
+  for sizes, length in (([32, 0, 160, 48], 256), ([37, 0, 150, 50], 240)):
+    gs = jnp.asarray(sizes, jnp.int32)
+    x = jnp.asarray(rng.standard_t(3, (length, kk)), jnp.float32)
+    dy = jnp.asarray(rng.standard_t(3, (length, nn)), jnp.float32)
+    qa = rg.quantize_tokens(x, gs, Operand(), None, values=False, codes=True)
+    qb = rg.quantize_tokens(dy, gs, Operand(), None, values=False,
+                            codes=True)
+    alpha = rg.group_alpha(qa, qb)
+    want = np.asarray(ref.ragged_codes_matmul_t(qa.data, qa.scales, qb.data,
+                                                qb.scales, gs, alpha))
+    ends = np.cumsum(sizes)
+    starts = ends - np.asarray(sizes)
+    out = ti.Arr(np.full((len(sizes), kk, nn), np.nan, np.float32), "float32")
+    tk[(len(sizes) * triton.cdiv(kk, bn) * triton.cdiv(nn, bn),)](
+        ti.Arr(starts.astype(np.int32), "int32"),
+        ti.Arr(ends.astype(np.int32), "int32"),
+        ti.Arr(_u8(qa.data), "uint8"), ti.Arr(_u8(qa.scales), "float8_e4m3fn"),
+        ti.Arr(_u8(qb.data), "uint8"), ti.Arr(_u8(qb.scales), "float8_e4m3fn"),
+        ti.Arr(np.asarray(alpha), "float32"), out, K=kk, N=nn, L=length,
+        BLOCK_M=bn, BLOCK_N=bn, BLOCK_K=bk, NATIVE=native, HAS_ALPHA=True)
+    va = np.abs(np.asarray(ref.codes_values(qa.data, qa.scales), np.float64))
+    vb = np.abs(np.asarray(ref.codes_values(qb.data, qb.scales), np.float64))
+    for g, (s0, s1) in enumerate(zip(starts, ends)):
+      if s1 == s0:
+        np.testing.assert_array_equal(out.a[g], 0)
+        continue
+      tol = _bound(va[:, s0:s1], vb[:, s0:s1].T, float(alpha[g]), s1 - s0)
+      assert np.all(np.abs(out.a[g] - want[g]) <= tol), (sizes, g)
+
+
 # --- On a GPU: the kernel against the reference ------------------------------
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -240,12 +331,24 @@ def test_wgrad_kernel_equals_the_reference_on_gpu(sizes, length):
 
 
 @GPU_ONLY
-def test_op_on_the_codes_path_within_the_summation_bound_on_gpu():
-  """`nvfp4_jax.ragged_dot` with the codes GEMMs named (`triton`: native on
-  Blackwell; elsewhere they decline and the reference runs) against the
-  values path, forward and backward: the same block values, summed in
-  other orders (test_ragged_dot.py's `check_gpu_gradients` bound)."""
+def test_op_on_the_codes_path_within_the_summation_bound_on_gpu(monkeypatch):
+  """`nvfp4_jax.ragged_dot` on the codes path (`triton` named: the native
+  kernel where `has_fp4_mma`, its decode form elsewhere; the reference may
+  not run) against the reference on block values, forward and backward:
+  the same block values, summed in other orders (test_ragged_dot.py's
+  `check_gpu_gradients` bound). Uneven, empty and skewed groups."""
   from test_ragged_dot import U, check_gpu_gradients  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.block_scaled_matmul import triton as dense  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.ragged_dot import triton as kernel  # pylint: disable=g-import-not-at-top
+
+  def unreachable(*_, **__):
+    raise AssertionError("the grouped kernel declined; the reference ran")
+  for op, fn in ((rg.RAGGED_CODES_MATMUL, kernel.ragged_codes_matmul),
+                 (rg.RAGGED_CODES_MATMUL_T, kernel.ragged_codes_matmul_t)):
+    if not dense.has_fp4_mma():
+      monkeypatch.setitem(op.implementations, "triton",
+                          functools.partial(fn, native=False))
+    monkeypatch.setitem(op.implementations, "xla", unreachable)
   rng = np.random.default_rng(0)
   m, k, n = 1000, 256, 384
   gs = jnp.array([300, 0, 3, 400, 0, 2, 200], jnp.int32)
@@ -253,7 +356,9 @@ def test_op_on_the_codes_path_within_the_summation_bound_on_gpu():
   w = jnp.asarray(rng.standard_t(3, (7, k, n)) * .1, jnp.float32)
   dy = jnp.asarray(rng.standard_t(3, (m, n)), jnp.float32)
   recipe = nv.Recipe.nvfp4()
-  ly, ldx, ldw = map(np.asarray, _step(recipe, gs)(x, w, dy))
+  jax.clear_caches()
+  with nv.default_implementation("xla"):  # The values path's reference.
+    ly, ldx, ldw = map(np.asarray, _step(recipe, gs)(x, w, dy))
   jax.clear_caches()
   with nv.default_implementation("triton"):
     y, dx, dw = map(np.asarray, _step(recipe, gs)(x, w, dy))

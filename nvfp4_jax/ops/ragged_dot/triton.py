@@ -87,7 +87,7 @@ def _kernels():
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      NATIVE: tl.constexpr, HAS_ALPHA: tl.constexpr):
     pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
     t = pid // num_n
     pid_n = pid % num_n
     g = tl.load(seg_ptr + t)
@@ -145,8 +145,8 @@ def _kernels():
                        BLOCK_K: tl.constexpr, NATIVE: tl.constexpr,
                        HAS_ALPHA: tl.constexpr):
     pid = tl.program_id(0)
-    num_m = tl.cdiv(K, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
+    num_m = (K + BLOCK_M - 1) // BLOCK_M
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
     g = pid // (num_m * num_n)
     rest = pid % (num_m * num_n)
     pid_m = rest // num_n
@@ -161,7 +161,7 @@ def _kernels():
     ks = tl.arange(0, BLOCK_K // 16)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = start // BLOCK_K
-    last = tl.where(end > start, tl.cdiv(end, BLOCK_K), first)
+    last = tl.where(end > start, (end + BLOCK_K - 1) // BLOCK_K, first)
     for s in range(first, last):
       byte = s * (BLOCK_K // 2) + kp          # Token pairs 2j, 2j + 1.
       blk = s * (BLOCK_K // 16) + ks          # Token blocks.
