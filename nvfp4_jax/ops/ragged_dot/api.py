@@ -566,10 +566,16 @@ RAGGED_CODES_MATMUL_T = dispatch.Op("ragged_codes_matmul_t", {
 
 
 def multiplies_codes() -> bool:
-  """Whether the grouped NVFP4 GEMMs multiply codes here (a native FP4
-  kernel first in `RAGGED_CODES_MATMUL`'s order: Blackwell, or a
-  `default_implementation` naming it), so the quantizers write codes."""
-  return RAGGED_CODES_MATMUL.order()[0] != "xla"
+  """Whether the grouped NVFP4 GEMMs multiply codes here, so the quantizers
+  write codes: a `default_implementation` naming the kernel ("triton"), or
+  by default where it runs (Blackwell with jax-triton installed; without
+  it the op keeps the block-values GEMMs rather than the reference loop)."""
+  if RAGGED_CODES_MATMUL.order()[0] == "xla":
+    return False
+  if dispatch.current_default() is not None:
+    return True
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  return importlib.util.find_spec("jax_triton") is not None
 
 
 def ragged_codes_matmul(a: Grouped, b: Grouped, group_sizes: jax.Array,
