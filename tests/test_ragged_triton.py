@@ -143,6 +143,42 @@ def test_b200_ragged_dot_runs_three_native_fp4_kernels():
                in i for i in mma), (kn.name, mma)
 
 
+@pytest.mark.skipif(_WHY is not None or not _has_jax_triton(),
+                    reason=f"compiles for an H100 ahead of time: {_WHY or ''}"
+                    " (needs JAX's CUDA plugin and jax-triton)")
+def test_h100_compiles_the_decode_form_only():
+  """For an H100 (cc 9.0) the kernels' decode form compiles through
+  jax-triton to bf16 `wgmma` (what the Hopper GPU tests run); the native
+  form declines there (Triton cannot compile it for sm_90)."""
+  from nvfp4_jax.ops.ragged_dot import triton as kernel  # pylint: disable=g-import-not-at-top
+  h100 = aot.Target("h100", "NVIDIA H100 80GB HBM3", (9, 0), 132,
+                    shared_memory_per_sm=233472, threads_per_sm=2048,
+                    memory_bytes=80 << 30, bandwidth=3.35e12,
+                    l2_bytes=50 << 20, clock_ghz=1.98)
+  s = jax.ShapeDtypeStruct
+  u8, e4 = jnp.uint8, jnp.float8_e4m3fn
+  m, k, n, e, length = 1000, 544, 320, 6, 1040
+  fprop = (s((m, k // 2), u8), s((m, k // 16), e4), s((e, n, k // 2), u8),
+           s((e, n, k // 16), e4), s((e,), jnp.int32), s((e,), jnp.float32))
+  wgrad = (s((k, length // 2), u8), s((k, length // 16), e4),
+           s((n, length // 2), u8), s((n, length // 16), e4),
+           s((e,), jnp.int32), s((e,), jnp.float32))
+  with aot.compiling_for(h100) as c:
+    for fn, args, name in ((kernel.ragged_codes_matmul, fprop,
+                            "grouped_kernel"),
+                           (kernel.ragged_codes_matmul_t, wgrad,
+                            "grouped_t_kernel")):
+      low = aot.lowering(c.compile(functools.partial(fn, native=False),
+                                   *args))
+      assert low.triton_calls == 1 and not low.dots, low
+      (kn,) = c.triton_kernels
+      assert kn.name == name
+      assert any(i.startswith("wgmma") and "bf16" in i
+                 for i in aot.ptx_mma(kn.ptx)), aot.ptx_mma(kn.ptx)
+      with pytest.raises(NotImplementedError, match="compute capability"):
+        c.compile(fn, *args)
+
+
 # --- In Triton's interpreter: where the triton package is installed ----------
 
 
