@@ -29,6 +29,13 @@ gradients, unchecked).
 
 Residuals are quantized codes: Wgrad's `q(rht(X^T))` and the experts'
 quantized weights (Dgrad reuses Fprop's 16x16 codes), 4.5 bits per element.
+
+The NVFP4 GEMMs multiply the exact bf16 block values (the emulation: Hopper's
+grouped kernels) or, where a native FP4 grouped GEMM runs
+(`rg.multiplies_codes`: Blackwell), the codes themselves: the quantizers
+then write codes only, Fprop multiplies the transpose of the weight's 16x16
+codes (the same tiles, code for code) and Dgrad the codes as quantized.
+The products are the same; only the FP32 summation order differs.
 """
 
 from __future__ import annotations
@@ -239,19 +246,16 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, align, res, dy):
         _tokens(dy, sources, length, align), sizes, recipe.wgrad_dy, k,
         rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector,
         values=not codes, codes=codes))(dy, keys["wgrad_dy"])
-    if codes:
-      dw = _named("nvfp4_wgrad", lambda a, b, alpha:
-                  rg.ragged_codes_matmul_t(a, b, sizes, alpha,
-                                           out_dtype=jnp.float32))(
-                                               saved_x, qdyt,
-                                               rg.group_alpha(saved_x, qdyt))
+    if codes:  # Native FP4: both operands' codes, `[K, L]` and `[N, L]`.
+      gemm = lambda a, b, alpha: rg.ragged_codes_matmul_t(
+          a, b, sizes, alpha, out_dtype=jnp.float32)
+      operands = (saved_x, qdyt)
     else:
-      dw = _named("nvfp4_wgrad", lambda a, b, alpha:
-                  rg.ragged_values_matmul_t(a, b, sizes, alpha,
-                                            out_dtype=jnp.float32))(
-                                                saved_x.block_values(),
-                                                qdyt.values,
-                                                rg.group_alpha(saved_x, qdyt))
+      gemm = lambda a, b, alpha: rg.ragged_values_matmul_t(
+          a, b, sizes, alpha, out_dtype=jnp.float32)
+      operands = (saved_x.block_values(), qdyt.values)
+    dw = _named("nvfp4_wgrad", gemm)(*operands,
+                                     rg.group_alpha(saved_x, qdyt))
   else:
     # FP32 accumulation of the operands' own products (widening bf16 to
     # FP32 first, as the dense layer does, gives the same exact products),
