@@ -39,6 +39,10 @@ def _step(recipe, gs):
 @pytest.mark.parametrize("recipe", [
     nv.Recipe.nvfp4(),  # 16x16 weights: Fprop's codes transposed for Dgrad.
     pytest.param(nv.Recipe.nvfp4(rht=False, two_d_weights=False),
+                 marks=pytest.mark.slow),
+    # 16x16 with Four-over-Six: Fprop's `[E, N, K]` codes, transposed for
+    # Dgrad.
+    pytest.param(nv.Recipe.nvfp4(four_over_six="all"),
                  marks=pytest.mark.slow)])
 def test_codes_path_equals_the_values_path(recipe, monkeypatch):
   """Under `default_implementation("triton")` (the CPU runs the codes
