@@ -324,7 +324,8 @@ def _block_scaled_mma(c) -> str:
 @pytest.mark.parametrize("target", ["b200", "rtx-pro-6000"])
 def test_check_device_target_passes(target, capsys):
   """`check_device --target` for B200 and RTX PRO 6000: every program
-  compiles, the layer's GEMMs and the aligned GEMM run native FP4."""
+  compiles, the layer's GEMMs, the aligned GEMM and the MoE op's grouped
+  GEMMs run native FP4."""
   from benchmarks import check_device  # pylint: disable=g-import-not-at-top
   assert check_device.ahead_of_time(target, sass=False) == 0
   out = capsys.readouterr().out
@@ -336,6 +337,13 @@ def test_check_device_target_passes(target, capsys):
   else:
     native = "Triton OMMA (mma.sync block_scale) kind::mxf4nvf4"
   assert native in layer, layer
+  # The mixture of experts' three grouped GEMMs: the Triton kernel on codes.
+  moe = next(l for l in out.splitlines() if l.startswith("| ragged_dot (MoE)"))
+  grouped = ("Triton tcgen05 kind::mxf4nvf4 scale_vec::4X x3"
+             if target == "b200" else
+             "Triton OMMA (mma.sync block_scale) kind::mxf4nvf4 "
+             "scale_vec::4X x3")
+  assert grouped in moe and "| triton |" in moe, moe
 
 
 @needs_plugin

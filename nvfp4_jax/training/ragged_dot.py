@@ -29,10 +29,18 @@ gradients, unchecked).
 
 Residuals are quantized codes: Wgrad's `q(rht(X^T))` and the experts'
 quantized weights (Dgrad reuses Fprop's 16x16 codes), 4.5 bits per element.
+
+The NVFP4 GEMMs multiply the exact bf16 block values (the emulation: Hopper's
+grouped kernels) or, where a native FP4 grouped GEMM runs
+(`rg.multiplies_codes`: Blackwell), the codes themselves: the quantizers
+then write codes only, Fprop multiplies the transpose of the weight's 16x16
+codes (the same tiles, code for code) and Dgrad the codes as quantized.
+The products are the same; only the FP32 summation order differs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_jax.core import dispatch
+from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.core.recipe import Recipe
 from nvfp4_jax.core.recipe import as_recipe
 from nvfp4_jax.ops.quantize.api import block_size
@@ -83,6 +92,19 @@ def _weight_in_kernel_layout(recipe: Recipe) -> bool:
           and not w.four_over_six and recipe.dgrad_w == w)
 
 
+def _codes(recipe: Recipe, gemm: str) -> bool:
+  """Whether `gemm` multiplies NVFP4 codes (a native FP4 grouped GEMM here,
+  `rg.multiplies_codes`) instead of bf16 block values."""
+  return recipe.gemm_format(gemm) == "nvfp4" and rg.multiplies_codes()
+
+
+def _codes_t(q: rg.Grouped) -> rg.Grouped:
+  """Each expert's 16x16-tiled codes transposed (`NVFP4Array.T`: the codes
+  of the transposed weight's quantization, code for code)."""
+  t = NVFP4Array(q.data, q.scales, q.amax, block_2d=True).T
+  return dataclasses.replace(q, data=t.codes, scales=t.scales, values=None)
+
+
 def _layout(recipe: Recipe, group_sizes, m: int, align: str):
   """`(sources, sizes, length)` of the Wgrad operands' token layout (see
   `rg.padded_layout`); with "check"/"assume" the tokens stay in place."""
@@ -117,7 +139,25 @@ def _ragged_fwd(x, w, group_sizes, key, recipe, precision, out_dtype,
 def _fprop(x, w, gs, key, recipe: Recipe, precision, out_dtype, align):
   keys = expert_keys(recipe, key)
   qw_dgrad = None
-  if recipe.fprop_x.quantized:
+  if recipe.fprop_x.quantized and _codes(recipe, "fprop"):
+    # Native FP4: the GEMM multiplies codes (`[E, N, K]` for Fprop).
+    qx = _named("nvfp4_quantize_x", lambda x, k: rg.quantize_rows(
+        x, gs, recipe.fprop_x, k, values=False, codes=True))(
+            x, keys["fprop_x"])
+    if _weight_in_kernel_layout(recipe):
+      qw = _named("nvfp4_quantize_w", lambda w: rg.quantize_experts(
+          w, recipe.fprop_w, None, values=False))(w)
+      qw_dgrad, qw_nk = qw, _codes_t(qw)
+    else:
+      qw_nk = _named("nvfp4_quantize_w", lambda w, k: rg.quantize_experts(
+          jnp.swapaxes(w, 1, 2), recipe.fprop_w, k, values=False))(
+              w, keys["fprop_w"])
+      if recipe.dgrad_w == recipe.fprop_w and recipe.fprop_w.block_2d:
+        qw_dgrad = _codes_t(qw_nk)
+    y = _named("nvfp4_fprop", lambda a, b, alpha: rg.ragged_codes_matmul(
+        a, b, gs, alpha, out_dtype=out_dtype))(qx, qw_nk,
+                                               rg.group_alpha(qx, qw_nk))
+  elif recipe.fprop_x.quantized:
     qx = _named("nvfp4_quantize_x", lambda x, k: rg.quantize_rows(
         x, gs, recipe.fprop_x, k))(x, keys["fprop_x"])
     if _weight_in_kernel_layout(recipe):
@@ -168,7 +208,17 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, align, res, dy):
   saved_x, w, qw_dgrad, gs, key = res
   m = dy.shape[0]
   keys = expert_keys(recipe, key)
-  if recipe.gemm_format("dgrad") != "bf16":
+  if recipe.gemm_format("dgrad") != "bf16" and _codes(recipe, "dgrad"):
+    qdy = _named("nvfp4_quantize_dy", lambda dy, k: rg.quantize_rows(
+        dy, gs, recipe.dgrad_dy, k, values=False, codes=True))(
+            dy, keys["dgrad_dy"])
+    qw = qw_dgrad  # Fprop's `[E, K, N]` codes: Dgrad contracts N.
+    if qw is None:
+      qw = _named("nvfp4_quantize_w", lambda w, k: rg.quantize_experts(
+          w, recipe.dgrad_w, k, values=False))(w, keys["dgrad_w"])
+    dx = _named("nvfp4_dgrad", lambda a, b, alpha: rg.ragged_codes_matmul(
+        a, b, gs, alpha, out_dtype=x_dtype))(qdy, qw, rg.group_alpha(qdy, qw))
+  elif recipe.gemm_format("dgrad") != "bf16":
     qdy = _named("nvfp4_quantize_dy", lambda dy, k: rg.quantize_rows(
         dy, gs, recipe.dgrad_dy, k))(dy, keys["dgrad_dy"])
     if qw_dgrad is not None:
@@ -191,14 +241,21 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, align, res, dy):
         vb_layout="nk", precision=precision))(dy, w)
   if recipe.gemm_format("wgrad") != "bf16":
     sources, sizes, length = _layout(recipe, gs, m, align)
+    codes = _codes(recipe, "wgrad")
     qdyt = _named("nvfp4_quantize_dy", lambda dy, k: rg.quantize_tokens(
         _tokens(dy, sources, length, align), sizes, recipe.wgrad_dy, k,
-        rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector))(
-            dy, keys["wgrad_dy"])
-    dw = _named("nvfp4_wgrad", lambda a, b, alpha: rg.ragged_values_matmul_t(
-        a, b, sizes, alpha, out_dtype=jnp.float32))(
-            saved_x.block_values(), qdyt.values,
-            rg.group_alpha(saved_x, qdyt))
+        rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector,
+        values=not codes, codes=codes))(dy, keys["wgrad_dy"])
+    if codes:  # Native FP4: both operands' codes, `[K, L]` and `[N, L]`.
+      gemm = lambda a, b, alpha: rg.ragged_codes_matmul_t(
+          a, b, sizes, alpha, out_dtype=jnp.float32)
+      operands = (saved_x, qdyt)
+    else:
+      gemm = lambda a, b, alpha: rg.ragged_values_matmul_t(
+          a, b, sizes, alpha, out_dtype=jnp.float32)
+      operands = (saved_x.block_values(), qdyt.values)
+    dw = _named("nvfp4_wgrad", gemm)(*operands,
+                                     rg.group_alpha(saved_x, qdyt))
   else:
     # FP32 accumulation of the operands' own products (widening bf16 to
     # FP32 first, as the dense layer does, gives the same exact products),

@@ -543,3 +543,65 @@ def ragged_values_matmul_t(va: jax.Array, vb: jax.Array,
                                 group_sizes, alpha,
                                 out_dtype=jnp.dtype(out_dtype),
                                 tokens_last=tokens_last, **extra)
+
+
+# ----------------------------------------------------------------------------
+# The GEMMs on codes: native FP4 (Blackwell).
+# ----------------------------------------------------------------------------
+
+
+def _codes_preference(platform: str) -> tuple[str, ...]:
+  # The Triton kernel where `tl.dot_scaled` compiles to a block-scaled MMA;
+  # elsewhere (Hopper) the GEMMs multiply block values (`RAGGED_VALUES_*`).
+  from nvfp4_jax.ops.block_scaled_matmul import triton as dense  # pylint: disable=g-import-not-at-top
+  if platform == "gpu" and dense.has_fp4_mma(dispatch.compute_capability()):
+    return ("triton",)
+  return ()
+
+
+RAGGED_CODES_MATMUL = dispatch.Op("ragged_codes_matmul", {
+    "xla": ref.ragged_codes_matmul,
+    "triton": "nvfp4_jax.ops.ragged_dot.triton:ragged_codes_matmul",
+}, preferred=_codes_preference)
+
+RAGGED_CODES_MATMUL_T = dispatch.Op("ragged_codes_matmul_t", {
+    "xla": ref.ragged_codes_matmul_t,
+    "triton": "nvfp4_jax.ops.ragged_dot.triton:ragged_codes_matmul_t",
+}, preferred=_codes_preference)
+
+
+def multiplies_codes() -> bool:
+  """Whether the grouped NVFP4 GEMMs multiply codes here, so the quantizers
+  write codes: a `default_implementation` naming the kernel ("triton"), or
+  by default where it runs (Blackwell with jax-triton installed; without
+  it the op keeps the block-values GEMMs rather than the reference loop)."""
+  if RAGGED_CODES_MATMUL.order()[0] == "xla":
+    return False
+  if dispatch.current_default() is not None:
+    return True
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  return importlib.util.find_spec("jax_triton") is not None
+
+
+def ragged_codes_matmul(a: Grouped, b: Grouped, group_sizes: jax.Array,
+                        alpha: jax.Array | None = None, *,
+                        out_dtype=jnp.float32,
+                        implementation: str | None = None) -> jax.Array:
+  """`ragged_values_matmul` on NVFP4 codes: row `r` of group `e` times
+  `b[e].T`, `a` `[M, K]` and `b` `[E, N, K]` quantized along K (`Grouped`
+  with codes). implementation: "xla" (the reference on the block values),
+  "triton" (`tl.dot_scaled`, Blackwell), or None."""
+  return RAGGED_CODES_MATMUL(implementation, a.data, a.scales, b.data,
+                             b.scales, group_sizes, alpha,
+                             out_dtype=jnp.dtype(out_dtype))
+
+
+def ragged_codes_matmul_t(a: Grouped, b: Grouped, group_sizes: jax.Array,
+                          alpha: jax.Array | None = None, *,
+                          out_dtype=jnp.float32,
+                          implementation: str | None = None) -> jax.Array:
+  """`ragged_values_matmul_t` (tokens last) on NVFP4 codes: `a [K, L]`,
+  `b [N, L]` quantized along the tokens; `[E, K, N]`."""
+  return RAGGED_CODES_MATMUL_T(implementation, a.data, a.scales, b.data,
+                               b.scales, group_sizes, alpha,
+                               out_dtype=jnp.dtype(out_dtype))

@@ -185,3 +185,36 @@ def ragged_values_matmul_t(va, vb, group_sizes, alpha=None, *,
     return y.astype(out_dtype)
 
   return jax.lax.map(one, jnp.arange(num_groups))
+
+
+# ----------------------------------------------------------------------------
+# GEMMs on codes (what the native FP4 kernels multiply), one group at a time.
+# ----------------------------------------------------------------------------
+
+
+def codes_values(codes: jax.Array, scales: jax.Array) -> jax.Array:
+  """Packed E2M1 codes `[..., C // 2]` and E4M3 scales `[..., C // 16]`: the
+  exact bf16 block values `[..., C]`."""
+  *lead, half = codes.shape
+  nb = half * 2 // nm.NVFP4_BLOCK
+  v = tile.block_values(codes.reshape(-1, nb, nm.NVFP4_BLOCK // 2),
+                        scales.reshape(-1, nb))
+  return v.reshape(*lead, half * 2)
+
+
+def ragged_codes_matmul(a_codes, a_scales, b_codes, b_scales, group_sizes,
+                        alpha=None, *, out_dtype=jnp.float32):
+  """`ragged_values_matmul` (layout "nk") of the operands' block values:
+  row `r` of group `e` times `b[e].T`, `b [E, N, K]` quantized along K."""
+  return ragged_values_matmul(codes_values(a_codes, a_scales),
+                              codes_values(b_codes, b_scales), group_sizes,
+                              alpha, out_dtype=out_dtype, vb_layout="nk")
+
+
+def ragged_codes_matmul_t(a_codes, a_scales, b_codes, b_scales, group_sizes,
+                          alpha=None, *, out_dtype=jnp.float32):
+  """`ragged_values_matmul_t` (tokens last) of the operands' block values:
+  `a [K, L]`, `b [N, L]` quantized along the tokens."""
+  return ragged_values_matmul_t(codes_values(a_codes, a_scales),
+                                codes_values(b_codes, b_scales), group_sizes,
+                                alpha, out_dtype=out_dtype, tokens_last=True)
