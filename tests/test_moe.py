@@ -176,3 +176,48 @@ def test_moe_tiny_trains_within_3_percent_of_bf16(tmp_path):
     final[precision] = result.final_val_loss
   assert final["nvfp4"] < 2.7                    # It learned (starts at 5.5).
   assert abs(final["nvfp4"] / final["bf16"] - 1) < 0.03, final
+
+
+@pytest.mark.slow  # Two NVFP4 programs: ~35 s on two cores.
+def test_padded_dispatch_feeds_the_op_aligned_groups_with_the_same_bits():
+  """The dispatch pads each expert's copies to 16 rows, so `ragged_dot`
+  runs with `align="assume"` (no copy of the tokens inside the op): the
+  experts' output and all gradients are those of the unpadded dispatch bit
+  for bit (NVFP4 with SR and RHT, a capacity that drops copies)."""
+  x = jax.random.normal(jax.random.key(0), (40, 32))
+  r = moe.route(jax.random.normal(jax.random.key(1), (40, 4)) * 2, 2, 0.75)
+  w = {"up": jax.random.normal(jax.random.key(2), (4, 32, 64)) * 0.1,
+       "down": jax.random.normal(jax.random.key(3), (4, 32, 32)) * 0.1}
+  keys = {"up": jax.random.key(4), "down": jax.random.key(5)}
+  seen = []
+
+  class Spy(moe.ExpertGemm):
+    def __call__(self, x, w, gs, **kw):
+      seen.append(kw["aligned"])
+      return super().__call__(x, w, gs, **kw)
+
+  gemms = {n: Spy(recipe=nv.Recipe.nvfp4()) for n in w}
+
+  def run(padded):
+    def f(x, w):
+      if padded:
+        lay = moe.layout(r, 2)
+        out = moe._experts(moe.dispatch(x, r, 2, lay), lay.group_sizes, w,
+                           keys, gemms)
+        return moe.combine(out, r, 2, lay)
+      out = moe._experts(moe.dispatch(x, r, 2), r.group_sizes, w, keys,
+                         gemms, aligned=1)
+      return moe.combine(out, r, 2)
+    @jax.jit
+    def g(x, w):
+      y, vjp = jax.vjp(f, x, w)
+      return y, vjp(jnp.ones_like(y))
+    return g(x, w)
+
+  got, want = run(True), run(False)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
+  assert seen[0] == 16
+  padded_sizes = np.asarray(moe.layout(r, 2).group_sizes)
+  assert np.all(padded_sizes % 16 == 0)
+  assert padded_sizes.sum() > r.group_sizes.sum()   # Zero rows were added.

@@ -18,7 +18,9 @@ run as grouped GEMMs (`nvfp4_jax.ragged_dot`), and the weighted combine.
     combine     y[t] = sum_j weight[t, j] * out[copy (t, j)].
 
 The permutations are gathers with a custom VJP: the transpose of gathering
-by a permutation is gathering by its inverse (no scatter-add).
+by a permutation is gathering by its inverse (no scatter-add). The dispatch
+writes each expert's copies padded to 16 rows (`GROUP_ALIGN`, zero rows), the
+layout the grouped GEMM's Wgrad operands need, so the op copies nothing.
 
 Precision rules address the expert GEMMs by path like any layer
 (".../moe/experts/up", ".../moe/experts/down"), so the paper's selective
@@ -46,6 +48,7 @@ from nvfp4_jax.core import spmd
 from nvfp4_jax.flax.rules import PrecisionRules
 from nvfp4_jax.parallel import current_rules
 from nvfp4_jax.training.dot_general import explicit_mesh
+from nvfp4_jax.ops.ragged_dot.api import alignment
 from nvfp4_jax.training.ragged_dot import ragged_dot
 from jax.sharding import PartitionSpec as P
 
@@ -60,9 +63,10 @@ AUX_LOSS = "moe_aux_loss"
 
 @jax.custom_vjp
 def permute(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
-  """`x[order]` for a permutation `order` of `x`'s rows, `inverse` its
-  inverse; the gradient is the gather `g[inverse]`."""
-  return jnp.take(x, order, axis=0)
+  """`x[order]` (rows), for a one-to-one `order` and `inverse` its inverse;
+  an index out of range (in either) stands for no row: it reads zeros. The
+  gradient is the gather `g[inverse]` (no scatter-add)."""
+  return jnp.take(x, order, axis=0, mode="fill", fill_value=0)
 
 
 def _permute_fwd(x, order, inverse):
@@ -71,7 +75,7 @@ def _permute_fwd(x, order, inverse):
 
 def _permute_bwd(res, g):
   order, inverse = res
-  return jnp.take(g, inverse, axis=0), None, None
+  return jnp.take(g, inverse, axis=0, mode="fill", fill_value=0), None, None
 
 
 permute.defvjp(_permute_fwd, _permute_bwd)
@@ -177,15 +181,81 @@ def route(logits: jax.Array, top_k: int,
                  aux_loss=aux)
 
 
-def dispatch(x: jax.Array, routing: Routing, top_k: int) -> jax.Array:
-  """The token copies `[T * k, D]` in expert order (`x [T, D]`)."""
+# Rows each expert's group of copies is padded to by the layer's dispatch
+# (zero rows): the NVFP4 block and the 16-point RHT's tile along the tokens,
+# so the grouped GEMM's Wgrad operands need no layout of their own
+# (`ragged_dot(..., align="assume")`; a recipe that needs more is padded
+# again by the op). Zero rows change no amax, code, product or sum.
+GROUP_ALIGN = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The copies in expert order, each group padded to `GROUP_ALIGN` rows.
+
+  Attributes:
+    src: int32 `[L]`, the copy at each row (`T * k`, none, for padding).
+    pos: int32 `[T * k]`, each copy's row (`L` for a dropped copy).
+    group_sizes: int32 `[E]`, the padded group sizes.
+  """
+
+  src: jax.Array
+  pos: jax.Array
+  group_sizes: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    Layout, data_fields=["src", "pos", "group_sizes"], meta_fields=[])
+
+
+def group_starts(sizes: jax.Array, align: int) -> tuple[jax.Array, jax.Array]:
+  """`(padded sizes, padded starts)` of groups of `sizes` rows padded to
+  multiples of `align`."""
+  padded = -(-sizes.astype(jnp.int32) // align) * align
+  return padded, jnp.cumsum(padded) - padded
+
+
+def padded_rows(rows: int, num_groups: int, align: int) -> int:
+  """Static room for `rows` rows in `num_groups` groups padded to `align`."""
+  return -(-(rows + num_groups * (align - 1)) // align) * align
+
+
+def layout(routing: Routing, top_k: int, align: int = GROUP_ALIGN) -> Layout:
+  """`routing`'s expert order with every group padded to `align` rows."""
+  rows = routing.order.shape[0]
+  num_groups = routing.group_sizes.shape[0]
+  length = padded_rows(rows, num_groups, align)
+  gs = routing.group_sizes.astype(jnp.int32)
+  padded, pstart = group_starts(gs, align)
+  start = jnp.cumsum(gs) - gs
+  s = jnp.arange(rows, dtype=jnp.int32)
+  g = jnp.searchsorted(jnp.cumsum(gs), s, side="right")     # E: dropped.
+  gi = jnp.minimum(g, num_groups - 1)
+  row_of_sorted = jnp.where(g < num_groups, pstart[gi] + s - start[gi],
+                            length)
+  pos = row_of_sorted[routing.inverse]
+  src = jnp.full((length,), rows, jnp.int32).at[row_of_sorted].set(
+      routing.order, mode="drop")
+  return Layout(src=src, pos=pos, group_sizes=padded)
+
+
+def dispatch(x: jax.Array, routing: Routing, top_k: int,
+             lay: Layout | None = None) -> jax.Array:
+  """The token copies in expert order (`x [T, D]`): `[T * k, D]`, or in the
+  padded layout `lay` (`[L, D]`, zero rows between groups)."""
   copies = jnp.repeat(x, top_k, axis=0)
-  return permute(copies, routing.order, routing.inverse)
+  if lay is None:
+    return permute(copies, routing.order, routing.inverse)
+  return permute(copies, lay.src, lay.pos)
 
 
-def combine(out: jax.Array, routing: Routing, top_k: int) -> jax.Array:
-  """`y [T, D]` from the experts' outputs in expert order."""
-  copies = permute(out, routing.inverse, routing.order)
+def combine(out: jax.Array, routing: Routing, top_k: int,
+            lay: Layout | None = None) -> jax.Array:
+  """`y [T, D]` from the experts' outputs in expert order (or `lay`)."""
+  if lay is None:
+    copies = permute(out, routing.inverse, routing.order)
+  else:
+    copies = permute(out, lay.pos, lay.src)
   t = copies.shape[0] // top_k
   copies = copies.reshape(t, top_k, -1)
   # A weighted sum, not a batched dot: the k copies of a token.
@@ -204,21 +274,6 @@ def swiglu_experts(xs: jax.Array, group_sizes: jax.Array, gemm) -> jax.Array:
 # ----------------------------------------------------------------------------
 # Linen.
 # ----------------------------------------------------------------------------
-
-
-def expert_gemm(x, w, group_sizes, *, path: str, recipe, key, rules=None,
-                dtype=None, precision=None, align: str = "pad"):
-  """The grouped GEMM of the expert projection at `path`, under the rules in
-  scope (`layer_call`: recipe by path, key, late switch)."""
-  dtype = dtype or x.dtype
-
-  def run(r: Recipe, k):
-    a, b = x, w
-    if not r.quantized:
-      a, b = x.astype(dtype), w.astype(dtype)
-    return ragged_dot(a, b, group_sizes, precision, dtype, recipe=r, key=k,
-                      align=align, name=path)
-  return layer_call(run, recipe=recipe, path=path, key=key, rules=rules)
 
 
 class _Experts(nn.Module):
@@ -337,7 +392,10 @@ class ExpertGemm:
   rules: PrecisionRules | None = None
   precision: Any = None
 
-  def __call__(self, x, w, group_sizes, *, key=None, first_expert=0):
+  def __call__(self, x, w, group_sizes, *, key=None, first_expert=0,
+               aligned: int = 1):
+    """`aligned`: every group already starts on a multiple of this many
+    rows (the layer's padded dispatch)."""
     path = self.path or ""
     dtype = x.dtype
 
@@ -345,16 +403,22 @@ class ExpertGemm:
       a, b = x, w
       if not r.quantized:
         a, b = x.astype(dtype), w.astype(dtype)
+      need = (alignment(r.wgrad_x, r.rht_size)
+              if r.gemm_format("wgrad") != "bf16" else 1)
       return ragged_dot(a, b, group_sizes, self.precision, dtype, recipe=r,
-                        key=k, name=path, first_expert=first_expert)
+                        key=k, name=path, first_expert=first_expert,
+                        align="assume" if aligned % need == 0 else "pad")
     return layer_call(run, recipe=self.recipe, path=path, key=key,
                       rules=self.rules)
 
 
-def _experts(xs, group_sizes, weights, keys, gemms, first_expert=0):
-  """SwiGLU experts on sorted copies with the stacked `weights`."""
+def _experts(xs, group_sizes, weights, keys, gemms, first_expert=0,
+             aligned=GROUP_ALIGN):
+  """SwiGLU experts on sorted copies with the stacked `weights` (each group
+  padded to `aligned` rows)."""
   return swiglu_experts(xs, group_sizes, lambda x, gs, n: gemms[n](
-      x, weights[n], gs, key=keys[n], first_expert=first_expert))
+      x, weights[n], gs, key=keys[n], first_expert=first_expert,
+      aligned=aligned))
 
 
 def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
@@ -375,9 +439,10 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
   rules = current_rules()
   if rules is None or rules.expert is None or rules.sizes[rules.expert] == 1:
     routing = route(router_logits(x, router), top_k, capacity_factor)
-    out = _experts(dispatch(x, routing, top_k), routing.group_sizes,
+    lay = layout(routing, top_k)
+    out = _experts(dispatch(x, routing, top_k, lay), lay.group_sizes,
                    weights, keys, gemms)
-    return combine(out, routing, top_k), routing.aux_loss
+    return combine(out, routing, top_k, lay), routing.aux_loss
   num_experts = router.shape[1]
   n = rules.sizes[rules.expert]
   if num_experts % n:
@@ -401,13 +466,17 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
     j = jnp.arange(rows, dtype=jnp.int32)
     src = start[:, None] + j[None, :]                         # [n, rows]
     valid = j[None, :] < count[:, None]
-    send = jnp.where(valid[..., None],
-                     jnp.take(xs, jnp.minimum(src, rows - 1), axis=0), 0)
+    # Every exchange is a gather both ways (`permute`): XLA's row scatters
+    # are slow on a GPU.
+    dst = jnp.where(valid, src, rows).reshape(-1)  # Sent row -> copy.
+    sent_at = _inverse(dst, rows)                  # Copy -> sent row.
+    send = permute(xs, dst, sent_at).reshape(n, rows, -1)
     recv = jax.lax.all_to_all(send, rules.expert, 0, 0)      # [n, rows, D]
     got = jax.lax.all_to_all(sent, rules.expert, 0, 0)       # [n, local]
-    # Compact: local expert e's copies from peer 0, then peer 1, ...
-    sizes = jnp.sum(got, axis=0)
-    first = jnp.cumsum(sizes) - sizes
+    # Compact: local expert e's copies from peer 0, then peer 1, ..., each
+    # expert's group padded to `GROUP_ALIGN` rows.
+    sizes, first = group_starts(jnp.sum(got, axis=0), GROUP_ALIGN)
+    length = padded_rows(n * rows, local, GROUP_ALIGN)
     before = jnp.cumsum(got, axis=0) - got                    # [n, local]
     starts = jnp.cumsum(got, axis=1) - got                    # [n, local]
     e = jax.vmap(lambda g: jnp.searchsorted(jnp.cumsum(g), j,
@@ -416,16 +485,13 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
     e = jnp.minimum(e, local - 1)
     take = lambda a: jnp.take_along_axis(a, e, axis=1)
     dest = jnp.where(ok, first[e] + take(before) + j[None, :] - take(starts),
-                     n * rows).reshape(-1)
-    xc = jnp.zeros((n * rows, xs.shape[1]), xs.dtype).at[dest].set(
-        recv.reshape(-1, xs.shape[1]), mode="drop", unique_indices=True)
+                     length).reshape(-1)            # Received row -> row.
+    xc = permute(recv.reshape(n * rows, -1), _inverse(dest, length), dest)
     me = jax.lax.axis_index(rules.expert)
     out = _experts(xc, sizes, weights, keys, gemms, first_expert=me * local)
-    back = jnp.take(out, dest, axis=0, mode="fill", fill_value=0)
+    back = permute(out, dest, _inverse(dest, length))
     ret = jax.lax.all_to_all(back.reshape(n, rows, -1), rules.expert, 0, 0)
-    dst = jnp.where(valid, src, rows).reshape(-1)
-    out_xs = jnp.zeros_like(xs).at[dst].set(
-        ret.reshape(n * rows, -1), mode="drop", unique_indices=True)
+    out_xs = permute(ret.reshape(n * rows, -1), sent_at, dst)
     return combine(out_xs, routing, top_k), routing.aux_loss
 
   tok = P(spmd.entry(tokens), None)
@@ -434,6 +500,15 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
       in_specs=(tok, P(), {k: w_spec for k in weights},
                 {k: P() for k in keys}),
       out_specs=(tok, P()), check_vma=False)(x, router, weights, keys)
+
+
+def _inverse(index: jax.Array, length: int) -> jax.Array:
+  """The inverse of a one-to-one row map `index` (`[n]`, entries past
+  `length` for no row): `[length]`, the source of each row, `n` for none.
+  An integer scatter of `n` indices (the rows themselves are gathered)."""
+  n = index.shape[0]
+  return jnp.full((length,), n, jnp.int32).at[index].set(
+      jnp.arange(n, dtype=jnp.int32), mode="drop")
 
 
 def _whole(a: jax.Array):
