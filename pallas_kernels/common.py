@@ -856,3 +856,163 @@ def store(ref, value: jax.Array, mask: jax.Array | None) -> None:
   else:
     plt.store(ref, value, mask=mask)
 
+
+
+# --- Blackwell's packed FP32 (`.f32x2`, sm_100a/sm_103a) ---------------------
+#
+# PTX ISA (`add`, `sub`, `mul`, "Floating Point Instructions"; PTX 8.6,
+# sm_100 and up): with type `.f32x2` the operands are `.b64` register pairs
+# and each lane is the `.f32` instruction of the same rounding and `.ftz`
+# (`d[i] = a[i] op b[i]`, i = 0, 1: bits 0-31 and 32-63). So a paired
+# instruction is bit for bit the two scalar ones it replaces; `mov.b64 x,
+# {a, b}` puts `a` in lane 0 (bits 0-31), which `mov.b64 {a, b}, x` reads
+# back. ptxas allocates the pairs as adjacent registers (FADD2, FMUL2: no
+# moves in the SASS). Interpreted, each helper is its scalar jnp twin.
+
+
+def _x2_asm(body: str) -> str:
+  return ("{\n.reg .b64 a, b, d;\nmov.b64 a, {$2, $3};\n" + body
+          + "\nmov.b64 {$0, $1}, d;\n}")
+
+
+def _x2_call(asm: str, args: list[jax.Array]) -> jax.Array:
+  args = jnp.broadcast_arrays(*[jnp.asarray(a, jnp.float32) for a in args])
+  constraints = "=f,=f," + ",".join(["f", "f"] * len(args))
+  [out] = plt.elementwise_inline_asm(
+      asm, args=list(args), constraints=constraints, pack=2,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])
+  return out
+
+
+def add_x2(interpret: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """FP32 `a + b` (round to nearest even, subnormals kept: `add.rn.f32`),
+  two lanes per `add.rn.f32x2` on the GPU."""
+  if interpret:
+    return jnp.add
+  asm = _x2_asm("mov.b64 b, {$4, $5};\nadd.rn.f32x2 d, a, b;")
+  return lambda a, b: _x2_call(asm, [a, b])
+
+
+def sub_x2(interpret: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """FP32 `a - b` (`sub.rn.f32`), two lanes per `sub.rn.f32x2`."""
+  if interpret:
+    return jnp.subtract
+  asm = _x2_asm("mov.b64 b, {$4, $5};\nsub.rn.f32x2 d, a, b;")
+  return lambda a, b: _x2_call(asm, [a, b])
+
+
+def mul_ftz_const_x2(interpret: bool, c: float
+                     ) -> Callable[[jax.Array], jax.Array]:
+  """`ftz(x) * c` with its product flushed (`mul.rn.ftz.f32` by the FP32
+  constant `c`, `ftz_multiply`'s), two lanes per `mul.rn.ftz.f32x2` with
+  `c` an immediate operand of both lanes."""
+  c = np.float32(c)
+  if interpret:
+    return lambda x: nm.ftz(nm.ftz(x) * c)
+  k = f"0f{int(c.view(np.uint32)):08X}"
+  asm = _x2_asm(f"mov.b64 b, {{{k}, {k}}};\nmul.rn.ftz.f32x2 d, a, b;")
+  return lambda x: _x2_call(asm, [x])
+
+
+def round_bf16_words(interpret: bool
+                     ) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """`tile.round_hadamard` of two FP32 arrays, packed: the uint32 word of
+  the bf16 pair `(bf16(ftz(lo)), bf16(ftz(hi)))` (`lo` in bits 0-15, as
+  `tile.value_pairs`). On the GPU per pair: one `add.rn.ftz.f32x2` of -0
+  (flushes subnormals to signed zeros, passes everything else: `x + -0 =
+  x`, also for +0; the `cvt.ftz.f32.f32` of `round_hadamard`) and one
+  `cvt.rn.bf16x2.f32` (round to nearest even; its first source to the
+  upper half)."""
+  if interpret:
+    def rnd(lo, hi):
+      bits = lambda v: jax.lax.bitcast_convert_type(
+          nm.ftz(v).astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
+      return bits(lo) | (bits(hi) << 16)
+    return rnd
+  # Two words per instance: lanes pair neighbouring elements of one array,
+  # as the butterfly's packed additions left them (no register moves).
+  asm = """{
+.reg .b64 a, b, z;
+.reg .b32 l0, l1, h0, h1;
+mov.b64 z, {0f80000000, 0f80000000};
+mov.b64 a, {$2, $3};
+add.rn.ftz.f32x2 a, a, z;
+mov.b64 {l0, l1}, a;
+mov.b64 b, {$4, $5};
+add.rn.ftz.f32x2 b, b, z;
+mov.b64 {h0, h1}, b;
+cvt.rn.bf16x2.f32 $0, h0, l0;
+cvt.rn.bf16x2.f32 $1, h1, l1;
+}"""
+
+  def rnd(lo, hi):
+    lo, hi = jnp.broadcast_arrays(jnp.asarray(lo, jnp.float32),
+                                  jnp.asarray(hi, jnp.float32))
+    [out] = plt.elementwise_inline_asm(
+        asm, args=[lo, hi], constraints="=r,=r,f,f,f,f", pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(lo.shape, jnp.int32)])
+    # Triton's integers are signless: results are declared signed.
+    return jax.lax.bitcast_convert_type(out, jnp.uint32)
+  return rnd
+
+
+def max_magnitude_words(interpret: bool
+                        ) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """`max_magnitude` of bf16 pairs held as uint32 words (`round_bf16_words`'
+  form), lane by lane: one `max.NaN.xorsign.abs.bf16x2` per word on the
+  GPU; interpreted, its twin (a NaN lane gives the canonical bf16 NaN
+  0x7FFF, else the larger magnitude; the result's signs are undefined and
+  the twin's are 0)."""
+  if interpret:
+    def mx(a, b):
+      def lane(w, shift):
+        return jax.lax.bitcast_convert_type(
+            ((w >> shift) & jnp.uint32(0xFFFF)) << 16, jnp.float32)
+      out = jnp.uint32(0)
+      for shift in (0, 16):
+        va, vb = lane(a, shift), lane(b, shift)
+        m = jnp.where(jnp.isnan(va) | jnp.isnan(vb), jnp.float32(jnp.nan),
+                      jnp.maximum(jnp.abs(va), jnp.abs(vb)))
+        bits = jax.lax.bitcast_convert_type(m, jnp.uint32) >> 16
+        bits = jnp.where(jnp.isnan(m), jnp.uint32(0x7FFF), bits)
+        out = out | (bits << shift)
+      return out
+    return mx
+
+  def mx(a, b):
+    a, b = jnp.broadcast_arrays(a, b)
+    [out] = plt.elementwise_inline_asm(
+        "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;", args=[a, b],
+        constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])
+    return jax.lax.bitcast_convert_type(out, jnp.uint32)
+  return mx
+
+
+def words_scale_constants(amax: jax.Array, interpret: bool
+                          ) -> tuple[jax.Array, jax.Array]:
+  """`numerics.nvfp4_scale_constants(amax)` for the word paths: `1 / S_enc`
+  by `exact_reciprocal` (`rcp.rn.f32`, the same bits as `div.rn.f32` of
+  1) and its flush by `flush`."""
+  s_enc = nm.global_encode_scale(amax, divide=exact_divide(interpret))
+  s_enc_over_6 = s_enc * jnp.float32(1.0 / nm.E2M1_MAX)
+  inv_s_enc = flush(interpret)(exact_reciprocal(interpret)(s_enc))
+  return s_enc_over_6, inv_s_enc
+
+
+def words_encode(even: jax.Array, odd: jax.Array, bamax: jax.Array,
+                 s_enc_over_6: jax.Array, inv_s_enc: jax.Array,
+                 interpret: bool) -> tuple[jax.Array, jax.Array]:
+  """`tile.encode_blocks`' round-to-nearest codes and scales of blocks
+  given as their even and odd elements (FP32 `[..., nb, 8]` each, a block
+  in one thread's registers) and their flushed block amax `[..., nb]`:
+  `(packed uint8 [..., nb, 8], scales e4m3 [..., nb])`. The steps of
+  `nvfp4_block_decode_scale` / `nvfp4_block_encode_scale` with the
+  reciprocal as `rcp.rn` and the flush as `cvt.ftz`, then
+  `scale_encode_codes` (blocks NaN as a whole; where the E2M1 conversion
+  exists)."""
+  scales = nm.nvfp4_block_decode_scale(bamax, s_enc_over_6)
+  enc = exact_reciprocal(interpret)(
+      flush(interpret)(scales.astype(jnp.float32) * inv_s_enc))
+  enc = jnp.where(enc > nm.F32_MAX, jnp.float32(nm.F32_MAX), enc)
+  return scale_encode_codes(even, odd, enc, interpret), scales

@@ -517,6 +517,74 @@ def test_rht_columns_small_tiles_many_grid_steps(rounding):
   assert f32_bits(vals.amax) == f32_bits(got.amax)
 
 
+def test_rht_columns_words_path(monkeypatch):
+  """The columns kernel's path of Blackwell's round-to-nearest codes
+  (`_columns_words`: packed FP32 butterfly, bf16-pair rounding and block
+  amax, the word encoder), interpreted with its assembly's software twins,
+  partial tiles along both axes: the reference's scales, and its codes
+  outside NaN blocks (there 0, the GPU's canonical NaN; the reference's
+  are 0 or 8). NaN, Inf, zero and subnormal blocks included."""
+  calls = []
+  words = pallas_rht._columns_words
+  monkeypatch.setattr(pallas_rht, "COLUMNS_WORDS_INTERPRETED", True)
+  monkeypatch.setattr(pallas_rht, "_columns_words",
+                      lambda *a: calls.append(1) or words(*a))
+  x = np.asarray(rht_input((48, 24), jnp.bfloat16, seed=24), np.float32)
+  x[3, 5] = np.nan       # Feature 5's first 16-token block: NaN.
+  x[16:32, 9] = 0        # A zero block.
+  x[40, 11] = np.inf     # Its block saturates.
+  x[0:16, 13] = 1e-39    # Subnormal inputs: flushed.
+  x[32:48, 17] = 2.0**-125  # Normal bf16, products by 1/4 flushed.
+  x = jnp.asarray(x, jnp.bfloat16)
+  cfg = pallas_rht.ColumnsConfig(blocks=2, block_features=16)
+  amax = jnp.float32(11.0)
+  got = jax.jit(lambda x: pallas_rht.quantize_rht_t(x, config=cfg,
+                                                    amax=amax))(x)
+  assert calls  # The path ran.
+  want = jit_xla(rht_t_api.quantize_rht_t, amax=amax)(x)
+  s_got, s_want = (np.asarray(jax.lax.bitcast_convert_type(q.scales,
+                                                           jnp.uint8))
+                   for q in (got, want))
+  np.testing.assert_array_equal(s_got, s_want)
+  nan = np.repeat(np.isnan(np.asarray(want.scales, np.float32)), 8, axis=1)
+  assert nan.any() and not nan.all()
+  c_got, c_want = np.asarray(got.codes), np.asarray(want.codes)
+  np.testing.assert_array_equal(c_got[~nan], c_want[~nan])
+  assert (c_got[nan] == 0).all()
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="the packed FP32 and E2M1 assembly runs on the GPU")
+def test_rht_columns_words_path_on_blackwell():
+  """On a Blackwell GPU with the E2M1 conversion (`common.hardware_e2m1`)
+  the columns kernel's round-to-nearest codes take `_columns_words`'
+  assembly (`add/sub/mul.f32x2`, `add.ftz.f32x2` + `cvt.rn.bf16x2.f32`,
+  `max.NaN.xorsign.abs.bf16x2`, the word encoder): the reference's scales,
+  and its codes outside NaN blocks (0 there), at the default tiles, with
+  NaN, Inf, zero and tiny blocks."""
+  if not common.hardware_e2m1():
+    pytest.skip("needs a GPU with the E2M1 conversion (cc 10.0 / 10.3)")
+  x = np.asarray(rht_input((1024, 640), jnp.bfloat16, seed=25), np.float32)
+  x[3, 5] = np.nan
+  x[16:32, 9] = 0
+  x[40, 11] = np.inf
+  x[48:64, 13] = 1e-39
+  x[64:80, 17] = 2.0**-125
+  x[80:96, 19] = 2.0**-120
+  x = jnp.asarray(x, jnp.bfloat16)
+  amax = jnp.float32(13.0)
+  got = jax.jit(lambda x: pallas_rht.quantize_rht_t(x, amax=amax))(x)
+  want = jit_xla(rht_t_api.quantize_rht_t, amax=amax)(x)
+  s_got, s_want = (np.asarray(jax.lax.bitcast_convert_type(q.scales,
+                                                           jnp.uint8))
+                   for q in (got, want))
+  np.testing.assert_array_equal(s_got, s_want)
+  nan = np.repeat(np.isnan(np.asarray(want.scales, np.float32)), 8, axis=1)
+  c_got, c_want = np.asarray(got.codes), np.asarray(want.codes)
+  np.testing.assert_array_equal(c_got[~nan], c_want[~nan])
+  assert (c_got[nan] == 0).all()
+
+
 @pytest.mark.parametrize("value,nonzero", [(2.0**-125, False),
                                            (-1.5 * 2.0**-124, True)])
 def test_rht_columns_flushes_products_as_the_reference(value, nonzero):

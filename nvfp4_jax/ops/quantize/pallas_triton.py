@@ -85,10 +85,7 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
   if grouped:
     amax = amax.reshape(rows, 1)  # One tensor per row: [rows, 1] constants.
   if words:  # `nm.nvfp4_scale_constants`, 1 / S_enc by `rcp.rn`.
-    s_enc = nm.global_encode_scale(amax, divide=divide)
-    s_enc_over_6 = s_enc * jnp.float32(1.0 / nm.E2M1_MAX)
-    inv_s_enc = common.flush(interpret)(
-        common.exact_reciprocal(interpret)(s_enc))
+    s_enc_over_6, inv_s_enc = common.words_scale_constants(amax, interpret)
   else:
     s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
         amax, divide=divide, four_over_six=four_over_six)
@@ -104,14 +101,9 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
     while pm.shape[-1] > 1:  # Halving the block's 8 pair maxima.
       pm = mx(*jnp.unstack(pm.reshape(*pm.shape[:-1], -1, 2), axis=-1))
     bamax = flush(_tile_amax(tile.abs_max(pm, axis=-1), block_2d))
-    scales = nm.nvfp4_block_decode_scale(bamax, s_enc_over_6)
-    # `nm.nvfp4_block_encode_scale`, its flush one `cvt.ftz` (`common.flush`).
-    enc = common.exact_reciprocal(interpret)(
-        flush(scales.astype(jnp.float32) * inv_s_enc))
-    enc = jnp.where(enc > nm.F32_MAX, jnp.float32(nm.F32_MAX), enc)
-    common.store(codes_ref, common.scale_encode_codes(even, odd, enc,
-                                                      interpret),
-                 mask[B // 2])
+    packed, scales = common.words_encode(even, odd, bamax, s_enc_over_6,
+                                         inv_s_enc, interpret)
+    common.store(codes_ref, packed, mask[B // 2])
     common.store(scales_ref, scales, mask[0])
     return
   x = common.load(x_ref, mask[B]).astype(jnp.float32)  # Flushed when scaled.
