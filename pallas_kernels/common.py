@@ -905,13 +905,28 @@ def mul_ftz_const_x2(interpret: bool, c: float
                      ) -> Callable[[jax.Array], jax.Array]:
   """`ftz(x) * c` with its product flushed (`mul.rn.ftz.f32` by the FP32
   constant `c`, `ftz_multiply`'s), two lanes per `mul.rn.ftz.f32x2` with
-  `c` an immediate operand of both lanes."""
+  `c` an immediate operand of both lanes; FP32 or bf16 `x` (a bf16 pair
+  widened in the same assembly, two instructions per pair). Interpreted,
+  `ftz_multiply`'s twin."""
   c = np.float32(c)
   if interpret:
-    return lambda x: nm.ftz(nm.ftz(x) * c)
+    return lambda x: nm.ftz(x.astype(jnp.float32)) * c
   k = f"0f{int(c.view(np.uint32)):08X}"
   asm = _x2_asm(f"mov.b64 b, {{{k}, {k}}};\nmul.rn.ftz.f32x2 d, a, b;")
-  return lambda x: _x2_call(asm, [x])
+  # bf16 `x`: the pair's register widened by a shift and a mask (exact).
+  asm_bf16 = ("{\n.reg .b64 a, b;\n.reg .b32 l, h;\nshl.b32 l, $2, 16;\n"
+              "and.b32 h, $2, 0xFFFF0000;\nmov.b64 a, {l, h};\n"
+              f"mov.b64 b, {{{k}, {k}}};\nmul.rn.ftz.f32x2 a, a, b;\n"
+              "mov.b64 {$0, $1}, a;\n}")
+
+  def mul(x):
+    if x.dtype != jnp.bfloat16:
+      return _x2_call(asm, [x])
+    [out] = plt.elementwise_inline_asm(
+        asm_bf16, args=[x], constraints="=f,=f,r", pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return out
+  return mul
 
 
 def round_bf16_words(interpret: bool
@@ -1016,3 +1031,67 @@ def words_encode(even: jax.Array, odd: jax.Array, bamax: jax.Array,
       flush(interpret)(scales.astype(jnp.float32) * inv_s_enc))
   enc = jnp.where(enc > nm.F32_MAX, jnp.float32(nm.F32_MAX), enc)
   return scale_encode_codes(even, odd, enc, interpret), scales
+
+
+def words_encode_values(even: jax.Array, odd: jax.Array, bamax: jax.Array,
+                        s_enc_over_6: jax.Array, inv_s_enc: jax.Array,
+                        interpret: bool):
+  """`words_encode` and the blocks' bf16 values as uint32 pairs
+  (`words_values`): `(packed, scales, value pairs)`."""
+  packed, scales = words_encode(even, odd, bamax, s_enc_over_6, inv_s_enc,
+                                interpret)
+  return packed, scales, words_values(packed, scales.astype(jnp.float32),
+                                      interpret)
+
+
+def _words_values_asm() -> str:
+  """4 pairs' bf16 block values (`$0-$3`, even element low) from their
+  packed codes (`$4`: byte k is pair k's, the odd element's code high) and
+  the block's decoded scale (`$5`, FP32; `$6-$8` the same value).
+
+  Exact, per the PTX ISA (`cvt` with `.e2m1x2` sources, sm_100a/sm_103a):
+  `cvt.rn.f16x2.e2m1x2` converts both codes of a byte to f16 (every E2M1
+  value, signed zeros included, is an f16; the upper nibble to the upper
+  half), `cvt.rn.f16.f32` of `d` is exact (every E4M3 value, 2^-9 ..
+  448, is an f16; NaN stays NaN), and the mixed-precision
+  `fma.rn.f32.f16` (f16 multiplicands, FP32 addend and result: PTX ISA
+  `fma`, sm_100) of code value, `d` and -0 is their product, exact in
+  FP32 (at most 2 x 4 significant bits, magnitudes 2^-10 .. 2688: no
+  rounding, no subnormal; the -0 addend keeps the product's signed zero),
+  and
+  `cvt.rn.bf16x2.f32` of it is exact (6 significant bits, within bf16's
+  normal range): `bf16(e2m1_decode(code) * d)`, the reference's values. A
+  NaN `d` (a NaN block) gives NaN values."""
+  body = ["mov.b32 {c0, c1, c2, c3}, $4;", "cvt.rn.f16.f32 dh, $5;"]
+  for k in range(4):
+    body += [f"cvt.rn.f16x2.e2m1x2 h, c{k};", "mov.b32 {he, ho}, h;",
+             "fma.rn.f32.f16 e, he, dh, 0f80000000;",
+             "fma.rn.f32.f16 o, ho, dh, 0f80000000;",
+             f"cvt.rn.bf16x2.f32 ${k}, o, e;"]
+  return ("{\n.reg .b32 h, e, o;\n.reg .b16 he, ho, dh;\n"
+          ".reg .b8 c0, c1, c2, c3;\n"
+          + "\n".join(body) + "\n}")
+
+
+_WORDS_VALUES_ASM = _words_values_asm()
+
+
+def words_values(packed: jax.Array, d: jax.Array, interpret: bool
+                 ) -> jax.Array:
+  """The bf16 block values of packed codes `[..., nb, 8]` (uint8, even
+  element low) under their blocks' decoded scales `d` (FP32 `[..., nb]`),
+  as uint32 value pairs (`tile.value_pairs`): on the GPU
+  `_WORDS_VALUES_ASM` (hardware E2M1 decoding, where `hardware_e2m1`);
+  interpreted, `bf16(e2m1_decode(code) * d)`."""
+  if interpret:
+    db = d[..., None]
+    half = lambda c: jax.lax.bitcast_convert_type(
+        (nm.e2m1_decode(c) * db).astype(jnp.bfloat16),
+        jnp.uint16).astype(jnp.uint32)
+    return half(packed & 0xF) | (half(packed >> 4) << 16)
+  db = jnp.broadcast_to(d[..., None], packed.shape)
+  [vals] = plt.elementwise_inline_asm(
+      _WORDS_VALUES_ASM, args=[packed.astype(jnp.uint8), db],
+      constraints="=r,=r,=r,=r,r,f,f,f,f", pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.int32)])
+  return jax.lax.bitcast_convert_type(vals, jnp.uint32)

@@ -60,8 +60,8 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
                     grouped: bool = False):
   """The quantize kernel's program.
 
-  With `words`, Blackwell's round-to-nearest codes from bf16 pairs (see
-  below). With `grouped`, each row is quantized as a row of its own tensor
+  With `words`, Blackwell's round-to-nearest codes (and block values) from
+  bf16 pairs (see below). With `grouped`, each row is quantized as a row of its own tensor
   (the grouped quantizer of `nvfp4_jax.ops.ragged_dot.pallas_triton`): the
   amax ref holds one tensor amax per row `[rows]`, and with stochastic
   rounding the seeds refs one pair per row (`[rows]` each) and the origin
@@ -103,8 +103,12 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
     bamax = flush(_tile_amax(tile.abs_max(pm, axis=-1), block_2d))
     packed, scales = common.words_encode(even, odd, bamax, s_enc_over_6,
                                          inv_s_enc, interpret)
-    common.store(codes_ref, packed, mask[B // 2])
-    common.store(scales_ref, scales, mask[0])
+    if with_codes:
+      common.store(codes_ref, packed, mask[B // 2])
+      common.store(scales_ref, scales, mask[0])
+    if with_values:  # Decoded from the codes: `common.words_values`.
+      common.store(values_ref, common.words_values(
+          packed, scales.astype(jnp.float32), interpret), mask[B // 2])
     return
   x = common.load(x_ref, mask[B]).astype(jnp.float32)  # Flushed when scaled.
   rwords = None
@@ -148,9 +152,10 @@ WORDS_INTERPRETED = False
 def wide_tiles(stochastic: bool, with_values: bool,
                four_over_six: bool) -> bool:
   """Whether `default_config(wide=True)` applies: round-to-nearest codes
-  only, where the kernel converts with Blackwell's E2M1 conversion."""
-  return (not (stochastic or with_values or four_over_six)
-          and common.hardware_e2m1())
+  (and block values), where the kernel converts with Blackwell's E2M1
+  conversion (the word path)."""
+  del with_values  # Decoded from the codes on that path.
+  return not (stochastic or four_over_six) and common.hardware_e2m1()
 
 
 def quantize(x: jax.Array, *, block_2d: bool = False,
@@ -205,9 +210,9 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
     args += [prng.seeds_from_key(key), origin]
   # Blackwell's round-to-nearest codes read bf16 pairs as uint32 words
   # (`WORDS_INTERPRETED`: also interpreted, the assembly's software twins).
-  words = ((WORDS_INTERPRETED if interpret else wide_tiles(
-      stochastic, with_values, four_over_six)) and x.dtype == jnp.bfloat16
-           and with_codes and not (stochastic or with_values or four_over_six))
+  # Codes, block values or both (the values decoded from the codes).
+  words = ((WORDS_INTERPRETED if interpret else common.hardware_e2m1())
+           and x.dtype == jnp.bfloat16 and not (stochastic or four_over_six))
   if words:
     in_specs.append(pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)))
     args.append(jax.lax.bitcast_convert_type(

@@ -394,7 +394,7 @@ def _columns_words(rows: list[jax.Array], amax: jax.Array,
   """
   mul = lambda v, c: common.mul_ftz_const_x2(interpret, c)(v)
   sums = tile.hadamard_butterfly(
-      [r.astype(jnp.float32) for r in rows], sign_vector, multiply=mul,
+      list(rows), sign_vector, multiply=mul,
       add=common.add_x2(interpret), subtract=common.sub_x2(interpret))
   rnd = common.round_bf16_words(interpret)
   words = [rnd(sums[2 * j], sums[2 * j + 1]) for j in range(B // 2)]
