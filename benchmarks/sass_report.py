@@ -63,7 +63,8 @@ _CLASSES = {
             "SHR PRMT LEA ISETP IMNMX VIMNMX IABS BFE BFI BMSK FLO POPC BREV "
             "SGXT IDP ISCADD VIADD VIADDMNMX VIMNMX3").split(),
     "fp32": ("FADD FMUL FFMA FMNMX FSETP FSET FCHK MUFU FRND FSWZADD FADD32I "
-             "FMUL32I FFMA32I FMNMX3 FMUL2 FFMA2 FADD2").split(),  # x2: sm_100.
+             "FMUL32I FFMA32I FMNMX3 FMUL2 FFMA2 FADD2 "  # x2: sm_100.
+             "FHFMA").split(),  # FHFMA: sm_100's fma.rn.f32.f16.
     "fp16x2": "HADD2 HMUL2 HFMA2 HMNMX2 HSETP2 HSET2 HADD2.F32".split(),
     "cvt": "F2F F2I I2F F2FP I2FP F2IP I2I I2IP FRND.F16".split(),
     "mov/sel": "MOV SEL FSEL CS2R S2R S2UR R2UR P2R R2P PLOP3 VOTE".split(),
@@ -225,6 +226,7 @@ def _cases() -> list[Case]:
   qc = pq.default_config(n, n)
   wc1 = pq.default_config(n, n, wide=wide)
   wc2 = pq.default_config(n, n, True, wide=wide)
+  wcv = pq.default_config(n, n, wide=pq.wide_tiles(False, True, False))
   rc = pr.default_config(n, n)
   q_tile = f"{qc.block_rows}x{qc.block_cols}"
   r_tile = f"{rc.block_tokens}x{rc.block_features} (tok x feat)"
@@ -282,8 +284,13 @@ def _cases() -> list[Case]:
       Case("quantize_2d", "nvfp4_quantize_2d", q(block_2d=True),
            f"{wc2.block_rows}x{wc2.block_cols}",
            wc2.block_rows * wc2.block_cols),
-      Case("quantize_values", "nvfp4_quantize", q(with_values=True), q_tile,
-           qc.block_rows * qc.block_cols),
+      Case("quantize_values", "nvfp4_quantize", q(with_values=True),
+           f"{wcv.block_rows}x{wcv.block_cols}",
+           wcv.block_rows * wcv.block_cols),
+      Case("quantize_values_only", "nvfp4_quantize_values",  # X's values
+           q(with_values=True, with_codes=False),  # in Blackwell's split pair.
+           f"{wcv.block_rows}x{wcv.block_cols}",
+           wcv.block_rows * wcv.block_cols),
       Case("block_values", "nvfp4_block_values", block_values, q_tile,
            qc.block_rows * qc.block_cols),
       Case("quantize_sr_values", "nvfp4_quantize_values",  # dY's Dgrad op.

@@ -856,3 +856,242 @@ def store(ref, value: jax.Array, mask: jax.Array | None) -> None:
   else:
     plt.store(ref, value, mask=mask)
 
+
+
+# --- Blackwell's packed FP32 (`.f32x2`, sm_100a/sm_103a) ---------------------
+#
+# PTX ISA (`add`, `sub`, `mul`, "Floating Point Instructions"; PTX 8.6,
+# sm_100 and up): with type `.f32x2` the operands are `.b64` register pairs
+# and each lane is the `.f32` instruction of the same rounding and `.ftz`
+# (`d[i] = a[i] op b[i]`, i = 0, 1: bits 0-31 and 32-63). So a paired
+# instruction is bit for bit the two scalar ones it replaces; `mov.b64 x,
+# {a, b}` puts `a` in lane 0 (bits 0-31), which `mov.b64 {a, b}, x` reads
+# back. ptxas allocates the pairs as adjacent registers (FADD2, FMUL2: no
+# moves in the SASS). Interpreted, each helper is its scalar jnp twin.
+
+
+def _x2_asm(body: str) -> str:
+  return ("{\n.reg .b64 a, b, d;\nmov.b64 a, {$2, $3};\n" + body
+          + "\nmov.b64 {$0, $1}, d;\n}")
+
+
+def _x2_call(asm: str, args: list[jax.Array]) -> jax.Array:
+  args = jnp.broadcast_arrays(*[jnp.asarray(a, jnp.float32) for a in args])
+  constraints = "=f,=f," + ",".join(["f", "f"] * len(args))
+  [out] = plt.elementwise_inline_asm(
+      asm, args=list(args), constraints=constraints, pack=2,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])
+  return out
+
+
+def add_x2(interpret: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """FP32 `a + b` (round to nearest even, subnormals kept: `add.rn.f32`),
+  two lanes per `add.rn.f32x2` on the GPU."""
+  if interpret:
+    return jnp.add
+  asm = _x2_asm("mov.b64 b, {$4, $5};\nadd.rn.f32x2 d, a, b;")
+  return lambda a, b: _x2_call(asm, [a, b])
+
+
+def sub_x2(interpret: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """FP32 `a - b` (`sub.rn.f32`), two lanes per `sub.rn.f32x2`."""
+  if interpret:
+    return jnp.subtract
+  asm = _x2_asm("mov.b64 b, {$4, $5};\nsub.rn.f32x2 d, a, b;")
+  return lambda a, b: _x2_call(asm, [a, b])
+
+
+def mul_ftz_const_x2(interpret: bool, c: float
+                     ) -> Callable[[jax.Array], jax.Array]:
+  """`ftz(x) * c` with its product flushed (`mul.rn.ftz.f32` by the FP32
+  constant `c`, `ftz_multiply`'s), two lanes per `mul.rn.ftz.f32x2` with
+  `c` an immediate operand of both lanes; FP32 or bf16 `x` (a bf16 pair
+  widened in the same assembly, two instructions per pair). Interpreted,
+  `ftz_multiply`'s twin."""
+  c = np.float32(c)
+  if interpret:
+    return lambda x: nm.ftz(x.astype(jnp.float32)) * c
+  k = f"0f{int(c.view(np.uint32)):08X}"
+  asm = _x2_asm(f"mov.b64 b, {{{k}, {k}}};\nmul.rn.ftz.f32x2 d, a, b;")
+  # bf16 `x`: the pair's register widened by a shift and a mask (exact).
+  asm_bf16 = ("{\n.reg .b64 a, b;\n.reg .b32 l, h;\nshl.b32 l, $2, 16;\n"
+              "and.b32 h, $2, 0xFFFF0000;\nmov.b64 a, {l, h};\n"
+              f"mov.b64 b, {{{k}, {k}}};\nmul.rn.ftz.f32x2 a, a, b;\n"
+              "mov.b64 {$0, $1}, a;\n}")
+
+  def mul(x):
+    if x.dtype != jnp.bfloat16:
+      return _x2_call(asm, [x])
+    [out] = plt.elementwise_inline_asm(
+        asm_bf16, args=[x], constraints="=f,=f,r", pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return out
+  return mul
+
+
+def round_bf16_words(interpret: bool
+                     ) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """`tile.round_hadamard` of two FP32 arrays, packed: the uint32 word of
+  the bf16 pair `(bf16(ftz(lo)), bf16(ftz(hi)))` (`lo` in bits 0-15, as
+  `tile.value_pairs`). On the GPU per pair: one `add.rn.ftz.f32x2` of -0
+  (flushes subnormals to signed zeros, passes everything else: `x + -0 =
+  x`, also for +0; the `cvt.ftz.f32.f32` of `round_hadamard`) and one
+  `cvt.rn.bf16x2.f32` (round to nearest even; its first source to the
+  upper half)."""
+  if interpret:
+    def rnd(lo, hi):
+      bits = lambda v: jax.lax.bitcast_convert_type(
+          nm.ftz(v).astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
+      return bits(lo) | (bits(hi) << 16)
+    return rnd
+  # Two words per instance: lanes pair neighbouring elements of one array,
+  # as the butterfly's packed additions left them (no register moves).
+  asm = """{
+.reg .b64 a, b, z;
+.reg .b32 l0, l1, h0, h1;
+mov.b64 z, {0f80000000, 0f80000000};
+mov.b64 a, {$2, $3};
+add.rn.ftz.f32x2 a, a, z;
+mov.b64 {l0, l1}, a;
+mov.b64 b, {$4, $5};
+add.rn.ftz.f32x2 b, b, z;
+mov.b64 {h0, h1}, b;
+cvt.rn.bf16x2.f32 $0, h0, l0;
+cvt.rn.bf16x2.f32 $1, h1, l1;
+}"""
+
+  def rnd(lo, hi):
+    lo, hi = jnp.broadcast_arrays(jnp.asarray(lo, jnp.float32),
+                                  jnp.asarray(hi, jnp.float32))
+    [out] = plt.elementwise_inline_asm(
+        asm, args=[lo, hi], constraints="=r,=r,f,f,f,f", pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(lo.shape, jnp.int32)])
+    # Triton's integers are signless: results are declared signed.
+    return jax.lax.bitcast_convert_type(out, jnp.uint32)
+  return rnd
+
+
+def max_magnitude_words(interpret: bool
+                        ) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """`max_magnitude` of bf16 pairs held as uint32 words (`round_bf16_words`'
+  form), lane by lane: one `max.NaN.xorsign.abs.bf16x2` per word on the
+  GPU; interpreted, its twin (a NaN lane gives the canonical bf16 NaN
+  0x7FFF, else the larger magnitude; the result's signs are undefined and
+  the twin's are 0)."""
+  if interpret:
+    def mx(a, b):
+      def lane(w, shift):
+        return jax.lax.bitcast_convert_type(
+            ((w >> shift) & jnp.uint32(0xFFFF)) << 16, jnp.float32)
+      out = jnp.uint32(0)
+      for shift in (0, 16):
+        va, vb = lane(a, shift), lane(b, shift)
+        m = jnp.where(jnp.isnan(va) | jnp.isnan(vb), jnp.float32(jnp.nan),
+                      jnp.maximum(jnp.abs(va), jnp.abs(vb)))
+        bits = jax.lax.bitcast_convert_type(m, jnp.uint32) >> 16
+        bits = jnp.where(jnp.isnan(m), jnp.uint32(0x7FFF), bits)
+        out = out | (bits << shift)
+      return out
+    return mx
+
+  def mx(a, b):
+    a, b = jnp.broadcast_arrays(a, b)
+    [out] = plt.elementwise_inline_asm(
+        "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;", args=[a, b],
+        constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])
+    return jax.lax.bitcast_convert_type(out, jnp.uint32)
+  return mx
+
+
+def words_scale_constants(amax: jax.Array, interpret: bool
+                          ) -> tuple[jax.Array, jax.Array]:
+  """`numerics.nvfp4_scale_constants(amax)` for the word paths: `1 / S_enc`
+  by `exact_reciprocal` (`rcp.rn.f32`, the same bits as `div.rn.f32` of
+  1) and its flush by `flush`."""
+  s_enc = nm.global_encode_scale(amax, divide=exact_divide(interpret))
+  s_enc_over_6 = s_enc * jnp.float32(1.0 / nm.E2M1_MAX)
+  inv_s_enc = flush(interpret)(exact_reciprocal(interpret)(s_enc))
+  return s_enc_over_6, inv_s_enc
+
+
+def words_encode(even: jax.Array, odd: jax.Array, bamax: jax.Array,
+                 s_enc_over_6: jax.Array, inv_s_enc: jax.Array,
+                 interpret: bool) -> tuple[jax.Array, jax.Array]:
+  """`tile.encode_blocks`' round-to-nearest codes and scales of blocks
+  given as their even and odd elements (FP32 `[..., nb, 8]` each, a block
+  in one thread's registers) and their flushed block amax `[..., nb]`:
+  `(packed uint8 [..., nb, 8], scales e4m3 [..., nb])`. The steps of
+  `nvfp4_block_decode_scale` / `nvfp4_block_encode_scale` with the
+  reciprocal as `rcp.rn` and the flush as `cvt.ftz`, then
+  `scale_encode_codes` (blocks NaN as a whole; where the E2M1 conversion
+  exists)."""
+  scales = nm.nvfp4_block_decode_scale(bamax, s_enc_over_6)
+  enc = exact_reciprocal(interpret)(
+      flush(interpret)(scales.astype(jnp.float32) * inv_s_enc))
+  enc = jnp.where(enc > nm.F32_MAX, jnp.float32(nm.F32_MAX), enc)
+  return scale_encode_codes(even, odd, enc, interpret), scales
+
+
+def words_encode_values(even: jax.Array, odd: jax.Array, bamax: jax.Array,
+                        s_enc_over_6: jax.Array, inv_s_enc: jax.Array,
+                        interpret: bool):
+  """`words_encode` and the blocks' bf16 values as uint32 pairs
+  (`words_values`): `(packed, scales, value pairs)`."""
+  packed, scales = words_encode(even, odd, bamax, s_enc_over_6, inv_s_enc,
+                                interpret)
+  return packed, scales, words_values(packed, scales.astype(jnp.float32),
+                                      interpret)
+
+
+def _words_values_asm() -> str:
+  """4 pairs' bf16 block values (`$0-$3`, even element low) from their
+  packed codes (`$4`: byte k is pair k's, the odd element's code high) and
+  the block's decoded scale (`$5`, FP32; `$6-$8` the same value).
+
+  Exact, per the PTX ISA (`cvt` with `.e2m1x2` sources, sm_100a/sm_103a):
+  `cvt.rn.f16x2.e2m1x2` converts both codes of a byte to f16 (every E2M1
+  value, signed zeros included, is an f16; the upper nibble to the upper
+  half), `cvt.rn.f16.f32` of `d` is exact (every E4M3 value, 2^-9 ..
+  448, is an f16; NaN stays NaN), and the mixed-precision
+  `fma.rn.f32.f16` (f16 multiplicands, FP32 addend and result: PTX ISA
+  `fma`, sm_100) of code value, `d` and -0 is their product, exact in
+  FP32 (at most 2 x 4 significant bits, magnitudes 2^-10 .. 2688: no
+  rounding, no subnormal; the -0 addend keeps the product's signed zero),
+  and
+  `cvt.rn.bf16x2.f32` of it is exact (6 significant bits, within bf16's
+  normal range): `bf16(e2m1_decode(code) * d)`, the reference's values. A
+  NaN `d` (a NaN block) gives NaN values."""
+  body = ["mov.b32 {c0, c1, c2, c3}, $4;", "cvt.rn.f16.f32 dh, $5;"]
+  for k in range(4):
+    body += [f"cvt.rn.f16x2.e2m1x2 h, c{k};", "mov.b32 {he, ho}, h;",
+             "fma.rn.f32.f16 e, he, dh, 0f80000000;",
+             "fma.rn.f32.f16 o, ho, dh, 0f80000000;",
+             f"cvt.rn.bf16x2.f32 ${k}, o, e;"]
+  return ("{\n.reg .b32 h, e, o;\n.reg .b16 he, ho, dh;\n"
+          ".reg .b8 c0, c1, c2, c3;\n"
+          + "\n".join(body) + "\n}")
+
+
+_WORDS_VALUES_ASM = _words_values_asm()
+
+
+def words_values(packed: jax.Array, d: jax.Array, interpret: bool
+                 ) -> jax.Array:
+  """The bf16 block values of packed codes `[..., nb, 8]` (uint8, even
+  element low) under their blocks' decoded scales `d` (FP32 `[..., nb]`),
+  as uint32 value pairs (`tile.value_pairs`): on the GPU
+  `_WORDS_VALUES_ASM` (hardware E2M1 decoding, where `hardware_e2m1`);
+  interpreted, `bf16(e2m1_decode(code) * d)`."""
+  if interpret:
+    db = d[..., None]
+    half = lambda c: jax.lax.bitcast_convert_type(
+        (nm.e2m1_decode(c) * db).astype(jnp.bfloat16),
+        jnp.uint16).astype(jnp.uint32)
+    return half(packed & 0xF) | (half(packed >> 4) << 16)
+  db = jnp.broadcast_to(d[..., None], packed.shape)
+  [vals] = plt.elementwise_inline_asm(
+      _WORDS_VALUES_ASM, args=[packed.astype(jnp.uint8), db],
+      constraints="=r,=r,=r,=r,r,f,f,f,f", pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.int32)])
+  return jax.lax.bitcast_convert_type(vals, jnp.uint32)

@@ -521,6 +521,11 @@ def test_round_to_nearest_codes_use_the_e2m1_conversion(monkeypatch, cc, hw,
       sr = lower(lambda x: pallas_quantize.quantize(
           x, rounding="stochastic", key=jax.random.key(0)))
       assert "e2m1x2" not in sr and "fma.rp.f32" in sr
+    # The RHT columns kernel: packed FP32 butterfly and the word encoder.
+    from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pallas_rht  # pylint: disable=g-import-not-at-top
+    rht = lower(lambda x: pallas_rht.quantize_rht_t(x, amax=jnp.float32(1)))
+    assert ("add.rn.f32x2" in rht) == want
+    assert ("testp.notanumber.f32" in rht) == want
 
 
 def _triton_or_none():
@@ -533,7 +538,8 @@ def _triton_or_none():
 
 
 @pytest.mark.skipif(_triton_or_none() is None, reason="needs triton")
-@pytest.mark.parametrize("kernel", ["quantize_rtne", "quantize_2d"])
+@pytest.mark.parametrize("kernel", ["quantize_rtne", "quantize_2d",
+                                    "rht_t_rtne"])
 def test_signed_e2m1_conversion_sees_one_block_per_instance(kernel, tmp_path,
                                                           monkeypatch):
   """The quantize kernels' signed E2M1 conversion tests one element of each
@@ -556,10 +562,20 @@ def test_signed_e2m1_conversion_sees_one_block_per_instance(kernel, tmp_path,
   layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
   asm = [l for l in ttgir.splitlines() if "cvt.rn.satfinite.e2m1x2" in l]
   assert len(asm) == 1 and "testp.notanumber" in asm[0], asm
-  shape, name = re.search(r": tensor<([\dx]+)xf32, (#\w+)>", asm[0]).groups()
+  shape, name = re.search(r": tensor<([\dx]+)xf32, (#\w+)>[,\s]", asm[0]
+                          ).groups()
   assert shape.split("x")[-1] == "8", shape  # The 8 pairs of a block.
-  per_thread = re.search(r"sizePerThread = \[([\d, ]+)\]", layouts[name])
-  assert int(per_thread.group(1).split(",")[-1]) % 4 == 0, layouts[name]
+  layout = layouts[name]
+  if layout.startswith("#ttg.linear"):  # Registers' first bases: 1, 2 along
+    # the last axis (an instance's 4 consecutive registers: 4 pairs of it).
+    regs = re.search(r"register = \[(.*?)\], lane", layout).group(1)
+    bases = [[int(v) for v in b.split(",")]
+             for b in re.findall(r"\[([\d, ]+)\]", regs)]
+    last = [0] * (len(bases[0]) - 1)
+    assert bases[:2] == [last + [1], last + [2]], layout
+    return
+  per_thread = re.search(r"sizePerThread = \[([\d, ]+)\]", layout)
+  assert int(per_thread.group(1).split(",")[-1]) % 4 == 0, layout
 
 
 # --- Native FP4 plans: the weight quantized as it is stored -------------------

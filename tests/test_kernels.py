@@ -485,6 +485,115 @@ def test_quantize_wide_tiles(block_2d, words, monkeypatch):
     assert (c_got[nan] == 0).all()
 
 
+def _blackwell_rtne_pair(monkeypatch):
+  monkeypatch.setattr(common, "hardware_e2m1", lambda: True)
+  monkeypatch.setattr(pallas_quantize, "WORDS_INTERPRETED", True)
+  monkeypatch.setattr(pallas_rht, "COLUMNS_WORDS_INTERPRETED", True)
+  x = rht_input((48, 64), jnp.bfloat16, seed=26)
+  fn = lambda x: pair_api.QUANTIZE_PAIR(
+      "pallas", x, Operand(rounding="nearest"),
+      Operand(rounding="nearest", rht=True), key_row=None, key_t=None)
+  return fn, x
+
+
+def test_rtne_pair_splits_on_blackwell(monkeypatch):
+  """Where the E2M1 conversion exists (mocked here) a round-to-nearest
+  pair runs as the 1x16 word path (bf16 pairs as uint32 words) and the
+  columns kernel (`pallas_pair.splits_on_blackwell`): no fused kernel.
+  (Traced only: each kernel's path is checked against the reference by
+  test_quantize_wide_tiles and test_rht_columns_words_path; the pair as a
+  whole by the slow test below.)"""
+  fn, x = _blackwell_rtne_pair(monkeypatch)
+  jaxpr = str(jax.make_jaxpr(fn)(x))
+  assert "nvfp4_quantize_x_and_rht_t" not in jaxpr
+  assert "nvfp4_quantize_rht_t_columns" in jaxpr and "u32[48,4,8]" in jaxpr
+  # X as block values (Hopper's GEMM operand) splits too.
+  jaxpr = str(jax.make_jaxpr(lambda x: pair_api.QUANTIZE_PAIR(
+      "pallas", x, Operand(rounding="nearest"),
+      Operand(rounding="nearest", rht=True), key_row=None, key_t=None,
+      values=(True, False)))(x))
+  assert "nvfp4_quantize_x_and_rht_t" not in jaxpr
+  assert "nvfp4_quantize_values" in jaxpr and "u32[48,4,8]" in jaxpr
+
+
+@pytest.mark.slow
+def test_rtne_pair_split_on_blackwell_equals_reference(monkeypatch):
+  """The split pair of `test_rtne_pair_splits_on_blackwell`, both kernels
+  interpreted with their assembly's software twins: the reference's
+  scales and codes."""
+  fn, x = _blackwell_rtne_pair(monkeypatch)
+  gx, gt = jax.jit(fn)(x)
+  wx, wt = jit_xla(pair_api.quantize_x_and_rht_t)(x)
+  assert_same(gx, wx)
+  assert_same(gt, wt)
+
+
+@pytest.mark.slow
+def test_quantize_words_values(monkeypatch):
+  """The word path writing codes and bf16 block values (values decoded from
+  the codes: `common.words_values`), interpreted with the assembly's
+  software twins: the reference's scales and codes
+  outside NaN blocks, and the block values of the reference's codes
+  (NaN in NaN blocks)."""
+  monkeypatch.setattr(pallas_quantize, "WORDS_INTERPRETED", True)
+  x = np.asarray(heavy((16, 160), jnp.bfloat16, seed=27), np.float32)
+  x[3, 20] = np.nan
+  x[5, 40:56] = 0
+  x[7, 70] = -np.inf
+  x[9, 96:112] = 1e-39
+  x = jnp.asarray(x, jnp.bfloat16)
+  amax = jnp.float32(9.0)
+  fn = lambda x: pallas_quantize.quantize(x, amax=amax, with_values=True)
+  assert "u32[16,10,8]" in str(jax.make_jaxpr(fn)(x))  # The word path.
+  got, vals = jax.jit(fn)(x)
+  want = jit_ref(amax=amax)(x)
+  np.testing.assert_array_equal(
+      np.asarray(jax.lax.bitcast_convert_type(got.scales, jnp.uint8)),
+      np.asarray(jax.lax.bitcast_convert_type(want.scales, jnp.uint8)))
+  nan = np.repeat(np.isnan(np.asarray(want.scales, np.float32)), 8, axis=1)
+  c_got, c_want = np.asarray(got.codes), np.asarray(want.codes)
+  np.testing.assert_array_equal(c_got[~nan], c_want[~nan])
+  v_want = np.asarray(block_values(want), np.float32)
+  v_got = np.asarray(vals, np.float32)
+  assert np.isnan(v_want).any()
+  np.testing.assert_array_equal(np.isnan(v_got), np.isnan(v_want))
+  ok = ~np.isnan(v_want)
+  np.testing.assert_array_equal(bf16_bits(vals)[ok],
+                                bf16_bits(block_values(want))[ok])
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="the E2M1 assembly runs on the GPU")
+def test_words_values_and_split_pair_on_blackwell():
+  """On a Blackwell GPU with the E2M1 conversion: the word path's block
+  values (`common.words_values`' hardware decoding) are the block values
+  of the reference's codes (NaN in NaN blocks), and the round-to-nearest
+  pair (run as two kernels there) equals the reference."""
+  if not common.hardware_e2m1():
+    pytest.skip("needs a GPU with the E2M1 conversion (cc 10.0 / 10.3)")
+  x = np.asarray(heavy((256, 1024), jnp.bfloat16, seed=28), np.float32)
+  x[3, 20] = np.nan
+  x[5, 40:56] = 0
+  x[7, 70] = -np.inf
+  x[9, 96:112] = 1e-39
+  x = jnp.asarray(x, jnp.bfloat16)
+  amax = jnp.float32(9.0)
+  _, vals = jax.jit(lambda x: pallas_quantize.quantize(
+      x, amax=amax, with_values=True))(x)
+  want = block_values(jit_ref(amax=amax)(x))
+  v_want = np.asarray(want, np.float32)
+  np.testing.assert_array_equal(np.isnan(np.asarray(vals, np.float32)),
+                                np.isnan(v_want))
+  ok = ~np.isnan(v_want)
+  np.testing.assert_array_equal(bf16_bits(vals)[ok], bf16_bits(want)[ok])
+  y = rht_input((512, 384), jnp.bfloat16, seed=29)
+  gx, gt = jax.jit(lambda y: pair_api.quantize_x_and_rht_t(
+      y, implementation="pallas"))(y)
+  wx, wt = jit_xla(pair_api.quantize_x_and_rht_t)(y)
+  assert_same(gx, wx)
+  assert_same(gt, wt)
+
+
 def test_rht_small_tiles_many_grid_steps():
   x = rht_input((96, 72), jnp.bfloat16, seed=22)
   cfg = pallas_rht.RHTConfig(block_tokens=32, block_features=16)
@@ -515,6 +624,74 @@ def test_rht_columns_small_tiles_many_grid_steps(rounding):
   np.testing.assert_array_equal(bf16_bits(vals.values),
                                 bf16_bits(block_values(got)))
   assert f32_bits(vals.amax) == f32_bits(got.amax)
+
+
+def test_rht_columns_words_path(monkeypatch):
+  """The columns kernel's path of Blackwell's round-to-nearest codes
+  (`_columns_words`: packed FP32 butterfly, bf16-pair rounding and block
+  amax, the word encoder), interpreted with its assembly's software twins,
+  partial tiles along both axes: the reference's scales, and its codes
+  outside NaN blocks (there 0, the GPU's canonical NaN; the reference's
+  are 0 or 8). NaN, Inf, zero and subnormal blocks included."""
+  calls = []
+  words = pallas_rht._columns_words
+  monkeypatch.setattr(pallas_rht, "COLUMNS_WORDS_INTERPRETED", True)
+  monkeypatch.setattr(pallas_rht, "_columns_words",
+                      lambda *a: calls.append(1) or words(*a))
+  x = np.asarray(rht_input((48, 24), jnp.bfloat16, seed=24), np.float32)
+  x[3, 5] = np.nan       # Feature 5's first 16-token block: NaN.
+  x[16:32, 9] = 0        # A zero block.
+  x[40, 11] = np.inf     # Its block saturates.
+  x[0:16, 13] = 1e-39    # Subnormal inputs: flushed.
+  x[32:48, 17] = 2.0**-125  # Normal bf16, products by 1/4 flushed.
+  x = jnp.asarray(x, jnp.bfloat16)
+  cfg = pallas_rht.ColumnsConfig(blocks=2, block_features=16)
+  amax = jnp.float32(11.0)
+  got = jax.jit(lambda x: pallas_rht.quantize_rht_t(x, config=cfg,
+                                                    amax=amax))(x)
+  assert calls  # The path ran.
+  want = jit_xla(rht_t_api.quantize_rht_t, amax=amax)(x)
+  s_got, s_want = (np.asarray(jax.lax.bitcast_convert_type(q.scales,
+                                                           jnp.uint8))
+                   for q in (got, want))
+  np.testing.assert_array_equal(s_got, s_want)
+  nan = np.repeat(np.isnan(np.asarray(want.scales, np.float32)), 8, axis=1)
+  assert nan.any() and not nan.all()
+  c_got, c_want = np.asarray(got.codes), np.asarray(want.codes)
+  np.testing.assert_array_equal(c_got[~nan], c_want[~nan])
+  assert (c_got[nan] == 0).all()
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="the packed FP32 and E2M1 assembly runs on the GPU")
+def test_rht_columns_words_path_on_blackwell():
+  """On a Blackwell GPU with the E2M1 conversion (`common.hardware_e2m1`)
+  the columns kernel's round-to-nearest codes take `_columns_words`'
+  assembly (`add/sub/mul.f32x2`, `add.ftz.f32x2` + `cvt.rn.bf16x2.f32`,
+  `max.NaN.xorsign.abs.bf16x2`, the word encoder): the reference's scales,
+  and its codes outside NaN blocks (0 there), at the default tiles, with
+  NaN, Inf, zero and tiny blocks."""
+  if not common.hardware_e2m1():
+    pytest.skip("needs a GPU with the E2M1 conversion (cc 10.0 / 10.3)")
+  x = np.asarray(rht_input((1024, 640), jnp.bfloat16, seed=25), np.float32)
+  x[3, 5] = np.nan
+  x[16:32, 9] = 0
+  x[40, 11] = np.inf
+  x[48:64, 13] = 1e-39
+  x[64:80, 17] = 2.0**-125
+  x[80:96, 19] = 2.0**-120
+  x = jnp.asarray(x, jnp.bfloat16)
+  amax = jnp.float32(13.0)
+  got = jax.jit(lambda x: pallas_rht.quantize_rht_t(x, amax=amax))(x)
+  want = jit_xla(rht_t_api.quantize_rht_t, amax=amax)(x)
+  s_got, s_want = (np.asarray(jax.lax.bitcast_convert_type(q.scales,
+                                                           jnp.uint8))
+                   for q in (got, want))
+  np.testing.assert_array_equal(s_got, s_want)
+  nan = np.repeat(np.isnan(np.asarray(want.scales, np.float32)), 8, axis=1)
+  c_got, c_want = np.asarray(got.codes), np.asarray(want.codes)
+  np.testing.assert_array_equal(c_got[~nan], c_want[~nan])
+  assert (c_got[nan] == 0).all()
 
 
 @pytest.mark.parametrize("value,nonzero", [(2.0**-125, False),

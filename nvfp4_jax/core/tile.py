@@ -331,7 +331,9 @@ def hadamard_sums(v: jax.Array, h: jax.Array, *,
 
 
 def hadamard_butterfly(vs: Sequence[jax.Array], sign_vector: Sequence[int],
-                       *, multiply: Callable = jnp.multiply
+                       *, multiply: Callable = jnp.multiply,
+                       add: Callable = jnp.add,
+                       subtract: Callable = jnp.subtract
                        ) -> list[jax.Array]:
   """`hadamard_sums` of blocks held as separate arrays, one per element of
   the block (`vs[k]`: element `k` of every block; FP32, flushed, or
@@ -343,6 +345,8 @@ def hadamard_butterfly(vs: Sequence[jax.Array], sign_vector: Sequence[int],
   additions and subtractions give `(v * s) @ H_size / sqrt(size)`, the
   Sylvester matrix's sums in its natural order. They are `hadamard_sums`'
   wherever those are exact; only the FP32 summation order differs.
+  `add`, `subtract`: the FP32 (round to nearest even) addition and
+  subtraction for this backend (a kernel may pair lanes).
   """
   n = len(vs)
   if len(sign_vector) != n or n & (n - 1) or round(np.sqrt(n)) ** 2 != n:
@@ -355,7 +359,7 @@ def hadamard_butterfly(vs: Sequence[jax.Array], sign_vector: Sequence[int],
   while h < n:
     for start in range(0, n, 2 * h):
       for k in range(start, start + h):
-        y[k], y[k + h] = y[k] + y[k + h], y[k] - y[k + h]
+        y[k], y[k + h] = add(y[k], y[k + h]), subtract(y[k], y[k + h])
     h *= 2
   return y
 

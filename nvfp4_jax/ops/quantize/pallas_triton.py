@@ -60,8 +60,8 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
                     grouped: bool = False):
   """The quantize kernel's program.
 
-  With `words`, Blackwell's round-to-nearest codes from bf16 pairs (see
-  below). With `grouped`, each row is quantized as a row of its own tensor
+  With `words`, Blackwell's round-to-nearest codes (and block values) from
+  bf16 pairs (see below). With `grouped`, each row is quantized as a row of its own tensor
   (the grouped quantizer of `nvfp4_jax.ops.ragged_dot.pallas_triton`): the
   amax ref holds one tensor amax per row `[rows]`, and with stochastic
   rounding the seeds refs one pair per row (`[rows]` each) and the origin
@@ -85,10 +85,7 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
   if grouped:
     amax = amax.reshape(rows, 1)  # One tensor per row: [rows, 1] constants.
   if words:  # `nm.nvfp4_scale_constants`, 1 / S_enc by `rcp.rn`.
-    s_enc = nm.global_encode_scale(amax, divide=divide)
-    s_enc_over_6 = s_enc * jnp.float32(1.0 / nm.E2M1_MAX)
-    inv_s_enc = common.flush(interpret)(
-        common.exact_reciprocal(interpret)(s_enc))
+    s_enc_over_6, inv_s_enc = common.words_scale_constants(amax, interpret)
   else:
     s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
         amax, divide=divide, four_over_six=four_over_six)
@@ -104,15 +101,14 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
     while pm.shape[-1] > 1:  # Halving the block's 8 pair maxima.
       pm = mx(*jnp.unstack(pm.reshape(*pm.shape[:-1], -1, 2), axis=-1))
     bamax = flush(_tile_amax(tile.abs_max(pm, axis=-1), block_2d))
-    scales = nm.nvfp4_block_decode_scale(bamax, s_enc_over_6)
-    # `nm.nvfp4_block_encode_scale`, its flush one `cvt.ftz` (`common.flush`).
-    enc = common.exact_reciprocal(interpret)(
-        flush(scales.astype(jnp.float32) * inv_s_enc))
-    enc = jnp.where(enc > nm.F32_MAX, jnp.float32(nm.F32_MAX), enc)
-    common.store(codes_ref, common.scale_encode_codes(even, odd, enc,
-                                                      interpret),
-                 mask[B // 2])
-    common.store(scales_ref, scales, mask[0])
+    packed, scales = common.words_encode(even, odd, bamax, s_enc_over_6,
+                                         inv_s_enc, interpret)
+    if with_codes:
+      common.store(codes_ref, packed, mask[B // 2])
+      common.store(scales_ref, scales, mask[0])
+    if with_values:  # Decoded from the codes: `common.words_values`.
+      common.store(values_ref, common.words_values(
+          packed, scales.astype(jnp.float32), interpret), mask[B // 2])
     return
   x = common.load(x_ref, mask[B]).astype(jnp.float32)  # Flushed when scaled.
   rwords = None
@@ -156,9 +152,10 @@ WORDS_INTERPRETED = False
 def wide_tiles(stochastic: bool, with_values: bool,
                four_over_six: bool) -> bool:
   """Whether `default_config(wide=True)` applies: round-to-nearest codes
-  only, where the kernel converts with Blackwell's E2M1 conversion."""
-  return (not (stochastic or with_values or four_over_six)
-          and common.hardware_e2m1())
+  (and block values), where the kernel converts with Blackwell's E2M1
+  conversion (the word path)."""
+  del with_values  # Decoded from the codes on that path.
+  return not (stochastic or four_over_six) and common.hardware_e2m1()
 
 
 def quantize(x: jax.Array, *, block_2d: bool = False,
@@ -213,9 +210,9 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
     args += [prng.seeds_from_key(key), origin]
   # Blackwell's round-to-nearest codes read bf16 pairs as uint32 words
   # (`WORDS_INTERPRETED`: also interpreted, the assembly's software twins).
-  words = ((WORDS_INTERPRETED if interpret else wide_tiles(
-      stochastic, with_values, four_over_six)) and x.dtype == jnp.bfloat16
-           and with_codes and not (stochastic or with_values or four_over_six))
+  # Codes, block values or both (the values decoded from the codes).
+  words = ((WORDS_INTERPRETED if interpret else common.hardware_e2m1())
+           and x.dtype == jnp.bfloat16 and not (stochastic or four_over_six))
   if words:
     in_specs.append(pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)))
     args.append(jax.lax.bitcast_convert_type(

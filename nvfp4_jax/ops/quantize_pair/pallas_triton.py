@@ -4,8 +4,9 @@ The recipe's NVFP4 pair of a tensor `x: [tokens, features]` — `q(x)` 1x16
 along features and `q(rht(x.T))` along tokens — comes from two passes over `x`
 (`nvfp4_jax.ops.quantize_rht_t.pallas_triton`: the amaxes of both from one read, then both
 encodes from one read; or, when both round stochastically, two encode
-kernels, which is faster: see `config.runs_split`). A Wgrad operand without RHT (the
-`--no-rht` ablation) is the 1x16 quantizer's kernel on `x.T` (an XLA
+kernels, which is faster: see `config.runs_split`; so does a
+round-to-nearest pair on sm_100a/sm_103a: see `splits_on_blackwell`). A
+Wgrad operand without RHT (the `--no-rht` ablation) is the 1x16 quantizer's kernel on `x.T` (an XLA
 transpose), with the one amax both operands share. A pair with only one
 quantized operand runs that operand's kernel; either may use Four-over-Six.
 The kernels take primitive arguments: `nvfp4_jax.ops.quantize_pair.api`
@@ -25,12 +26,35 @@ from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.core import prng
 from nvfp4_jax.core import spmd
 from nvfp4_jax.core import tile
+from pallas_kernels import common
 from nvfp4_jax.ops.quantize import pallas_triton as pallas_quantize
 from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pallas_rht
 from nvfp4_jax.ops.quantize_rht_t.pallas_triton import RHTConfig
 from nvfp4_jax.ops.quantize_pair.config import runs_split
 from nvfp4_jax.ops.quantize_rht_t.config import check_size
 from nvfp4_jax.ops.quantize_pair.config import pair_config
+
+
+def splits_on_blackwell(dtype, row_rounding: str | None,
+                        t_rounding: str | None, rht_size: int,
+                        four_over_six: bool, values_t: bool) -> bool:
+  """Whether a round-to-nearest pair runs as two kernels where the E2M1
+  conversion exists (`common.hardware_e2m1`, sm_100a/sm_103a): the 1x16
+  quantizer's word path for `x` (codes or block values) and the columns
+  kernel's packed path for `rht(x.T)` (bf16 `x`, its codes, 16-point RHT,
+  no Four-over-Six).
+
+  Together they execute 6.9 + 12.8 = 19.7 SASS instructions per element of
+  `x` there (10.3 + 12.8 = 23.1 with `x`'s block values), the fused kernel
+  50.8 (39.8) (BENCHMARKS.md, offline `sass_report` for sm_100a), for one
+  more read of `x` (2 bytes per element on top of ~3.1, or ~4.6): at
+  B200's instruction rate (148 SMs, 4 warp schedulers each) the fused
+  kernel is instruction-bound near 2 (3.6) TB/s of traffic and the two
+  kernels are bound by HBM bandwidth instead. Not timed on a Blackwell GPU.
+  """
+  return (row_rounding == "nearest" and t_rounding == "nearest"
+          and dtype == jnp.bfloat16 and rht_size == 16 and not four_over_six
+          and not values_t and common.hardware_e2m1())
 
 
 def quantize_pair(x: jax.Array, *, row_rounding: str | None,
@@ -88,7 +112,11 @@ def quantize_pair(x: jax.Array, *, row_rounding: str | None,
                                with_x=True, config=config)
   if amax_axes:  # One collective for both.
     amaxes = spmd.reduce_amax(jnp.stack(amaxes), amax_axes)
-  if config is None and runs_split(row_rounding, t_rounding):
+  if config is None and (runs_split(row_rounding, t_rounding)
+                         or splits_on_blackwell(
+                             x.dtype, row_rounding, t_rounding, rht_size,
+                             row_four_over_six or t_four_over_six,
+                             values[1])):
     q_t = pallas_rht.quantize_call(
         x, amax_t=amaxes[1], key_t=key_t, size=rht_size,
         sign_vector=sign_vector, fused_x=False, config=None,

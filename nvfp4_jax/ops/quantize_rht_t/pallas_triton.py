@@ -272,6 +272,12 @@ def _store_operand(refs, as_values: bool, packed, scales, vals, block_dims,
     common.store(refs.pop(0), a, common.bounds_mask(a.shape, *block_dims))
 
 
+# Whether the interpreted columns kernel takes the path of Blackwell's
+# round-to-nearest codes (`_columns_words`, its assembly replaced by
+# software twins); tests switch it on to check that path against the
+# reference.
+COLUMNS_WORDS_INTERPRETED = False
+
 # Whether `quantize_call` runs the Wgrad operand alone (16-point RHT, no
 # Four-over-Six) in `_columns_kernel` (benchmarks switch it off to time the
 # tensor-core kernel in the same run).
@@ -305,7 +311,7 @@ def _tree_stack(parts: list[jax.Array]) -> jax.Array:
 
 def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
                     tokens: int, features: int, words_t: int,
-                    sign_vector: tuple[int, ...]):
+                    sign_vector: tuple[int, ...], words: bool = False):
   """`q(rht(x.T))` of `nb` 16-token blocks x `bf` features, each 16-token
   block in the registers of the thread that owns its feature.
 
@@ -319,6 +325,9 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
   shuffles for the block amax, one scale and one division per block. The
   outputs are `[bf, nb, 8]` (value pairs or bytes of codes) and the scales
   `[bf, nb]`, a transpose of thread-local axes.
+
+  With `words` (Blackwell's round-to-nearest codes, `_columns_words`): the
+  same values through packed FP32 instructions and the E2M1 conversion.
   """
   refs = list(refs)
   amax_ref = refs.pop(0)
@@ -332,6 +341,15 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
   blk_dim = lambda axis: (axis, i * nb, blocks, nb)
   feat_dim = lambda axis: (axis, j * bf, features, bf)
   mask = common.bounds_mask((nb, 1, bf), blk_dim(0), feat_dim(2))
+  if words:
+    packed, scales = _columns_words(_load_rows(x_ref, 0, mask, nb, bf),
+                                    amax_ref[...], sign_vector, interpret)
+    out = jnp.transpose(packed, (1, 0, 2))
+    common.store(out_ref, out, common.bounds_mask(out.shape, feat_dim(0),
+                                                  blk_dim(1)))
+    common.store(scales_ref, scales.T, common.bounds_mask(
+        (bf, nb), feat_dim(0), blk_dim(1)))
+    return
   sums = _butterfly(_load_rows(x_ref, 0, mask, nb, bf), sign_vector,
                     interpret)
   # The blocks as `[nb, bf, 16]`: the stacked axis stays in each thread's
@@ -357,6 +375,42 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
                                                 blk_dim(1)))
   common.store(scales_ref, scales.T, common.bounds_mask(
       (bf, nb), feat_dim(0), blk_dim(1)))
+
+
+def _columns_words(rows: list[jax.Array], amax: jax.Array,
+                   sign_vector: tuple[int, ...], interpret: bool):
+  """`_columns_kernel`'s round-to-nearest codes and scales where the E2M1
+  conversion exists (`common.hardware_e2m1`), bit for bit its default
+  path: the butterfly's FTZ products by `s / 4` and its additions two
+  lanes per packed FP32 instruction (`common.mul_ftz_const_x2`, `add_x2`,
+  `sub_x2`: per lane the scalar instruction), the sums flushed and
+  rounded to bf16 pairs (`common.round_bf16_words`: sums `2j`, `2j + 1` in
+  word `j`), the block amax a tree of bf16x2 maxima of the 8 words (exact:
+  the rounded values are bf16), then the words widened and encoded as the
+  quantize kernel's word path (`common.words_encode`: the values are NaN
+  in whole blocks, a NaN anywhere in a block's sums making its amax NaN).
+
+  Returns `(packed uint8 [nb, bf, 8], scales e4m3 [nb, bf])`.
+  """
+  mul = lambda v, c: common.mul_ftz_const_x2(interpret, c)(v)
+  sums = tile.hadamard_butterfly(
+      list(rows), sign_vector, multiply=mul,
+      add=common.add_x2(interpret), subtract=common.sub_x2(interpret))
+  rnd = common.round_bf16_words(interpret)
+  words = [rnd(sums[2 * j], sums[2 * j + 1]) for j in range(B // 2)]
+  mx = common.max_magnitude_words(interpret)
+  m = words
+  while len(m) > 1:
+    h = len(m) // 2
+    m = [mx(m[k], m[k + h]) for k in range(h)]
+  lo, hi = common.widen_words(m[0])
+  bamax = jnp.abs(common.max_magnitude(interpret)(lo, hi))
+  halves = [common.widen_words(w) for w in words]
+  even = _tree_stack([e for e, _ in halves])
+  odd = _tree_stack([o for _, o in halves])
+  return common.words_encode(
+      even, odd, bamax, *common.words_scale_constants(amax, interpret),
+      interpret)
 
 
 def _load_rows(x_ref, blk0, mask, nb: int, bf: int) -> list[jax.Array]:
@@ -456,10 +510,14 @@ def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
                jax.ShapeDtypeStruct((f, t // B), jnp.float8_e4m3fn)]
   out_specs = [pl.BlockSpec((bf, nb, n), lambda i, j: (j, i, 0)),
                pl.BlockSpec((bf, nb), lambda i, j: (j, i))]
+  # Blackwell's round-to-nearest codes take the packed path
+  # (`COLUMNS_WORDS_INTERPRETED`: also interpreted, with software twins).
+  words = ((COLUMNS_WORDS_INTERPRETED if interpret
+            else common.hardware_e2m1()) and not (sr or values_t))
   kernel = functools.partial(
       _columns_kernel, sr=sr, values=values_t, interpret=interpret, tokens=t,
       features=f, words_t=words_t,
-      sign_vector=tuple(sign_vector or default_sign_vector(B)))
+      sign_vector=tuple(sign_vector or default_sign_vector(B)), words=words)
   name = "nvfp4_quantize_rht_t_columns" + ("_values" if values_t else "")
   out, scales = common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
