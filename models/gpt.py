@@ -322,10 +322,12 @@ def _split_over_model(x: jax.Array, axis: int, layer: tuple) -> jax.Array:
   the `model` mesh axis along `axis`, as the layer's contiguous column
   split already places it (a sharding constraint: XLA's propagation
   through the reshape could pick another split); `x` itself without
-  `mesh_rules`, where the layer is not column-parallel, where the axis
-  does not divide `x.shape[axis]`, and under sharding in types."""
+  `mesh_rules` or a `model` axis of more than one device, where the layer
+  is not column-parallel, where the axis does not divide `x.shape[axis]`,
+  and under sharding in types."""
   rules = nvfp4_jax.sharding.current_rules()
   if (rules is None or rules.model is None
+      or rules.sizes[rules.model] == 1
       or rules.style("/".join(layer)) != "column"
       or x.shape[axis] % rules.sizes[rules.model]):
     return x

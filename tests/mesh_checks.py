@@ -1191,9 +1191,10 @@ def _check_step_collectives(name, compiled):
 def _block_reshards(compiled, params):
   """The collectives XLA adds inside a GPT block's attention or MLP
   (op names under `/attn/` or `/mlp/`) to reshard activations: every
-  all-to-all and collective-permute there, and every all-gather whose
-  results are not whole parameters (a weight gathered over `fsdp` before
-  use) or quantized weight bytes of an NVFP4 layer. With the fused `qkv`
+  all-to-all and collective-permute there, and every all-gather outside
+  the NVFP4 layers whose results are not whole parameters (a weight
+  gathered over `fsdp` before use). Inside the layers every all-gather is
+  a weight's (`_check_step_collectives`). With the fused `qkv`
   and `[gate, up]` columns laid out "interleaved" (`GPTConfig.fused_layout`)
   a contiguous split over `model` gives each device whole heads and
   matching gate and up columns: the list is empty. With the
@@ -1208,9 +1209,8 @@ def _block_reshards(compiled, params):
       continue
     if c.op in ("all-to-all", "collective-permute"):
       out.append(f"{c.op} {c.dtypes} {name}")
-    elif c.op == "all-gather" and not (
-        set(c.dtypes) == {"u8"} and "nvfp4_layer[" in name) and not all(
-            s in shapes for _, s in c.results):
+    elif (c.op == "all-gather" and "nvfp4_layer[" not in name
+          and not all(s in shapes for _, s in c.results)):
       out.append(f"{c.op} {c.dtypes} {c.results} {name}")
   return out
 
