@@ -598,7 +598,9 @@ def convert_fused_layout(tree: Any, cfg: GPTConfig, src: str,
       return x
     perm = hit[1]
     if isinstance(x, jax.Array):
-      y = jnp.take(x, jnp.asarray(perm), axis=-1)
-      return jax.device_put(y, x.sharding)
+      # Compiled with the array's own sharding as the result's (every
+      # process runs it alike where the array spans several).
+      return jax.jit(lambda a: jnp.take(a, perm, axis=-1),
+                     out_shardings=x.sharding)(x)
     return np.take(np.asarray(x), perm, axis=-1)
   return jax.tree_util.tree_map_with_path(convert, tree)

@@ -1330,6 +1330,19 @@ def check_gpt_step(names=("dp", "mixed"), resume=True, gpt_rules=GPT_RULES):
     ckpt.close()
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(saved)):
     np.testing.assert_array_equal(np.asarray(a), b)
+  # The fused kernels' layout conversion (`--resume` of a checkpoint of the
+  # old layout) on the mixed mesh's sharded state: each array keeps its
+  # sharding and equals the host conversion.
+  from models import convert_fused_layout  # pylint: disable=g-import-not-at-top
+  mcfg = meshes["mixed"][0].model_cfg
+  conv = convert_fused_layout(resumed["mixed"], mcfg, "concatenated",
+                              "interleaved")
+  host = convert_fused_layout(saved, mcfg, "concatenated", "interleaved")
+  for a, b, c in zip(jax.tree.leaves(conv), jax.tree.leaves(host),
+                     jax.tree.leaves(resumed["mixed"])):
+    np.testing.assert_array_equal(np.asarray(a), b)
+    assert a.sharding.is_equivalent_to(c.sharding, a.ndim), (a.sharding,
+                                                            c.sharding)
   ref1 = reference(trained, 1)
   for name, st in resumed.items():
     for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(saved)):
