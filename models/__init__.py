@@ -2,7 +2,10 @@
 
 from models.gpt import GPT
 from models.gpt import GPTConfig
+from models.gpt import FUSED_LAYOUTS
 from models.gpt import MLP_KINDS
+from models.gpt import convert_fused_layout
+from models.gpt import saved_fused_layout
 from models.mlp import MLP
 from models.presets import PRESETS
 from models.presets import format_count

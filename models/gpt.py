@@ -18,16 +18,35 @@ FP32, the MLP non-linearity in FP32.
 
 The SwiGLU MLP fuses its gate and up projections into one `mlp/up` GEMM of
 width `2 * d_ff` (one quantization of the shared input instead of two).
+
+The fused kernels' columns are laid out so that tensor parallelism needs no
+reshard (`GPTConfig.fused_layout="interleaved"`, the default): `attn/qkv`'s
+`3 * d_model` columns are `[heads, (q, k, v), head_dim]` (head-major) and
+`mlp/up`'s `2 * d_ff` columns are `[d_ff / 16, (gate, up), 16]` (gate and up
+interleaved in blocks of `GATE_UP_BLOCK` = 16 columns, one NVFP4 tile). A
+contiguous split of the columns over the `model` mesh axis (Megatron's
+column parallelism) then gives each device whole heads with their q, k and
+v, and matching gate and up columns, whose product is the contiguous slice
+of the MLP's hidden features that `mlp/down`'s row split expects. The
+layout of earlier versions, `[(q, k, v), heads, head_dim]` and `[(gate,
+up), d_ff]`, is `fused_layout="concatenated"`; `convert_fused_layout`
+permutes a parameter (or train state) tree between the two, whole 16-column
+tiles at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import nvfp4_jax
 from nvfp4_jax.flax.moe import NVFP4MoE
@@ -36,6 +55,12 @@ from nvfp4_jax.core.recipe import check_field
 MLP_KINDS = ("swiglu", "relu2")
 ATTENTION_KINDS = ("fused", "reference")
 REMAT_KINDS = ("none", "quantized")
+FUSED_LAYOUTS = ("interleaved", "concatenated")
+# Gate and up columns alternate in blocks this wide under the "interleaved"
+# layout: one NVFP4 16x16 weight tile (and 1x16 block) wide, so the layout
+# is a permutation of whole tiles and any column split that keeps tiles
+# whole keeps gate and up paired.
+GATE_UP_BLOCK = 16
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -79,6 +104,14 @@ class GPTConfig:
     capacity_factor: None (dropless) or each expert's capacity factor.
     aux_loss_weight: the load-balancing loss's weight in the training loss
       (the mean over MoE blocks).
+    fused_layout: the column order of the fused `attn/qkv` and SwiGLU
+      `mlp/up` kernels. "interleaved" (default): qkv head-major, `[heads,
+      (q, k, v), head_dim]`, and `[d_ff / 16, (gate, up), 16]`, so a
+      contiguous column split over the `model` mesh axis gives each device
+      whole heads and matching gate and up columns (no reshard inside
+      attention or the MLP). "concatenated": `[(q, k, v), heads, head_dim]`
+      and `[(gate, up), d_ff]`, the layout of checkpoints written before it
+      existed (`convert_fused_layout` converts between the two).
   """
 
   vocab_size: int = 256
@@ -96,6 +129,7 @@ class GPTConfig:
   top_k: int = 2
   capacity_factor: float | None = None
   aux_loss_weight: float = 0.01
+  fused_layout: str = "interleaved"
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -139,7 +173,8 @@ class GPTConfig:
             f"GPTConfig.capacity_factor must be positive or None (dropless), "
             f"got {self.capacity_factor!r}.")
     for name, choices in (("mlp", MLP_KINDS), ("attention", ATTENTION_KINDS),
-                          ("remat", REMAT_KINDS), ("dtype", tuple(_DTYPES))):
+                          ("remat", REMAT_KINDS), ("dtype", tuple(_DTYPES)),
+                          ("fused_layout", FUSED_LAYOUTS)):
       check_field("GPTConfig", name, getattr(self, name), "str",
                   example=choices[0])
       check_choice(name, getattr(self, name), choices)
@@ -282,6 +317,30 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                     preferred_element_type=jnp.float32)
 
 
+def _split_over_model(x: jax.Array, axis: int, layer: tuple) -> jax.Array:
+  """`x` (a view of the column-parallel layer `layer`'s output) split over
+  the `model` mesh axis along `axis`, as the layer's contiguous column
+  split already places it (a sharding constraint: XLA's propagation
+  through the reshape could pick another split); `x` itself without
+  `mesh_rules` or a `model` axis of more than one device, where the layer
+  is not column-parallel, where the axis does not divide `x.shape[axis]`,
+  and under sharding in types."""
+  rules = nvfp4_jax.sharding.current_rules()
+  if (rules is None or rules.model is None
+      or rules.sizes[rules.model] == 1
+      or rules.style("/".join(layer)) != "column"
+      or x.shape[axis] % rules.sizes[rules.model]):
+    return x
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  if (mesh is not None and not mesh.empty
+      and jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)):
+    return x
+  spec = [P.UNCONSTRAINED] * x.ndim
+  spec[axis] = rules.model
+  return jax.lax.with_sharding_constraint(
+      x, NamedSharding(rules.mesh, P(*spec)))
+
+
 class Attention(nn.Module):
   """Causal self-attention: `qkv` and `out` projections in NVFP4Dense."""
 
@@ -293,8 +352,15 @@ class Attention(nn.Module):
     b, t, _ = x.shape
     std = 0.02
     qkv = _dense(cfg, 3 * cfg.d_model, "qkv", std)(x)
-    q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.num_heads, cfg.head_dim), 3,
-                        axis=2)
+    if cfg.fused_layout == "interleaved":
+      # `[heads, (q, k, v), head_dim]`: a device's columns are whole heads.
+      qkv = _split_over_model(
+          qkv.reshape(b, t, cfg.num_heads, 3, cfg.head_dim), 2,
+          self.scope.path + ("qkv",))
+      q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
+    else:
+      q, k, v = jnp.split(
+          qkv.reshape(b, t, 3 * cfg.num_heads, cfg.head_dim), 3, axis=2)
     q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
     if cfg.attention == "fused":
       dt = cfg.jnp_dtype
@@ -318,9 +384,28 @@ class Attention(nn.Module):
     return _dense(cfg, cfg.d_model, "out", out_std)(y.reshape(b, t, -1))
 
 
-@jax.custom_vjp
-def swiglu(h: jax.Array) -> jax.Array:
-  """`silu(gate) * up` of `h = [gate, up]` (`[..., 2F] -> [..., F]`), in FP32.
+def _gate_up_view(h: jax.Array, block: int | None) -> jax.Array:
+  """`h: [..., 2F]` viewed as `[..., F / block, 2, block]` (gate, up)."""
+  *lead, width = h.shape
+  f = width // 2
+  block = f if block is None else block
+  if width % 2 or f % block:
+    raise ValueError(
+        f"swiglu: the last dimension {width} must be 2 * F with F a multiple "
+        f"of block={block}; give h = [gate, up] of equal widths.")
+  return h.reshape(*lead, f // block, 2, block)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def swiglu(h: jax.Array, block: int | None = None) -> jax.Array:
+  """`silu(gate) * up` of `h` (`[..., 2F] -> [..., F]`), in FP32.
+
+  `block=None`: `h = [gate, up]` (two halves). `block=B`: gate and up
+  alternate in blocks of `B` columns, `[..., F / B, (gate, up), B]` (the
+  GPT's "interleaved" layout, `GATE_UP_BLOCK`); the result's feature `f`
+  is then gate column `f` of that order with its up column, so a
+  contiguous split of `h`'s columns gives a contiguous split of the
+  result's features.
 
   The result has `h`'s dtype. The same values as autodiff of the plain
   expression (the same FP32 operations in the same order), with a leaner
@@ -331,30 +416,32 @@ def swiglu(h: jax.Array) -> jax.Array:
   each half written, then copied into the concatenate once for each of its
   two consumer GEMMs (BENCHMARKS.md, 2026-11-25 night).
   """
-  return _swiglu_fwd(h)[0]
+  return _swiglu_fwd(h, block)[0]
 
 
-def _swiglu_fwd(h):
-  gate, up = jnp.split(h.astype(jnp.float32), 2, axis=-1)
-  return (jax.nn.silu(gate) * up).astype(h.dtype), h
+def _swiglu_fwd(h, block):
+  hp = _gate_up_view(h.astype(jnp.float32), block)
+  gate, up = hp[..., 0, :], hp[..., 1, :]
+  y = (jax.nn.silu(gate) * up).astype(h.dtype)
+  return y.reshape(*h.shape[:-1], h.shape[-1] // 2), h
 
 
-def _swiglu_bwd(h, g):
-  # `h` viewed as `[..., 2, F]` (gate, up): both halves of `dh` come from one
-  # select over that axis, so `dh` is a single elementwise expression. (With
-  # a concatenate of the halves, XLA computed each half in its own fusion and
-  # then copied both into the concatenate.)
-  *lead, width = h.shape
-  hp = h.reshape(*lead, 2, width // 2).astype(jnp.float32)
+def _swiglu_bwd(block, h, g):
+  # `h` viewed as `[..., G, 2, B]` (gate, up): both halves of `dh` come from
+  # one select over the `2` axis, so `dh` is a single elementwise expression.
+  # (With a concatenate of the halves, XLA computed each half in its own
+  # fusion and then copied both into the concatenate.)
+  hp = _gate_up_view(h, block).astype(jnp.float32)
   gate, up = hp[..., :1, :], hp[..., 1:, :]
-  gf = g.astype(jnp.float32)[..., None, :]
+  gf = g.astype(jnp.float32).reshape(*hp.shape[:-2], hp.shape[-1])[
+      ..., None, :]
   s = jax.nn.sigmoid(gate)
   gu = gf * up
   # Autodiff's operations, in its order: d silu(x) = s + x * (s * (1 - s)).
   d_gate = gu * s + (gate * gu) * (s * (1.0 - s))
   d_up = (gate * s) * gf
   first = jax.lax.broadcasted_iota(jnp.int32, (2, 1), 0) == 0
-  dh = jnp.where(first, d_gate, d_up)  # [..., 2, F]
+  dh = jnp.where(first, d_gate, d_up)  # [..., G, 2, B]
   return (dh.reshape(h.shape).astype(h.dtype),)
 
 
@@ -372,7 +459,8 @@ class FeedForward(nn.Module):
     width = 2 * cfg.d_ff if cfg.mlp == "swiglu" else cfg.d_ff
     h = _dense(cfg, width, "up", 0.02)(x)
     if cfg.mlp == "swiglu":
-      h = swiglu(h)
+      h = swiglu(h, GATE_UP_BLOCK if cfg.fused_layout == "interleaved"
+                 else None)
     else:
       h = jnp.square(jax.nn.relu(h.astype(jnp.float32)))
     out_std = 0.02 / math.sqrt(2 * cfg.num_layers)
@@ -428,3 +516,91 @@ class GPT(nn.Module):
     return nn.Dense(cfg.vocab_size, use_bias=False, dtype=jnp.float32,
                     param_dtype=cfg.jnp_dtype,
                     kernel_init=nn.initializers.normal(0.02), name="head")(x)
+
+
+# The layout of a saved model configuration without a `fused_layout` field:
+# the only one there was before the field existed.
+LEGACY_FUSED_LAYOUT = "concatenated"
+
+
+def saved_fused_layout(model_config: dict) -> str:
+  """The fused layout a saved `GPTConfig` (as a dict: `dataclasses.asdict`,
+  a run's `config.json` "model") describes; `LEGACY_FUSED_LAYOUT` where it
+  predates the field."""
+  layout = model_config.get("fused_layout", LEGACY_FUSED_LAYOUT)
+  check_choice("saved fused_layout", layout, FUSED_LAYOUTS)
+  return layout
+
+
+def _fused_order(cfg: GPTConfig, layer: str, layout: str) -> np.ndarray:
+  """The fused kernel `layer`'s ("qkv" or "up") columns under `layout`, each
+  named by its column under "concatenated"."""
+  if layer == "qkv":
+    cols = np.arange(3 * cfg.d_model).reshape(3, cfg.num_heads, cfg.head_dim)
+    order = (1, 0, 2)  # -> [heads, (q, k, v), head_dim]
+  else:
+    cols = np.arange(2 * cfg.d_ff).reshape(2, cfg.d_ff // GATE_UP_BLOCK,
+                                           GATE_UP_BLOCK)
+    order = (1, 0, 2)  # -> [d_ff / 16, (gate, up), 16]
+  if layout == "concatenated":
+    return cols.reshape(-1)
+  return cols.transpose(order).reshape(-1)
+
+
+def fused_permutation(cfg: GPTConfig, layer: str, src: str,
+                      dst: str) -> np.ndarray:
+  """Column indices `perm`: a kernel of fused layer `layer` ("qkv" or "up")
+  stored under layout `src` is `kernel[..., perm]` under `dst`
+  (`GPTConfig.fused_layout`). Whole 16-column blocks move together when
+  `head_dim` is a multiple of 16 ("up" always), so every NVFP4 16x16 tile
+  of the kernel keeps its contents."""
+  for name, layout in (("src", src), ("dst", dst)):
+    check_choice(f"fused_layout ({name})", layout, FUSED_LAYOUTS)
+  check_choice("fused layer", layer, ("qkv", "up"))
+  to_src = _fused_order(cfg, layer, src)
+  inverse = np.empty_like(to_src)
+  inverse[to_src] = np.arange(to_src.size)
+  # Column j of `dst` holds concatenated column _fused_order(dst)[j], which
+  # `src` keeps at inverse[that].
+  return inverse[_fused_order(cfg, layer, dst)]
+
+
+def convert_fused_layout(tree: Any, cfg: GPTConfig, src: str,
+                         dst: str) -> Any:
+  """`tree` (GPT parameters, or any pytree holding copies of them: a train
+  state's FP32 master weights and optimizer moments) with every fused
+  kernel's columns permuted from layout `src` to `dst`.
+
+  A leaf is converted when its path ends with `attn/qkv/kernel` (last
+  dimension `3 * d_model`) or, for SwiGLU, `mlp/up/kernel` (`2 * d_ff`);
+  other leaves are returned as they are. A converted array keeps its
+  sharding. Converting a "concatenated" tree to "interleaved" and back
+  gives it back bit for bit.
+  """
+  if src == dst:
+    for name, layout in (("src", src), ("dst", dst)):
+      check_choice(f"fused_layout ({name})", layout, FUSED_LAYOUTS)
+    return tree
+  perms = {("attn", "qkv", "kernel"): (3 * cfg.d_model,
+                                       fused_permutation(cfg, "qkv", src,
+                                                         dst))}
+  if cfg.mlp == "swiglu" and not cfg.num_experts:
+    perms[("mlp", "up", "kernel")] = (2 * cfg.d_ff, fused_permutation(
+        cfg, "up", src, dst))
+
+  def key(k):
+    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+
+  def convert(kp, x):
+    keys = tuple(key(k) for k in kp)[-3:]
+    hit = perms.get(keys)
+    if hit is None or np.ndim(x) < 1 or np.shape(x)[-1] != hit[0]:
+      return x
+    perm = hit[1]
+    if isinstance(x, jax.Array):
+      # Compiled with the array's own sharding as the result's (every
+      # process runs it alike where the array spans several).
+      return jax.jit(lambda a: jnp.take(a, perm, axis=-1),
+                     out_shardings=x.sharding)(x)
+    return np.take(np.asarray(x), perm, axis=-1)
+  return jax.tree_util.tree_map_with_path(convert, tree)

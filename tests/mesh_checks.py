@@ -1026,7 +1026,7 @@ GPT_MESHES = {"dp": dict(data=8), "fsdp": dict(data=2, fsdp=4),
               "mixed": dict(data=2, fsdp=2, model=2)}
 
 
-def _trainer(mesh_sizes, gpt_rules=GPT_RULES):
+def _trainer(mesh_sizes, gpt_rules=GPT_RULES, **gpt):
   import train.loop as loop  # pylint: disable=g-import-not-at-top
   from models import preset  # pylint: disable=g-import-not-at-top
   from tiny_training import small_corpus  # pylint: disable=g-import-not-at-top
@@ -1039,7 +1039,7 @@ def _trainer(mesh_sizes, gpt_rules=GPT_RULES):
   real = loop.make_rules
   loop.make_rules = lambda cfg, n: rules
   try:
-    return loop.Trainer(cfg, small_corpus(), preset("tiny", **GPT),
+    return loop.Trainer(cfg, small_corpus(), preset("tiny", **dict(GPT, **gpt)),
                         mesh=None if mesh_sizes is None else
                         mesh(**mesh_sizes))
   finally:
@@ -1166,10 +1166,9 @@ def _check_step_collectives(name, compiled):
   outputs, column-parallel input gradients, weight gradients). Outside
   them XLA partitions the high-precision parts itself: it gathers the
   head's weight, and the embedding's lookup and scatter over a
-  vocabulary-split table move token ids and the (small) output gradient;
-  with tensor parallelism it also reshards the attention's activations
-  (all-to-all, collective-permute), because the fused qkv kernel's columns
-  are split contiguously over `model`, not by heads."""
+  vocabulary-split table move token ids and the (small) output gradient.
+  Inside the GPT's attention and MLP, nothing is resharded with tensor
+  parallelism either (`_block_reshards`, checked by `check_gpt_step`)."""
   cs = [c for c in shd.collectives(compiled) if not c.trivial]
   inside = [c for c in cs if "nvfp4_layer[" in c.line]
   for c in inside:
@@ -1187,6 +1186,33 @@ def _check_step_collectives(name, compiled):
     where[key] = where.get(key, 0) + c.result_bytes
   for where, d in summary.items():
     print(f"    {where}, bytes per device: {d}")
+
+
+def _block_reshards(compiled, params):
+  """The collectives XLA adds inside a GPT block's attention or MLP
+  (op names under `/attn/` or `/mlp/`) to reshard activations: every
+  all-to-all and collective-permute there, and every all-gather outside
+  the NVFP4 layers whose results are not whole parameters (a weight
+  gathered over `fsdp` before use). Inside the layers every all-gather is
+  a weight's (`_check_step_collectives`). With the fused `qkv`
+  and `[gate, up]` columns laid out "interleaved" (`GPTConfig.fused_layout`)
+  a contiguous split over `model` gives each device whole heads and
+  matching gate and up columns: the list is empty. With the
+  "concatenated" layout XLA reshards q, k, v to heads and the MLP's halves
+  (all-to-all, collective-permute, gathers of the hidden activations)."""
+  shapes = {tuple(x.shape) for x in jax.tree.leaves(params)}
+  out = []
+  for c in shd.collectives(compiled):
+    name = re.search(r'op_name="([^"]*)"', c.line)
+    name = name.group(1) if name else ""
+    if c.trivial or not re.search(r"/(attn|mlp)/", name):
+      continue
+    if c.op in ("all-to-all", "collective-permute"):
+      out.append(f"{c.op} {c.dtypes} {name}")
+    elif (c.op == "all-gather" and "nvfp4_layer[" not in name
+          and not all(s in shapes for _, s in c.results)):
+      out.append(f"{c.op} {c.dtypes} {c.results} {name}")
+  return out
 
 
 def _check_weights_gathered(name, compiled, params):
@@ -1280,6 +1306,8 @@ def check_gpt_step(names=("dp", "mixed"), resume=True, gpt_rules=GPT_RULES):
           f"of the bound, {flipped} entries with a flipped code "
           f"({time.perf_counter() - t0:.1f}s)")
     _check_step_collectives(name, fn)
+    reshards = _block_reshards(fn, st.params)
+    assert not reshards, (name, reshards[:4])
     if gpt_rules is GPT_HIGH_PRECISION:
       _check_weights_gathered(name, fn, st.params)
   if not resume:
@@ -1302,6 +1330,19 @@ def check_gpt_step(names=("dp", "mixed"), resume=True, gpt_rules=GPT_RULES):
     ckpt.close()
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(saved)):
     np.testing.assert_array_equal(np.asarray(a), b)
+  # The fused kernels' layout conversion (`--resume` of a checkpoint of the
+  # old layout) on the mixed mesh's sharded state: each array keeps its
+  # sharding and equals the host conversion.
+  from models import convert_fused_layout  # pylint: disable=g-import-not-at-top
+  mcfg = meshes["mixed"][0].model_cfg
+  conv = convert_fused_layout(resumed["mixed"], mcfg, "concatenated",
+                              "interleaved")
+  host = convert_fused_layout(saved, mcfg, "concatenated", "interleaved")
+  for a, b, c in zip(jax.tree.leaves(conv), jax.tree.leaves(host),
+                     jax.tree.leaves(resumed["mixed"])):
+    np.testing.assert_array_equal(np.asarray(a), b)
+    assert a.sharding.is_equivalent_to(c.sharding, a.ndim), (a.sharding,
+                                                            c.sharding)
   ref1 = reference(trained, 1)
   for name, st in resumed.items():
     for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(saved)):
@@ -1323,6 +1364,38 @@ def check_gpt_step(names=("dp", "mixed"), resume=True, gpt_rules=GPT_RULES):
 
 
 GPT_HIGH_PRECISION = ((r".*", "bf16"),)
+
+
+def check_gpt_tp_layout():
+  """The GPT's fused kernels on a tensor-parallel mesh (`data=4, model=2`),
+  compiled only (one block, every projection in high precision: what
+  happens between the layers is XLA's either way): with the "interleaved"
+  layout (the default) XLA adds no collective inside attention or the MLP
+  (`_block_reshards`); with the "concatenated" layout of earlier versions
+  the same check finds the reshards (all-to-all, collective-permute), so
+  it fails where the layout does not split by heads. `check_gpt_step`
+  runs the NVFP4 step on `model=2` and mixed meshes against one device."""
+  for layout in ("interleaved", "concatenated"):
+    t0 = time.perf_counter()
+    tr = _trainer(GPT_MESHES["tp"], GPT_HIGH_PRECISION, num_layers=1,
+                  fused_layout=layout)
+    st = jax.eval_shape(tr.fns.init_state)
+    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(
+        s.shape, s.dtype, sharding=sh), st.params, tr.state_shardings.params)
+    batch = jax.ShapeDtypeStruct(
+        (1, tr.cfg.micro_batch, tr.cfg.seq_len + 1), jnp.int32,
+        sharding=NamedSharding(tr.mesh_rules.mesh,
+                               tr.mesh_rules.batch_spec(3, axis=1)))
+    fn = jax.jit(tr.fns.loss_and_grads).lower(
+        params, batch, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+    reshards = _block_reshards(fn, st.params)
+    kinds = sorted({r.split()[0] for r in reshards})
+    print(f"  {layout}: {len(reshards)} reshards in attention and MLP "
+          f"{kinds} ({time.perf_counter() - t0:.1f}s)")
+    if layout == "interleaved":
+      assert not reshards, reshards
+    else:
+      assert "all-to-all" in kinds or "collective-permute" in kinds, kinds
 
 
 def check_gpt_step_high_precision_fsdp():

@@ -91,16 +91,31 @@ def test_third_party_models_sharded_the_users_way():
   assert "logical explicit fsdp:" in out and "logical auto fsdp:" in out
 
 
+def test_gpt_tensor_parallel_reshards_nothing_in_attention_or_the_mlp():
+  """The GPT on `data=4, model=2`, compiled: no all-to-all, collective-
+  permute or activation all-gather inside attention or the MLP with the
+  fused kernels' "interleaved" layout; the same check finds them with the
+  "concatenated" layout of earlier versions (`mesh_checks.
+  check_gpt_tp_layout`; the slow tier's GPT steps on the `tp` and `mixed`
+  meshes assert it too, equal to one device)."""
+  out = run_checks("gpt_tp_layout")
+  assert "interleaved: 0 reshards" in out
+
+
 @pytest.mark.slow  # ~60 s on 2 cores; the fast tier keeps the sharded
 # layers and quantizers equal to one device (above).
 def test_gpt_step_on_a_mixed_mesh_and_resumed_on_another():
-  """Data-parallel and data x FSDP x tensor-parallel; resumed on both."""
+  """Data-parallel and data x FSDP x tensor-parallel; resumed on both. On
+  the mixed mesh nothing is resharded inside attention or the MLP
+  (`mesh_checks._block_reshards`)."""
   out = run_checks("gpt_step")
   assert "resumed on dp" in out and "resumed on mixed" in out
 
 
 @pytest.mark.slow
 def test_gpt_step_on_fsdp_and_tensor_parallel_meshes():
+  """FSDP and `data=4, model=2`: equal to one device within the derived
+  bound, nothing resharded inside attention or the MLP."""
   out = run_checks("gpt_step_fsdp_tp")
   assert "fsdp {" in out and "tp {" in out
 

@@ -360,3 +360,53 @@ def test_swiglu_backward_is_one_elementwise_expression():
           yield from prims(v)
   names = set(prims(jaxpr.jaxpr))
   assert "select_n" in names and "concatenate" not in names, names
+
+
+def test_swiglu_interleaved_blocks_equal_the_halves_permuted():
+  """`swiglu(h, block)` (gate and up alternating in blocks of `block`
+  columns) is `swiglu` of the halves, forward and backward, bit for bit:
+  the same FP32 operations per element, only the columns' order moved."""
+  from models.gpt import swiglu  # pylint: disable=g-import-not-at-top
+  f, b = 64, 16
+  rng = np.random.default_rng(4)
+  h = (rng.standard_t(3.0, (2, 8, 2 * f)) * 4).astype(np.float32)
+  g = rng.standard_t(3.0, (2, 8, f)).astype(np.float32)
+  # Column j of the interleaved `hi` is column perm[j] of the halves `h`.
+  perm = np.arange(2 * f).reshape(2, f // b, b).transpose(1, 0, 2).ravel()
+
+  @jax.jit
+  def both(h, hi, g):
+    y, vjp = jax.vjp(swiglu, h)
+    yi, vjpi = jax.vjp(lambda hi: swiglu(hi, b), hi)
+    return y, vjp(g)[0], yi, vjpi(g)[0]
+  y, dh, yi, dhi = both(h, h[..., perm], g)
+  np.testing.assert_array_equal(yi, y)
+  np.testing.assert_array_equal(dhi, np.asarray(dh)[..., perm])
+  with pytest.raises(ValueError, match="multiple of block=16"):
+    swiglu(h[..., :40], b)
+
+
+def test_gpt_layouts_compute_the_same_model():
+  """A GPT whose fused kernels are converted between the "concatenated"
+  and "interleaved" layouts (`convert_fused_layout`) computes the same
+  logits with NVFP4 layers (the permutation moves whole 16-column tiles,
+  so every quantized weight tile keeps its contents; the activations'
+  1x16 blocks run along `in`, which does not move). Equal to XLA:CPU's
+  GEMMs' per-output-column sums, which do not depend on the columns'
+  order: bit for bit here. A model applied to the other layout's
+  parameters unconverted computes another function."""
+  from models import convert_fused_layout  # pylint: disable=g-import-not-at-top
+  cfg = GPTConfig(d_model=64, num_layers=1, num_heads=2, d_ff=64,
+                  fused_layout="concatenated")
+  new = cfg.replace(fused_layout="interleaved")
+  rules = nv.PrecisionRules(default=nv.Recipe.nvfp4())
+  params = _init(cfg)
+  conv = convert_fused_layout(params, cfg, "concatenated", "interleaved")
+  a = _apply_jit(params, rules, TOKENS, cfg)
+  b = _apply_jit(conv, rules, TOKENS, new)
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(_apply_jit(params, rules, TOKENS, new), a)
+  assert (conv["block_0"]["attn"]["qkv"]["kernel"].shape
+          == params["block_0"]["attn"]["qkv"]["kernel"].shape)
+  with pytest.raises(ValueError, match="fused_layout"):
+    GPTConfig(fused_layout="heads")

@@ -91,3 +91,73 @@ def test_config_changes_of_fields_an_older_checkpoint_lacks():
   now["train"]["residuals"] = "values"
   assert config_changes(saved, now, defaults) == [
       "train.residuals: None -> 'values'"]
+
+
+
+def test_checkpoint_of_the_concatenated_layout_is_converted(tmp_path):
+  """A checkpoint whose fused `qkv` and `[gate, up]` kernels are laid out
+  "concatenated" (as every checkpoint written before `fused_layout`
+  existed: its saved config lacks the field) resumes under the default
+  "interleaved" layout with those kernels' columns permuted in the
+  parameters, FP32 master weights and Adam moments alike, and nothing
+  else changed; resumed with `fused_layout="concatenated"` it is left as
+  it is. `train.export.restore_run` reads such a run in its own layout.
+  (Without the conversion the resumed state would be the saved one, which
+  the first assertion refuses.)"""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import nvfp4_jax  # pylint: disable=g-import-not-at-top
+  from models import convert_fused_layout  # pylint: disable=g-import-not-at-top
+  from train.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+  from train.export import restore_run  # pylint: disable=g-import-not-at-top
+  from train.step import TrainState  # pylint: disable=g-import-not-at-top
+  corpus = small_corpus()
+  model = MODEL.replace(num_layers=1)
+  old = model.replace(fused_layout="concatenated")
+  cfg = config(precision="bf16", steps=1, ckpt_every=1, eval_every=1,
+               eval_batches=1, warmup_steps=0, diagnostics=False)
+  run = tmp_path / "run"
+  # A trained-looking state of the old layout (Adam's moments are zeros at
+  # init): every float leaf random, step 1 (the run's end).
+  state = Trainer(cfg, corpus, old).init_state()
+  leaves, tree = jax.tree.flatten(state)
+  rng = np.random.default_rng(0)
+  leaves = [rng.standard_normal(np.shape(x)).astype(x.dtype)
+            if np.issubdtype(x.dtype, np.floating) else np.asarray(x)
+            for x in leaves]
+  state = TrainState(*jax.tree.unflatten(tree, leaves))._replace(
+      step=np.int32(1))
+  saved = {"train": cfg.to_dict(), "model": dataclasses.asdict(old)}
+  del saved["model"]["fused_layout"]  # As an older version wrote it.
+  run.mkdir()
+  (run / "config.json").write_text(json.dumps(saved))
+  with Checkpointer(run / "checkpoints") as ckpt:
+    ckpt.save(1, state, saved)
+  now = {"train": cfg.to_dict(), "model": dataclasses.asdict(model)}
+  with Checkpointer(run / "checkpoints") as ckpt:
+    got = Trainer(cfg, corpus, model)._start(ckpt, now, resume=True)  # pylint: disable=protected-access
+  want = convert_fused_layout(state, model, "concatenated", "interleaved")
+  jax.tree.map(np.testing.assert_array_equal, tuple(got), tuple(want))
+  moved = [p for p, (a, b) in zip(
+      jax.tree_util.tree_flatten_with_path(want)[0],
+      zip(jax.tree.leaves(want), jax.tree.leaves(state)))
+           if not np.array_equal(a, b)]
+  # qkv and up: the bf16 parameter, its FP32 master, Adam's mu and nu.
+  assert len(moved) == 8, [jax.tree_util.keystr(p[0]) for p in moved]
+  back = convert_fused_layout(want, model, "interleaved", "concatenated")
+  jax.tree.map(np.testing.assert_array_equal, tuple(back), tuple(state))
+  # The public path: a finished run resumes as a no-op reporting its
+  # (converted) FP32 master parameters.
+  again = Trainer(cfg, corpus, model).run(run, resume=True, progress=False)
+  jax.tree.map(np.testing.assert_array_equal, again.params,
+               nvfp4_jax.master_params(want.opt_state))
+  # Resumed in the layout it was written in: as it is.
+  now["model"]["fused_layout"] = "concatenated"
+  with Checkpointer(run / "checkpoints") as ckpt:
+    same = Trainer(cfg, corpus, old)._start(ckpt, now, resume=True)  # pylint: disable=protected-access
+  jax.tree.map(np.testing.assert_array_equal, tuple(same), tuple(state))
+  # The exporter reads the old run (config.json as it was) in its layout.
+  (run / "config.json").write_text(json.dumps(saved))
+  _, mcfg, _, params, _ = restore_run(run)
+  assert mcfg.fused_layout == "concatenated"
+  jax.tree.map(np.testing.assert_array_equal, params,
+               nvfp4_jax.master_params(state.opt_state))

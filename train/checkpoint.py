@@ -85,12 +85,15 @@ def _flatten(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any],
-                   defaults: dict[str, Any] | None = None) -> list[str]:
+                   defaults: dict[str, Any] | None = None,
+                   ignore: tuple[str, ...] = ()) -> list[str]:
   """`"group.field: saved -> current"` for each field that differs.
 
   `defaults` (grouped like `current`): a field the saved configuration does
   not have (one a later version added) is unchanged where its current value
   is its default, which reproduces the older version's behaviour.
+  `ignore`: fields ("group.field") the caller reconciles itself (e.g. a
+  parameter layout it converts after restoring).
   """
   # Through JSON, as the saved one was: a tuple compares equal to its list.
   current = json.loads(json.dumps(current))
@@ -98,7 +101,7 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any],
   saved, current = _flatten(saved), _flatten(current)
   return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
           for k in sorted(set(saved) | set(current))
-          if saved.get(k) != current.get(k)
+          if saved.get(k) != current.get(k) and k not in ignore
           and not (k not in saved and k in defaults
                    and current.get(k) == defaults[k])]
 
@@ -183,6 +186,7 @@ class Checkpointer:
   def restore_latest(self, like: Any, *,
                      config: dict[str, Any] | None = None,
                      config_defaults: dict[str, Any] | None = None,
+                     ignore: tuple[str, ...] = (),
                      on_skip: Any = None,
                      fix: str = "start the run again with --overwrite (or "
                                 "another --out)"
@@ -195,7 +199,7 @@ class Checkpointer:
     step again; nothing is deleted).
 
     Args:
-      like, config, config_defaults: as `restore`.
+      like, config, config_defaults, ignore: as `restore`.
       on_skip: called for each skipped checkpoint (default: nothing).
       fix: what to do when none restores, for the message.
 
@@ -222,7 +226,8 @@ class Checkpointer:
       if reason is None:
         try:
           state, saved = self.restore(step, like, config=config,
-                                      config_defaults=config_defaults)
+                                      config_defaults=config_defaults,
+                                      ignore=ignore)
           return step, state, saved
         except ConfigMismatchError:
           raise
@@ -281,7 +286,8 @@ class Checkpointer:
 
   def restore(self, step: int, like: Any, *,
               config: dict[str, Any] | None = None,
-              config_defaults: dict[str, Any] | None = None
+              config_defaults: dict[str, Any] | None = None,
+              ignore: tuple[str, ...] = ()
               ) -> tuple[Any, dict[str, Any]]:
     """The state saved at `step`, shaped and typed like `like`, and its config.
 
@@ -295,6 +301,9 @@ class Checkpointer:
       config_defaults: the defaults of `config`'s fields (`config_changes`):
         a checkpoint of an older version resumes where the fields it lacks
         keep their defaults.
+      ignore: fields ("group.field") left out of the comparison: the
+        caller reconciles them with the saved configuration it is given
+        back (`train.loop.Trainer` converts the GPT's fused layout).
 
     Raises:
       ConfigMismatchError: `config` differs from the saved configuration;
@@ -302,7 +311,7 @@ class Checkpointer:
     """
     saved = self.saved_config(step)
     if config is not None:
-      changes = config_changes(saved, config, config_defaults)
+      changes = config_changes(saved, config, config_defaults, ignore)
       if changes:
         hint = ""
         if any(c.startswith("model.vocab_size:") for c in changes):

@@ -31,6 +31,8 @@ def restore_run(run_dir: str | pathlib.Path):
 
   import nvfp4_jax  # pylint: disable=g-import-not-at-top
   from models import GPTConfig  # pylint: disable=g-import-not-at-top
+  from models import convert_fused_layout  # pylint: disable=g-import-not-at-top
+  from models import saved_fused_layout  # pylint: disable=g-import-not-at-top
   from train import data as data_lib  # pylint: disable=g-import-not-at-top
   from train.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
   from train.checkpoint import existing_checkpoints  # pylint: disable=g-import-not-at-top
@@ -54,7 +56,10 @@ def restore_run(run_dir: str | pathlib.Path):
     if not isinstance(saved, dict):
       raise TypeError("not a JSON object")
     cfg = TrainConfig(**saved["train"])
-    mcfg = GPTConfig(**saved["model"])
+    # A run of a version before `fused_layout` kept the fused kernels
+    # "concatenated": its configuration says so from here on.
+    mcfg = GPTConfig(**dict(saved["model"],
+                            fused_layout=saved_fused_layout(saved["model"])))
   except (KeyError, TypeError, ValueError) as e:
     raise ValueError(f"{config_path} does not describe a run of this "
                      f"version ({e}); retrain or export with the version "
@@ -71,7 +76,7 @@ def restore_run(run_dir: str | pathlib.Path):
                               f"train the run first.")
 
     skipped = []  # Named once a checkpoint restores (else the error does).
-    step, state, _ = ckpt.restore_latest(
+    step, state, saved_ckpt = ckpt.restore_latest(
         jax.eval_shape(trainer.fns.init_state),
         on_skip=lambda path, reason: skipped.append((path, reason)),
         fix="resume the run (python -m train ... --resume) to write a good "
@@ -82,6 +87,12 @@ def restore_run(run_dir: str | pathlib.Path):
             flush=True)
   finally:
     ckpt.close()
+  # The checkpoint's fused layout (of the configuration saved with it: a
+  # run resumed by a newer version rewrote config.json before its next
+  # checkpoint), converted to the one `mcfg` runs.
+  state = convert_fused_layout(
+      state, mcfg, saved_fused_layout(saved_ckpt.get("model", {})),
+      mcfg.fused_layout)
   master = nvfp4_jax.master_params(TrainState(*state).opt_state)
   return cfg, mcfg, step, master, trainer.rules
 

@@ -38,6 +38,8 @@ from jax.sharding import PartitionSpec as P
 import nvfp4_jax
 from models import GPT
 from models import GPTConfig
+from models import convert_fused_layout
+from models import saved_fused_layout
 from train import data as data_lib
 from train import report
 from train.checkpoint import Checkpointer
@@ -299,10 +301,11 @@ class Trainer:
     if not resume:
       return self.init_state()
     skipped = []  # Named once a checkpoint restores (else the error does).
-    step, state, _ = ckpt.restore_latest(
+    step, state, saved = ckpt.restore_latest(
         self.abstract_state(), config=config,
         config_defaults={"train": _field_defaults(self.cfg),
                          "model": _field_defaults(self.model_cfg)},
+        ignore=("model.fused_layout",),
         on_skip=lambda path, reason: skipped.append((path, reason)))
     for path, reason in skipped:
       print(f"warning: --resume: skipped the damaged checkpoint {path} "
@@ -310,6 +313,19 @@ class Trainer:
     if skipped:
       print(f"warning: --resume: resuming from step {step}, the newest "
             f"checkpoint that restores", file=sys.stderr, flush=True)
+    # The fused qkv and [gate, up] kernels' column order: a checkpoint of
+    # another layout (one written before `fused_layout` existed is
+    # "concatenated") is converted, its parameters, FP32 master weights and
+    # optimizer moments alike.
+    src = saved_fused_layout(saved.get("model", {}))
+    if src != self.model_cfg.fused_layout:
+      state = convert_fused_layout(state, self.model_cfg, src,
+                                   self.model_cfg.fused_layout)
+      if _first_process():
+        print(f"note: --resume: converted the checkpoint of step {step} "
+              f"from the fused layout {src!r} to "
+              f"{self.model_cfg.fused_layout!r} (models.gpt.fused_layout)",
+              file=sys.stderr, flush=True)
     return TrainState(*state)
 
   def _loop(self, state, start, log, ckpt, config, progress, label,

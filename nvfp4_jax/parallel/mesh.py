@@ -16,7 +16,11 @@ What each mesh axis splits (`MeshRules`):
   bf16; weight gradients are reduce-scattered back.
 - `model`: tensor parallelism of the linear layers matched by
   `tensor_parallel` (the GPT's `attn/qkv` and `mlp/up` split by output
-  columns, `attn/out` and `mlp/down` by input rows, Megatron-style).
+  columns, `attn/out` and `mlp/down` by input rows, Megatron-style). A
+  column split is contiguous: a fused kernel whose columns a model splits
+  further (q, k, v into heads; gate and up) must lay them out so that
+  each device's slice is whole units (the GPT's `fused_layout`,
+  `models/gpt.py`), or XLA reshards the activations after the layer.
 
 Every NVFP4 layer runs its three GEMMs per shard inside `jax.shard_map`
 (`nvfp4_jax.ops`): the quantizers and Pallas kernels see local tensors (a
