@@ -101,3 +101,42 @@ def test_token_kernels_equal_reference(sizes, rounding, values):
   for field in ("data", "scales", "values", "amax"):
     np.testing.assert_array_equal(_bytes(getattr(got, field)),
                                   _bytes(getattr(want, field)), err_msg=field)
+
+
+def test_the_op_runs_the_grouped_kernels_on_a_gpu():
+  """Traced for a Hopper GPU (`dispatch.target_device`), the NVFP4 op's
+  forward and backward quantize with the grouped kernels: the row kernel
+  for X and dY, the token amax pass for both Wgrad operands, the token
+  encode pass writing X's codes (the residual) and dY's values, and the
+  block-values kernel decoding the saved codes; on the CPU (the
+  reference), none."""
+  import re
+  from nvfp4_jax.core import dispatch
+  x = jnp.zeros((256, 64), jnp.bfloat16)
+  w = jnp.zeros((4, 64, 32), jnp.float32)
+  gs = jnp.asarray([64, 0, 100, 60], jnp.int32)
+
+  def kernels():
+    def f(x, w):
+      y, vjp = jax.vjp(lambda x, w: nv.ragged_dot(
+          x, w, gs, recipe="nvfp4", key=jax.random.key(0)), x, w)
+      return vjp(y)
+    names = re.findall(r"name=(nvfp4_\w+)", str(jax.make_jaxpr(f)(x, w)))
+    return {n: names.count(n) for n in set(names)}
+
+  jax.clear_caches()
+  try:
+    with dispatch.target_device("gpu", (9, 0)):
+      gpu = kernels()
+  finally:
+    jax.clear_caches()
+  assert gpu.get("nvfp4_quantize_rows") == 2, gpu
+  assert gpu.get("nvfp4_ragged_rht_amax") == 2, gpu
+  assert gpu.get("nvfp4_ragged_quantize_tokens") == 1, gpu
+  assert gpu.get("nvfp4_ragged_quantize_tokens_values") == 1, gpu
+  assert gpu.get("nvfp4_block_values", 0) >= 1, gpu
+  if jax.default_backend() != "cpu":
+    return
+  cpu = kernels()
+  assert not any(n in cpu for n in ("nvfp4_quantize_rows",
+                                    "nvfp4_ragged_rht_amax")), cpu
