@@ -106,7 +106,7 @@ def test_token_kernels_equal_reference(sizes, rounding, values):
 def test_the_op_runs_the_grouped_kernels_on_a_gpu():
   """Traced for a Hopper GPU (`dispatch.target_device`), the NVFP4 op's
   forward and backward quantize with the grouped kernels: the row kernel
-  for X and dY, the token amax pass for both Wgrad operands, the token
+  for X, dY and the stacked expert weights (16x16), the token amax pass for both Wgrad operands, the token
   encode pass writing X's codes (the residual) and dY's values, and the
   block-values kernel decoding the saved codes; on the CPU (the
   reference), none."""
@@ -130,7 +130,7 @@ def test_the_op_runs_the_grouped_kernels_on_a_gpu():
       gpu = kernels()
   finally:
     jax.clear_caches()
-  assert gpu.get("nvfp4_quantize_rows") == 2, gpu
+  assert gpu.get("nvfp4_quantize_rows") == 3, gpu
   assert gpu.get("nvfp4_ragged_rht_amax") == 2, gpu
   assert gpu.get("nvfp4_ragged_quantize_tokens") == 1, gpu
   assert gpu.get("nvfp4_ragged_quantize_tokens_values") == 1, gpu
@@ -140,3 +140,26 @@ def test_the_op_runs_the_grouped_kernels_on_a_gpu():
   cpu = kernels()
   assert not any(n in cpu for n in ("nvfp4_quantize_rows",
                                     "nvfp4_ragged_rht_amax")), cpu
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_expert_weights_kernel_equals_reference(rounding):
+  """The stacked experts' 16x16 quantization by the row kernel (each row
+  its expert's amax and stream, tiles inside one expert) gives the
+  reference's bytes; the reference path equals `quantize` per expert
+  (tests/test_ragged_dot.py)."""
+  from nvfp4_jax.core import dispatch
+  rng = np.random.default_rng(11)
+  w = jnp.asarray(rng.standard_t(2, (3, 32, 48)), jnp.float32)
+  w = w.at[1].multiply(1e-3)
+  op = Operand(block_2d=True, rounding=rounding)
+  keys = _keys(3) if rounding == "stochastic" else None
+
+  def run(impl):
+    with dispatch.default_implementation(impl):
+      return jax.jit(lambda w: rg.quantize_experts(w, op, keys))(w)
+
+  got, want = run("pallas"), run("xla")
+  for field in ("data", "scales", "values", "amax"):
+    np.testing.assert_array_equal(_bytes(getattr(got, field)),
+                                  _bytes(getattr(want, field)), err_msg=field)

@@ -235,7 +235,7 @@ def _row_bytes(local, row_seeds, c: int, b: int) -> jax.Array:
 
 def _quantize_rows_xla(x, row_amax, *, row_seeds=None, row_index=None,
                        four_over_six=False, with_codes=True,
-                       with_values=True):
+                       with_values=True, block_2d=False):
   """The reference of `pallas_triton.quantize_rows` (the same arguments):
   1x16 NVFP4 of each row with its own tensor amax `row_amax[r]`."""
   m, c = x.shape
@@ -248,9 +248,10 @@ def _quantize_rows_xla(x, row_amax, *, row_seeds=None, row_index=None,
   s6, inv = jax.lax.optimization_barrier(
       nm.nvfp4_scale_constants(row_amax, four_over_six=four_over_six))
   packed, scales, vals = tile.encode_blocks(
-      xf, tile.block_amax(xf, False), s6[:, None], inv[:, None],
+      xf, tile.block_amax(xf, block_2d), s6[:, None], inv[:, None],
       rbits=rbits, with_codes=with_codes, with_values=with_values,
-      barrier=jax.lax.optimization_barrier, four_over_six=four_over_six)
+      barrier=jax.lax.optimization_barrier, four_over_six=four_over_six,
+      block_2d=block_2d)
   return packed, (scales if with_codes else None), vals
 
 
@@ -379,7 +380,30 @@ def quantize_experts(w: jax.Array, op: Operand, keys: jax.Array | None, *,
                      values: bool = True, codes: bool = True) -> Grouped:
   """Each expert's `w[e]` (`[R, C]`) quantized along `C` as `op` says,
   exactly `nvfp4_jax.quantize` / `quantize_mx` of that expert alone
-  (16x16 tiles and the amax per expert)."""
+  (16x16 tiles and the amax per expert). NVFP4 runs `QUANTIZE_ROWS` on the
+  stacked `[E * R, C]` rows, each with its expert's amax and stream (the
+  Pallas kernel on a GPU)."""
+  num, r, c = w.shape
+  if op.format == "nvfp4" and (not op.block_2d or r % nm.NVFP4_BLOCK == 0):
+    wf = nm.ftz(w.astype(jnp.float32))
+    amax = jax.lax.bitcast_convert_type(
+        ref.abs_bits(wf, (1, 2)), jnp.float32)
+    row_seeds = row_index = None
+    if op.rounding == "stochastic":
+      seeds = jnp.repeat(ref.group_seeds(keys, num)[:num], r, axis=0)
+      row_seeds = (seeds[:, 0], seeds[:, 1])
+      row_index = jnp.tile(jnp.arange(r, dtype=jnp.uint32), num)
+    packed, scales, vals = QUANTIZE_ROWS(
+        None, w.reshape(num * r, c), jnp.repeat(amax, r),
+        row_seeds=row_seeds, row_index=row_index,
+        four_over_six=op.four_over_six, with_codes=True,
+        with_values=values, block_2d=op.block_2d)
+    return Grouped(
+        data=packed.reshape(num, r, c // 2) if codes else None,
+        scales=scales.reshape(num, r, -1),
+        values=None if vals is None else vals.reshape(num, r, c),
+        amax=amax, fmt=op.format, four_over_six=op.four_over_six)
+
   def one(we, key):
     if op.format == "nvfp4":
       q, vals = quantize_reference(

@@ -47,7 +47,8 @@ def quantize_rows(x: jax.Array, row_amax: jax.Array, *,
                   row_seeds: tuple[jax.Array, jax.Array] | None = None,
                   row_index: jax.Array | None = None,
                   four_over_six: bool = False, with_codes: bool = True,
-                  with_values: bool = True, config=None):
+                  with_values: bool = True, block_2d: bool = False,
+                  config=None):
   """NVFP4 1x16 codes/scales/values of `x [M, C]`, row `r` with the tensor
   amax `row_amax[r]` (its group's).
 
@@ -59,6 +60,8 @@ def quantize_rows(x: jax.Array, row_amax: jax.Array, *,
     row_index: with `row_seeds`, each row's index within its tensor, `[M]`.
     four_over_six: Four-over-Six (the amaxes' constants use 1536).
     with_codes, with_values: which outputs to write.
+    block_2d: 16x16 tiles (stacked expert weights `[E * R, C]`, `R` a
+      multiple of 16, so no tile holds two experts' rows).
     config: tiles (`nvfp4_jax.ops.quantize.config.QuantizeConfig`).
 
   Returns:
@@ -72,7 +75,7 @@ def quantize_rows(x: jax.Array, row_amax: jax.Array, *,
   m, c = x.shape
   nb_total = c // B
   stochastic = row_seeds is not None
-  cfg = config or default_config(m, c)
+  cfg = config or default_config(m, c, block_2d)
   br, bnb = cfg.block_rows, max(1, cfg.block_cols // B)
   grid = (common.cdiv(m, br), common.cdiv(nb_total, bnb))
   rows_padded = grid[0] * br
@@ -102,7 +105,7 @@ def quantize_rows(x: jax.Array, row_amax: jax.Array, *,
     out_shape.append(jax.ShapeDtypeStruct((m, nb_total, B // 2), jnp.uint32))
     out_specs.append(pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)))
   kernel = functools.partial(
-      quantize_kernel, block_2d=False, stochastic=stochastic,
+      quantize_kernel, block_2d=block_2d, stochastic=stochastic,
       with_codes=with_codes, with_values=with_values, interpret=interpret,
       m=m, nb_total=nb_total, four_over_six=four_over_six,
       words_per_row=c // 4, grouped=True)
