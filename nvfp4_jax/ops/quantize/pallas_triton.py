@@ -158,6 +158,23 @@ def wide_tiles(stochastic: bool, with_values: bool,
   return not (stochastic or four_over_six) and common.hardware_e2m1()
 
 
+def outputs(m: int, nb_total: int, br: int, bnb: int, with_codes: bool,
+            with_values: bool) -> tuple[list, list]:
+  """`(out_shape, out_specs)` of a quantize kernel over `[m, nb_total, 16]`
+  in `[br, bnb, 16]` tiles: packed codes and E4M3 scales, then the value
+  pairs (uint32), as asked."""
+  out_shape, out_specs = [], []
+  if with_codes:
+    out_shape += [jax.ShapeDtypeStruct((m, nb_total, B // 2), jnp.uint8),
+                  jax.ShapeDtypeStruct((m, nb_total), jnp.float8_e4m3fn)]
+    out_specs += [pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)),
+                  pl.BlockSpec((br, bnb), lambda i, j: (i, j))]
+  if with_values:
+    out_shape.append(jax.ShapeDtypeStruct((m, nb_total, B // 2), jnp.uint32))
+    out_specs.append(pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)))
+  return out_shape, out_specs
+
+
 def quantize(x: jax.Array, *, block_2d: bool = False,
              rounding: str = "nearest", key: jax.Array | None = None,
              amax: jax.Array | None = None, with_values: bool = False,
@@ -221,15 +238,8 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
     in_specs.append(pl.BlockSpec((br, bnb, B), lambda i, j: (i, j, 0)))
     args.append(x.reshape(m, nb_total, B))
   with_values = with_values or not with_codes
-  out_shape, out_specs = [], []
-  if with_codes:
-    out_shape += [jax.ShapeDtypeStruct((m, nb_total, B // 2), jnp.uint8),
-                  jax.ShapeDtypeStruct((m, nb_total), jnp.float8_e4m3fn)]
-    out_specs += [pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)),
-                  pl.BlockSpec((br, bnb), lambda i, j: (i, j))]
-  if with_values:
-    out_shape.append(jax.ShapeDtypeStruct((m, nb_total, B // 2), jnp.uint32))
-    out_specs.append(pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)))
+  out_shape, out_specs = outputs(m, nb_total, br, bnb, with_codes,
+                                 with_values)
 
   kernel = functools.partial(
       quantize_kernel, block_2d=block_2d, stochastic=stochastic,

@@ -35,6 +35,7 @@ from nvfp4_jax.core import prng
 from nvfp4_jax.core import tile
 from nvfp4_jax.core.hadamard import default_sign_vector
 from nvfp4_jax.ops.quantize.config import default_config
+from nvfp4_jax.ops.quantize.pallas_triton import outputs
 from nvfp4_jax.ops.quantize.pallas_triton import quantize_kernel
 from nvfp4_jax.ops.quantize_rht_t import pallas_triton as rht_cols
 from nvfp4_jax.ops.quantize_rht_t.config import ColumnsConfig
@@ -95,15 +96,8 @@ def quantize_rows(x: jax.Array, row_amax: jax.Array, *,
              per_row(row_index, jnp.uint32)]
   in_specs.append(pl.BlockSpec((br, bnb, B), lambda i, j: (i, j, 0)))
   args.append(x.reshape(m, nb_total, B))
-  out_shape, out_specs = [], []
-  if with_codes:
-    out_shape += [jax.ShapeDtypeStruct((m, nb_total, B // 2), jnp.uint8),
-                  jax.ShapeDtypeStruct((m, nb_total), jnp.float8_e4m3fn)]
-    out_specs += [pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)),
-                  pl.BlockSpec((br, bnb), lambda i, j: (i, j))]
-  if with_values:
-    out_shape.append(jax.ShapeDtypeStruct((m, nb_total, B // 2), jnp.uint32))
-    out_specs.append(pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)))
+  out_shape, out_specs = outputs(m, nb_total, br, bnb, with_codes,
+                                 with_values)
   kernel = functools.partial(
       quantize_kernel, block_2d=block_2d, stochastic=stochastic,
       with_codes=with_codes, with_values=with_values, interpret=interpret,
