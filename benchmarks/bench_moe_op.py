@@ -16,6 +16,9 @@ the forward and backward pass (`jax.vjp` and its pullback, one jit) of:
   weights, the Wgrad token layout);
 
 and prints TFLOP/s (6 M K N per forward + backward) and the ratio to dense.
+`--aligned` pads each expert's rows to 16 with zero rows, as the MoE layer's
+dispatch does, and calls the op with `align="assume"` (no copy inside it);
+M then counts the padding rows, for every row of the table.
 Also the bytes the forward pass saves for the backward pass (the expert
 residuals) for both recipes.
 """
@@ -36,6 +39,7 @@ from benchmarks.bench_moe import MODELS
 from benchmarks.bench_moe import group_sizes
 
 BF16 = jnp.bfloat16
+ALIGNED = 16  # `nvfp4_jax.flax.moe.GROUP_ALIGN`.
 
 
 def _fwd_bwd(f):
@@ -84,11 +88,16 @@ def residuals(model, tokens: int, routing: str) -> dict:
               residual_ratio=rq / rb)
 
 
-def measure(model, tokens: int, routing: str, *, calls: int, reps: int
-            ) -> dict:
+def measure(model, tokens: int, routing: str, *, calls: int, reps: int,
+            aligned: bool = False) -> dict:
   name, e, k, n, topk = model
   m = tokens * topk
-  gs = jnp.asarray(group_sizes(m, e, routing))
+  sizes = group_sizes(m, e, routing)
+  align = "pad"
+  if aligned:  # As the MoE layer's dispatch writes them (zero rows).
+    sizes = -(-sizes // ALIGNED) * ALIGNED
+    m, align = int(sizes.sum()), "assume"
+  gs = jnp.asarray(sizes)
   keys = jax.random.split(jax.random.key(tokens + e), 4)
   x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(BF16)
   w = (jax.random.normal(keys[1], (e, k, n), jnp.float32) / np.sqrt(k))
@@ -101,8 +110,10 @@ def measure(model, tokens: int, routing: str, *, calls: int, reps: int
   bf16 = _fwd_bwd(lambda x, w: nv.ragged_dot(x, w, gs, recipe="bf16"))
   # NVFP4 reads the FP32 master weight and writes bf16, as the layer does.
   nvfp4 = _fwd_bwd(lambda x, w: nv.ragged_dot(
-      x, w, gs, preferred_element_type=BF16, recipe="nvfp4", key=sr))
-  row = dict(model=name, E=e, K=k, N=n, tokens=tokens, routing=routing)
+      x, w, gs, preferred_element_type=BF16, recipe="nvfp4", key=sr,
+      align=align))
+  row = dict(model=name, E=e, K=k, N=n, tokens=tokens,
+             routing=routing + (" aligned" if aligned else ""))
   wb = w.astype(BF16)
   bf16, row["bf16_compile_s"] = compiled(bf16, x, wb, dy)
   print(f"{name} {routing}: bf16 compiled in {row['bf16_compile_s']:.1f} s",
@@ -143,6 +154,9 @@ def main(argv=None):
   p.add_argument("--tokens", default="16384")
   p.add_argument("--models", default="")
   p.add_argument("--routings", default="balanced,skewed")
+  p.add_argument("--aligned", action="store_true",
+                 help="each expert's rows padded to 16 (the MoE layer's "
+                      "dispatch) and the op told so (align='assume')")
   p.add_argument("--residuals-only", action="store_true",
                  help="only the residual bytes (from shapes; any device)")
   a = p.parse_args(argv)
@@ -165,7 +179,8 @@ def main(argv=None):
   for mm in models:
     for tk in tokens:
       for r in a.routings.split(","):
-        rows.append(measure(mm, tk, r, calls=calls, reps=reps))
+        rows.append(measure(mm, tk, r, calls=calls, reps=reps,
+                            aligned=a.aligned))
         print(timing.table(rows[-1:], COLS), flush=True)
   print(timing.table(rows, COLS))
   return rows
