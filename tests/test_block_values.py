@@ -55,8 +55,18 @@ def _pair(kind, i):
   return {"pair": PAIRS, "fos": FOS_PAIRS, "no_rht": NO_RHT_PAIRS}[kind][i]
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-@pytest.mark.parametrize("kind,i", ALL_PAIRS)
+def _pair_cases():
+  """Every (pair, implementation). The fast tier keeps the reference's first
+  case of each kind, every fused pair's kernel and the first two of the
+  others; the rest run in the slow tier (the CPU suite's budget)."""
+  for kind, i in ALL_PAIRS:
+    for impl in ("xla", "pallas"):
+      fast = (i == 0 if impl == "xla" else kind == "pair" or i < 2)
+      yield pytest.param(kind, i, impl, id=f"{kind}-{i}-{impl}",
+                         marks=() if fast else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("kind,i,impl", _pair_cases())
 def test_pair_values_are_the_codes_block_values(impl, kind, i):
   """Every pair kernel (fused RTNE pair, split SR pair, RHT'd operand alone,
   the no-RHT 1x16 route, Four-over-Six) writes the values of the codes it
@@ -134,8 +144,11 @@ def test_values_only_where_the_gemm_is_emulated(monkeypatch, cc, values):
 
 
 @pytest.mark.parametrize("recipe", [
-    nv.Recipe.nvfp4(), nv.Recipe.nvfp4(stochastic_rounding=False),
-    nv.Recipe.nvfp4(four_over_six="all"),
+    nv.Recipe.nvfp4(),
+    pytest.param(nv.Recipe.nvfp4(stochastic_rounding=False),
+                 marks=pytest.mark.slow),
+    pytest.param(nv.Recipe.nvfp4(four_over_six="all"),
+                 marks=pytest.mark.slow),  # Also with values, below.
     nv.Recipe.nvfp4(four_over_six="all", residuals="values")])
 def test_layer_bit_equal_to_the_codes_path(monkeypatch, recipe):
   """Outputs and gradients of the values path equal those with every
