@@ -49,6 +49,8 @@ from nvfp4_jax.flax.rules import PrecisionRules
 from nvfp4_jax.parallel import current_rules
 from nvfp4_jax.training.dot_general import explicit_mesh
 from nvfp4_jax.ops.ragged_dot.api import alignment
+from nvfp4_jax.ops.ragged_dot.api import padded_layout
+from nvfp4_jax.ops.ragged_dot.api import padded_length
 from nvfp4_jax.training.ragged_dot import ragged_dot
 from jax.sharding import PartitionSpec as P
 
@@ -215,27 +217,14 @@ def group_starts(sizes: jax.Array, align: int) -> tuple[jax.Array, jax.Array]:
   return padded, jnp.cumsum(padded) - padded
 
 
-def padded_rows(rows: int, num_groups: int, align: int) -> int:
-  """Static room for `rows` rows in `num_groups` groups padded to `align`."""
-  return -(-(rows + num_groups * (align - 1)) // align) * align
-
-
 def layout(routing: Routing, top_k: int, align: int = GROUP_ALIGN) -> Layout:
-  """`routing`'s expert order with every group padded to `align` rows."""
+  """`routing`'s expert order with every group padded to `align` rows
+  (`ops.ragged_dot.api.padded_layout`, composed with the sort)."""
+  del top_k
   rows = routing.order.shape[0]
-  num_groups = routing.group_sizes.shape[0]
-  length = padded_rows(rows, num_groups, align)
-  gs = routing.group_sizes.astype(jnp.int32)
-  padded, pstart = group_starts(gs, align)
-  start = jnp.cumsum(gs) - gs
-  s = jnp.arange(rows, dtype=jnp.int32)
-  g = jnp.searchsorted(jnp.cumsum(gs), s, side="right")     # E: dropped.
-  gi = jnp.minimum(g, num_groups - 1)
-  row_of_sorted = jnp.where(g < num_groups, pstart[gi] + s - start[gi],
-                            length)
-  pos = row_of_sorted[routing.inverse]
-  src = jnp.full((length,), rows, jnp.int32).at[row_of_sorted].set(
-      routing.order, mode="drop")
+  sources, padded, _ = padded_layout(routing.group_sizes, rows, align)
+  src = jnp.take(routing.order, sources, mode="fill", fill_value=rows)
+  pos = _inverse(sources, rows)[routing.inverse]
   return Layout(src=src, pos=pos, group_sizes=padded)
 
 
@@ -476,7 +465,7 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
     # Compact: local expert e's copies from peer 0, then peer 1, ..., each
     # expert's group padded to `GROUP_ALIGN` rows.
     sizes, first = group_starts(jnp.sum(got, axis=0), GROUP_ALIGN)
-    length = padded_rows(n * rows, local, GROUP_ALIGN)
+    length = padded_length(n * rows, local, GROUP_ALIGN)
     before = jnp.cumsum(got, axis=0) - got                    # [n, local]
     starts = jnp.cumsum(got, axis=1) - got                    # [n, local]
     e = jax.vmap(lambda g: jnp.searchsorted(jnp.cumsum(g), j,

@@ -139,7 +139,7 @@ def padded_layout(group_sizes: jax.Array, m: int, align: int):
     H100, where the gather copies).
   """
   num_groups = group_sizes.shape[0]
-  length = -(-(m + num_groups * (align - 1)) // align) * align
+  length = padded_length(m, num_groups, align)
   gs = group_sizes.astype(jnp.int32)
   padded = -(-gs // align) * align
   g = ref.group_of(padded, length)                       # E past the end.
@@ -149,6 +149,12 @@ def padded_layout(group_sizes: jax.Array, m: int, align: int):
   local = jnp.arange(length, dtype=jnp.int32) - dst_off[g]
   sources = jnp.where(local < gs_e[g], src_off[g] + local, m)
   return sources, padded, length
+
+
+def padded_length(m: int, num_groups: int, align: int) -> int:
+  """Static room for `m` rows in `num_groups` groups each padded to a
+  multiple of `align` rows."""
+  return -(-(m + num_groups * (align - 1)) // align) * align
 
 
 def to_padded(x: jax.Array, sources: jax.Array) -> jax.Array:
