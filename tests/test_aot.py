@@ -623,10 +623,12 @@ def test_native_plan_quantizes_the_weight_once_in_its_layout(monkeypatch):
 @needs_plugin
 def test_fsdp_step_on_two_h100s_gathers_weights_once_not_activations():
   """The trainer's GPT step (tiny, BF16) compiled for a 2-GPU H100 host
-  (`aot.topology_devices`) with `fsdp=2`: XLA's async all-gathers carry
-  whole weights only (each once), its reduce-scatters the weight gradients,
-  and nothing moves all-to-all; so each device sends what data parallelism
-  all-reduces (`benchmarks.aot_collectives`)."""
+  (`aot.topology_devices`) with `fsdp=2`: XLA's all-gathers carry whole
+  weights only (each once), its reduce-scatters the weight gradients, and
+  nothing moves all-to-all; so each device sends what data parallelism
+  all-reduces (`benchmarks.aot_collectives`). (How XLA schedules the
+  gathers depends on its version: jax 0.10.2's issues one async gather per
+  weight, jax 0.11.2's combines them into one gather of every weight.)"""
   from benchmarks import aot_collectives
   from nvfp4_jax.parallel import hlo
   text = aot_collectives.compile_step("tiny", "bf16", 4, 64, {"fsdp": 2})
@@ -634,7 +636,7 @@ def test_fsdp_step_on_two_h100s_gathers_weights_once_not_activations():
   assert len(aot.topology_devices("h100", 2)) == 2
   assert not [c for c in cs if c.op == "all-to-all"]
   gathers = [c for c in cs if c.op == "all-gather"]
-  assert gathers and all("-start(" in c.line for c in gathers)
+  assert gathers
   gathered = sum(c.result_bytes for c in gathers)
   scattered = sum(hlo._nbytes(d, s) for c in cs if c.op == "reduce-scatter"  # pylint: disable=protected-access
                   for d, s in c.operands)
