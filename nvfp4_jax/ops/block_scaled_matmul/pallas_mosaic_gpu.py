@@ -163,6 +163,9 @@ def store_output(acc, out_smem, wg_idx, out_tile):
       plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], out_tile.at[ms, ns])
 
 
+# Jitted so that identical calls (every layer of a model) trace and lower
+# the kernel once: JAX reuses one lowered function for them.
+@functools.partial(jax.jit, static_argnames=("out_dtype", "vb_kn", "config", "num_sms"))
 def _call(va, vb, alpha, *, out_dtype, vb_kn, config: Config, num_sms):
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   c = config

@@ -213,6 +213,9 @@ def ragged_values_matmul(va: jax.Array, vb: jax.Array, group_sizes: jax.Array,
                      config=c, num_sms=num_sms)
 
 
+# Jitted so that identical calls (every layer of a model) trace and lower
+# the kernel once: JAX reuses one lowered function for them.
+@functools.partial(jax.jit, static_argnames=("out_dtype", "vb_kn", "config", "num_sms"))
 def _fprop_call(seg, row0, lo, hi, va, vb, alpha, *, out_dtype, vb_kn,
                 config: Config, num_sms):
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
@@ -381,6 +384,9 @@ def ragged_values_matmul_t(va: jax.Array, vb: jax.Array,
                      config=c, num_sms=num_sms)
 
 
+# Jitted so that identical calls (every layer of a model) trace and lower
+# the kernel once: JAX reuses one lowered function for them.
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tokens_last", "config", "num_sms"))
 def _wgrad_call(starts, ends, va, vb, alpha, *, out_dtype, tokens_last,
                 config: Config, num_sms):
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
