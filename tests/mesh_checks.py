@@ -679,6 +679,115 @@ def check_auto_kernels():
   print(f"  native FP4 GEMM rule per shard: {g.sharding.spec}, equal")
 
 
+def _moe_case(m_rows=128, k=32, n=32):
+  """Tokens sorted by expert, groups on 16-row boundaries (one empty), the
+  experts' weights and dY of a small grouped GEMM."""
+  gs = jnp.array([48, 0, 32, 48], jnp.int32)
+  x = jnp.asarray(make_heavy_tailed((m_rows, k), seed=11))
+  w = jnp.asarray(make_heavy_tailed((4, k, n), seed=12)) * 0.05
+  dy = jnp.asarray(make_heavy_tailed((m_rows, n), seed=13))
+  return gs, x, w, dy
+
+
+def _wgrad_bound(x, dy, gs, recipe, key):
+  """The derived bound (module docstring) on the Wgrad GEMM's result
+  summed in another order: per expert `2 (n + 3) u alpha_e sum_t |a_t b_t|`
+  over its tokens' exact block values."""
+  from nvfp4_jax.ops.ragged_dot import api as rg  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.training.ragged_dot import expert_keys  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.training.ragged_dot import per_expert_keys  # pylint: disable=g-import-not-at-top
+  keys = expert_keys(recipe, per_expert_keys(key, gs.shape[0]))
+  q = [jax.jit(lambda a, k: rg.quantize_tokens(
+      a, gs, op, k, rht_size=recipe.rht_size,
+      sign_vector=recipe.rht_sign_vector))(a, keys[name])
+       for a, op, name in ((x, recipe.wgrad_x, "wgrad_x"),
+                           (dy, recipe.wgrad_dy, "wgrad_dy"))]
+  alpha = np.asarray(rg.group_alpha(*q), np.float64)
+  va, vb = (np.abs(np.asarray(g.values, np.float64)) for g in q)
+  ends = np.cumsum(np.asarray(gs))
+  bound = np.zeros((gs.shape[0], va.shape[0], vb.shape[0]))
+  for e, (lo, hi) in enumerate(zip(ends - np.asarray(gs), ends)):
+    bound[e] = 2 * (hi - lo + 3) * U * alpha[e] * (va[:, lo:hi] @
+                                                   vb[:, lo:hi].T)
+  return bound
+
+
+def _wgrad_operands(x, dy, gs, recipe, key):
+  """The Wgrad operands `nv.ragged_dot` quantizes (codes, as it saves them)."""
+  from nvfp4_jax.ops.ragged_dot import api as rg  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.training.ragged_dot import expert_keys  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.training.ragged_dot import per_expert_keys  # pylint: disable=g-import-not-at-top
+  keys = expert_keys(recipe, per_expert_keys(key, gs.shape[0]))
+  return [rg.quantize_tokens(a, gs, op, keys[name], rht_size=recipe.rht_size,
+                             sign_vector=recipe.rht_sign_vector, values=False,
+                             codes=True)
+          for a, op, name in ((x, recipe.wgrad_x, "wgrad_x"),
+                              (dy, recipe.wgrad_dy, "wgrad_dy"))
+          if a is not None]
+
+
+def _same_grouped(got, want, what):
+  for field in ("data", "scales", "amax"):
+    u, v = np.asarray(getattr(got, field)), np.asarray(getattr(want, field))
+    if u.dtype.itemsize == 1:
+      u, v = u.view(np.uint8), v.view(np.uint8)
+    diff = int(np.sum(u != v))
+    assert diff == 0, f"{what}: {diff} {field} differ"
+
+
+def check_auto_moe_quick(backward=False):
+  """`nv.ragged_dot` (the NVFP4 recipe: SR on dY, RHT'd Wgrad operands,
+  16x16 expert tiles) in auto mode with the Pallas quantizers (interpreted
+  on CPU), the sorted tokens split 8 ways over the user's ("batch",
+  "fsdp"): the grouped quantizers run per shard (`QUANTIZE_ROWS`,
+  `TOKEN_BLOCK_AMAX`, `QUANTIZE_TOKENS` through `spmd.blockwise`, each
+  row's or token block's group constants split with it), so Y equals the
+  unsharded op bit for bit, and so does the Wgrad operand of dY (the op's
+  token quantizer, SR after the RHT, called alongside). The compiled
+  program gathers neither X nor dY in FP32 (with `spmd.AUTO_PARTITION` off
+  XLA gathers both around the opaque kernels). With `backward` (the slow
+  tier): the op's gradients too, dX bit for bit, dW (which sums the token
+  shards: XLA's partition of the reference GEMM) within the derived bound
+  (`_wgrad_bound`), and both Wgrad operands."""
+  from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
+  gs, x, w, dy = _moe_case()
+  key = jax.random.key(7)
+  recipe = nv.Recipe.nvfp4()
+
+  def f(x, w, dy):
+    op = lambda x, w: nv.ragged_dot(x, w, gs, recipe=recipe, key=key,
+                                    align="assume")
+    if not backward:
+      return (op(x, w), _wgrad_operands(None, dy, gs, recipe, key))
+    y, vjp = jax.vjp(op, x, w)
+    return (y, _wgrad_operands(x, dy, gs, recipe, key), *vjp(dy))
+  m = jax.make_mesh((4, 2), ("batch", "fsdp"),
+                    axis_types=(AxisType.Auto,) * 2)
+  tok, rep = (NamedSharding(m, P(("batch", "fsdp"), None)),
+              NamedSharding(m, P()))
+  with nv.default_implementation("pallas"):
+    want = jax.jit(f)(x, w, dy)
+    compiled = jax.jit(f, in_shardings=(tok, rep, tok)).lower(
+        x, w, dy).compile()
+    got = compiled(x, w, dy)
+  diff = int(np.sum(np.asarray(got[0]) != np.asarray(want[0])))
+  assert diff == 0, f"auto ragged_dot y: {diff} elements differ"
+  for what, g, r in zip(("dy", "x") if not backward else ("x", "dy"),
+                        got[1], want[1]):
+    _same_grouped(g, r, f"auto Wgrad operand of {what}")
+    # Split along the tokens, transposed.
+    assert g.data.sharding.is_equivalent_to(
+        NamedSharding(m, P(None, ("batch", "fsdp"))), 2), g.data.sharding
+  if backward:
+    diff = int(np.sum(np.asarray(got[2]) != np.asarray(want[2])))
+    assert diff == 0, f"auto ragged_dot dx: {diff} elements differ"
+    check_within(got[3], want[3], _wgrad_bound(x, dy, gs, recipe, key),
+                 "auto ragged_dot dw")
+  _no_f32_gather_of(compiled, [x.shape, dy.shape], "auto ragged_dot")
+  print(f"  auto ragged_dot (SR, RHT{', backward' if backward else ''}) on "
+        f"batch x fsdp: equal; no token gathered")
+
+
 # ----------------------------------------------------------------------------
 # The vendored third-party models, sharded the user's way.
 # ----------------------------------------------------------------------------
