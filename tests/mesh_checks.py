@@ -788,6 +788,152 @@ def check_auto_moe_quick(backward=False):
         f"batch x fsdp: equal; no token gathered")
 
 
+def check_auto_moe():
+  """Auto mode on the grouped (MoE) ops, the slow tier.
+
+  - `check_auto_moe_quick` with the backward pass (dX bit for bit, dW
+    within the derived bound, both Wgrad operands bit for bit).
+  - The grouped GEMMs' per-shard rules (`spmd.grouped_matmul_per_shard`:
+    the Mosaic GPU kernels' on Hopper, Triton's on Blackwell) around
+    stand-in kernels (the reference), which record each shard's shape and
+    turn shards down in a second run (the reference runs them then): Fprop/Dgrad
+    with the rows split (groups straddling shards: each shard's own group
+    sizes) and N split, equal to the whole GEMM; Wgrad with K and N split
+    and the tokens gathered, equal to the whole GEMM; the same on codes.
+  - The `NVFP4MoE` layer with the Pallas quantizers, tokens split over
+    "batch" x "fsdp" and its expert weights over "batch" along E: the
+    experts' weights are quantized per shard (the kernel sees `E / 4`
+    experts), and the expert weights' gradients equal one device's bit for
+    bit. The FP32 router runs on token shards in another shape (its
+    logits move, as `check_moe_expert_parallel` derives): y and the
+    router's gradient within those bounds. The layer's dispatch (a gather
+    by the routing's sort) leaves the token copies replicated, so their
+    quantizers run whole on each device here; the op alone, on sorted
+    tokens split by the user, runs them per shard (above).
+  """
+  from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.ragged_dot import api as rg  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.ragged_dot import reference as rref  # pylint: disable=g-import-not-at-top
+  check_auto_moe_quick(backward=True)
+  m = jax.make_mesh((4, 2), ("batch", "fsdp"),
+                    axis_types=(AxisType.Auto,) * 2)
+  sh = lambda *spec: NamedSharding(m, P(*spec))
+  gs, x, w, _ = _moe_case()
+  va = x.astype(jnp.bfloat16)
+  vb = w.astype(jnp.bfloat16)
+  alpha = jnp.asarray([0.5, 1.0, 0.25, 2.0], jnp.float32)
+  seen = []
+
+  def stand_in(ref_fn, small_ok, whole=None):
+    def kernel(*args, **kw):
+      seen.append(args[0].shape)
+      if not small_ok and args[0].shape != whole:
+        raise NotImplementedError("a shard")
+      return ref_fn(*args, **kw)
+    return kernel
+  cases = (
+      ("values", rg.RAGGED_VALUES_MATMUL, rref.ragged_values_matmul,
+       (va, vb), (sh("batch", None), sh(None, None, "fsdp")),
+       dict(vb_layout="kn"), P("batch", "fsdp"), (32, 32)),
+      ("values nk", rg.RAGGED_VALUES_MATMUL, rref.ragged_values_matmul,
+       (va, jnp.swapaxes(vb, 1, 2)), (sh("batch", None),
+                                      sh(None, "fsdp", None)),
+       dict(vb_layout="nk"), P("batch", "fsdp"), (32, 32)),
+      ("values_t", rg.RAGGED_VALUES_MATMUL_T, rref.ragged_values_matmul_t,
+       (va.T, dy_t := jnp.asarray(make_heavy_tailed((32, 128), seed=14),
+                                  jnp.bfloat16)),
+       (sh("batch", "fsdp"), sh("fsdp", None)), dict(tokens_last=True),
+       P(None, "batch", "fsdp"), (8, 128)),
+  )
+  for name, op, ref_fn, operands, shardings, kw, out_spec, shard in cases:
+    want = jax.jit(lambda a, b, g, al, ref_fn=ref_fn, kw=kw: ref_fn(
+        a, b, g, al, **kw))(*operands, gs, alpha)
+    for small_ok in (True, False):
+      seen.clear()
+      got = jax.jit(lambda a, b, g, al, op=op, ref_fn=ref_fn, kw=kw,
+                    small_ok=small_ok: op.per_shard(
+                        stand_in(ref_fn, small_ok, operands[0].shape), a, b,
+                        g, al, **kw),
+                    in_shardings=(*shardings, sh(), sh()))(*operands, gs,
+                                                           alpha)
+      assert shard in seen, (name, shard, seen)
+      assert got.sharding.is_equivalent_to(NamedSharding(m, out_spec),
+                                           got.ndim), (name, got.sharding)
+      diff = int(np.sum(np.asarray(got) != np.asarray(want)))
+      assert diff == 0, f"{name} per shard: {diff} elements differ"
+    print(f"  grouped GEMM {name} per shard: {out_spec}, equal (kernel and "
+          f"fallback)")
+  del dy_t
+  # On codes (the native FP4 kernels' rule): X's rows over "batch", the
+  # experts' N over "fsdp".
+  qx = rg.quantize_rows(x, gs, nv.Recipe.nvfp4().fprop_x, None,
+                        values=False, codes=True)
+  qw = rg.quantize_experts(jnp.swapaxes(w, 1, 2), nv.Recipe.nvfp4().fprop_w,
+                           None, values=False)
+  args = (qx.data, qx.scales, qw.data, qw.scales)
+  want = jax.jit(rref.ragged_codes_matmul)(*args, gs, alpha)
+  seen.clear()
+  got = jax.jit(lambda *a: rg.RAGGED_CODES_MATMUL.per_shard(
+      stand_in(rref.ragged_codes_matmul, True), *a),
+                in_shardings=(sh("batch", None), sh("batch", None),
+                              sh(None, "fsdp", None), sh(None, "fsdp", None),
+                              sh(), sh()))(*args, gs, alpha)
+  assert (32, 16) in seen, seen
+  diff = int(np.sum(np.asarray(got) != np.asarray(want)))
+  assert diff == 0, f"codes GEMM per shard: {diff} elements differ"
+  print(f"  grouped codes GEMM per shard: {got.sharding.spec}, equal")
+  _check_auto_moe_layer(m)
+
+
+def _check_auto_moe_layer(m):
+  """The `NVFP4MoE` part of `check_auto_moe`."""
+  from nvfp4_jax.flax.moe import NVFP4MoE  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.ragged_dot import pallas_triton as kernels  # pylint: disable=g-import-not-at-top
+  d, t, num = 64, 128, 4
+  x = jax.random.normal(jax.random.key(0), (8, t // 8, d))
+  layer = NVFP4MoE(num_experts=num, hidden=32, top_k=2)
+  params = layer.init(jax.random.key(1), x)["params"]
+
+  def loss(p, x):
+    y, _ = layer.apply({"params": p}, x, rngs={"nvfp4": jax.random.key(2)},
+                       mutable=["losses"])
+    return jnp.sum(y * y), y
+  grad = jax.value_and_grad(loss, has_aux=True)
+  p_sh = jax.tree.map(lambda a: NamedSharding(
+      m, P("batch") if a.ndim == 3 else P()), params)
+  shapes, real = [], kernels.quantize_rows
+
+  def recorded(x, *a, **kw):
+    shapes.append(x.shape)
+    return real(x, *a, **kw)
+  with nv.default_implementation("pallas"):
+    (_, y1), g1 = jax.jit(grad)(params, x)
+    kernels.quantize_rows = recorded
+    try:
+      # A function of its own: traced again, with the recording kernel.
+      (_, y2), g2 = jax.jit(lambda p, x: grad(p, x), in_shardings=(
+          p_sh, NamedSharding(m, P(("batch", "fsdp")))))(params, x)
+    finally:
+      kernels.quantize_rows = real
+  # The experts' weights ([E * rows, cols], 16x16 tiles) per shard.
+  assert (num // 4 * d, 64) in shapes and (num // 4 * 32, d) in shapes, shapes
+  for name in ("up", "down"):
+    a = np.asarray(g1["experts"][name]["kernel"])
+    b = np.asarray(g2["experts"][name]["kernel"])
+    assert np.array_equal(a, b), f"auto moe {name} grad differs"
+  logit_terms = np.abs(np.asarray(x).reshape(t, d)) @ np.abs(
+      np.asarray(params["router"]))
+  dz = 2 * d * U * logit_terms.max()
+  out_max = float(np.abs(np.asarray(y1)).max()) + 1.0
+  check_within(y2, y1, np.float64(2 * dz * out_max + 4 * U * out_max),
+               "auto moe y")
+  r1 = np.asarray(g1["router"])
+  check_within(g2["router"], r1, np.float64(2 * t * U * t * np.abs(r1).max()),
+               "auto moe router grad")
+  print("  auto NVFP4MoE (tokens over batch x fsdp, experts over batch): "
+        "expert weights quantized per shard, their gradients exact")
+
+
 # ----------------------------------------------------------------------------
 # The vendored third-party models, sharded the user's way.
 # ----------------------------------------------------------------------------
