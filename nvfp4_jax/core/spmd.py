@@ -381,8 +381,8 @@ def _sdy_rule(grid, operand_shapes, other_shapes, out_shapes):
       return name
     return factor(name, size // n)
 
-  def mapping(shape, transposed=False):
-    if len(shape) == 1:  # Laid along the grid's rows.
+  def mapping(shape, transposed=False, other=False):
+    if len(shape) == 1 and not other:  # Laid along the grid's rows.
       return (dim("i", grid[0], shape[0]),)
     if len(shape) != 2:
       dims = []
@@ -396,7 +396,7 @@ def _sdy_rule(grid, operand_shapes, other_shapes, out_shapes):
     return tuple(dim(nm_, n, s) for nm_, n, s in zip(names, ns, shape))
   replicated = []
   operands = tuple(mapping(s) for s in operand_shapes) + tuple(
-      mapping(s) for s in other_shapes)
+      mapping(s, other=True) for s in other_shapes)
   results = tuple(mapping(s, t) for s, t in out_shapes)
   for name, n in (("i", grid[0]), ("j", grid[1])):
     if name not in whole and n > 1:
