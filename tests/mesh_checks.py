@@ -800,6 +800,7 @@ def check_auto_moe():
     with the rows split (groups straddling shards: each shard's own group
     sizes) and N split, equal to the whole GEMM; Wgrad with K and N split
     and the tokens gathered, equal to the whole GEMM; the same on codes.
+  - The grouped quantizers on a 2-D split (`_check_grouped_quantizers_2d`).
   - The `NVFP4MoE` layer with the Pallas quantizers, tokens split over
     "batch" x "fsdp" and its expert weights over "batch" along E: the
     experts' weights are quantized per shard (the kernel sees `E / 4`
@@ -882,7 +883,43 @@ def check_auto_moe():
   diff = int(np.sum(np.asarray(got) != np.asarray(want)))
   assert diff == 0, f"codes GEMM per shard: {diff} elements differ"
   print(f"  grouped codes GEMM per shard: {got.sharding.spec}, equal")
+  _check_grouped_quantizers_2d(m)
   _check_auto_moe_layer(m)
+
+
+def _check_grouped_quantizers_2d(m):
+  """The grouped quantizers (Pallas, interpreted) on a 2-D split: tokens
+  over "batch", features over "fsdp". Round-to-nearest keeps both splits
+  (the token blocks' post-RHT amaxes max-reduced over "fsdp"); stochastic
+  rounding gathers the features (the kernels number stream positions from
+  the first column). Either way the bytes are the whole call's."""
+  from nvfp4_jax.ops.ragged_dot import api as rg  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.training.ragged_dot import expert_keys  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.training.ragged_dot import per_expert_keys  # pylint: disable=g-import-not-at-top
+  gs, x, _, _ = _moe_case()
+  recipe = nv.Recipe.nvfp4()
+  keys = expert_keys(recipe, per_expert_keys(jax.random.key(3), 4))
+  split = NamedSharding(m, P("batch", "fsdp"))
+  cases = (("tokens RTNE", lambda a: rg.quantize_tokens(
+      a, gs, recipe.wgrad_x, None, values=False, codes=True)),
+           ("tokens SR", lambda a: rg.quantize_tokens(
+               a, gs, recipe.wgrad_dy, keys["wgrad_dy"], values=False,
+               codes=True)),
+           ("rows RTNE", lambda a: rg.quantize_rows(
+               a, gs, recipe.fprop_x, None, values=False, codes=True)),
+           ("rows SR", lambda a: rg.quantize_rows(
+               a, gs, recipe.dgrad_dy, keys["dgrad_dy"], values=False,
+               codes=True)))
+  for name, fn in cases:
+    with nv.default_implementation("pallas"):
+      want = jax.jit(fn)(x)
+      compiled = jax.jit(lambda a, fn=fn: fn(a), in_shardings=split).lower(
+          x).compile()
+      got = compiled(x)
+    _same_grouped(got, want, f"auto grouped quantizer, {name}")
+    _no_f32_gather_of(compiled, [x.shape], name)
+    print(f"  grouped quantizer {name} on batch x fsdp: equal, codes "
+          f"{got.data.sharding.spec}")
 
 
 def _check_auto_moe_layer(m):

@@ -75,18 +75,22 @@ def test_dot_general_under_the_users_mesh_every_layout():
   assert "README example" in out
 
 
-@pytest.mark.slow  # ~27 s on 2 cores.
+@pytest.mark.slow  # ~36 s on 2 cores.
 def test_moe_ops_under_the_users_mesh():
   """Auto mode on the grouped (MoE) ops (`mesh_checks.check_auto_moe`):
   the op's gradients with the quantizers per shard (dX bit for bit, dW
   within the derived bound), the grouped GEMMs' per-shard rules around
-  stand-in kernels, and the `NVFP4MoE` layer with its expert weights
-  split along E (quantized per shard, their gradients bit for bit)."""
+  stand-in kernels, the grouped quantizers on a 2-D split (stochastic
+  rounding gathers the features), and the `NVFP4MoE` layer with its
+  expert weights split along E (quantized per shard, their gradients bit
+  for bit)."""
   out = run_checks("auto_moe")
   assert "auto ragged_dot (SR, RHT, backward) on batch x fsdp: equal" in out
   for gemm in ("values", "values nk", "values_t"):
     assert f"grouped GEMM {gemm} per shard" in out, gemm
   assert "grouped codes GEMM per shard" in out
+  assert "grouped quantizer tokens RTNE on batch x fsdp: equal, codes " \
+      "P('fsdp', 'batch')" in out
   assert "auto NVFP4MoE" in out
 
 
