@@ -801,6 +801,8 @@ def check_auto_moe():
     sizes) and N split, equal to the whole GEMM; Wgrad with K and N split
     and the tokens gathered, equal to the whole GEMM; the same on codes.
   - The grouped quantizers on a 2-D split (`_check_grouped_quantizers_2d`).
+  - MX: the MXFP4 op, and the native GEMM rule on MX operands
+    (`_check_auto_mx`).
   - The `NVFP4MoE` layer with the Pallas quantizers, tokens split over
     "batch" x "fsdp" and its expert weights over "batch" along E: the
     experts' weights are quantized per shard (the kernel sees `E / 4`
@@ -884,7 +886,65 @@ def check_auto_moe():
   assert diff == 0, f"codes GEMM per shard: {diff} elements differ"
   print(f"  grouped codes GEMM per shard: {got.sharding.spec}, equal")
   _check_grouped_quantizers_2d(m)
+  _check_auto_mx(m)
   _check_auto_moe_layer(m)
+
+
+def _check_auto_mx(m):
+  """MX in auto mode: the MXFP4 recipe's `nv.ragged_dot` (its quantizers
+  pure jnp, which XLA partitions itself; the grouped GEMMs per shard) on
+  tokens split over "batch" x "fsdp": Y and dX equal one device bit for
+  bit, no token gathered. And the native FP4/FP8 GEMM kernels' rule
+  (`BLOCK_SCALED_MATMUL.per_shard`: Triton, cuDNN on Blackwell) on
+  `MXArray` operands around the reference standing for the kernel: per
+  shard, equal to the whole GEMM."""
+  import functools as ft  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.block_scaled_matmul import api as bsm  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.block_scaled_matmul.reference import _matmul_xla  # pylint: disable=g-import-not-at-top
+  gs, x, w, dy = _moe_case()
+  key = jax.random.key(7)
+
+  def f(x, w, dy):
+    y, vjp = jax.vjp(lambda x, w: nv.ragged_dot(
+        x, w, gs, recipe="mxfp4", key=key, align="assume"), x, w)
+    return (y, vjp(dy)[0])
+  tok, rep = (NamedSharding(m, P(("batch", "fsdp"), None)),
+              NamedSharding(m, P()))
+  with nv.default_implementation("pallas"):
+    want = jax.jit(f)(x, w, dy)
+    compiled = jax.jit(f, in_shardings=(tok, rep, tok)).lower(
+        x, w, dy).compile()
+    got = compiled(x, w, dy)
+  for what, g, r in zip(("y", "dx"), got, want):
+    diff = int(np.sum(np.asarray(g) != np.asarray(r)))
+    assert diff == 0, f"auto mxfp4 ragged_dot {what}: {diff} elements differ"
+  _no_f32_gather_of(compiled, [x.shape, dy.shape], "auto mxfp4 ragged_dot")
+  print("  auto mxfp4 ragged_dot on batch x fsdp: y, dx equal; no token "
+        "gathered")
+  a = jnp.asarray(make_heavy_tailed((128, 64), seed=1))
+  b = jnp.asarray(make_heavy_tailed((96, 64), seed=2))
+  for fmt in ("mxfp4", "mxfp8"):
+    qa, qb = nv.quantize_mx(a, fmt), nv.quantize_mx(b, fmt)
+    seen = []
+
+    def native(a, b, **kw):
+      seen.append(a.shape)
+      return _matmul_xla(a, b, **kw)
+
+    def placed(q, spec):
+      return jax.tree.map(lambda l, spec=spec: NamedSharding(
+          m, spec if l.ndim else P()), q)
+    got = jax.jit(lambda a, b: bsm.BLOCK_SCALED_MATMUL.per_shard(
+        native, a, b, out_dtype=jnp.float32), in_shardings=(
+            placed(qa, P("batch", None)), placed(qb, P("fsdp", None))))(
+                qa, qb)
+    want = jax.jit(ft.partial(_matmul_xla, out_dtype=jnp.float32))(qa, qb)
+    assert (32, 64) in seen, seen
+    assert got.sharding.is_equivalent_to(
+        NamedSharding(m, P("batch", "fsdp")), 2), got.sharding
+    diff = int(np.sum(np.asarray(got) != np.asarray(want)))
+    assert diff == 0, f"native {fmt} GEMM per shard: {diff} elements differ"
+    print(f"  native {fmt} GEMM rule per shard: {got.sharding.spec}, equal")
 
 
 def _check_grouped_quantizers_2d(m):

@@ -75,13 +75,14 @@ def test_dot_general_under_the_users_mesh_every_layout():
   assert "README example" in out
 
 
-@pytest.mark.slow  # ~36 s on 2 cores.
+@pytest.mark.slow  # ~45 s on 2 cores.
 def test_moe_ops_under_the_users_mesh():
   """Auto mode on the grouped (MoE) ops (`mesh_checks.check_auto_moe`):
   the op's gradients with the quantizers per shard (dX bit for bit, dW
   within the derived bound), the grouped GEMMs' per-shard rules around
   stand-in kernels, the grouped quantizers on a 2-D split (stochastic
-  rounding gathers the features), and the `NVFP4MoE` layer with its
+  rounding gathers the features), MX (the MXFP4 op; the native GEMM
+  rule on MX operands), and the `NVFP4MoE` layer with its
   expert weights split along E (quantized per shard, their gradients bit
   for bit)."""
   out = run_checks("auto_moe")
@@ -91,6 +92,8 @@ def test_moe_ops_under_the_users_mesh():
   assert "grouped codes GEMM per shard" in out
   assert "grouped quantizer tokens RTNE on batch x fsdp: equal, codes " \
       "P('fsdp', 'batch')" in out
+  assert "auto mxfp4 ragged_dot on batch x fsdp: y, dx equal" in out
+  assert "native mxfp8 GEMM rule per shard" in out
   assert "auto NVFP4MoE" in out
 
 
