@@ -796,10 +796,12 @@ def check_auto_moe():
   - The grouped GEMMs' per-shard rules (`spmd.grouped_matmul_per_shard`:
     the Mosaic GPU kernels' on Hopper, Triton's on Blackwell) around
     stand-in kernels (the reference), which record each shard's shape and
-    turn shards down in a second run (the reference runs them then): Fprop/Dgrad
-    with the rows split (groups straddling shards: each shard's own group
-    sizes) and N split, equal to the whole GEMM; Wgrad with K and N split
-    and the tokens gathered, equal to the whole GEMM; the same on codes.
+    turn shards down in a second run (the reference runs them then):
+    Fprop/Dgrad with the rows split (groups straddling shards: each
+    shard's own group sizes; a split that does not divide the rows drops
+    its minor axis) and N split, equal to the whole GEMM; Wgrad with K
+    and N split and the tokens gathered, equal to the whole GEMM; the
+    same on codes.
   - The grouped quantizers on a 2-D split (`_check_grouped_quantizers_2d`).
   - MX: the MXFP4 op, and the native GEMM rule on MX operands
     (`_check_auto_mx`).
@@ -867,6 +869,22 @@ def check_auto_moe():
     print(f"  grouped GEMM {name} per shard: {out_spec}, equal (kernel and "
           f"fallback)")
   del dy_t
+  # 100 rows in groups of 30, 41 and 20 (9 rows past them), asked to split
+  # 8 ways: 8 does not divide 100, so the minor axis is dropped (4 shards
+  # of 25 rows, no padding), each shard with its own groups.
+  va100 = jnp.asarray(make_heavy_tailed((100, 32), seed=15), jnp.bfloat16)
+  gs100 = jnp.array([30, 41, 20, 0], jnp.int32)
+  want = rref.ragged_values_matmul(va100, vb, gs100, alpha)
+  seen.clear()
+  got = jax.jit(lambda a, b, g, al: rg.RAGGED_VALUES_MATMUL.per_shard(
+      stand_in(rref.ragged_values_matmul, True),
+      jax.lax.with_sharding_constraint(a, sh(("batch", "fsdp"), None)), b,
+      g, al, vb_layout="kn"), in_shardings=(sh("batch", None), sh(), sh(),
+                                            sh()))(va100, vb, gs100, alpha)
+  assert (25, 32) in seen, seen
+  diff = int(np.sum(np.asarray(got) != np.asarray(want)))
+  assert diff == 0, f"uneven grouped GEMM per shard: {diff} elements differ"
+  print("  grouped GEMM on 100 rows asked 8 ways: 4 shards of 25, equal")
   # On codes (the native FP4 kernels' rule): X's rows over "batch", the
   # experts' N over "fsdp".
   qx = rg.quantize_rows(x, gs, nv.Recipe.nvfp4().fprop_x, None,

@@ -678,6 +678,9 @@ def grouped_matmul_per_shard(fn: Callable, a: Any, b: Any, rest: Any, *,
     gathered where split (each output element's sum stays on one device,
     in the kernel's order: no partial sums cross devices).
 
+  A mesh axis whose shards would not divide its dimension is dropped from
+  it (gathered there).
+
   `rest` (group sizes, alpha; a pytree, None leaves absent) is replicated.
   A shard the kernel turns down (`NotImplementedError` on its local shape)
   runs `fallback` (same signature). Eagerly, inside `shard_map`, under
@@ -709,12 +712,17 @@ def grouped_matmul_per_shard(fn: Callable, a: Any, b: Any, rest: Any, *,
   def shardings(mesh, arg_shapes):
     shapes = jax.tree.leaves(arg_shapes)
 
-    def dim(shape, d):
+    def dim(shape, d, used=()):
+      """The axes splitting dimension `d`, less minor ones until their
+      shard count divides it (whole shards, no padding)."""
       spec = getattr(shape.sharding, "spec", None) or ()
-      return [x for x in (entry_axes(spec[d]) if d < len(spec) else ())
-              if x in mesh.shape]
+      axes = [x for x in (entry_axes(spec[d]) if d < len(spec) else ())
+              if x in mesh.shape and x not in used]
+      while axes and shape.shape[d] % num_shards(dict(mesh.shape), axes):
+        axes.pop()
+      return axes
     m = entry(dim(shapes[0], a_dim))
-    n = entry([x for x in dim(shapes[na], b_dim) if x not in entry_axes(m)])
+    n = entry(dim(shapes[na], b_dim, entry_axes(m)))
 
     def spec(rank, d, e):
       return P(*(e if i == d else None for i in range(rank)))
