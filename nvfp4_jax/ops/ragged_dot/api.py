@@ -23,6 +23,17 @@ and `ragged_values_matmul_t` (Wgrad: each group's tokens contracted into its
 `[K, N]` gradient). Implementations: "xla" (the reference loop over groups),
 "lax" (`jax.lax.ragged_dot_general`, XLA's grouped GEMM) and "pallas" (the
 Hopper Mosaic GPU kernels, `pallas_mosaic_gpu.py`).
+
+Under `jax.jit` shardings (auto mode) the kernels run per shard
+(`dispatch.Op.per_shard`, through `core.spmd`): the quantizers on the rows
+or 16-token blocks of a device's shard, each row's or block's group
+constants (amax, stream seeds and position, computed on the whole array)
+split with it, so the bytes are the whole call's; Fprop's and Dgrad's
+GEMMs on a shard of the rows with that shard's group sizes; Wgrad's with K
+and N split and its contraction, the tokens, gathered. Where a split
+cannot keep the whole call's bytes it is gathered instead (a column split
+under stochastic rounding, a split that cuts a block): see each
+`_*_per_shard`.
 """
 
 from __future__ import annotations
