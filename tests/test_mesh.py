@@ -48,7 +48,7 @@ def test_sharded_dot_general_reference():
   FSDP with tensor parallelism (`mesh_checks.check_user_mesh`; the slow
   tier runs every layout, Explicit and auto, and README's example)."""
   out = run_checks("dot_general_xla", "dot_general_values", "user_mesh_quick",
-                   "auto_kernels_quick")
+                   "auto_kernels_quick", "auto_moe_quick")
   assert "3.97x fewer" in out  # FSDP weights travel as 4-bit codes.
   # With residuals saved as values, too.
   assert out.split("[dot_general_values]")[1].split(
@@ -56,6 +56,8 @@ def test_sharded_dot_general_reference():
   assert "explicit row+fsdp" in out
   # Auto mode with the Pallas kernels: per shard (custom_partitioning).
   assert "auto pair kernel (SR, RHT) on batch x fsdp: equal" in out
+  # The grouped (MoE) quantizers per shard too.
+  assert "auto ragged_dot (SR, RHT) on batch x fsdp: equal" in out
 
 
 def test_sharded_dot_general_pallas():
@@ -71,6 +73,29 @@ def test_dot_general_under_the_users_mesh_every_layout():
   assert "explicit sequence" in out and "auto weight_only" in out
   assert "auto kernels data+fsdp: y, dx exact" in out
   assert "README example" in out
+
+
+@pytest.mark.slow  # ~40 s on 2 cores.
+def test_moe_ops_under_the_users_mesh():
+  """Auto mode on the grouped (MoE) ops (`mesh_checks.check_auto_moe`):
+  the op's gradients with the quantizers per shard (dX bit for bit, dW
+  within the derived bound), the grouped GEMMs' per-shard rules around
+  stand-in kernels, the grouped quantizers on a 2-D split (stochastic
+  rounding gathers the features), MX (the MXFP4 op; the native GEMM
+  rule on MX operands), and the `NVFP4MoE` layer with its
+  expert weights split along E (quantized per shard, their gradients bit
+  for bit)."""
+  out = run_checks("auto_moe")
+  assert "auto ragged_dot (SR, RHT, backward) on batch x fsdp: equal" in out
+  for gemm in ("values", "values nk", "values_t"):
+    assert f"grouped GEMM {gemm} per shard" in out, gemm
+  assert "grouped codes GEMM per shard" in out
+  assert "grouped GEMM on 100 rows asked 8 ways: 4 shards of 25, equal" in out
+  assert "grouped quantizer tokens RTNE on batch x fsdp: equal, codes " \
+      "P('fsdp', 'batch')" in out
+  assert "auto mxfp4 ragged_dot on batch x fsdp: y, dx equal" in out
+  assert "native mxfp8 GEMM rule per shard" in out
+  assert "auto NVFP4MoE" in out
 
 
 @pytest.mark.slow  # ~5 minutes on 2 cores.

@@ -359,7 +359,8 @@ def fit_spec(sizes: Mapping[str, int], spec: Any, grid: Sequence[int]) -> P:
 def _sdy_rule(grid, operand_shapes, other_shapes, out_shapes):
   """Shardy's rule for `blockwise`: each 2-D array is a grid of blocks
   (factors `i`, `j`; transposed outputs `j`, `i`), a block's elements one
-  more factor; other arrays are replicated."""
+  more factor; a 1-D array of the operand or result lies along the rows
+  (`i`); other arrays are replicated."""
   from jax.experimental.custom_partitioning import CompoundFactor  # pylint: disable=g-import-not-at-top
   from jax.experimental.custom_partitioning import SdyShardingRule  # pylint: disable=g-import-not-at-top
   sizes, whole, count = {}, set(), [0]
@@ -371,12 +372,18 @@ def _sdy_rule(grid, operand_shapes, other_shapes, out_shapes):
     return CompoundFactor(name, extra)
 
   def dim(name, n, size):
+    if n == 1:  # One block: the dimension stays whole.
+      count[0] += 1
+      replicated.append(f"r{count[0]}")
+      return f"r{count[0]}"
     if size == n:
       whole.add(name)
       return name
     return factor(name, size // n)
 
-  def mapping(shape, transposed=False):
+  def mapping(shape, transposed=False, other=False):
+    if len(shape) == 1 and not other:  # Laid along the grid's rows.
+      return (dim("i", grid[0], shape[0]),)
     if len(shape) != 2:
       dims = []
       for size in shape:
@@ -389,10 +396,10 @@ def _sdy_rule(grid, operand_shapes, other_shapes, out_shapes):
     return tuple(dim(nm_, n, s) for nm_, n, s in zip(names, ns, shape))
   replicated = []
   operands = tuple(mapping(s) for s in operand_shapes) + tuple(
-      mapping(s) for s in other_shapes)
+      mapping(s, other=True) for s in other_shapes)
   results = tuple(mapping(s, t) for s, t in out_shapes)
   for name, n in (("i", grid[0]), ("j", grid[1])):
-    if name not in whole:
+    if name not in whole and n > 1:
       sizes[name] = n
   return SdyShardingRule(operands, results,
                          need_replication_factors=tuple(replicated), **sizes)
@@ -425,19 +432,21 @@ def blockwise(fn: Callable, operand: Any, *, grid: Sequence[int],
     fn: the kernel's call.
     operand: an array or pytree whose non-scalar leaves are 2-D, each a
       `grid[0] x grid[1]` grid of blocks (its dimensions multiples of the
-      grid's).
+      grid's), or 1-D along the rows (a value per row or per row block,
+      its length a multiple of `grid[0]`: split as the rows are).
     grid: the blocks along each dimension.
     transposed_out: a prefix of `fn`'s output: True for subtrees laid over
       the transposed grid (a transposed operand); scalar leaves (amaxes)
-      are replicated.
+      are replicated, 1-D leaves lie along the rows.
     shard_kwargs: the per-shard extra keyword arguments, from the shard's
       PartitionSpec and its local operand.
     **kwargs: `fn`'s other arguments, static values or replicated arrays.
   """
   leaves, op_tree = jax.tree.flatten(operand)
   big = [l for l in leaves if jnp.ndim(l) == 2]
-  if (not big or any(jnp.ndim(l) not in (0, 2) for l in leaves)
+  if (not big or any(jnp.ndim(l) not in (0, 1, 2) for l in leaves)
       or any(s % n for l in big for s, n in zip(jnp.shape(l), grid))
+      or any(jnp.shape(l)[0] % grid[0] for l in leaves if jnp.ndim(l) == 1)
       or not _auto_partitions((operand, kwargs))):
     return fn(operand, **kwargs)
   from jax.experimental.custom_partitioning import custom_partitioning  # pylint: disable=g-import-not-at-top
@@ -482,11 +491,15 @@ def blockwise(fn: Callable, operand: Any, *, grid: Sequence[int],
     spec = getattr(first.sharding, "spec", None)
     return fit_spec(dict(mesh.shape), spec, grid)
 
+  def along(spec, ndim):
+    """The sharding of a leaf of `ndim` dimensions of the operand."""
+    return spec if ndim == 2 else P(*tuple(spec)[:1]) if ndim == 1 else P()
+
   def out_shardings(mesh, spec, result_shape):
     outs = jax.tree.leaves(result_shape)
     return box["out_tree"].unflatten([
-        NamedSharding(mesh, P() if not s.shape else
-                      transposed(spec) if t else spec)
+        NamedSharding(mesh, transposed(spec) if t and len(s.shape) == 2
+                      else along(spec, len(s.shape)))
         for s, t in zip(outs, box["flags"])])
 
   def partition(mesh, arg_shapes, result_shape):
@@ -501,7 +514,7 @@ def blockwise(fn: Callable, operand: Any, *, grid: Sequence[int],
 
     def local(*flat):
       return jax.jit(shard)(*flat)
-    arg_sh = tuple(NamedSharding(mesh, spec if jnp.ndim(l) == 2 else P())
+    arg_sh = tuple(NamedSharding(mesh, along(spec, jnp.ndim(l)))
                    for l in leaves) + tuple(
                        NamedSharding(mesh, P()) for _ in others)
     return mesh, local, out_shardings(mesh, spec, result_shape), arg_sh
@@ -627,3 +640,147 @@ def matmul_per_shard(fn: Callable, a: Any, b: Any, *args: jax.Array,
   cp.def_partition(partition, infer_sharding_from_operands=infer,
                    sharding_rule=rule)
   return _batchable(cp, whole)(*ops, *args)
+
+
+def local_group_sizes(group_sizes: jax.Array, axes: Sequence[str],
+                      rows: int) -> jax.Array:
+  """The group sizes of this device's `rows` rows of a row-sorted grouped
+  operand split over `axes` (inside `shard_map` or a per-shard function):
+  each contiguous group clipped to the shard, so the shard's rows fall in
+  the same groups as in the whole array (rows past the groups stay
+  past them)."""
+  gs = group_sizes.astype(jnp.int32)
+  end = jnp.cumsum(gs)
+  off = shard_index(axes) * rows
+  hi = jnp.clip(end - off, 0, rows)
+  lo = jnp.clip(end - gs - off, 0, rows)
+  return (hi - lo).astype(group_sizes.dtype)
+
+
+def grouped_matmul_per_shard(fn: Callable, a: Any, b: Any, rest: Any, *,
+                             a_dim: int, b_dim: int, contract_tokens: bool,
+                             fallback: Callable | None = None,
+                             **kwargs) -> Any:
+  """`fn(*a, *b, *rest, **kwargs)`, a grouped (mixture-of-experts) GEMM
+  kernel, run per shard under `jax.jit` shardings.
+
+  Two forms (`contract_tokens` False, True):
+
+  - rows (Fprop, Dgrad): `a`'s leaves are `[M, .]` tokens sorted by group,
+    `b`'s `[E, ., .]` with N on `b_dim`, the result `[M, N]`. The result's
+    rows are split as `a`'s rows (`a_dim` = 0), its columns as `b`'s N
+    (less axes already splitting the rows); the experts and K are
+    gathered. `rest[0]` (the group sizes) becomes each shard's own
+    (`local_group_sizes`), so every row meets its own group's weight.
+  - contraction (Wgrad): `a`'s leaves are 2-D with K on `a_dim`, `b`'s
+    with N on `b_dim`, the tokens on the other dimension of both; the
+    result `[E, K, N]` is split as K and N are, and the tokens are
+    gathered where split (each output element's sum stays on one device,
+    in the kernel's order: no partial sums cross devices).
+
+  A mesh axis whose shards would not divide its dimension is dropped from
+  it (gathered there).
+
+  `rest` (group sizes, alpha; a pytree, None leaves absent) is replicated.
+  A shard the kernel turns down (`NotImplementedError` on its local shape)
+  runs `fallback` (same signature). Eagerly, inside `shard_map`, under
+  Explicit mesh axes, with one device or `AUTO_PARTITION` off this is
+  `fn(*a, *b, *rest, **kwargs)`.
+  """
+  a_leaves, b_leaves = list(a), list(b)
+  rest_leaves, rest_tree = jax.tree.flatten(rest)
+  b_rank = 2 if contract_tokens else 3
+  if (any(jnp.ndim(l) != 2 for l in a_leaves)
+      or any(jnp.ndim(l) != b_rank for l in b_leaves)
+      or not _auto_partitions((a_leaves, b_leaves, rest_leaves))):
+    return fn(*a_leaves, *b_leaves, *rest, **kwargs)
+  from jax.experimental.custom_partitioning import SdyShardingRule  # pylint: disable=g-import-not-at-top
+  from jax.experimental.custom_partitioning import custom_partitioning  # pylint: disable=g-import-not-at-top
+  na, nb = len(a_leaves), len(b_leaves)
+
+  def unflat(flat):
+    return (list(flat[:na + nb]),
+            jax.tree.unflatten(rest_tree, flat[na + nb:]))
+
+  def whole(*flat):
+    ops, r = unflat(flat)
+    return fn(*ops, *r, **kwargs)
+
+  def call(*flat):
+    return jax.jit(whole)(*flat)
+
+  def shardings(mesh, arg_shapes):
+    shapes = jax.tree.leaves(arg_shapes)
+
+    def dim(shape, d, used=()):
+      """The axes splitting dimension `d`, less minor ones until their
+      shard count divides it (whole shards, no padding)."""
+      spec = getattr(shape.sharding, "spec", None) or ()
+      axes = [x for x in (entry_axes(spec[d]) if d < len(spec) else ())
+              if x in mesh.shape and x not in used]
+      while axes and shape.shape[d] % num_shards(dict(mesh.shape), axes):
+        axes.pop()
+      return axes
+    m = entry(dim(shapes[0], a_dim))
+    n = entry(dim(shapes[na], b_dim, entry_axes(m)))
+
+    def spec(rank, d, e):
+      return P(*(e if i == d else None for i in range(rank)))
+    args_sh = tuple(
+        NamedSharding(mesh, spec(2, a_dim, m) if i < na
+                      else spec(b_rank, b_dim, n))
+        for i in range(na + nb)) + tuple(
+            NamedSharding(mesh, P()) for _ in rest_leaves)
+    out = P(m, n) if not contract_tokens else P(None, m, n)
+    return args_sh, NamedSharding(mesh, out), entry_axes(m)
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    args_sh, out_sh, m_axes = shardings(mesh, arg_shapes)
+
+    def shard(*flat):
+      ops, r = unflat(flat)
+      if not contract_tokens and m_axes:
+        r = list(r)
+        r[0] = local_group_sizes(r[0], m_axes, ops[0].shape[0])
+      try:
+        return fn(*ops, *r, **kwargs)
+      except NotImplementedError:
+        if fallback is None:
+          raise
+        return fallback(*ops, *r, **kwargs)
+
+    def local(*flat):
+      return jax.jit(shard)(*flat)
+    return mesh, local, out_sh, args_sh
+
+  def infer(mesh, arg_shapes, result_shape):
+    del result_shape
+    return shardings(mesh, arg_shapes)[1]
+
+  # `m` and `n` pass through; every other dimension is replicated.
+  replicated = []
+
+  def mapping(x, name, d):
+    dims = []
+    for i in range(jnp.ndim(x)):
+      if name is not None and i == d:
+        dims.append(name)
+      else:
+        replicated.append(f"r{len(replicated)}")
+        dims.append(replicated[-1])
+    return tuple(dims)
+  operands = (tuple(mapping(l, "m", a_dim) for l in a_leaves)
+              + tuple(mapping(l, "n", b_dim) for l in b_leaves)
+              + tuple(mapping(l, None, 0) for l in rest_leaves))
+  if contract_tokens:
+    replicated.append("e")
+    result = (("e", "m", "n"),)
+  else:
+    result = (("m", "n"),)
+  rule = SdyShardingRule(operands, result,
+                         need_replication_factors=tuple(replicated))
+  cp = custom_partitioning(call)
+  cp.def_partition(partition, infer_sharding_from_operands=infer,
+                   sharding_rule=rule)
+  return _batchable(cp, whole)(*a_leaves, *b_leaves, *rest_leaves)

@@ -23,6 +23,17 @@ and `ragged_values_matmul_t` (Wgrad: each group's tokens contracted into its
 `[K, N]` gradient). Implementations: "xla" (the reference loop over groups),
 "lax" (`jax.lax.ragged_dot_general`, XLA's grouped GEMM) and "pallas" (the
 Hopper Mosaic GPU kernels, `pallas_mosaic_gpu.py`).
+
+Under `jax.jit` shardings (auto mode) the kernels run per shard
+(`dispatch.Op.per_shard`, through `core.spmd`): the quantizers on the rows
+or 16-token blocks of a device's shard, each row's or block's group
+constants (amax, stream seeds and position, computed on the whole array)
+split with it, so the bytes are the whole call's; Fprop's and Dgrad's
+GEMMs on a shard of the rows with that shard's group sizes; Wgrad's with K
+and N split and its contraction, the tokens, gathered. Where a split
+cannot keep the whole call's bytes it is gathered instead (a column split
+under stochastic rounding, a split that cuts a block): see each
+`_*_per_shard`.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import jax.numpy as jnp
 
 from nvfp4_jax.core import dispatch
 from nvfp4_jax.core import numerics as nm
+from nvfp4_jax.core import spmd
 from nvfp4_jax.core import tile
 from nvfp4_jax.core.hadamard import rht
 from nvfp4_jax.core.recipe import Operand
@@ -261,10 +273,34 @@ def _quantize_rows_xla(x, row_amax, *, row_seeds=None, row_index=None,
   return packed, (scales if with_codes else None), vals
 
 
+def _rows_per_shard(kernel, x, row_amax, *, row_seeds=None, row_index=None,
+                    **kwargs):
+  """The kernel on each shard of `x [M, C]` split under `jax.jit`
+  shardings (`spmd.blockwise`): every row carries its own tensor amax,
+  seeds and index within its tensor (computed on the whole array), so
+  these split with the rows and a shard's bytes are the whole call's.
+  Rows split anywhere (16-row tiles with `block_2d`: expert weights split
+  along E); the columns in 16-element blocks, but not with stochastic
+  rounding, whose stream positions the kernel numbers from the row's first
+  column (a split of C is gathered there)."""
+  if jnp.ndim(x) != 2:
+    return kernel(x, row_amax, row_seeds=row_seeds, row_index=row_index,
+                  **kwargs)
+  m, c = x.shape
+  rows = m // nm.NVFP4_BLOCK if kwargs.get("block_2d") else m
+  cols = 1 if row_seeds is not None else c // nm.NVFP4_BLOCK
+
+  def run(op, **kw):
+    x, amax, seeds, index = op
+    return kernel(x, amax, row_seeds=seeds, row_index=index, **kw)
+  return spmd.blockwise(run, (x, row_amax, row_seeds, row_index),
+                        grid=(rows, cols), **kwargs)
+
+
 QUANTIZE_ROWS = dispatch.Op("ragged_quantize_rows", {
     "xla": _quantize_rows_xla,
     "pallas": "nvfp4_jax.ops.ragged_dot.pallas_triton:quantize_rows",
-})
+}, per_shard=_rows_per_shard)
 
 
 def quantize_tokens(x: jax.Array, padded_sizes: jax.Array, op: Operand,
@@ -371,15 +407,62 @@ def _quantize_tokens_xla(x, block_amax, *, block_seeds=None, block_index=None,
   return packed, scales, None
 
 
+def _token_amax_per_shard(kernel, x, **kwargs):
+  """The kernel on each shard of `x [T, F]` split under `jax.jit`
+  shardings (`spmd.blockwise`): the tokens in 16-token blocks (a block's
+  RHT and amax stay on one device), the features anywhere, each block's
+  amax max-reduced over the axes that split the features (a max is exact
+  in any order)."""
+  if jnp.ndim(x) != 2:
+    return kernel(x, **kwargs)
+  t, f = x.shape
+
+  def run(x, feature_axes=(), **kw):
+    bits = kernel(x, **kw)
+    return jax.lax.pmax(bits, feature_axes) if feature_axes else bits
+
+  def shard_kwargs(spec, x):
+    del x
+    return {"feature_axes": spmd.entry_axes(spec[1])}
+  return spmd.blockwise(run, x, grid=(t // nm.NVFP4_BLOCK, f),
+                        shard_kwargs=shard_kwargs, **kwargs)
+
+
+def _tokens_per_shard(kernel, x, block_amax, *, block_seeds=None,
+                      block_index=None, block_words=None, **kwargs):
+  """The kernel on each shard of `x [T, F]` split under `jax.jit`
+  shardings (`spmd.blockwise`; the result `[F, T]` split transposed):
+  every 16-token block carries its group's amax, seeds, its index within
+  the group and the group's words per row (computed on the whole array),
+  so these split with the tokens and a shard's bytes are the whole
+  call's. The features split anywhere, but not with stochastic rounding,
+  whose stream positions the kernel numbers from the first feature (a
+  split of F is gathered there)."""
+  if jnp.ndim(x) != 2:
+    return kernel(x, block_amax, block_seeds=block_seeds,
+                  block_index=block_index, block_words=block_words, **kwargs)
+  t, f = x.shape
+  cols = 1 if block_seeds is not None else f
+
+  def run(op, **kw):
+    x, amax, seeds, index, words = op
+    return kernel(x, amax, block_seeds=seeds, block_index=index,
+                  block_words=words, **kw)
+  return spmd.blockwise(run, (x, block_amax, block_seeds, block_index,
+                              block_words),
+                        grid=(t // nm.NVFP4_BLOCK, cols),
+                        transposed_out=True, **kwargs)
+
+
 TOKEN_BLOCK_AMAX = dispatch.Op("ragged_token_block_amax", {
     "xla": _token_block_amax_xla,
     "pallas": "nvfp4_jax.ops.ragged_dot.pallas_triton:token_block_amax",
-})
+}, per_shard=_token_amax_per_shard)
 
 QUANTIZE_TOKENS = dispatch.Op("ragged_quantize_tokens", {
     "xla": _quantize_tokens_xla,
     "pallas": "nvfp4_jax.ops.ragged_dot.pallas_triton:quantize_tokens",
-})
+}, per_shard=_tokens_per_shard)
 
 
 def quantize_experts(w: jax.Array, op: Operand, keys: jax.Array | None, *,
@@ -472,19 +555,49 @@ def _preference(platform: str) -> tuple[str, ...]:
   return ("pallas", "lax") if platform == "gpu" else ()
 
 
+def _values_per_shard(kernel, va, vb, group_sizes, alpha=None, **kwargs):
+  """The grouped GEMM kernel per shard under `jax.jit` shardings
+  (`spmd.grouped_matmul_per_shard`): the result's rows split as `va`'s
+  (each shard with its own rows' group sizes), its columns as `vb`'s N;
+  the experts and K gathered. A shard the kernel turns down runs the
+  reference (exact products; only the FP32 summation order differs).
+  XLA's grouped GEMM ("lax") is partitioned by XLA itself."""
+  if kernel is _lax_matmul:
+    return kernel(va, vb, group_sizes, alpha, **kwargs)
+  n_dim = 2 if kwargs.get("vb_layout", "kn") == "kn" else 1
+  return spmd.grouped_matmul_per_shard(
+      kernel, (va,), (vb,), (group_sizes, alpha), a_dim=0, b_dim=n_dim,
+      contract_tokens=False, fallback=ref.ragged_values_matmul, **kwargs)
+
+
+def _values_t_per_shard(kernel, va, vb, group_sizes, alpha=None, **kwargs):
+  """The Wgrad grouped GEMM kernel per shard under `jax.jit` shardings
+  (`spmd.grouped_matmul_per_shard`): the result `[E, K, N]` split as `va`'s
+  K and `vb`'s N; the tokens, the contraction, are gathered where split (a
+  sum over shards would change the FP32 summation order: not the whole
+  call's bits). A shard the kernel turns down runs the reference. XLA's
+  grouped GEMM ("lax") is partitioned by XLA itself."""
+  if kernel is _lax_matmul_t:
+    return kernel(va, vb, group_sizes, alpha, **kwargs)
+  d = 0 if kwargs.get("tokens_last", True) else 1
+  return spmd.grouped_matmul_per_shard(
+      kernel, (va,), (vb,), (group_sizes, alpha), a_dim=d, b_dim=d,
+      contract_tokens=True, fallback=ref.ragged_values_matmul_t, **kwargs)
+
+
 RAGGED_VALUES_MATMUL = dispatch.Op("ragged_values_matmul", {
     "xla": ref.ragged_values_matmul,
     "lax": _lax_matmul,
     "pallas": "nvfp4_jax.ops.ragged_dot.pallas_mosaic_gpu:"
               "ragged_values_matmul",
-}, preferred=_preference)
+}, preferred=_preference, per_shard=_values_per_shard)
 
 RAGGED_VALUES_MATMUL_T = dispatch.Op("ragged_values_matmul_t", {
     "xla": ref.ragged_values_matmul_t,
     "lax": _lax_matmul_t,
     "pallas": "nvfp4_jax.ops.ragged_dot.pallas_mosaic_gpu:"
               "ragged_values_matmul_t",
-}, preferred=_preference)
+}, preferred=_preference, per_shard=_values_t_per_shard)
 
 
 def _hp(implementation: str | None, precision) -> str | None:
@@ -589,15 +702,35 @@ def _codes_preference(platform: str) -> tuple[str, ...]:
   return ()
 
 
+def _codes_per_shard(kernel, a_codes, a_scales, b_codes, b_scales,
+                     group_sizes, alpha=None, **kwargs):
+  """`_values_per_shard` on codes: `a`'s rows split (their own group
+  sizes), `b [E, N, K]`'s N split; the experts and K gathered."""
+  return spmd.grouped_matmul_per_shard(
+      kernel, (a_codes, a_scales), (b_codes, b_scales), (group_sizes, alpha),
+      a_dim=0, b_dim=1, contract_tokens=False,
+      fallback=ref.ragged_codes_matmul, **kwargs)
+
+
+def _codes_t_per_shard(kernel, a_codes, a_scales, b_codes, b_scales,
+                       group_sizes, alpha=None, **kwargs):
+  """`_values_t_per_shard` on codes (`a [K, L]`, `b [N, L]`): K and N
+  split, the tokens gathered."""
+  return spmd.grouped_matmul_per_shard(
+      kernel, (a_codes, a_scales), (b_codes, b_scales), (group_sizes, alpha),
+      a_dim=0, b_dim=0, contract_tokens=True,
+      fallback=ref.ragged_codes_matmul_t, **kwargs)
+
+
 RAGGED_CODES_MATMUL = dispatch.Op("ragged_codes_matmul", {
     "xla": ref.ragged_codes_matmul,
     "triton": "nvfp4_jax.ops.ragged_dot.triton:ragged_codes_matmul",
-}, preferred=_codes_preference)
+}, preferred=_codes_preference, per_shard=_codes_per_shard)
 
 RAGGED_CODES_MATMUL_T = dispatch.Op("ragged_codes_matmul_t", {
     "xla": ref.ragged_codes_matmul_t,
     "triton": "nvfp4_jax.ops.ragged_dot.triton:ragged_codes_matmul_t",
-}, preferred=_codes_preference)
+}, preferred=_codes_preference, per_shard=_codes_t_per_shard)
 
 
 def multiplies_codes() -> bool:
