@@ -565,13 +565,45 @@ def _scale_encode_cvt_asm() -> str:
 _SCALE_ENCODE_CVT_ASM = _scale_encode_cvt_asm()
 
 
+def _scale_values_cvt_asm() -> str:
+  """`_scale_encode_cvt_asm`'s products and conversions, each pair's codes
+  then decoded to its bf16 block values as `_words_values_asm` does, in
+  the same assembly (`$0-$3` the value pairs; `$4-$11` the elements,
+  `$12` the encode scale, `$16` the decoded scale `d`, FP32): the codes
+  stay in the conversions' 8-bit registers, no packed word and no NaN
+  test. Exact, as `words_values`: the decoded values are those of the
+  codes `scale_encode_codes` writes, outside NaN blocks; in a NaN block
+  (the scaled values are NaN exactly where `d` is NaN: see
+  `_encode_codes_cvt_signed_asm`) the ISA does not say which codes the
+  conversion writes, but any E2M1 code decodes to a finite f16, and its
+  product by NaN is NaN: every value NaN, as the reference's."""
+  ye, yo, _, _ = _operands(4, False, False)
+  body = []
+  for k in range(4):
+    body += [f"mov.b64 x, {{{ye[k]}, {yo[k]}}};",
+             "mul.rn.ftz.f32x2 x, x, ee;",
+             "mov.b64 {e, o}, x;",
+             "cvt.rn.satfinite.e2m1x2.f32 b, o, e;",
+             "cvt.rn.f16x2.e2m1x2 h, b;", "mov.b32 {he, ho}, h;",
+             "fma.rn.f32.f16 e, he, dh, 0f80000000;",
+             "fma.rn.f32.f16 o, ho, dh, 0f80000000;",
+             f"cvt.rn.bf16x2.f32 ${k}, o, e;"]
+  return ("{\n.reg .b32 e, o, h;\n.reg .b64 x, ee;\n.reg .b16 he, ho, dh;\n"
+          ".reg .b8 b;\nmov.b64 ee, {$12, $12};\ncvt.rn.f16.f32 dh, $16;\n"
+          + "\n".join(body) + "\n}")
+
+
+_SCALE_VALUES_CVT_ASM = _scale_values_cvt_asm()
+
+
 def scale_encode_codes(xe: jax.Array, xo: jax.Array, enc: jax.Array,
                        interpret: bool) -> jax.Array:
-  """Packed round-to-nearest codes `[..., 8]` (even element in the low
-  nibble) of the even and odd elements `xe`, `xo` `[..., 8]` times their
-  block's encode scale `enc` `[...]`: `ftz(x) * enc` (`mul.ftz`), rounded
-  to E2M1 as `tile.encode_blocks` does, for blocks NaN as a whole
-  (`block_encoder`), where the E2M1 conversion exists (`hardware_e2m1`).
+  """Packed round-to-nearest codes `[..., n]` (even element in the low
+  nibble; `n` a multiple of 4) of the even and odd elements `xe`, `xo`
+  `[..., n]` times their block's encode scale `enc` `[...]`: `ftz(x) *
+  enc` (`mul.ftz`), rounded to E2M1 as `tile.encode_blocks` does, for
+  blocks NaN as a whole (`block_encoder`), where the E2M1 conversion exists
+  (`hardware_e2m1`).
 
   Interpreted, its software twin: the FTZ product, `numerics.
   e2m1_encode_nearest` and code 0 for NaN (`e2m1x2_cvt_model`'s, which
@@ -589,6 +621,24 @@ def scale_encode_codes(xe: jax.Array, xo: jax.Array, enc: jax.Array,
       constraints="=r," + ",".join(["f"] * 12), pack=4,
       result_shape_dtypes=[jax.ShapeDtypeStruct(xe.shape, jnp.int8)])
   return jax.lax.bitcast_convert_type(packed, jnp.uint8)
+
+
+def scale_encode_values(xe: jax.Array, xo: jax.Array, enc: jax.Array,
+                        d: jax.Array, interpret: bool) -> jax.Array:
+  """The bf16 block values (uint32 pairs, `tile.value_pairs`) of the codes
+  `scale_encode_codes(xe, xo, enc)` under the blocks' decoded scales `d`
+  (FP32 `[...]`), without the codes: on the GPU `_SCALE_VALUES_CVT_ASM`
+  (conversion and decoding per pair in one assembly); interpreted,
+  `words_values` of the twin's codes."""
+  if interpret:
+    return words_values(scale_encode_codes(xe, xo, enc, True), d, True)
+  eb = jnp.broadcast_to(enc[..., None], xe.shape)
+  db = jnp.broadcast_to(d[..., None], xe.shape)
+  [vals] = plt.elementwise_inline_asm(
+      _SCALE_VALUES_CVT_ASM, args=[xe, xo, eb, db],
+      constraints="=r,=r,=r,=r," + ",".join(["f"] * 16), pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(xe.shape, jnp.int32)])
+  return jax.lax.bitcast_convert_type(vals, jnp.uint32)
 
 
 def block_encoder(interpret: bool, block_nan: bool = False
@@ -1026,11 +1076,23 @@ def words_encode(even: jax.Array, odd: jax.Array, bamax: jax.Array,
   reciprocal as `rcp.rn` and the flush as `cvt.ftz`, then
   `scale_encode_codes` (blocks NaN as a whole; where the E2M1 conversion
   exists)."""
+  scales, enc = words_block_scales(bamax, s_enc_over_6, inv_s_enc,
+                                   interpret)
+  return scale_encode_codes(even, odd, enc, interpret), scales
+
+
+def words_block_scales(bamax: jax.Array, s_enc_over_6: jax.Array,
+                       inv_s_enc: jax.Array, interpret: bool
+                       ) -> tuple[jax.Array, jax.Array]:
+  """`words_encode`'s block scales: `(scales e4m3, encode scales FP32)` of
+  the flushed block amax `bamax`, `nvfp4_block_decode_scale` and
+  `nvfp4_block_encode_scale` with the reciprocal as `rcp.rn` and the flush
+  as `cvt.ftz` (`scale_encode_codes` takes the encode scales)."""
   scales = nm.nvfp4_block_decode_scale(bamax, s_enc_over_6)
   enc = exact_reciprocal(interpret)(
       flush(interpret)(scales.astype(jnp.float32) * inv_s_enc))
   enc = jnp.where(enc > nm.F32_MAX, jnp.float32(nm.F32_MAX), enc)
-  return scale_encode_codes(even, odd, enc, interpret), scales
+  return scales, enc
 
 
 def words_encode_values(even: jax.Array, odd: jax.Array, bamax: jax.Array,
