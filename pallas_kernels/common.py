@@ -1014,46 +1014,64 @@ def mul_ftz_const_x2(interpret: bool, c: float
   return mul
 
 
-def round_bf16_words(interpret: bool
-                     ) -> Callable[[jax.Array, jax.Array], jax.Array]:
-  """`tile.round_hadamard` of two FP32 arrays, packed: the uint32 word of
-  the bf16 pair `(bf16(ftz(lo)), bf16(ftz(hi)))` (`lo` in bits 0-15, as
-  `tile.value_pairs`). On the GPU per pair: one `add.rn.ftz.f32x2` of -0
-  (flushes subnormals to signed zeros, passes everything else: `x + -0 =
-  x`, also for +0; the `cvt.ftz.f32.f32` of `round_hadamard`) and one
-  `cvt.rn.bf16x2.f32` (round to nearest even; its first source to the
-  upper half)."""
+def round_bf16_widened(interpret: bool) -> Callable[[jax.Array], jax.Array]:
+  """`tile.round_hadamard` of an FP32 array, each result widened back to
+  FP32 (exact): `f32(bf16(ftz(x)))`. On the GPU per pair of neighbouring
+  elements one `add.rn.ftz.f32x2` of -0 (flushes subnormals to signed
+  zeros, passes everything else: `x + -0 = x`, also for +0; the
+  `cvt.ftz.f32.f32` of `round_hadamard`), then per element one
+  `cvt.rn.bf16x2.f32 d, x, 0` (PTX ISA `cvt`: both sources rounded to
+  nearest even, the first into the upper half of `d`, the second, +0,
+  into the lower half as 0x0000): `d` is the bf16 result's bits followed
+  by 16 zero bits, i.e. its FP32 widening, with no shift or mask to widen
+  it (`round_bf16_words` packed two results per word)."""
   if interpret:
-    def rnd(lo, hi):
-      bits = lambda v: jax.lax.bitcast_convert_type(
-          nm.ftz(v).astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
-      return bits(lo) | (bits(hi) << 16)
-    return rnd
-  # Two words per instance: lanes pair neighbouring elements of one array,
-  # as the butterfly's packed additions left them (no register moves).
+    return lambda x: nm.ftz(x).astype(jnp.bfloat16).astype(jnp.float32)
   asm = """{
-.reg .b64 a, b, z;
-.reg .b32 l0, l1, h0, h1;
+.reg .b64 a, z;
+.reg .b32 l, h, zero;
+mov.b32 zero, 0;
 mov.b64 z, {0f80000000, 0f80000000};
 mov.b64 a, {$2, $3};
 add.rn.ftz.f32x2 a, a, z;
-mov.b64 {l0, l1}, a;
-mov.b64 b, {$4, $5};
-add.rn.ftz.f32x2 b, b, z;
-mov.b64 {h0, h1}, b;
-cvt.rn.bf16x2.f32 $0, h0, l0;
-cvt.rn.bf16x2.f32 $1, h1, l1;
+mov.b64 {l, h}, a;
+cvt.rn.bf16x2.f32 $0, l, zero;
+cvt.rn.bf16x2.f32 $1, h, zero;
 }"""
 
-  def rnd(lo, hi):
-    lo, hi = jnp.broadcast_arrays(jnp.asarray(lo, jnp.float32),
-                                  jnp.asarray(hi, jnp.float32))
+  def rnd(x):
+    x = jnp.asarray(x, jnp.float32)
     [out] = plt.elementwise_inline_asm(
-        asm, args=[lo, hi], constraints="=r,=r,f,f,f,f", pack=2,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(lo.shape, jnp.int32)])
-    # Triton's integers are signless: results are declared signed.
-    return jax.lax.bitcast_convert_type(out, jnp.uint32)
+        asm, args=[x], constraints="=f,=f,f,f", pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return out
   return rnd
+
+
+def max_magnitude3(interpret: bool) -> Callable[..., jax.Array]:
+  """The largest magnitude of two or three FP32 arrays, elementwise, NaN
+  if any is NaN: on the GPU one `max.NaN.abs.f32 d, a, b, c` (PTX ISA
+  `max`, three sources, sm_100: the maximum of the absolute values, NaN
+  if any input is NaN) or `max.NaN.xorsign.abs.f32` of two (whose sign
+  is then undefined: callers take the absolute value); interpreted, the
+  same in jnp (result signs 0)."""
+  if interpret:
+    def mx(*xs):
+      m = functools.reduce(jnp.maximum, [jnp.abs(x) for x in xs])
+      nan = functools.reduce(jnp.logical_or, [jnp.isnan(x) for x in xs])
+      return jnp.where(nan, jnp.float32(jnp.nan), m)
+    return mx
+
+  def mx(*xs):
+    if len(xs) == 2:
+      return max_magnitude(False)(*xs)
+    xs = jnp.broadcast_arrays(*[jnp.asarray(x, jnp.float32) for x in xs])
+    [out] = plt.elementwise_inline_asm(
+        "max.NaN.abs.f32 $0, $1, $2, $3;", args=list(xs),
+        constraints="=f,f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(xs[0].shape, jnp.float32)])
+    return out
+  return mx
 
 
 def max_magnitude_words(interpret: bool
