@@ -578,8 +578,15 @@ def _scale_encode_cvt_asm() -> str:
   """`mul.ftz.f32` of 4 pairs by their block's encode scale (`$9`), two
   products per `mul.ftz.f32x2` (Blackwell's packed FP32: per lane the same
   IEEE multiplication, flushing subnormal inputs and results, PTX ISA
-  `mul`), then `_encode_codes_cvt_signed_asm`'s conversion and NaN test
-  (on the first product: the block is NaN as a whole there too). `mov.b64
+  `mul`), then `_encode_codes_cvt_signed_asm`'s conversion and NaN
+  select, the NaN test on the encode scale itself (the same in both
+  instances of a block: ptxas keeps one). The same predicate as a test of
+  a product: the block encode scale `words_block_scales` makes is NaN or
+  a positive finite number (the reciprocal of a product of the decoded
+  scale and `1 / S_enc`, which share the sign of `S_enc`: +0 or positive
+  and below 2^126; +Inf clamped to F32_MAX), so `ftz(x) * enc` is NaN
+  exactly where `x` or `enc` is, and a NaN `x` makes its block's amax,
+  scale and `enc` NaN. `mov.b64
   x, {a, b}` puts `a` in the low lane, which `mov.b64 {e, o}, x` reads back
   as `e`."""
   ye, yo, _, _ = _operands(1, False, False)
@@ -589,12 +596,11 @@ def _scale_encode_cvt_asm() -> str:
              "mul.rn.ftz.f32x2 x, x, ee;",
              "mov.b64 {e, o}, x;",
              f"cvt.rn.satfinite.e2m1x2.f32 b{k}, o, e;"]
-    if k == 0:
-      body.append("testp.notanumber.f32 nan, e;")
   body += ["mov.b32 acc, {b0, b1, b2, b3};", "selp.b32 $0, 0, acc, nan;"]
   return ("{\n.reg .b32 acc, e, o;\n.reg .b64 x, ee;\n"
           ".reg .b8 b0, b1, b2, b3;\n.reg .pred nan;\n"
-          "mov.b64 ee, {$9, $9};\n" + "\n".join(body) + "\n}")
+          "mov.b64 ee, {$9, $9};\ntestp.notanumber.f32 nan, $9;\n"
+          + "\n".join(body) + "\n}")
 
 
 _SCALE_ENCODE_CVT_ASM = _scale_encode_cvt_asm()
