@@ -86,11 +86,12 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
   if grouped:
     amax = amax.reshape(rows, 1)  # One tensor per row: [rows, 1] constants.
   if words:  # `nm.nvfp4_scale_constants`, 1 / S_enc by `rcp.rn`.
-    # As scalars (the maximum of one element): Triton then computes them
-    # once, where it recomputes `[1]` tensors (the division included) for
-    # each layout they are broadcast to.
-    s_enc_over_6, inv_s_enc = (
-        jnp.max(c) for c in common.words_scale_constants(amax, interpret))
+    s_enc_over_6, inv_s_enc = common.words_scale_constants(amax, interpret)
+    if not grouped:
+      # As scalars (the maximum of one element): Triton then computes them
+      # once, where it recomputes `[1]` tensors (the division included)
+      # for each layout they are broadcast to.
+      s_enc_over_6, inv_s_enc = jnp.max(s_enc_over_6), jnp.max(inv_s_enc)
   else:
     s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
         amax, divide=divide, four_over_six=four_over_six)
@@ -106,12 +107,11 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
     # amax is a tree of bf16x2 magnitude maxima over the words
     # (`max_magnitude_words`, exact: the elements are bf16, and a NaN
     # anywhere makes the block's NaN), its two lanes widened for the last
-    # maximum; then per half the widened pairs, products and E2M1
-    # conversion in one assembly.
+    # maximum, whose absolute value and flush are one `abs.ftz`; then per
+    # half the widened pairs, products and E2M1 conversion in one assembly.
     h = B // 4
-    halves = [common.load_at(x_ref, (slice(None), slice(None), pl.ds(k * h,
-                                                                     h)),
-                             mask[h]) for k in range(2)]
+    at = lambda ref, k: ref.at[:, :, pl.ds(k * h, h)]  # Half k of a block.
+    halves = [common.load(at(x_ref, k), mask[h]) for k in range(2)]
     mxw = common.max_magnitude_words(interpret)
     pm = mxw(*halves)
     while pm.shape[-1] > 1:  # Halving the block's 4 word maxima.
@@ -125,17 +125,16 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
                                             interpret)
     d = scales.astype(jnp.float32)
     for k, w in enumerate(halves):
-      at = lambda ref: ref.at[:, :, pl.ds(k * h, h)]
       even, odd = common.widen_words(w)
       if not with_codes:  # Values alone: `common.scale_encode_values`.
-        common.store(at(values_ref), common.scale_encode_values(
+        common.store(at(values_ref, k), common.scale_encode_values(
             even, odd, enc, d, interpret), mask[h])
         continue
       packed = common.scale_encode_codes(even, odd, enc, interpret)
-      common.store(at(codes_ref), packed, mask[h])
+      common.store(at(codes_ref, k), packed, mask[h])
       if with_values:  # Decoded from the codes: `common.words_values`.
-        common.store(at(values_ref), common.words_values(packed, d,
-                                                         interpret), mask[h])
+        common.store(at(values_ref, k), common.words_values(
+            packed, d, interpret), mask[h])
     if with_codes:
       common.store(scales_ref, scales, mask[0])
     return
