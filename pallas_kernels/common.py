@@ -586,9 +586,8 @@ def _scale_encode_cvt_asm() -> str:
   scale and `1 / S_enc`, which share the sign of `S_enc`: +0 or positive
   and below 2^126; +Inf clamped to F32_MAX), so `ftz(x) * enc` is NaN
   exactly where `x` or `enc` is, and a NaN `x` makes its block's amax,
-  scale and `enc` NaN. `mov.b64
-  x, {a, b}` puts `a` in the low lane, which `mov.b64 {e, o}, x` reads back
-  as `e`."""
+  scale and `enc` NaN. `mov.b64 x, {a, b}` puts `a` in the low lane, which
+  `mov.b64 {e, o}, x` reads back as `e`."""
   ye, yo, _, _ = _operands(1, False, False)
   body = []
   for k in range(4):
@@ -1030,7 +1029,7 @@ def round_bf16_widened(interpret: bool) -> Callable[[jax.Array], jax.Array]:
   nearest even, the first into the upper half of `d`, the second, +0,
   into the lower half as 0x0000): `d` is the bf16 result's bits followed
   by 16 zero bits, i.e. its FP32 widening, with no shift or mask to widen
-  it (`round_bf16_words` packed two results per word)."""
+  it."""
   if interpret:
     return lambda x: nm.ftz(x).astype(jnp.bfloat16).astype(jnp.float32)
   asm = """{
@@ -1082,8 +1081,8 @@ def max_magnitude3(interpret: bool) -> Callable[..., jax.Array]:
 
 def max_magnitude_words(interpret: bool
                         ) -> Callable[[jax.Array, jax.Array], jax.Array]:
-  """`max_magnitude` of bf16 pairs held as uint32 words (`round_bf16_words`'
-  form), lane by lane: one `max.NaN.xorsign.abs.bf16x2` per word on the
+  """`max_magnitude` of bf16 pairs held as uint32 words (the word path's
+  loads: element `2j` in bits 0-15), lane by lane: one `max.NaN.xorsign.abs.bf16x2` per word on the
   GPU; interpreted, its twin (a NaN lane gives the canonical bf16 NaN
   0x7FFF, else the larger magnitude; the result's signs are undefined and
   the twin's are 0)."""
@@ -1131,9 +1130,9 @@ def words_encode(even: jax.Array, odd: jax.Array, bamax: jax.Array,
   given as their even and odd elements (FP32 `[..., nb, 8]` each, a block
   in one thread's registers) and their flushed block amax `[..., nb]`:
   `(packed uint8 [..., nb, 8], scales e4m3 [..., nb])`. The steps of
-  `nvfp4_block_decode_scale` / `nvfp4_block_encode_scale` with the
-  reciprocal as `rcp.rn` and the flush as `cvt.ftz`, then
-  `scale_encode_codes` (blocks NaN as a whole; where the E2M1 conversion
+  `nvfp4_block_decode_scale` / `nvfp4_block_encode_scale`
+  (`words_block_scales`: the flush and the reciprocal as one
+  `rcp.rn.ftz`), then `scale_encode_codes` (blocks NaN as a whole; where the E2M1 conversion
   exists)."""
   scales, enc = words_block_scales(bamax, s_enc_over_6, inv_s_enc,
                                    interpret)
