@@ -103,6 +103,41 @@ def exact_reciprocal(interpret: bool) -> Callable[[jax.Array], jax.Array]:
   return rcp_rn
 
 
+def _f32_asm(instr: str) -> Callable[[jax.Array], jax.Array]:
+  """One FP32 instruction `instr d, a` per element, as an assembly."""
+  def f(x):
+    x = jnp.asarray(x, jnp.float32)
+    [out] = plt.elementwise_inline_asm(
+        f"{instr} $0, $1;", args=[x], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return out
+  return f
+
+
+def abs_flush(interpret: bool) -> Callable[[jax.Array], jax.Array]:
+  """`numerics.ftz(|x|)`: on the GPU one `abs.ftz.f32` (PTX ISA `abs`:
+  with `.ftz` a subnormal input is flushed to a sign-preserving zero before
+  the absolute value is taken, so subnormals give +0; NaN stays NaN), where
+  an absolute value and `flush` take two."""
+  if interpret:
+    return lambda x: nm.ftz(jnp.abs(x))
+  return _f32_asm("abs.ftz.f32")
+
+
+def flushed_reciprocal(interpret: bool) -> Callable[[jax.Array], jax.Array]:
+  """`exact_reciprocal(flush(x))` for `|x| <= 2^126`: on the GPU one
+  `rcp.rn.ftz.f32`. PTX ISA `rcp`: `.rn` is the IEEE 754 reciprocal
+  rounded to nearest even (as `rcp.rn.f32`), and `.ftz` flushes subnormal
+  inputs to sign-preserving zero (`flush`'s result, whose reciprocal is
+  the signed infinity) and subnormal results to zero; no result is
+  subnormal there (`|1/x| >= 2^-126`), so the two agree bit for bit, NaN,
+  zeros and infinities included. Saves `flush`'s instruction; the callers
+  show the bound."""
+  if interpret:
+    return lambda x: exact_reciprocal(True)(nm.ftz(x))
+  return _f32_asm("rcp.rn.ftz.f32")
+
+
 # `block_values` on the GPU: E2M1 decoding by byte permutation (`prmt`), the
 # way Triton's and TransformerEngine's FP8 conversions work. The magnitudes
 # 0, .5, 1, 1.5, 2, 3, 4, 6 are the bf16 patterns 0x0000, 0x3F00, 0x3F80,
@@ -543,10 +578,16 @@ def _scale_encode_cvt_asm() -> str:
   """`mul.ftz.f32` of 4 pairs by their block's encode scale (`$9`), two
   products per `mul.ftz.f32x2` (Blackwell's packed FP32: per lane the same
   IEEE multiplication, flushing subnormal inputs and results, PTX ISA
-  `mul`), then `_encode_codes_cvt_signed_asm`'s conversion and NaN test
-  (on the first product: the block is NaN as a whole there too). `mov.b64
-  x, {a, b}` puts `a` in the low lane, which `mov.b64 {e, o}, x` reads back
-  as `e`."""
+  `mul`), then `_encode_codes_cvt_signed_asm`'s conversion and NaN
+  select, the NaN test on the encode scale itself (the same in both
+  instances of a block: ptxas keeps one). The same predicate as a test of
+  a product: the block encode scale `words_block_scales` makes is NaN or
+  a positive finite number (the reciprocal of a product of the decoded
+  scale and `1 / S_enc`, which share the sign of `S_enc`: +0 or positive
+  and below 2^126; +Inf clamped to F32_MAX), so `ftz(x) * enc` is NaN
+  exactly where `x` or `enc` is, and a NaN `x` makes its block's amax,
+  scale and `enc` NaN. `mov.b64 x, {a, b}` puts `a` in the low lane, which
+  `mov.b64 {e, o}, x` reads back as `e`."""
   ye, yo, _, _ = _operands(1, False, False)
   body = []
   for k in range(4):
@@ -554,24 +595,55 @@ def _scale_encode_cvt_asm() -> str:
              "mul.rn.ftz.f32x2 x, x, ee;",
              "mov.b64 {e, o}, x;",
              f"cvt.rn.satfinite.e2m1x2.f32 b{k}, o, e;"]
-    if k == 0:
-      body.append("testp.notanumber.f32 nan, e;")
   body += ["mov.b32 acc, {b0, b1, b2, b3};", "selp.b32 $0, 0, acc, nan;"]
   return ("{\n.reg .b32 acc, e, o;\n.reg .b64 x, ee;\n"
           ".reg .b8 b0, b1, b2, b3;\n.reg .pred nan;\n"
-          "mov.b64 ee, {$9, $9};\n" + "\n".join(body) + "\n}")
+          "mov.b64 ee, {$9, $9};\ntestp.notanumber.f32 nan, $9;\n"
+          + "\n".join(body) + "\n}")
 
 
 _SCALE_ENCODE_CVT_ASM = _scale_encode_cvt_asm()
 
 
+def _scale_values_cvt_asm() -> str:
+  """`_scale_encode_cvt_asm`'s products and conversions, each pair's codes
+  then decoded to its bf16 block values as `_words_values_asm` does, in
+  the same assembly (`$0-$3` the value pairs; `$4-$11` the elements,
+  `$12` the encode scale, `$16` the decoded scale `d`, FP32): the codes
+  stay in the conversions' 8-bit registers, no packed word and no NaN
+  test. Exact, as `words_values`: the decoded values are those of the
+  codes `scale_encode_codes` writes, outside NaN blocks; in a NaN block
+  (the scaled values are NaN exactly where `d` is NaN: see
+  `_encode_codes_cvt_signed_asm`) the ISA does not say which codes the
+  conversion writes, but any E2M1 code decodes to a finite f16, and its
+  product by NaN is NaN: every value NaN, as the reference's."""
+  ye, yo, _, _ = _operands(4, False, False)
+  body = []
+  for k in range(4):
+    body += [f"mov.b64 x, {{{ye[k]}, {yo[k]}}};",
+             "mul.rn.ftz.f32x2 x, x, ee;",
+             "mov.b64 {e, o}, x;",
+             "cvt.rn.satfinite.e2m1x2.f32 b, o, e;",
+             "cvt.rn.f16x2.e2m1x2 h, b;", "mov.b32 {he, ho}, h;",
+             "fma.rn.f32.f16 e, he, dh, 0f80000000;",
+             "fma.rn.f32.f16 o, ho, dh, 0f80000000;",
+             f"cvt.rn.bf16x2.f32 ${k}, o, e;"]
+  return ("{\n.reg .b32 e, o, h;\n.reg .b64 x, ee;\n.reg .b16 he, ho, dh;\n"
+          ".reg .b8 b;\nmov.b64 ee, {$12, $12};\ncvt.rn.f16.f32 dh, $16;\n"
+          + "\n".join(body) + "\n}")
+
+
+_SCALE_VALUES_CVT_ASM = _scale_values_cvt_asm()
+
+
 def scale_encode_codes(xe: jax.Array, xo: jax.Array, enc: jax.Array,
                        interpret: bool) -> jax.Array:
-  """Packed round-to-nearest codes `[..., 8]` (even element in the low
-  nibble) of the even and odd elements `xe`, `xo` `[..., 8]` times their
-  block's encode scale `enc` `[...]`: `ftz(x) * enc` (`mul.ftz`), rounded
-  to E2M1 as `tile.encode_blocks` does, for blocks NaN as a whole
-  (`block_encoder`), where the E2M1 conversion exists (`hardware_e2m1`).
+  """Packed round-to-nearest codes `[..., n]` (even element in the low
+  nibble; `n` a multiple of 4) of the even and odd elements `xe`, `xo`
+  `[..., n]` times their block's encode scale `enc` `[...]`: `ftz(x) *
+  enc` (`mul.ftz`), rounded to E2M1 as `tile.encode_blocks` does, for
+  blocks NaN as a whole (`block_encoder`), where the E2M1 conversion exists
+  (`hardware_e2m1`).
 
   Interpreted, its software twin: the FTZ product, `numerics.
   e2m1_encode_nearest` and code 0 for NaN (`e2m1x2_cvt_model`'s, which
@@ -589,6 +661,24 @@ def scale_encode_codes(xe: jax.Array, xo: jax.Array, enc: jax.Array,
       constraints="=r," + ",".join(["f"] * 12), pack=4,
       result_shape_dtypes=[jax.ShapeDtypeStruct(xe.shape, jnp.int8)])
   return jax.lax.bitcast_convert_type(packed, jnp.uint8)
+
+
+def scale_encode_values(xe: jax.Array, xo: jax.Array, enc: jax.Array,
+                        d: jax.Array, interpret: bool) -> jax.Array:
+  """The bf16 block values (uint32 pairs, `tile.value_pairs`) of the codes
+  `scale_encode_codes(xe, xo, enc)` under the blocks' decoded scales `d`
+  (FP32 `[...]`), without the codes: on the GPU `_SCALE_VALUES_CVT_ASM`
+  (conversion and decoding per pair in one assembly); interpreted,
+  `words_values` of the twin's codes."""
+  if interpret:
+    return words_values(scale_encode_codes(xe, xo, enc, True), d, True)
+  eb = jnp.broadcast_to(enc[..., None], xe.shape)
+  db = jnp.broadcast_to(d[..., None], xe.shape)
+  [vals] = plt.elementwise_inline_asm(
+      _SCALE_VALUES_CVT_ASM, args=[xe, xo, eb, db],
+      constraints="=r,=r,=r,=r," + ",".join(["f"] * 16), pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(xe.shape, jnp.int32)])
+  return jax.lax.bitcast_convert_type(vals, jnp.uint32)
 
 
 def block_encoder(interpret: bool, block_nan: bool = False
@@ -929,52 +1019,70 @@ def mul_ftz_const_x2(interpret: bool, c: float
   return mul
 
 
-def round_bf16_words(interpret: bool
-                     ) -> Callable[[jax.Array, jax.Array], jax.Array]:
-  """`tile.round_hadamard` of two FP32 arrays, packed: the uint32 word of
-  the bf16 pair `(bf16(ftz(lo)), bf16(ftz(hi)))` (`lo` in bits 0-15, as
-  `tile.value_pairs`). On the GPU per pair: one `add.rn.ftz.f32x2` of -0
-  (flushes subnormals to signed zeros, passes everything else: `x + -0 =
-  x`, also for +0; the `cvt.ftz.f32.f32` of `round_hadamard`) and one
-  `cvt.rn.bf16x2.f32` (round to nearest even; its first source to the
-  upper half)."""
+def round_bf16_widened(interpret: bool) -> Callable[[jax.Array], jax.Array]:
+  """`tile.round_hadamard` of an FP32 array, each result widened back to
+  FP32 (exact): `f32(bf16(ftz(x)))`. On the GPU per pair of neighbouring
+  elements one `add.rn.ftz.f32x2` of -0 (flushes subnormals to signed
+  zeros, passes everything else: `x + -0 = x`, also for +0; the
+  `cvt.ftz.f32.f32` of `round_hadamard`), then per element one
+  `cvt.rn.bf16x2.f32 d, x, 0` (PTX ISA `cvt`: both sources rounded to
+  nearest even, the first into the upper half of `d`, the second, +0,
+  into the lower half as 0x0000): `d` is the bf16 result's bits followed
+  by 16 zero bits, i.e. its FP32 widening, with no shift or mask to widen
+  it."""
   if interpret:
-    def rnd(lo, hi):
-      bits = lambda v: jax.lax.bitcast_convert_type(
-          nm.ftz(v).astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
-      return bits(lo) | (bits(hi) << 16)
-    return rnd
-  # Two words per instance: lanes pair neighbouring elements of one array,
-  # as the butterfly's packed additions left them (no register moves).
+    return lambda x: nm.ftz(x).astype(jnp.bfloat16).astype(jnp.float32)
   asm = """{
-.reg .b64 a, b, z;
-.reg .b32 l0, l1, h0, h1;
+.reg .b64 a, z;
+.reg .b32 l, h, zero;
+mov.b32 zero, 0;
 mov.b64 z, {0f80000000, 0f80000000};
 mov.b64 a, {$2, $3};
 add.rn.ftz.f32x2 a, a, z;
-mov.b64 {l0, l1}, a;
-mov.b64 b, {$4, $5};
-add.rn.ftz.f32x2 b, b, z;
-mov.b64 {h0, h1}, b;
-cvt.rn.bf16x2.f32 $0, h0, l0;
-cvt.rn.bf16x2.f32 $1, h1, l1;
+mov.b64 {l, h}, a;
+cvt.rn.bf16x2.f32 $0, l, zero;
+cvt.rn.bf16x2.f32 $1, h, zero;
 }"""
 
-  def rnd(lo, hi):
-    lo, hi = jnp.broadcast_arrays(jnp.asarray(lo, jnp.float32),
-                                  jnp.asarray(hi, jnp.float32))
+  def rnd(x):
+    x = jnp.asarray(x, jnp.float32)
     [out] = plt.elementwise_inline_asm(
-        asm, args=[lo, hi], constraints="=r,=r,f,f,f,f", pack=2,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(lo.shape, jnp.int32)])
-    # Triton's integers are signless: results are declared signed.
-    return jax.lax.bitcast_convert_type(out, jnp.uint32)
+        asm, args=[x], constraints="=f,=f,f,f", pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return out
   return rnd
+
+
+def max_magnitude3(interpret: bool) -> Callable[..., jax.Array]:
+  """The largest magnitude of two or three FP32 arrays, elementwise, NaN
+  if any is NaN: on the GPU one `max.NaN.abs.f32 d, a, b, c` (PTX ISA
+  `max`, three sources, sm_100: the maximum of the absolute values, NaN
+  if any input is NaN) or `max.NaN.xorsign.abs.f32` of two (whose sign
+  is then undefined: callers take the absolute value); interpreted, the
+  same in jnp (result signs 0)."""
+  if interpret:
+    def mx(*xs):
+      m = functools.reduce(jnp.maximum, [jnp.abs(x) for x in xs])
+      nan = functools.reduce(jnp.logical_or, [jnp.isnan(x) for x in xs])
+      return jnp.where(nan, jnp.float32(jnp.nan), m)
+    return mx
+
+  def mx(*xs):
+    if len(xs) == 2:
+      return max_magnitude(False)(*xs)
+    xs = jnp.broadcast_arrays(*[jnp.asarray(x, jnp.float32) for x in xs])
+    [out] = plt.elementwise_inline_asm(
+        "max.NaN.abs.f32 $0, $1, $2, $3;", args=list(xs),
+        constraints="=f,f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(xs[0].shape, jnp.float32)])
+    return out
+  return mx
 
 
 def max_magnitude_words(interpret: bool
                         ) -> Callable[[jax.Array, jax.Array], jax.Array]:
-  """`max_magnitude` of bf16 pairs held as uint32 words (`round_bf16_words`'
-  form), lane by lane: one `max.NaN.xorsign.abs.bf16x2` per word on the
+  """`max_magnitude` of bf16 pairs held as uint32 words (the word path's
+  loads: element `2j` in bits 0-15), lane by lane: one `max.NaN.xorsign.abs.bf16x2` per word on the
   GPU; interpreted, its twin (a NaN lane gives the canonical bf16 NaN
   0x7FFF, else the larger magnitude; the result's signs are undefined and
   the twin's are 0)."""
@@ -1022,15 +1130,29 @@ def words_encode(even: jax.Array, odd: jax.Array, bamax: jax.Array,
   given as their even and odd elements (FP32 `[..., nb, 8]` each, a block
   in one thread's registers) and their flushed block amax `[..., nb]`:
   `(packed uint8 [..., nb, 8], scales e4m3 [..., nb])`. The steps of
-  `nvfp4_block_decode_scale` / `nvfp4_block_encode_scale` with the
-  reciprocal as `rcp.rn` and the flush as `cvt.ftz`, then
-  `scale_encode_codes` (blocks NaN as a whole; where the E2M1 conversion
+  `nvfp4_block_decode_scale` / `nvfp4_block_encode_scale`
+  (`words_block_scales`: the flush and the reciprocal as one
+  `rcp.rn.ftz`), then `scale_encode_codes` (blocks NaN as a whole; where the E2M1 conversion
   exists)."""
-  scales = nm.nvfp4_block_decode_scale(bamax, s_enc_over_6)
-  enc = exact_reciprocal(interpret)(
-      flush(interpret)(scales.astype(jnp.float32) * inv_s_enc))
-  enc = jnp.where(enc > nm.F32_MAX, jnp.float32(nm.F32_MAX), enc)
+  scales, enc = words_block_scales(bamax, s_enc_over_6, inv_s_enc,
+                                   interpret)
   return scale_encode_codes(even, odd, enc, interpret), scales
+
+
+def words_block_scales(bamax: jax.Array, s_enc_over_6: jax.Array,
+                       inv_s_enc: jax.Array, interpret: bool
+                       ) -> tuple[jax.Array, jax.Array]:
+  """`words_encode`'s block scales: `(scales e4m3, encode scales FP32)` of
+  the flushed block amax `bamax`, `nvfp4_block_decode_scale` and
+  `nvfp4_block_encode_scale` with the flush and the reciprocal as one
+  `rcp.rn.ftz` (`scale_encode_codes` takes the encode scales)."""
+  scales = nm.nvfp4_block_decode_scale(bamax, s_enc_over_6)
+  # `flushed_reciprocal` applies: |f32(scale)| <= 448 and |inv_s_enc| <=
+  # F32_MAX / 2688 (`global_encode_scale`: |S_enc| >= fl(2688 / F32_MAX),
+  # or infinite or NaN), so the product is below 448 * 1.27e35 < 2^126.
+  enc = flushed_reciprocal(interpret)(scales.astype(jnp.float32) * inv_s_enc)
+  enc = jnp.where(enc > nm.F32_MAX, jnp.float32(nm.F32_MAX), enc)
+  return scales, enc
 
 
 def words_encode_values(even: jax.Array, odd: jax.Array, bamax: jax.Array,

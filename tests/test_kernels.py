@@ -539,8 +539,8 @@ def test_rtne_pair_split_on_blackwell_equals_reference(monkeypatch):
 @pytest.mark.slow
 def test_quantize_words_values(monkeypatch):
   """The word path writing codes and bf16 block values (values decoded from
-  the codes: `common.words_values`), interpreted with the assembly's
-  software twins: the reference's scales and codes
+  the codes: `common.words_values`), and the values alone, interpreted
+  with the assembly's software twins: the reference's scales and codes
   outside NaN blocks, and the block values of the reference's codes
   (NaN in NaN blocks)."""
   if ON_GPU:
@@ -570,14 +570,25 @@ def test_quantize_words_values(monkeypatch):
   ok = ~np.isnan(v_want)
   np.testing.assert_array_equal(bf16_bits(vals)[ok],
                                 bf16_bits(block_values(want))[ok])
+  # Values alone: converted and decoded in one assembly
+  # (`common.scale_encode_values`), the same values.
+  fn = lambda x: pallas_quantize.quantize(x, amax=amax, with_codes=False)
+  # The word path: x read as uint32 pairs.
+  assert "u32[16,10,8] = bitcast_convert_type" in str(jax.make_jaxpr(fn)(x))
+  only = jax.jit(fn)(x).values
+  np.testing.assert_array_equal(np.isnan(np.asarray(only, np.float32)),
+                                np.isnan(v_want))
+  np.testing.assert_array_equal(bf16_bits(only)[ok],
+                                bf16_bits(block_values(want))[ok])
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu",
                     reason="the E2M1 assembly runs on the GPU")
 def test_words_values_and_split_pair_on_blackwell():
   """On a Blackwell GPU with the E2M1 conversion: the word path's block
-  values (`common.words_values`' hardware decoding) are the block values
-  of the reference's codes (NaN in NaN blocks), and the round-to-nearest
+  values (`common.words_values`' hardware decoding; values alone:
+  `common.scale_encode_values`) are the block values of the reference's
+  codes (NaN in NaN blocks), and the round-to-nearest
   pair (run as two kernels there) equals the reference."""
   if not common.hardware_e2m1():
     pytest.skip("needs a GPU with the E2M1 conversion (cc 10.0 / 10.3)")
@@ -596,6 +607,11 @@ def test_words_values_and_split_pair_on_blackwell():
                                 np.isnan(v_want))
   ok = ~np.isnan(v_want)
   np.testing.assert_array_equal(bf16_bits(vals)[ok], bf16_bits(want)[ok])
+  only = jax.jit(lambda x: pallas_quantize.quantize(
+      x, amax=amax, with_codes=False))(x).values  # `scale_encode_values`.
+  np.testing.assert_array_equal(np.isnan(np.asarray(only, np.float32)),
+                                np.isnan(v_want))
+  np.testing.assert_array_equal(bf16_bits(only)[ok], bf16_bits(want)[ok])
   y = rht_input((512, 384), jnp.bfloat16, seed=29)
   gx, gt = jax.jit(lambda y: pair_api.quantize_x_and_rht_t(
       y, implementation="pallas"))(y)

@@ -40,7 +40,8 @@ def tile_masks(rows: int, nb: int, m: int, nb_total: int):
   """Bounds masks of a `[rows, nb, ...]` tile (None where no tile is partial)."""
   row0, blk0 = pl.program_id(0) * rows, pl.program_id(1) * nb
   dims = ((0, row0, m, rows), (1, blk0, nb_total, nb))
-  return {w: common.bounds_mask((rows, nb, w), *dims) for w in (B, B // 2)} | {
+  return {w: common.bounds_mask((rows, nb, w), *dims)
+          for w in (B, B // 2, B // 4)} | {
       0: common.bounds_mask((rows, nb), *dims)}
 
 
@@ -86,6 +87,11 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
     amax = amax.reshape(rows, 1)  # One tensor per row: [rows, 1] constants.
   if words:  # `nm.nvfp4_scale_constants`, 1 / S_enc by `rcp.rn`.
     s_enc_over_6, inv_s_enc = common.words_scale_constants(amax, interpret)
+    if not grouped:
+      # As scalars (the maximum of one element): Triton then computes them
+      # once, where it recomputes `[1]` tensors (the division included)
+      # for each layout they are broadcast to.
+      s_enc_over_6, inv_s_enc = jnp.max(s_enc_over_6), jnp.max(inv_s_enc)
   else:
     s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
         amax, divide=divide, four_over_six=four_over_six)
@@ -93,22 +99,44 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
 
   if words:
     # Blackwell's round-to-nearest codes from bf16 pairs as uint32 words
-    # `[rows, nb, 8]`: widened per word, the block amax of the pairs'
-    # magnitudes, the products and the E2M1 conversion in one assembly.
-    even, odd = common.widen_words(common.load(x_ref, mask[B // 2]))
-    mx, flush = common.max_magnitude(interpret), common.flush(interpret)
-    pm = mx(even, odd)
-    while pm.shape[-1] > 1:  # Halving the block's 8 pair maxima.
-      pm = mx(*jnp.unstack(pm.reshape(*pm.shape[:-1], -1, 2), axis=-1))
-    bamax = flush(_tile_amax(tile.abs_max(pm, axis=-1), block_2d))
-    packed, scales = common.words_encode(even, odd, bamax, s_enc_over_6,
-                                         inv_s_enc, interpret)
+    # `[rows, nb, 8]`, read as two halves `[rows, nb, 4]` (words 0-3 and
+    # 4-7 of each block): Triton gives each thread one 128-bit vector of
+    # each half, both halves of a block in the same thread (the same
+    # layout), whatever is stored (codes, values or both: no shuffles for
+    # the block amax, no layout conversion before the stores). The block
+    # amax is a tree of bf16x2 magnitude maxima over the words
+    # (`max_magnitude_words`, exact: the elements are bf16, and a NaN
+    # anywhere makes the block's NaN), its two lanes widened for the last
+    # maximum, whose absolute value and flush are one `abs.ftz`; then per
+    # half the widened pairs, products and E2M1 conversion in one assembly.
+    h = B // 4
+    at = lambda ref, k: ref.at[:, :, pl.ds(k * h, h)]  # Half k of a block.
+    halves = [common.load(at(x_ref, k), mask[h]) for k in range(2)]
+    mxw = common.max_magnitude_words(interpret)
+    pm = mxw(*halves)
+    while pm.shape[-1] > 1:  # Halving the block's 4 word maxima.
+      pm = mxw(*jnp.unstack(pm.reshape(*pm.shape[:-1], -1, 2), axis=-1))
+    lo, hi = common.widen_words(pm.reshape(rows, nb))
+    # Flushed before the 16x16 tile's maximum: the flush is monotone in
+    # the magnitude, so the same maximum.
+    bamax = _tile_amax(common.abs_flush(interpret)(
+        common.max_magnitude(interpret)(lo, hi)), block_2d)
+    scales, enc = common.words_block_scales(bamax, s_enc_over_6, inv_s_enc,
+                                            interpret)
+    d = scales.astype(jnp.float32)
+    for k, w in enumerate(halves):
+      even, odd = common.widen_words(w)
+      if not with_codes:  # Values alone: `common.scale_encode_values`.
+        common.store(at(values_ref, k), common.scale_encode_values(
+            even, odd, enc, d, interpret), mask[h])
+        continue
+      packed = common.scale_encode_codes(even, odd, enc, interpret)
+      common.store(at(codes_ref, k), packed, mask[h])
+      if with_values:  # Decoded from the codes: `common.words_values`.
+        common.store(at(values_ref, k), common.words_values(
+            packed, d, interpret), mask[h])
     if with_codes:
-      common.store(codes_ref, packed, mask[B // 2])
       common.store(scales_ref, scales, mask[0])
-    if with_values:  # Decoded from the codes: `common.words_values`.
-      common.store(values_ref, common.words_values(
-          packed, scales.astype(jnp.float32), interpret), mask[B // 2])
     return
   x = common.load(x_ref, mask[B]).astype(jnp.float32)  # Flushed when scaled.
   rwords = None

@@ -383,12 +383,13 @@ def _columns_words(rows: list[jax.Array], amax: jax.Array,
   conversion exists (`common.hardware_e2m1`), bit for bit its default
   path: the butterfly's FTZ products by `s / 4` and its additions two
   lanes per packed FP32 instruction (`common.mul_ftz_const_x2`, `add_x2`,
-  `sub_x2`: per lane the scalar instruction), the sums flushed and
-  rounded to bf16 pairs (`common.round_bf16_words`: sums `2j`, `2j + 1` in
-  word `j`), the block amax a tree of bf16x2 maxima of the 8 words (exact:
-  the rounded values are bf16), then the words widened and encoded as the
-  quantize kernel's word path (`common.words_encode`: the values are NaN
-  in whole blocks, a NaN anywhere in a block's sums making its amax NaN).
+  `sub_x2`: per lane the scalar instruction), each sum flushed and rounded
+  to bf16, widened back in the same conversion
+  (`common.round_bf16_widened`), the block amax a tree of three-input
+  magnitude maxima of the 16 rounded values (`common.max_magnitude3`:
+  exact, NaN if any is NaN), then the quantize kernel's word path
+  (`common.words_encode`: the values are NaN in whole blocks, a NaN
+  anywhere in a block's sums making its amax NaN).
 
   Returns `(packed uint8 [nb, bf, 8], scales e4m3 [nb, bf])`.
   """
@@ -396,21 +397,22 @@ def _columns_words(rows: list[jax.Array], amax: jax.Array,
   sums = tile.hadamard_butterfly(
       list(rows), sign_vector, multiply=mul,
       add=common.add_x2(interpret), subtract=common.sub_x2(interpret))
-  rnd = common.round_bf16_words(interpret)
-  words = [rnd(sums[2 * j], sums[2 * j + 1]) for j in range(B // 2)]
-  mx = common.max_magnitude_words(interpret)
-  m = words
-  while len(m) > 1:
-    h = len(m) // 2
-    m = [mx(m[k], m[k + h]) for k in range(h)]
-  lo, hi = common.widen_words(m[0])
-  bamax = jnp.abs(common.max_magnitude(interpret)(lo, hi))
-  halves = [common.widen_words(w) for w in words]
-  even = _tree_stack([e for e, _ in halves])
-  odd = _tree_stack([o for _, o in halves])
-  return common.words_encode(
-      even, odd, bamax, *common.words_scale_constants(amax, interpret),
-      interpret)
+  rnd = common.round_bf16_widened(interpret)
+  z = [rnd(v) for v in sums]
+  mx = common.max_magnitude3(interpret)
+  m = z
+  while len(m) > 2:  # 16 -> 6 -> 2 -> 1: 8 maxima per block.
+    m = [mx(*m[k:k + 3]) if k + 1 < len(m) else m[k]
+         for k in range(0, len(m), 3)]
+  bamax = mx(m[0], m[1], m[1])  # Three sources: no sign to clear.
+  even = _tree_stack(z[0::2])
+  odd = _tree_stack(z[1::2])
+  # The tensor constants as scalars (the maximum of one element): Triton
+  # then computes them once, where it recomputes `[1]` tensors (the
+  # division included) for each layout they are broadcast to.
+  constants = [jnp.max(c)
+               for c in common.words_scale_constants(amax, interpret)]
+  return common.words_encode(even, odd, bamax, *constants, interpret)
 
 
 def _load_rows(x_ref, blk0, mask, nb: int, bf: int) -> list[jax.Array]:
