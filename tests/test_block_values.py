@@ -56,12 +56,12 @@ def _pair(kind, i):
 
 
 def _pair_cases():
-  """Every (pair, implementation). The fast tier keeps the reference's first
-  case of each kind, every fused pair's kernel and the first two of the
-  others; the rest run in the slow tier (the CPU suite's budget)."""
+  """Every (pair, implementation). The fast tier keeps the first case of
+  each kind on both paths and every fused pair's kernel; the rest run in
+  the slow tier (the CPU suite's budget)."""
   for kind, i in ALL_PAIRS:
     for impl in ("xla", "pallas"):
-      fast = (i == 0 if impl == "xla" else kind == "pair" or i < 2)
+      fast = i == 0 or (impl == "pallas" and kind == "pair")
       yield pytest.param(kind, i, impl, id=f"{kind}-{i}-{impl}",
                          marks=() if fast else pytest.mark.slow)
 
