@@ -27,7 +27,8 @@ and the spread of the per-round values.
 first GPU's time per step: `nccl_ms` (NCCL kernels), `exposed_ms` (NCCL running while no other
 kernel runs: communication that is not hidden), `compute_ms` (the other
 kernels) and `idle_ms` (no kernel at all: waiting on the host or on the
-other GPUs).
+other GPUs), and lists the kernels that take the most GPU time per step.
+`--profile-baseline` traces the one-device configurations too.
 """
 
 from __future__ import annotations
@@ -125,6 +126,10 @@ def _child(cfg: Config, cache_dir: str) -> dict:
   return out
 
 
+# Kernels listed per profiled configuration (`--profile`).
+TOP_KERNELS = 25
+
+
 def _profile(compiled, state, batch, steps: int) -> dict:
   """The first GPU's time per step from a trace of `steps` steps: NCCL
   kernels, NCCL with no other kernel running, other kernels, and no
@@ -143,6 +148,7 @@ def _profile(compiled, state, batch, steps: int) -> dict:
   if not files:
     return {}
   nccl, other = [], []
+  by_name = collections.Counter()
   planes = sorted((p for p in ProfileData.from_file(files[0]).planes
                    if p.name.startswith("/device:GPU")),
                   key=lambda p: p.name)
@@ -154,6 +160,7 @@ def _profile(compiled, state, batch, steps: int) -> dict:
       for ev in line.events:
         iv = (ev.start_ns, ev.start_ns + ev.duration_ns)
         (nccl if "nccl" in ev.name.lower() else other).append(iv)
+        by_name[ev.name] += ev.duration_ns
   if not nccl + other:
     return {}
   union = lambda ivs: busy_and_span(ivs)[0]
@@ -162,7 +169,11 @@ def _profile(compiled, state, batch, steps: int) -> dict:
   per = 1e6 * steps
   return {"nccl_ms": union(nccl) / per, "exposed_ms": (busy_all - busy_other)
           / per, "compute_ms": busy_other / per,
-          "idle_ms": (span - busy_all) / per}
+          "idle_ms": (span - busy_all) / per,
+          # The kernels that take the most GPU time (ms per step, summed
+          # over their launches; overlapping kernels both count).
+          "top_kernels": [(n[:90], t / per)
+                          for n, t in by_name.most_common(TOP_KERNELS)]}
 
 
 def busy_and_span(intervals):
@@ -334,6 +345,8 @@ def main(argv=None):
       base = results.get(base_cfg, [None])[-1]
       print(f"  round {rnd + 1}: {_fmt_row(c, r, base)} "
             f"[{took[c]:.0f} s]", flush=True)
+      for name, ms in r.get("top_kernels", ()):
+        print(f"      {ms:8.3f} ms  {name}", flush=True)
   rows = []
   for c in cfgs:
     runs = results.get(c)
