@@ -154,3 +154,35 @@ def test_default_runs_the_kernel_on_hopper_and_propagates_nan_inf():
   assert np.all(np.isnan(out[3])) and not np.isnan(out[2]).any()
   row = out[9]
   assert np.all(np.isnan(row) | np.isinf(row))
+
+
+def test_identical_calls_trace_and_lower_the_kernel_once():
+  """Every layer of a model calls the Mosaic GPU kernels with the same shapes
+  and configuration; each kernel is jitted per static configuration, so
+  those calls share one traced kernel (one jaxpr object: JAX lowers it once
+  and calls it from each site; the `moe-small` step for an H100 lowered 16
+  kernels instead of 64, 18 s instead of 41). Traced on the CPU with the
+  H100's SM count; nothing runs."""
+  from nvfp4_jax.ops.ragged_dot import pallas_mosaic_gpu as rm
+  spec = jax.ShapeDtypeStruct
+  va, w = spec((256, 128), jnp.bfloat16), spec((4, 128, 256), jnp.bfloat16)
+  dense_a, dense_b = spec((8192, 768), jnp.bfloat16), spec((4096, 768),
+                                                           jnp.bfloat16)
+  gs = jnp.asarray([64, 0, 128, 64], jnp.int32)
+
+  def f(va, w, a, b):
+    return (rm.ragged_values_matmul(va, w, gs, num_sms=132),
+            rm.ragged_values_matmul(va + 1, w, gs, num_sms=132),
+            rm.ragged_values_matmul_t(va, va, gs, num_sms=132),
+            rm.ragged_values_matmul_t(va + 1, va, gs, num_sms=132),
+            vm.values_matmul(a, b, jnp.float32(1), num_sms=132),
+            vm.values_matmul(a + 1, b, jnp.float32(2), num_sms=132))
+
+  eqns = jax.make_jaxpr(f)(va, w, dense_a, dense_b).jaxpr.eqns
+  calls = {}
+  for e in eqns:
+    if e.params.get("name") in ("_fprop_call", "_wgrad_call", "_call"):
+      calls.setdefault(e.params["name"], []).append(e.params["jaxpr"])
+  assert sorted(calls) == ["_call", "_fprop_call", "_wgrad_call"], calls
+  for name, jaxprs in calls.items():
+    assert len(jaxprs) == 2 and jaxprs[0] is jaxprs[1], name
