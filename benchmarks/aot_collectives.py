@@ -37,14 +37,18 @@ _COMPUTE = ("fusion", "custom-call", "dot", "convolution", "while",
 
 
 def sent_bytes(c) -> float:
-  """Bytes one device sends for collective `c` (ring estimate)."""
+  """Bytes one device sends for collective `c` (ring estimate; for a
+  ragged all-to-all the bound: every row of its operand to another
+  device; what it sends is data-dependent)."""
   from nvfp4_jax.parallel import hlo  # pylint: disable=g-import-not-at-top
   n = c.group_size or 2
   operand = sum(hlo._nbytes(d, s) for d, s in c.operands)  # pylint: disable=protected-access
   return {"all-gather": c.result_bytes * (n - 1) / n,
           "reduce-scatter": operand * (n - 1) / n,
           "all-reduce": 2 * operand * (n - 1) / n,
-          "all-to-all": operand * (n - 1) / n}.get(c.op, operand)
+          "all-to-all": operand * (n - 1) / n,
+          "ragged-all-to-all": hlo._nbytes(*c.operands[0]) if c.operands  # pylint: disable=protected-access
+          else 0}.get(c.op, operand)
 
 
 def overlap(text: str) -> dict[str, int]:

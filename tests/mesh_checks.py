@@ -1800,6 +1800,7 @@ def check_moe_expert_parallel():
   high precision, within the same FP32 bounds.
   """
   import nvfp4_jax as nv  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.flax.moe import NVFP4MoE  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.parallel import MeshRules  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.parallel import make_mesh  # pylint: disable=g-import-not-at-top
@@ -1823,6 +1824,14 @@ def check_moe_expert_parallel():
       with nv.mesh_rules(rules):
         return grad(p, x)
     (l2, y2), g2 = jax.jit(sharded)(params, x)
+    # The exchange moves only the copies that exist (`moe.RAGGED_EXCHANGE`;
+    # on CPU devices `moe.ragged_all_to_all`'s all-gather form), or whole
+    # `[n, T_local * k, D]` buffers through `all_to_all`.
+    jaxpr = str(jax.make_jaxpr(sharded)(params, x))
+    buffers = [m for m in re.findall(r":\w+\[([\d,]+)\] = all_to_all",
+                                     jaxpr) if m.count(",") == 2]
+    assert bool(buffers) == (not moe.RAGGED_EXCHANGE), (buffers,
+                                                        moe.RAGGED_EXCHANGE)
     logit_terms = np.abs(np.asarray(x).reshape(t, d)) @ np.abs(
         np.asarray(params["router"]))
     dz = 2 * d * U * logit_terms.max()
@@ -1863,6 +1872,17 @@ def check_moe_expert_parallel():
   check_within(g3["router"], r1, np.float64(2 * t * U * t * np.abs(r1).max()),
                "moe explicit router grad")
   print(f"moe explicit batch=8: loss {float(l1):.6f} vs {float(l3):.6f}")
+
+
+def check_moe_expert_parallel_dense():
+  """`check_moe_expert_parallel` with the exchange of whole buffers
+  (`moe.RAGGED_EXCHANGE` off): the same results."""
+  from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
+  moe.RAGGED_EXCHANGE = False
+  try:
+    check_moe_expert_parallel()
+  finally:
+    moe.RAGGED_EXCHANGE = True
 
 
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()

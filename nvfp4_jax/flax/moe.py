@@ -422,8 +422,10 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
   every device of its expert group, in token order) and sends the outputs
   back. An expert then sees exactly the copies it sees on one device, in
   the same order, so its quantization is one device's bit for bit (amax,
-  SR positions); the exchange buffers hold every copy a device could send
-  (dropless: `T_local * k` rows per peer).
+  SR positions). Only the copies that exist are exchanged
+  (`ragged_all_to_all`); the receiving buffers hold every copy the peers
+  could send (dropless: `n x T_local * k` rows), and the passes over them
+  (the padded layout and back) are that long.
   """
   rules = current_rules()
   if rules is None or rules.expert is None or rules.sizes[rules.expert] == 1:
@@ -442,6 +444,8 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
   tokens = rules.batch
   local = num_experts // n
   w_spec = P(rules.expert, None, None)
+  platform = rules.mesh.devices.flat[0].platform
+  ragged = RAGGED_EXCHANGE
 
   def body(x, router, weights, keys):
     routing = route(router_logits(x, router), top_k, capacity_factor,
@@ -452,16 +456,27 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
     sent = routing.group_sizes.reshape(n, local)
     count = jnp.sum(sent, axis=1)
     start = jnp.cumsum(count) - count
-    j = jnp.arange(rows, dtype=jnp.int32)
-    src = start[:, None] + j[None, :]                         # [n, rows]
-    valid = j[None, :] < count[:, None]
-    # Every exchange is a gather both ways (`permute`): XLA's row scatters
-    # are slow on a GPU.
-    dst = jnp.where(valid, src, rows).reshape(-1)  # Sent row -> copy.
-    sent_at = _inverse(dst, rows)                  # Copy -> sent row.
-    send = permute(xs, dst, sent_at).reshape(n, rows, -1)
-    recv = jax.lax.all_to_all(send, rules.expert, 0, 0)      # [n, rows, D]
     got = jax.lax.all_to_all(sent, rules.expert, 0, 0)       # [n, local]
+    j = jnp.arange(rows, dtype=jnp.int32)
+    me = jax.lax.axis_index(rules.expert)
+    if ragged:
+      # Only the copies that exist move: peer `p` gets `count[p]` rows from
+      # `start[p]`, into its buffer's block `me` (`[n * rows, D]`, block `q`
+      # for peer `q`'s copies; rows past them stay zero).
+      recv = ragged_all_to_all(
+          xs, jnp.zeros((n * rows, xs.shape[1]), xs.dtype), start, count,
+          jnp.full((n,), me * rows, jnp.int32), jnp.sum(got, axis=1),
+          rules.expert, platform)
+    else:
+      src = start[:, None] + j[None, :]                       # [n, rows]
+      valid = j[None, :] < count[:, None]
+      # Every exchange is a gather both ways (`permute`): XLA's row scatters
+      # are slow on a GPU.
+      dst = jnp.where(valid, src, rows).reshape(-1)  # Sent row -> copy.
+      sent_at = _inverse(dst, rows)                  # Copy -> sent row.
+      send = permute(xs, dst, sent_at).reshape(n, rows, -1)
+      recv = jax.lax.all_to_all(send, rules.expert, 0, 0).reshape(n * rows,
+                                                                   -1)
     # Compact: local expert e's copies from peer 0, then peer 1, ..., each
     # expert's group padded to `GROUP_ALIGN` rows.
     sizes, first = group_starts(jnp.sum(got, axis=0), GROUP_ALIGN)
@@ -475,12 +490,20 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
     take = lambda a: jnp.take_along_axis(a, e, axis=1)
     dest = jnp.where(ok, first[e] + take(before) + j[None, :] - take(starts),
                      length).reshape(-1)            # Received row -> row.
-    xc = permute(recv.reshape(n * rows, -1), _inverse(dest, length), dest)
-    me = jax.lax.axis_index(rules.expert)
+    xc = permute(recv, _inverse(dest, length), dest)
     out = _experts(xc, sizes, weights, keys, gemms, first_expert=me * local)
     back = permute(out, dest, _inverse(dest, length))
-    ret = jax.lax.all_to_all(back.reshape(n, rows, -1), rules.expert, 0, 0)
-    out_xs = permute(ret.reshape(n * rows, -1), sent_at, dst)
+    if ragged:
+      # Each peer's outputs back to where its copies are in its `xs`.
+      their_start = jax.lax.all_to_all(start[:, None], rules.expert, 0,
+                                       0)[:, 0]
+      out_xs = ragged_all_to_all(
+          back, jnp.zeros((rows, back.shape[1]), back.dtype),
+          jnp.arange(n, dtype=jnp.int32) * rows, jnp.sum(got, axis=1),
+          their_start, count, rules.expert, platform)
+    else:
+      ret = jax.lax.all_to_all(back.reshape(n, rows, -1), rules.expert, 0, 0)
+      out_xs = permute(ret.reshape(n * rows, -1), sent_at, dst)
     return combine(out_xs, routing, top_k), routing.aux_loss
 
   tok = P(spmd.entry(tokens), None)
@@ -489,6 +512,46 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
       in_specs=(tok, P(), {k: w_spec for k in weights},
                 {k: P() for k in keys}),
       out_specs=(tok, P()), check_vma=False)(x, router, weights, keys)
+
+
+# Whether expert parallelism exchanges only the copies that exist
+# (`jax.lax.ragged_all_to_all`) or buffers of every copy a device could
+# send (`jax.lax.all_to_all` of `[n, T_local * k]` rows, twice the bytes on
+# two devices); a switch for tests and benchmarks.
+RAGGED_EXCHANGE = True
+
+
+def ragged_all_to_all(operand, output, input_offsets, send_sizes,
+                      output_offsets, recv_sizes, axis_name: str,
+                      platform: str):
+  """`jax.lax.ragged_all_to_all` over `axis_name` (inside `shard_map`):
+  rows `[input_offsets[p], + send_sizes[p])` of `operand` to peer `p`, at
+  row `output_offsets[p]` of its `output`; `recv_sizes[q]` rows come from
+  peer `q`; rows nobody writes keep `output`'s.
+
+  XLA:CPU has no ragged all-to-all: there (`platform` "cpu") the same
+  result is built from an all-gather of every device's rows and
+  placements, a gather per output row (what tests on CPU devices run; a
+  GPU runs the collective itself).
+  """
+  if platform != "cpu":
+    return jax.lax.ragged_all_to_all(
+        operand, output, input_offsets, send_sizes, output_offsets,
+        recv_sizes, axis_name=axis_name)
+  del recv_sizes  # Implied by the senders' sizes.
+  me = jax.lax.axis_index(axis_name)
+  ops = jax.lax.all_gather(operand, axis_name)          # [n, R, D]
+  offs = jax.lax.all_gather(input_offsets, axis_name)   # [n (from), n (to)]
+  sizes = jax.lax.all_gather(send_sizes, axis_name)
+  places = jax.lax.all_gather(output_offsets, axis_name)
+  lo = jnp.take(places, me, axis=1)                     # From each peer.
+  hi = lo + jnp.take(sizes, me, axis=1)
+  r = jnp.arange(output.shape[0], dtype=jnp.int32)
+  hit = (r[None, :] >= lo[:, None]) & (r[None, :] < hi[:, None])
+  q = jnp.argmax(hit, axis=0)
+  row = jnp.take(offs, me, axis=1)[q] + r - lo[q]
+  rows = ops[q, jnp.clip(row, 0, operand.shape[0] - 1)]
+  return jnp.where(jnp.any(hit, axis=0)[:, None], rows, output)
 
 
 def _inverse(index: jax.Array, length: int) -> jax.Array:

@@ -22,7 +22,7 @@ _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%(?P<name>[\w.-]+)\s*=\s*(?P<type>\(.*?\)|\S+)\s+"
     r"(?P<op>[\w-]+)\((?P<args>[^)]*)\)")
 _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
-                "collective-permute")
+                "ragged-all-to-all", "collective-permute")
 _SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 
