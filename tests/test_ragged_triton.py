@@ -43,12 +43,17 @@ def _step(recipe, gs):
     # 16x16 with Four-over-Six: Fprop's `[E, N, K]` codes, transposed for
     # Dgrad.
     pytest.param(nv.Recipe.nvfp4(four_over_six="all"),
-                 marks=pytest.mark.slow)])
+                 marks=pytest.mark.slow),
+    # MX: E8M0 scales per 32, no tensor scale; Fprop's weight quantized
+    # along K, Dgrad's along N (no 16x16 tiles to transpose).
+    nv.Recipe.mxfp8(),
+    pytest.param(nv.Recipe.mxfp4(), marks=pytest.mark.slow)])
 def test_codes_path_equals_the_values_path(recipe, monkeypatch):
   """Under `default_implementation("triton")` (the CPU runs the codes
   GEMMs' reference) the three GEMMs multiply codes: the same block values,
   so the same outputs and gradients bit for bit as the values path; with
-  the codes GEMMs switched off nothing would call them (the spy counts)."""
+  the codes GEMMs switched off nothing would call them (the spy counts;
+  each call's format is the recipe's)."""
   rng = np.random.default_rng(0)
   m, k, n = 120, 64, 96
   gs = jnp.array([37, 0, 2, 37, 0, 2, 37], jnp.int32)
@@ -60,12 +65,13 @@ def test_codes_path_equals_the_values_path(recipe, monkeypatch):
   for op in (rg.RAGGED_CODES_MATMUL, rg.RAGGED_CODES_MATMUL_T):
     impl = op.implementations["xla"]
     monkeypatch.setitem(op.implementations, "xla", functools.partial(
-        lambda impl, *a, **kw: (calls.append(1), impl(*a, **kw))[1], impl))
+        lambda impl, *a, **kw: (calls.append(kw.get("fmt")),
+                                impl(*a, **kw))[1], impl))
   jax.clear_caches()
   with nv.default_implementation("triton"):
     got = _step(recipe, gs)(x, w, dy)
   jax.clear_caches()
-  assert len(calls) == 3  # Fprop, Dgrad, Wgrad.
+  assert calls == [recipe.fprop_x.format] * 3  # Fprop, Dgrad, Wgrad.
   for g, h in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
 
