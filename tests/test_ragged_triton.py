@@ -280,6 +280,93 @@ def test_kernels_in_tritons_interpreter(native, monkeypatch):
       assert np.all(np.abs(out.a[g] - want[g]) <= tol), (sizes, g)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_triton(), reason="needs the triton package")
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_mx_kernels_in_tritons_interpreter(fmt, native, monkeypatch):
+  """Both kernels on MX codes (`tl.dot_scaled` "e2m1" / "e4m3" with E8M0
+  scale bytes per 32, or the decode form), interpreted, against the
+  reference (`ref.ragged_codes_matmul(_t)` with `fmt`: `dequantize_mx`'s
+  values, no alpha): uneven and empty groups, rows past the sum, K padded
+  (96 -> 128, scale bytes 127), Wgrad groups ending inside a 32-token
+  block. The tolerance is the FP32 summation-order bound (`_bound`): both
+  forms multiply the same exact products (E2M1 / E4M3 times a power of
+  two is exact in bf16 and in the MMA) and differ only in the order of
+  the FP32 sums."""
+  import triton  # pylint: disable=g-import-not-at-top
+  import triton_interpreter as ti  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.block_scaled_matmul import triton as dense  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.ragged_dot import triton as kernel  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.ragged_dot.pallas_mosaic_gpu import _tile_map  # pylint: disable=g-import-not-at-top
+  fk, tk = ti.kernels(monkeypatch)
+  elem, pack, block, *_ = kernel.FORMATS[fmt]
+  consts = dict(NATIVE=native, HAS_ALPHA=False, FMT=elem, PACK=pack,
+                SCALE_BLOCK=block)
+  ones = ti.Arr(np.ones(4, np.float32), "float32")
+  rng = np.random.default_rng(4)
+  op = Operand(format=fmt)
+  m, k, n, e = 200, 96, 48, 4
+  gs = jnp.asarray([37, 0, 120, 30], jnp.int32)        # 187 of 200 rows.
+  x = jnp.asarray(rng.standard_t(3, (m, k)), jnp.float32)
+  qa = rg.quantize_rows(x, gs, op, None, values=False, codes=True)
+  w = jnp.asarray(rng.standard_t(3, (e, n, k)) * .1, jnp.float32)
+  qb = rg.quantize_experts(w, op, None, values=False)
+  want = np.asarray(ref.ragged_codes_matmul(qa.data, qa.scales, qb.data,
+                                            qb.scales, gs, fmt=fmt))
+  kp = dense.padded_k(k, mx=True)
+  ac, asc = kernel._pad_k(*kernel._operand(qa.data, qa.scales, fmt), kp, fmt)  # pylint: disable=protected-access
+  bc, bsc = kernel._pad_k(*kernel._operand(qb.data, qb.scales, fmt), kp, fmt)  # pylint: disable=protected-access
+  bm, bn, bk = 64, 32, 64
+  tmap = [ti.Arr(np.asarray(t), "int32") for t in _tile_map(gs, m, bm)]
+  out = ti.Arr(np.full((m, n), np.nan, np.float32), "float32")
+  fk[(len(tmap[0].a) * triton.cdiv(n, bn),)](
+      *tmap, ti.Arr(_u8(ac), "uint8"), ti.Arr(_u8(asc), "uint8"),
+      ti.Arr(_u8(bc), "uint8"), ti.Arr(_u8(bsc), "uint8"), ones, out,
+      M=m, N=n, K=kp, E=e, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **consts)
+  va = np.abs(np.asarray(ref.codes_values(qa.data, qa.scales, fmt),
+                         np.float64))
+  vb = np.abs(np.asarray(ref.codes_values(qb.data, qb.scales, fmt),
+                         np.float64))
+  rows = np.asarray(ref.group_of(gs, m))
+  for g in range(e):
+    r = rows == g
+    tol = _bound(va[r], vb[g].T, 1.0, k)
+    assert np.all(np.abs(out.a[r] - want[r]) <= tol), g
+  np.testing.assert_array_equal(out.a[187:], 0)
+
+  kk, nn, length = 48, 40, 256
+  for sizes in ([32, 0, 160, 64], [37, 0, 150, 50]):
+    gs = jnp.asarray(sizes, jnp.int32)
+    x = jnp.asarray(rng.standard_t(3, (length, kk)), jnp.float32)
+    dy = jnp.asarray(rng.standard_t(3, (length, nn)), jnp.float32)
+    qa = rg.quantize_tokens(x, gs, op, None, values=False, codes=True)
+    qb = rg.quantize_tokens(dy, gs, op, None, values=False, codes=True)
+    want = np.asarray(ref.ragged_codes_matmul_t(
+        qa.data, qa.scales, qb.data, qb.scales, gs, fmt=fmt))
+    ends = np.cumsum(sizes)
+    starts = ends - np.asarray(sizes)
+    out = ti.Arr(np.full((len(sizes), kk, nn), np.nan, np.float32),
+                 "float32")
+    tk[(len(sizes) * triton.cdiv(kk, bn) * triton.cdiv(nn, bn),)](
+        ti.Arr(starts.astype(np.int32), "int32"),
+        ti.Arr(ends.astype(np.int32), "int32"),
+        ti.Arr(_u8(qa.data), "uint8"), ti.Arr(_u8(qa.scales), "uint8"),
+        ti.Arr(_u8(qb.data), "uint8"), ti.Arr(_u8(qb.scales), "uint8"),
+        ones, out, K=kk, N=nn, L=length, BLOCK_M=bn, BLOCK_N=bn,
+        BLOCK_K=bk, **consts)
+    va = np.abs(np.asarray(ref.codes_values(qa.data, qa.scales, fmt),
+                           np.float64))
+    vb = np.abs(np.asarray(ref.codes_values(qb.data, qb.scales, fmt),
+                           np.float64))
+    for g, (s0, s1) in enumerate(zip(starts, ends)):
+      if s1 == s0:
+        np.testing.assert_array_equal(out.a[g], 0)
+        continue
+      tol = _bound(va[:, s0:s1], vb[:, s0:s1].T, 1.0, s1 - s0)
+      assert np.all(np.abs(out.a[g] - want[g]) <= tol), (sizes, g)
+
+
 # --- On a GPU: the kernel against the reference ------------------------------
 
 ON_GPU = jax.default_backend() == "gpu"

@@ -218,10 +218,10 @@ def _kernels():
       a = a & keep_byte.to(tl.uint8)[None, :]
       sa = tl.load(as_ptr + rows_a[:, None] * (L // SCALE_BLOCK)
                    + blk[None, :], mask=(in_blk & keep_blk)[None, :],
-                   other=0)
+                   other=0.0)
       sb = tl.load(bs_ptr + rows_b[:, None] * (L // SCALE_BLOCK)
                    + blk[None, :], mask=(in_blk & keep_blk)[None, :],
-                   other=0)
+                   other=0.0)
       if NATIVE:
         b = tl.load(b_ptr + rows_b[None, :] * (L // PACK) + byte[:, None],
                     mask=in_l[:, None], other=0)      # [BK/P, BN]
