@@ -1,9 +1,9 @@
-"""The grouped NVFP4 GEMMs on codes (`ops/ragged_dot/triton.py`, Blackwell).
+"""The grouped NVFP4 / MXFP4 / MXFP8 GEMMs on codes (`ops/ragged_dot/triton.py`, Blackwell).
 
 On the CPU: `nvfp4_jax.ragged_dot` taking the codes path (the quantizers
 write codes, the GEMMs `RAGGED_CODES_MATMUL(_T)`, here their reference)
 gives the values path's outputs and gradients bit for bit, and the dispatch
-picks the Triton kernel on 10.0 / 10.3 only. Ahead of time (JAX's CUDA
+picks the Triton kernel on 10.0 / 10.3 only (MX recipes too). Ahead of time (JAX's CUDA
 plugin and jax-triton installed, no GPU): the op's forward and backward
 compile for a B200 to three Triton kernels on `tcgen05.mma ...
 kind::mxf4nvf4`. On a GPU: the kernel against the reference on uneven,
@@ -90,6 +90,52 @@ def test_codes_gemms_dispatch_per_capability(cc, want):
     # Without jax-triton the op keeps the block-values GEMMs.
     assert rg.multiplies_codes() == (want[0] == "triton"
                                      and _has_jax_triton())
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_mx_recipes_take_the_codes_path_on_blackwell(fmt, monkeypatch):
+  """`nvfp4_jax.ragged_dot` with an MX recipe, fwd+bwd traced for a B200
+  (cc 10.0, jax-triton installed) calls the grouped Triton kernel on MX
+  codes in all three GEMMs (each call's `fmt` the recipe's) and no values
+  GEMM; traced for an H100 (9.0) the values GEMMs, never the codes ones.
+  The kernels are spies that decline (`NotImplementedError`: dispatch then
+  traces the reference), so nothing compiles."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def spy(kind):
+    def fn(*args, **kwargs):
+      del args
+      calls.append((kind, kwargs.get("fmt")))
+      raise NotImplementedError("spy")
+    return fn
+  for op in (rg.RAGGED_CODES_MATMUL, rg.RAGGED_CODES_MATMUL_T):
+    monkeypatch.setitem(op.implementations, "triton", spy("codes"))
+  for op in (rg.RAGGED_VALUES_MATMUL, rg.RAGGED_VALUES_MATMUL_T):
+    monkeypatch.setitem(op.implementations, "pallas", spy("values"))
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+      object() if name == "jax_triton" else find_spec(name, *a)))
+  x = jnp.zeros((96, 64), jnp.bfloat16)
+  w = jnp.zeros((3, 64, 32), jnp.float32)
+  gs = jnp.asarray([40, 0, 50], jnp.int32)
+
+  def f(x, w):
+    y, vjp = jax.vjp(lambda x, w: nv.ragged_dot(
+        x, w, gs, recipe=fmt, key=jax.random.key(0)), x, w)
+    return vjp(y)
+  seen = {}
+  for cc in ((10, 0), (9, 0)):
+    calls.clear()
+    jax.clear_caches()
+    try:
+      with dispatch.target_device("gpu", cc):
+        jax.make_jaxpr(f)(x, w)
+    finally:
+      jax.clear_caches()
+    seen[cc] = list(calls)
+  assert seen[(10, 0)] == [("codes", fmt)] * 3, seen
+  assert seen[(9, 0)] == [("values", None)] * 3, seen
 
 
 def test_kernel_declines_off_gpu():
