@@ -169,17 +169,25 @@ def _has_jax_triton() -> bool:
 @pytest.mark.skipif(_WHY is not None or not _has_jax_triton(),
                     reason=f"compiles for Blackwell ahead of time: {_WHY or ''}"
                     " (needs JAX's CUDA plugin and jax-triton)")
-def test_b200_ragged_dot_runs_three_native_fp4_kernels():
+@pytest.mark.parametrize("recipe, kind", [
+    ("nvfp4", "kind::mxf4nvf4.block_scale"),
+    # MX: E8M0 scales per 32 (`scale_vec::2X` for E2M1, `1X` for E4M3).
+    pytest.param("mxfp4", "kind::mxf4.block_scale.scale_vec::2X",
+                 marks=pytest.mark.slow),
+    pytest.param("mxfp8", "kind::mxf8f6f4.block_scale.scale_vec::1X",
+                 marks=pytest.mark.slow)])
+def test_b200_ragged_dot_runs_three_native_fp4_kernels(recipe, kind):
   """`nvfp4_jax.ragged_dot`'s forward and backward compiled for a B200
-  (uneven K = 544: K padded to 64 in Fprop): three jax-triton kernels, each
-  on `tcgen05.mma ... kind::mxf4nvf4.block_scale`, and no XLA dot (no
+  (uneven K = 544: K padded to 64 in Fprop, MX to 128): three jax-triton
+  kernels, each on `tcgen05.mma ... kind::mxf4nvf4.block_scale` (NVFP4;
+  MXFP4 `kind::mxf4`, MXFP8 `kind::mxf8f6f4`), and no XLA dot (no
   decomposition, no values GEMM)."""
   s = jax.ShapeDtypeStruct
   e, m, k, n = 8, 1000, 544, 384
 
   def step(x, w, gs, dy):
     y, vjp = jax.vjp(lambda x, w: nv.ragged_dot(
-        x, w, gs, recipe=nv.Recipe.nvfp4(), key=jax.random.key(0)), x, w)
+        x, w, gs, recipe=recipe, key=jax.random.key(0)), x, w)
     return y, vjp(dy)
   args = (s((m, k), jnp.bfloat16), s((e, k, n), jnp.float32),
           s((e,), jnp.int32), s((m, n), jnp.float32))
@@ -195,14 +203,17 @@ def test_b200_ragged_dot_runs_three_native_fp4_kernels():
       names)
   for kn in kernels:
     mma = aot.ptx_mma(kn.ptx)
-    assert any(i.startswith("tcgen05.mma") and "kind::mxf4nvf4.block_scale"
-               in i for i in mma), (kn.name, mma)
+    assert any(i.startswith("tcgen05.mma") and kind in i for i in mma), (
+        kn.name, mma)
 
 
 @pytest.mark.skipif(_WHY is not None or not _has_jax_triton(),
                     reason=f"compiles for an H100 ahead of time: {_WHY or ''}"
                     " (needs JAX's CUDA plugin and jax-triton)")
-def test_h100_compiles_the_decode_form_only():
+@pytest.mark.parametrize("fmt", [
+    "nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow),
+    pytest.param("mxfp8", marks=pytest.mark.slow)])
+def test_h100_compiles_the_decode_form_only(fmt):
   """For an H100 (cc 9.0) the kernels' decode form compiles through
   jax-triton to bf16 `wgmma` (what the Hopper GPU tests run); the native
   form declines there (Triton cannot compile it for sm_90)."""
@@ -212,27 +223,28 @@ def test_h100_compiles_the_decode_form_only():
                     memory_bytes=80 << 30, bandwidth=3.35e12,
                     l2_bytes=50 << 20, clock_ghz=1.98)
   s = jax.ShapeDtypeStruct
-  u8, e4 = jnp.uint8, jnp.float8_e4m3fn
-  m, k, n, e, length = 1000, 544, 320, 6, 1040
-  fprop = (s((m, k // 2), u8), s((m, k // 16), e4), s((e, n, k // 2), u8),
-           s((e, n, k // 16), e4), s((e,), jnp.int32), s((e,), jnp.float32))
-  wgrad = (s((k, length // 2), u8), s((k, length // 16), e4),
-           s((n, length // 2), u8), s((n, length // 16), e4),
+  _, pack, block, sd, cd, _ = kernel.FORMATS[fmt]
+  m, k, n, e, length = 1000, 544, 320, 6, 1056
+  fprop = (s((m, k // pack), cd), s((m, k // block), sd),
+           s((e, n, k // pack), cd), s((e, n, k // block), sd),
+           s((e,), jnp.int32), s((e,), jnp.float32))
+  wgrad = (s((k, length // pack), cd), s((k, length // block), sd),
+           s((n, length // pack), cd), s((n, length // block), sd),
            s((e,), jnp.int32), s((e,), jnp.float32))
   with aot.compiling_for(h100) as c:
     for fn, args, name in ((kernel.ragged_codes_matmul, fprop,
                             "grouped_kernel"),
                            (kernel.ragged_codes_matmul_t, wgrad,
                             "grouped_t_kernel")):
-      low = aot.lowering(c.compile(functools.partial(fn, native=False),
-                                   *args))
+      low = aot.lowering(c.compile(functools.partial(fn, native=False,
+                                                     fmt=fmt), *args))
       assert low.triton_calls == 1 and not low.dots, low
       (kn,) = c.triton_kernels
       assert kn.name == name
       assert any(i.startswith("wgmma") and "bf16" in i
                  for i in aot.ptx_mma(kn.ptx)), aot.ptx_mma(kn.ptx)
       with pytest.raises(NotImplementedError, match="compute capability"):
-        c.compile(fn, *args)
+        c.compile(functools.partial(fn, fmt=fmt), *args)
 
 
 # --- In Triton's interpreter: where the triton package is installed ----------
