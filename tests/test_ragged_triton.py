@@ -438,9 +438,16 @@ def _forms():
   return [False] + ([None] if ON_GPU and dense.has_fp4_mma() else [])
 
 
-def _quantized_rows(rng, m, k, gs):
+def _quantized_rows(rng, m, k, gs, fmt="nvfp4"):
   x = jnp.asarray(rng.standard_t(3, (m, k)), jnp.float32)
-  return rg.quantize_rows(x, gs, Operand(), None, values=False, codes=True)
+  return rg.quantize_rows(x, gs, Operand(format=fmt), None, values=False,
+                          codes=True)
+
+
+def _alpha1(a, b, num_groups):
+  """Each group's `group_alpha` for the bound: 1 for MX (no tensor scale)."""
+  alpha = rg.group_alpha(a, b)
+  return np.ones(num_groups) if alpha is None else np.asarray(alpha)
 
 
 def _bound(va, vb, alpha, k):
@@ -458,24 +465,29 @@ GROUPS = [
 
 
 @GPU_ONLY
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 @pytest.mark.parametrize("sizes, m", GROUPS)
-def test_fprop_kernel_equals_the_reference_on_gpu(sizes, m):
+def test_fprop_kernel_equals_the_reference_on_gpu(sizes, m, fmt):
   from nvfp4_jax.ops.ragged_dot import triton as kernel  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(1)
-  k, n, e = 544, 320, len(sizes)        # K padded to 576 in the kernel.
+  k, n, e = 544, 320, len(sizes)        # K padded to 576 (MX: 640).
   gs = jnp.asarray(sizes, jnp.int32)
-  qa = _quantized_rows(rng, m, k, gs)
+  qa = _quantized_rows(rng, m, k, gs, fmt)
   w = jnp.asarray(rng.standard_t(3, (e, n, k)) * .1, jnp.float32)
-  qb = rg.quantize_experts(w, Operand(block_2d=True), None, values=False)
+  qb = rg.quantize_experts(w, Operand(format=fmt, block_2d=fmt == "nvfp4"),
+                           None, values=False)
   alpha = rg.group_alpha(qa, qb)
   want = np.asarray(ref.ragged_codes_matmul(qa.data, qa.scales, qb.data,
-                                            qb.scales, gs, alpha))
-  va = np.abs(np.asarray(ref.codes_values(qa.data, qa.scales), np.float64))
-  vb = np.abs(np.asarray(ref.codes_values(qb.data, qb.scales), np.float64))
+                                            qb.scales, gs, alpha, fmt=fmt))
+  va = np.abs(np.asarray(ref.codes_values(qa.data, qa.scales, fmt),
+                         np.float64))
+  vb = np.abs(np.asarray(ref.codes_values(qb.data, qb.scales, fmt),
+                         np.float64))
+  alpha1 = _alpha1(qa, qb, e)
   total = min(sum(sizes), m)
   for native in _forms():
     got = np.asarray(jax.jit(functools.partial(
-        kernel.ragged_codes_matmul, native=native))(
+        kernel.ragged_codes_matmul, native=native, fmt=fmt))(
             qa.data, qa.scales, qb.data, qb.scales, gs, alpha))
     assert not np.isnan(got).any()
     np.testing.assert_array_equal(got[total:], 0)
@@ -483,33 +495,38 @@ def test_fprop_kernel_equals_the_reference_on_gpu(sizes, m):
     for g, size in enumerate(sizes):
       rows = slice(start, min(start + size, m))
       start += size
-      tol = _bound(va[rows], vb[g].T, float(alpha[g]), k)
+      tol = _bound(va[rows], vb[g].T, float(alpha1[g]), k)
       assert np.all(np.abs(got[rows] - want[rows]) <= tol), (native, g)
 
 
 @GPU_ONLY
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 @pytest.mark.parametrize("sizes, length", [
-    ([32, 0, 160, 48, 0, 800], 1040),    # Aligned (the op pads), empty.
-    ([37, 0, 150, 50], 240),             # Ends inside blocks and pairs.
-    ([1008, 0, 0, 16, 0, 16], 1040),     # Skewed, tiny groups.
+    ([32, 0, 160, 48, 0, 800], 1056),    # Aligned (the op pads), empty.
+    ([37, 0, 150, 50], 256),             # Ends inside blocks and pairs.
+    ([1008, 0, 0, 16, 0, 16], 1056),     # Skewed, tiny groups.
 ])
-def test_wgrad_kernel_equals_the_reference_on_gpu(sizes, length):
+def test_wgrad_kernel_equals_the_reference_on_gpu(sizes, length, fmt):
   from nvfp4_jax.ops.ragged_dot import triton as kernel  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(2)
   k, n = 320, 384
+  op = Operand(format=fmt)
   gs = jnp.asarray(sizes, jnp.int32)
   x = jnp.asarray(rng.standard_t(3, (length, k)), jnp.float32)
   dy = jnp.asarray(rng.standard_t(3, (length, n)), jnp.float32)
-  qa = rg.quantize_tokens(x, gs, Operand(), None, values=False, codes=True)
-  qb = rg.quantize_tokens(dy, gs, Operand(), None, values=False, codes=True)
+  qa = rg.quantize_tokens(x, gs, op, None, values=False, codes=True)
+  qb = rg.quantize_tokens(dy, gs, op, None, values=False, codes=True)
   alpha = rg.group_alpha(qa, qb)
-  want = np.asarray(ref.ragged_codes_matmul_t(qa.data, qa.scales, qb.data,
-                                              qb.scales, gs, alpha))
-  va = np.abs(np.asarray(ref.codes_values(qa.data, qa.scales), np.float64))
-  vb = np.abs(np.asarray(ref.codes_values(qb.data, qb.scales), np.float64))
+  want = np.asarray(ref.ragged_codes_matmul_t(
+      qa.data, qa.scales, qb.data, qb.scales, gs, alpha, fmt=fmt))
+  va = np.abs(np.asarray(ref.codes_values(qa.data, qa.scales, fmt),
+                         np.float64))
+  vb = np.abs(np.asarray(ref.codes_values(qb.data, qb.scales, fmt),
+                         np.float64))
+  alpha1 = _alpha1(qa, qb, len(sizes))
   for native in _forms():
     got = np.asarray(jax.jit(functools.partial(
-        kernel.ragged_codes_matmul_t, native=native))(
+        kernel.ragged_codes_matmul_t, native=native, fmt=fmt))(
             qa.data, qa.scales, qb.data, qb.scales, gs, alpha))
     assert got.shape == (len(sizes), k, n) and not np.isnan(got).any()
     start = 0
@@ -519,7 +536,7 @@ def test_wgrad_kernel_equals_the_reference_on_gpu(sizes, length):
       if not size:
         np.testing.assert_array_equal(got[g], 0)
         continue
-      tol = _bound(va[:, toks], vb[:, toks].T, float(alpha[g]), size)
+      tol = _bound(va[:, toks], vb[:, toks].T, float(alpha1[g]), size)
       assert np.all(np.abs(got[g] - want[g]) <= tol), (native, g)
 
 
