@@ -3,10 +3,12 @@
 On the CPU: `nvfp4_jax.ragged_dot` taking the codes path (the quantizers
 write codes, the GEMMs `RAGGED_CODES_MATMUL(_T)`, here their reference)
 gives the values path's outputs and gradients bit for bit, and the dispatch
-picks the Triton kernel on 10.0 / 10.3 only (MX recipes too). Ahead of time (JAX's CUDA
-plugin and jax-triton installed, no GPU): the op's forward and backward
-compile for a B200 to three Triton kernels on `tcgen05.mma ...
-kind::mxf4nvf4`. On a GPU: the kernel against the reference on uneven,
+picks the Triton kernel on 10.0 / 10.3 only (MX recipes too). Ahead of
+time (JAX's CUDA plugin and jax-triton installed, no GPU): the op's forward
+and backward compile for a B200 to three Triton kernels on `tcgen05.mma
+... kind::mxf4nvf4` (MXFP4 `kind::mxf4`, MXFP8 `kind::mxf8f6f4`). In
+Triton's interpreter: both kernels, both forms, NVFP4 and MX, against the
+reference. On a GPU: the kernel against the reference on uneven,
 empty and skewed groups (on Hopper in its decode form, which shares the
 kernel's map, pointers, masks and epilogue: Triton does not compile
 `tl.dot_scaled` with E4M3 scales for sm_90; natively where it compiles).
