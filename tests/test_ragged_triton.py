@@ -14,6 +14,7 @@ kernel's map, pointers, masks and epilogue: Triton does not compile
 `tl.dot_scaled` with E4M3 scales for sm_90; natively where it compiles).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -138,6 +139,21 @@ def test_mx_recipes_take_the_codes_path_on_blackwell(fmt, monkeypatch):
     seen[cc] = list(calls)
   assert seen[(10, 0)] == [("codes", fmt)] * 3, seen
   assert seen[(9, 0)] == [("values", None)] * 3, seen
+
+
+def test_codes_gemms_refuse_operands_of_two_formats():
+  """One GEMM multiplies codes of one format: NVFP4 with MXFP4 (or an
+  operand without codes) is an error naming both, not a wrong product."""
+  q = rg.Grouped(jnp.zeros((32, 16), jnp.uint8),
+                 jnp.zeros((32, 2), jnp.float8_e4m3fn), None,
+                 jnp.ones((1,), jnp.float32))
+  mx = rg.Grouped(q.data, jnp.zeros((32, 1), jnp.float8_e8m0fnu), None,
+                  None, fmt="mxfp4")
+  gs = jnp.array([32], jnp.int32)
+  with pytest.raises(ValueError, match="'nvfp4' and 'mxfp4'"):
+    rg.ragged_codes_matmul_t(q, mx, gs)
+  with pytest.raises(ValueError, match="holds no codes"):
+    rg.ragged_codes_matmul_t(mx, dataclasses.replace(mx, data=None), gs)
 
 
 def test_kernel_declines_off_gpu():
