@@ -25,8 +25,9 @@ run. Prints, as Markdown tables:
    implementation against the reference: bit for bit where every partial sum
    is exact, within the FP32 summation-order bound otherwise (also on every
    E4M3 scale byte, subnormal and zero ones included, and zero blocks; MXFP4
-   and MXFP8 too), and the MoE op's grouped GEMMs on codes (the Triton
-   kernel on Blackwell) on uneven, empty and skewed groups;
+   and MXFP8 too), and the MoE op's grouped GEMMs on codes (NVFP4, MXFP4,
+   MXFP8; the Triton kernel on Blackwell) on uneven, empty and skewed
+   groups;
 3. speed, ratios from this run: the NVFP4 GEMM (default, each native path,
    the emulation) against cuBLAS bf16, `NVFP4Dense` fwd+bwd against
    `nn.Dense`, and the GPT `small` train step NVFP4 against BF16 (each step
@@ -212,65 +213,70 @@ def gemm_exactness(k: int) -> list[dict]:
   return rows
 
 
-def ragged_exactness(k: int) -> list[dict]:
-  """The grouped NVFP4 GEMMs on codes (the MoE op's, default
-  implementation: the Triton kernel on Blackwell) against their reference,
-  on uneven, empty and skewed groups: within the FP32 summation-order
-  bound, 2 n 2^-24 sum |a b| |alpha| per output (n products)."""
+def ragged_exactness(k: int, fmt: str = "nvfp4") -> list[dict]:
+  """The grouped GEMMs on codes (the MoE op's, default implementation: the
+  Triton kernel on Blackwell) against their reference, on uneven, empty
+  and skewed groups, in `fmt` ("nvfp4", "mxfp4", "mxfp8"): within the FP32
+  summation-order bound, 2 n 2^-24 sum |a b| |alpha| per output (n
+  products; MX: alpha 1)."""
   from nvfp4_jax.ops.ragged_dot import reference as ragged_ref  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(3)
   m, n, e = 4 * k, 256, 6
+  block = 16 if fmt == "nvfp4" else 32
   sizes = np.array([0, k // 2 + 5, 2 * k, 0, 3, k - 16], np.int32)
   gs = jnp.asarray(sizes)
   x = jnp.asarray(rng.standard_t(3, (m, k)), jnp.float32)
   w = jnp.asarray(rng.standard_t(3, (e, n, k)) * .1, jnp.float32)
-  qa = ragged_api.quantize_rows(x, gs, Operand(), None, values=False,
-                                codes=True)
-  qb = ragged_api.quantize_experts(w, Operand(block_2d=True), None,
-                                   values=False)
-  alpha = np.asarray(ragged_api.group_alpha(qa, qb), np.float64)
-  va = np.abs(np.asarray(ragged_ref.codes_values(qa.data, qa.scales),
-                         np.float64))
-  vb = np.abs(np.asarray(ragged_ref.codes_values(qb.data, qb.scales),
-                         np.float64))
+  op = Operand(format=fmt)
+  qa = ragged_api.quantize_rows(x, gs, op, None, values=False, codes=True)
+  qb = ragged_api.quantize_experts(
+      w, Operand(block_2d=True) if fmt == "nvfp4" else op, None,
+      values=False)
+
+  def alphas(a, b, num):
+    alpha = ragged_api.group_alpha(a, b)
+    return (np.ones(num) if alpha is None else np.asarray(alpha, np.float64))
+
+  def absvals(q):
+    return np.abs(np.asarray(ragged_ref.codes_values(q.data, q.scales, fmt),
+                             np.float64))
+  alpha = alphas(qa, qb, e)
+  va, vb = absvals(qa), absvals(qb)
   ends = np.cumsum(sizes)
   rows = int(ends[-1])
   bound = np.concatenate([
       2 * k * 2.0**-24 * (va[s - z:s] @ vb[g].T) * alpha[g]
       for g, (s, z) in enumerate(zip(ends, sizes))])
   # Wgrad: the same rows as tokens (x^T, quantized along the tokens).
-  pad = -(-sizes // 16) * 16
+  pad = -(-sizes // block) * block
   xt = jnp.asarray(rng.standard_t(3, (int(pad.sum()), 128)), jnp.float32)
   dt = jnp.asarray(rng.standard_t(3, (int(pad.sum()), n)), jnp.float32)
-  ta = ragged_api.quantize_tokens(xt, jnp.asarray(pad), Operand(), None,
+  ta = ragged_api.quantize_tokens(xt, jnp.asarray(pad), op, None,
                                   values=False, codes=True)
-  tb = ragged_api.quantize_tokens(dt, jnp.asarray(pad), Operand(), None,
+  tb = ragged_api.quantize_tokens(dt, jnp.asarray(pad), op, None,
                                   values=False, codes=True)
-  talpha = np.asarray(ragged_api.group_alpha(ta, tb), np.float64)
-  vta = np.abs(np.asarray(ragged_ref.codes_values(ta.data, ta.scales),
-                          np.float64))
-  vtb = np.abs(np.asarray(ragged_ref.codes_values(tb.data, tb.scales),
-                          np.float64))
+  talpha = alphas(ta, tb, e)
+  vta, vtb = absvals(ta), absvals(tb)
   ends = np.cumsum(pad)
   tbound = np.stack([
       2 * max(p, 1) * 2.0**-24 * (vta[:, s - p:s] @ vtb[:, s - p:s].T) * a
       for s, p, a in zip(ends, pad, talpha)])
+  mx = fmt != "nvfp4"
   cases = (
-      ("Fprop/Dgrad", ragged_api.ragged_codes_matmul, (qa, qb, gs), bound,
-       lambda y: y[:rows]),
+      ("Fprop/Dgrad", ragged_api.ragged_codes_matmul, (qa, qb, gs), alpha,
+       bound, lambda y: y[:rows]),
       ("Wgrad", ragged_api.ragged_codes_matmul_t, (ta, tb, jnp.asarray(pad)),
-       tbound, lambda y: y))
+       talpha, tbound, lambda y: y))
   out = []
-  for name, fn, args, bnd, part in cases:
-    check = f"grouped GEMM on codes ({name}), default"
+  for name, fn, args, alpha_, bnd, part in cases:
+    check = (f"grouped GEMM on codes ({name}"
+             f"{', ' + fmt.upper() if mx else ''}), default")
+    a = None if mx else jnp.asarray(alpha_, jnp.float32)
     try:
       impl = ragged_api.RAGGED_CODES_MATMUL.order()[0]
       want = np.asarray(jax.jit(functools.partial(
-          fn, implementation="xla"))(*args, jnp.asarray(
-              alpha if name != "Wgrad" else talpha, jnp.float32)),
-                        np.float64)
-      got = np.asarray(jax.jit(fn)(*args, jnp.asarray(
-          alpha if name != "Wgrad" else talpha, jnp.float32)), np.float64)
+          fn, implementation="xla"))(*args, a), np.float64)
+      got = np.asarray(jax.jit(fn)(*args, a), np.float64)
       within = bool(np.all(np.abs(part(got) - part(want)) <= bnd))
       out.append(dict(check=check, result=(
           f"{impl}: {'within' if within else 'OUTSIDE'} the FP32 order "
@@ -380,14 +386,16 @@ def _layer_case(tokens, features=512, out=384, native=True):
           gemm_api.BLOCK_SCALED_MATMUL.order()))
 
 
-def _moe_case(experts=8, tokens=1000, features=544, out=384):
+def _moe_case(experts=8, tokens=1000, features=544, out=384,
+              recipe="nvfp4"):
   """`nvfp4_jax.ragged_dot` forward and backward (a mixture of experts'
-  layer, uneven K): on 10.x / 12.0 its three grouped GEMMs multiply codes
-  in the Triton kernel (`ops/ragged_dot/triton.py`)."""
+  layer, uneven K) with `recipe` ("nvfp4", "mxfp4", "mxfp8"): on 10.x /
+  12.0 its three grouped GEMMs multiply codes in the Triton kernel
+  (`ops/ragged_dot/triton.py`)."""
   def build():
     def step(x, w, gs, dy):
       y, vjp = jax.vjp(lambda x, w: nv.ragged_dot(
-          x, w, gs, recipe="nvfp4", key=jax.random.key(0)), x, w)
+          x, w, gs, recipe=recipe, key=jax.random.key(0)), x, w)
       return y, vjp(dy)
     return step, (_sds((tokens, features), jnp.bfloat16),
                   _sds((experts, features, out), jnp.float32),
@@ -397,8 +405,9 @@ def _moe_case(experts=8, tokens=1000, features=544, out=384):
     if ragged_api.multiplies_codes():
       return ragged_api.RAGGED_CODES_MATMUL.order()[0]
     return "values: " + " -> ".join(ragged_api.RAGGED_VALUES_MATMUL.order())
+  what = "MoE" if recipe == "nvfp4" else f"MoE, {recipe.upper()}"
   return AotCase(
-      f"ragged_dot (MoE) fwd+bwd, {experts} experts, {tokens} tokens x "
+      f"ragged_dot ({what}) fwd+bwd, {experts} experts, {tokens} tokens x "
       f"{features} -> {out}", build, native=None, dispatch=dispatch_)
 
 
@@ -433,7 +442,7 @@ def aot_cases() -> list[AotCase]:
             gemm_api.block_scaled_matmul, implementation=impl),
                            (_nvfp4(256, 512), _nvfp4(384, 512))),
         native=impl in ("triton", "scaled_matmul"), dispatch=lambda: "named"))
-  cases.append(_moe_case())
+  cases += [_moe_case(recipe=r) for r in ("nvfp4", "mxfp4", "mxfp8")]
   for fmt in ("mxfp4", "mxfp8"):
     cases.append(AotCase(
         f"{fmt.upper()} GEMM 256x384x512",
@@ -618,7 +627,8 @@ def main(argv=None):
   print(header(), flush=True)
   rows = exactness((64, 128) if a.small else (256, 512))
   rows += gemm_exactness(128 if a.small else 512)
-  rows += ragged_exactness(128 if a.small else 512)
+  for fmt in ragged_api.CODES_FORMATS:
+    rows += ragged_exactness(128 if a.small else 512, fmt)
   print("\n## Exactness\n" + timing.table(rows, ("check", "result")),
         flush=True)
   n = 256 if a.small else 8192

@@ -325,7 +325,7 @@ def _block_scaled_mma(c) -> str:
 def test_check_device_target_passes(target, capsys):
   """`check_device --target` for B200 and RTX PRO 6000: every program
   compiles, the layer's GEMMs, the aligned GEMM and the MoE op's grouped
-  GEMMs run native FP4."""
+  GEMMs (NVFP4, MXFP4, MXFP8 recipes) run native FP4 / FP8."""
   from benchmarks import check_device  # pylint: disable=g-import-not-at-top
   assert check_device.ahead_of_time(target, sass=False) == 0
   out = capsys.readouterr().out
@@ -344,6 +344,15 @@ def test_check_device_target_passes(target, capsys):
              "Triton OMMA (mma.sync block_scale) kind::mxf4nvf4 "
              "scale_vec::4X x3")
   assert grouped in moe and "| triton |" in moe, moe
+  # MXFP4 and MXFP8 recipes: the same kernel on MX codes, E8M0 scales.
+  for fmt, kind in (("MXFP4", "kind::mxf4 scale_vec::2X" if target == "b200"
+                     else "kind::mxf4nvf4 scale_vec::2X"),
+                    ("MXFP8", "kind::mxf8f6f4 scale_vec::1X")):
+    moe = next(l for l in out.splitlines()
+               if l.startswith(f"| ragged_dot (MoE, {fmt})"))
+    grouped = ("Triton tcgen05 " if target == "b200" else
+               "Triton OMMA (mma.sync block_scale) ") + kind + " x3"
+    assert grouped in moe and "| triton |" in moe, moe
 
 
 @needs_plugin

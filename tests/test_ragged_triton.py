@@ -1,17 +1,20 @@
-"""The grouped NVFP4 GEMMs on codes (`ops/ragged_dot/triton.py`, Blackwell).
+"""The grouped NVFP4 / MXFP4 / MXFP8 GEMMs on codes (`ops/ragged_dot/triton.py`, Blackwell).
 
 On the CPU: `nvfp4_jax.ragged_dot` taking the codes path (the quantizers
 write codes, the GEMMs `RAGGED_CODES_MATMUL(_T)`, here their reference)
 gives the values path's outputs and gradients bit for bit, and the dispatch
-picks the Triton kernel on 10.0 / 10.3 only. Ahead of time (JAX's CUDA
-plugin and jax-triton installed, no GPU): the op's forward and backward
-compile for a B200 to three Triton kernels on `tcgen05.mma ...
-kind::mxf4nvf4`. On a GPU: the kernel against the reference on uneven,
+picks the Triton kernel on 10.0 / 10.3 only (MX recipes too). Ahead of
+time (JAX's CUDA plugin and jax-triton installed, no GPU): the op's forward
+and backward compile for a B200 to three Triton kernels on `tcgen05.mma
+... kind::mxf4nvf4` (MXFP4 `kind::mxf4`, MXFP8 `kind::mxf8f6f4`). In
+Triton's interpreter: both kernels, both forms, NVFP4 and MX, against the
+reference. On a GPU: the kernel against the reference on uneven,
 empty and skewed groups (on Hopper in its decode form, which shares the
 kernel's map, pointers, masks and epilogue: Triton does not compile
 `tl.dot_scaled` with E4M3 scales for sm_90; natively where it compiles).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -43,12 +46,17 @@ def _step(recipe, gs):
     # 16x16 with Four-over-Six: Fprop's `[E, N, K]` codes, transposed for
     # Dgrad.
     pytest.param(nv.Recipe.nvfp4(four_over_six="all"),
-                 marks=pytest.mark.slow)])
+                 marks=pytest.mark.slow),
+    # MX: E8M0 scales per 32, no tensor scale; Fprop's weight quantized
+    # along K, Dgrad's along N (no 16x16 tiles to transpose).
+    nv.Recipe.mxfp8(),
+    pytest.param(nv.Recipe.mxfp4(), marks=pytest.mark.slow)])
 def test_codes_path_equals_the_values_path(recipe, monkeypatch):
   """Under `default_implementation("triton")` (the CPU runs the codes
   GEMMs' reference) the three GEMMs multiply codes: the same block values,
   so the same outputs and gradients bit for bit as the values path; with
-  the codes GEMMs switched off nothing would call them (the spy counts)."""
+  the codes GEMMs switched off nothing would call them (the spy counts;
+  each call's format is the recipe's)."""
   rng = np.random.default_rng(0)
   m, k, n = 120, 64, 96
   gs = jnp.array([37, 0, 2, 37, 0, 2, 37], jnp.int32)
@@ -60,12 +68,13 @@ def test_codes_path_equals_the_values_path(recipe, monkeypatch):
   for op in (rg.RAGGED_CODES_MATMUL, rg.RAGGED_CODES_MATMUL_T):
     impl = op.implementations["xla"]
     monkeypatch.setitem(op.implementations, "xla", functools.partial(
-        lambda impl, *a, **kw: (calls.append(1), impl(*a, **kw))[1], impl))
+        lambda impl, *a, **kw: (calls.append(kw.get("fmt")),
+                                impl(*a, **kw))[1], impl))
   jax.clear_caches()
   with nv.default_implementation("triton"):
     got = _step(recipe, gs)(x, w, dy)
   jax.clear_caches()
-  assert len(calls) == 3  # Fprop, Dgrad, Wgrad.
+  assert calls == [recipe.fprop_x.format] * 3  # Fprop, Dgrad, Wgrad.
   for g, h in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
 
@@ -84,6 +93,67 @@ def test_codes_gemms_dispatch_per_capability(cc, want):
     # Without jax-triton the op keeps the block-values GEMMs.
     assert rg.multiplies_codes() == (want[0] == "triton"
                                      and _has_jax_triton())
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_mx_recipes_take_the_codes_path_on_blackwell(fmt, monkeypatch):
+  """`nvfp4_jax.ragged_dot` with an MX recipe, fwd+bwd traced for a B200
+  (cc 10.0, jax-triton installed) calls the grouped Triton kernel on MX
+  codes in all three GEMMs (each call's `fmt` the recipe's) and no values
+  GEMM; traced for an H100 (9.0) the values GEMMs, never the codes ones.
+  The kernels are spies that decline (`NotImplementedError`: dispatch then
+  traces the reference), so nothing compiles."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def spy(kind):
+    def fn(*args, **kwargs):
+      del args
+      calls.append((kind, kwargs.get("fmt")))
+      raise NotImplementedError("spy")
+    return fn
+  for op in (rg.RAGGED_CODES_MATMUL, rg.RAGGED_CODES_MATMUL_T):
+    monkeypatch.setitem(op.implementations, "triton", spy("codes"))
+  for op in (rg.RAGGED_VALUES_MATMUL, rg.RAGGED_VALUES_MATMUL_T):
+    monkeypatch.setitem(op.implementations, "pallas", spy("values"))
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+      object() if name == "jax_triton" else find_spec(name, *a)))
+  x = jnp.zeros((96, 64), jnp.bfloat16)
+  w = jnp.zeros((3, 64, 32), jnp.float32)
+  gs = jnp.asarray([40, 0, 50], jnp.int32)
+
+  def f(x, w):
+    y, vjp = jax.vjp(lambda x, w: nv.ragged_dot(
+        x, w, gs, recipe=fmt, key=jax.random.key(0)), x, w)
+    return vjp(y)
+  seen = {}
+  for cc in ((10, 0), (9, 0)):
+    calls.clear()
+    jax.clear_caches()
+    try:
+      with dispatch.target_device("gpu", cc):
+        jax.make_jaxpr(f)(x, w)
+    finally:
+      jax.clear_caches()
+    seen[cc] = list(calls)
+  assert seen[(10, 0)] == [("codes", fmt)] * 3, seen
+  assert seen[(9, 0)] == [("values", None)] * 3, seen
+
+
+def test_codes_gemms_refuse_operands_of_two_formats():
+  """One GEMM multiplies codes of one format: NVFP4 with MXFP4 (or an
+  operand without codes) is an error naming both, not a wrong product."""
+  q = rg.Grouped(jnp.zeros((32, 16), jnp.uint8),
+                 jnp.zeros((32, 2), jnp.float8_e4m3fn), None,
+                 jnp.ones((1,), jnp.float32))
+  mx = rg.Grouped(q.data, jnp.zeros((32, 1), jnp.float8_e8m0fnu), None,
+                  None, fmt="mxfp4")
+  gs = jnp.array([32], jnp.int32)
+  with pytest.raises(ValueError, match="'nvfp4' and 'mxfp4'"):
+    rg.ragged_codes_matmul_t(q, mx, gs)
+  with pytest.raises(ValueError, match="holds no codes"):
+    rg.ragged_codes_matmul_t(mx, dataclasses.replace(mx, data=None), gs)
 
 
 def test_kernel_declines_off_gpu():
@@ -117,17 +187,25 @@ def _has_jax_triton() -> bool:
 @pytest.mark.skipif(_WHY is not None or not _has_jax_triton(),
                     reason=f"compiles for Blackwell ahead of time: {_WHY or ''}"
                     " (needs JAX's CUDA plugin and jax-triton)")
-def test_b200_ragged_dot_runs_three_native_fp4_kernels():
+@pytest.mark.parametrize("recipe, kind", [
+    ("nvfp4", "kind::mxf4nvf4.block_scale"),
+    # MX: E8M0 scales per 32 (`scale_vec::2X` for E2M1, `1X` for E4M3).
+    pytest.param("mxfp4", "kind::mxf4.block_scale.scale_vec::2X",
+                 marks=pytest.mark.slow),
+    pytest.param("mxfp8", "kind::mxf8f6f4.block_scale.scale_vec::1X",
+                 marks=pytest.mark.slow)])
+def test_b200_ragged_dot_runs_three_native_fp4_kernels(recipe, kind):
   """`nvfp4_jax.ragged_dot`'s forward and backward compiled for a B200
-  (uneven K = 544: K padded to 64 in Fprop): three jax-triton kernels, each
-  on `tcgen05.mma ... kind::mxf4nvf4.block_scale`, and no XLA dot (no
+  (uneven K = 544: K padded to 64 in Fprop, MX to 128): three jax-triton
+  kernels, each on `tcgen05.mma ... kind::mxf4nvf4.block_scale` (NVFP4;
+  MXFP4 `kind::mxf4`, MXFP8 `kind::mxf8f6f4`), and no XLA dot (no
   decomposition, no values GEMM)."""
   s = jax.ShapeDtypeStruct
   e, m, k, n = 8, 1000, 544, 384
 
   def step(x, w, gs, dy):
     y, vjp = jax.vjp(lambda x, w: nv.ragged_dot(
-        x, w, gs, recipe=nv.Recipe.nvfp4(), key=jax.random.key(0)), x, w)
+        x, w, gs, recipe=recipe, key=jax.random.key(0)), x, w)
     return y, vjp(dy)
   args = (s((m, k), jnp.bfloat16), s((e, k, n), jnp.float32),
           s((e,), jnp.int32), s((m, n), jnp.float32))
@@ -143,14 +221,17 @@ def test_b200_ragged_dot_runs_three_native_fp4_kernels():
       names)
   for kn in kernels:
     mma = aot.ptx_mma(kn.ptx)
-    assert any(i.startswith("tcgen05.mma") and "kind::mxf4nvf4.block_scale"
-               in i for i in mma), (kn.name, mma)
+    assert any(i.startswith("tcgen05.mma") and kind in i for i in mma), (
+        kn.name, mma)
 
 
 @pytest.mark.skipif(_WHY is not None or not _has_jax_triton(),
                     reason=f"compiles for an H100 ahead of time: {_WHY or ''}"
                     " (needs JAX's CUDA plugin and jax-triton)")
-def test_h100_compiles_the_decode_form_only():
+@pytest.mark.parametrize("fmt", [
+    "nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow),
+    pytest.param("mxfp8", marks=pytest.mark.slow)])
+def test_h100_compiles_the_decode_form_only(fmt):
   """For an H100 (cc 9.0) the kernels' decode form compiles through
   jax-triton to bf16 `wgmma` (what the Hopper GPU tests run); the native
   form declines there (Triton cannot compile it for sm_90)."""
@@ -160,27 +241,28 @@ def test_h100_compiles_the_decode_form_only():
                     memory_bytes=80 << 30, bandwidth=3.35e12,
                     l2_bytes=50 << 20, clock_ghz=1.98)
   s = jax.ShapeDtypeStruct
-  u8, e4 = jnp.uint8, jnp.float8_e4m3fn
-  m, k, n, e, length = 1000, 544, 320, 6, 1040
-  fprop = (s((m, k // 2), u8), s((m, k // 16), e4), s((e, n, k // 2), u8),
-           s((e, n, k // 16), e4), s((e,), jnp.int32), s((e,), jnp.float32))
-  wgrad = (s((k, length // 2), u8), s((k, length // 16), e4),
-           s((n, length // 2), u8), s((n, length // 16), e4),
+  _, pack, block, sd, cd, _ = kernel.FORMATS[fmt]
+  m, k, n, e, length = 1000, 544, 320, 6, 1056
+  fprop = (s((m, k // pack), cd), s((m, k // block), sd),
+           s((e, n, k // pack), cd), s((e, n, k // block), sd),
+           s((e,), jnp.int32), s((e,), jnp.float32))
+  wgrad = (s((k, length // pack), cd), s((k, length // block), sd),
+           s((n, length // pack), cd), s((n, length // block), sd),
            s((e,), jnp.int32), s((e,), jnp.float32))
   with aot.compiling_for(h100) as c:
     for fn, args, name in ((kernel.ragged_codes_matmul, fprop,
                             "grouped_kernel"),
                            (kernel.ragged_codes_matmul_t, wgrad,
                             "grouped_t_kernel")):
-      low = aot.lowering(c.compile(functools.partial(fn, native=False),
-                                   *args))
+      low = aot.lowering(c.compile(functools.partial(fn, native=False,
+                                                     fmt=fmt), *args))
       assert low.triton_calls == 1 and not low.dots, low
       (kn,) = c.triton_kernels
       assert kn.name == name
       assert any(i.startswith("wgmma") and "bf16" in i
                  for i in aot.ptx_mma(kn.ptx)), aot.ptx_mma(kn.ptx)
       with pytest.raises(NotImplementedError, match="compute capability"):
-        c.compile(fn, *args)
+        c.compile(functools.partial(fn, fmt=fmt), *args)
 
 
 # --- In Triton's interpreter: where the triton package is installed ----------
@@ -274,6 +356,93 @@ def test_kernels_in_tritons_interpreter(native, monkeypatch):
       assert np.all(np.abs(out.a[g] - want[g]) <= tol), (sizes, g)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_triton(), reason="needs the triton package")
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_mx_kernels_in_tritons_interpreter(fmt, native, monkeypatch):
+  """Both kernels on MX codes (`tl.dot_scaled` "e2m1" / "e4m3" with E8M0
+  scale bytes per 32, or the decode form), interpreted, against the
+  reference (`ref.ragged_codes_matmul(_t)` with `fmt`: `dequantize_mx`'s
+  values, no alpha): uneven and empty groups, rows past the sum, K padded
+  (96 -> 128, scale bytes 127), Wgrad groups ending inside a 32-token
+  block. The tolerance is the FP32 summation-order bound (`_bound`): both
+  forms multiply the same exact products (E2M1 / E4M3 times a power of
+  two is exact in bf16 and in the MMA) and differ only in the order of
+  the FP32 sums."""
+  import triton  # pylint: disable=g-import-not-at-top
+  import triton_interpreter as ti  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.block_scaled_matmul import triton as dense  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.ragged_dot import triton as kernel  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.ragged_dot.pallas_mosaic_gpu import _tile_map  # pylint: disable=g-import-not-at-top
+  fk, tk = ti.kernels(monkeypatch)
+  elem, pack, block, *_ = kernel.FORMATS[fmt]
+  consts = dict(NATIVE=native, HAS_ALPHA=False, FMT=elem, PACK=pack,
+                SCALE_BLOCK=block)
+  ones = ti.Arr(np.ones(4, np.float32), "float32")
+  rng = np.random.default_rng(4)
+  op = Operand(format=fmt)
+  m, k, n, e = 200, 96, 48, 4
+  gs = jnp.asarray([37, 0, 120, 30], jnp.int32)        # 187 of 200 rows.
+  x = jnp.asarray(rng.standard_t(3, (m, k)), jnp.float32)
+  qa = rg.quantize_rows(x, gs, op, None, values=False, codes=True)
+  w = jnp.asarray(rng.standard_t(3, (e, n, k)) * .1, jnp.float32)
+  qb = rg.quantize_experts(w, op, None, values=False)
+  want = np.asarray(ref.ragged_codes_matmul(qa.data, qa.scales, qb.data,
+                                            qb.scales, gs, fmt=fmt))
+  kp = dense.padded_k(k, mx=True)
+  ac, asc = kernel._pad_k(*kernel._operand(qa.data, qa.scales, fmt), kp, fmt)  # pylint: disable=protected-access
+  bc, bsc = kernel._pad_k(*kernel._operand(qb.data, qb.scales, fmt), kp, fmt)  # pylint: disable=protected-access
+  bm, bn, bk = 64, 32, 64
+  tmap = [ti.Arr(np.asarray(t), "int32") for t in _tile_map(gs, m, bm)]
+  out = ti.Arr(np.full((m, n), np.nan, np.float32), "float32")
+  fk[(len(tmap[0].a) * triton.cdiv(n, bn),)](
+      *tmap, ti.Arr(_u8(ac), "uint8"), ti.Arr(_u8(asc), "uint8"),
+      ti.Arr(_u8(bc), "uint8"), ti.Arr(_u8(bsc), "uint8"), ones, out,
+      M=m, N=n, K=kp, E=e, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **consts)
+  va = np.abs(np.asarray(ref.codes_values(qa.data, qa.scales, fmt),
+                         np.float64))
+  vb = np.abs(np.asarray(ref.codes_values(qb.data, qb.scales, fmt),
+                         np.float64))
+  rows = np.asarray(ref.group_of(gs, m))
+  for g in range(e):
+    r = rows == g
+    tol = _bound(va[r], vb[g].T, 1.0, k)
+    assert np.all(np.abs(out.a[r] - want[r]) <= tol), g
+  np.testing.assert_array_equal(out.a[187:], 0)
+
+  kk, nn, length = 48, 40, 256
+  for sizes in ([32, 0, 160, 64], [37, 0, 150, 50]):
+    gs = jnp.asarray(sizes, jnp.int32)
+    x = jnp.asarray(rng.standard_t(3, (length, kk)), jnp.float32)
+    dy = jnp.asarray(rng.standard_t(3, (length, nn)), jnp.float32)
+    qa = rg.quantize_tokens(x, gs, op, None, values=False, codes=True)
+    qb = rg.quantize_tokens(dy, gs, op, None, values=False, codes=True)
+    want = np.asarray(ref.ragged_codes_matmul_t(
+        qa.data, qa.scales, qb.data, qb.scales, gs, fmt=fmt))
+    ends = np.cumsum(sizes)
+    starts = ends - np.asarray(sizes)
+    out = ti.Arr(np.full((len(sizes), kk, nn), np.nan, np.float32),
+                 "float32")
+    tk[(len(sizes) * triton.cdiv(kk, bn) * triton.cdiv(nn, bn),)](
+        ti.Arr(starts.astype(np.int32), "int32"),
+        ti.Arr(ends.astype(np.int32), "int32"),
+        ti.Arr(_u8(qa.data), "uint8"), ti.Arr(_u8(qa.scales), "uint8"),
+        ti.Arr(_u8(qb.data), "uint8"), ti.Arr(_u8(qb.scales), "uint8"),
+        ones, out, K=kk, N=nn, L=length, BLOCK_M=bn, BLOCK_N=bn,
+        BLOCK_K=bk, **consts)
+    va = np.abs(np.asarray(ref.codes_values(qa.data, qa.scales, fmt),
+                           np.float64))
+    vb = np.abs(np.asarray(ref.codes_values(qb.data, qb.scales, fmt),
+                           np.float64))
+    for g, (s0, s1) in enumerate(zip(starts, ends)):
+      if s1 == s0:
+        np.testing.assert_array_equal(out.a[g], 0)
+        continue
+      tol = _bound(va[:, s0:s1], vb[:, s0:s1].T, 1.0, s1 - s0)
+      assert np.all(np.abs(out.a[g] - want[g]) <= tol), (sizes, g)
+
+
 # --- On a GPU: the kernel against the reference ------------------------------
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -287,9 +456,16 @@ def _forms():
   return [False] + ([None] if ON_GPU and dense.has_fp4_mma() else [])
 
 
-def _quantized_rows(rng, m, k, gs):
+def _quantized_rows(rng, m, k, gs, fmt="nvfp4"):
   x = jnp.asarray(rng.standard_t(3, (m, k)), jnp.float32)
-  return rg.quantize_rows(x, gs, Operand(), None, values=False, codes=True)
+  return rg.quantize_rows(x, gs, Operand(format=fmt), None, values=False,
+                          codes=True)
+
+
+def _alpha1(a, b, num_groups):
+  """Each group's `group_alpha` for the bound: 1 for MX (no tensor scale)."""
+  alpha = rg.group_alpha(a, b)
+  return np.ones(num_groups) if alpha is None else np.asarray(alpha)
 
 
 def _bound(va, vb, alpha, k):
@@ -307,24 +483,29 @@ GROUPS = [
 
 
 @GPU_ONLY
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 @pytest.mark.parametrize("sizes, m", GROUPS)
-def test_fprop_kernel_equals_the_reference_on_gpu(sizes, m):
+def test_fprop_kernel_equals_the_reference_on_gpu(sizes, m, fmt):
   from nvfp4_jax.ops.ragged_dot import triton as kernel  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(1)
-  k, n, e = 544, 320, len(sizes)        # K padded to 576 in the kernel.
+  k, n, e = 544, 320, len(sizes)        # K padded to 576 (MX: 640).
   gs = jnp.asarray(sizes, jnp.int32)
-  qa = _quantized_rows(rng, m, k, gs)
+  qa = _quantized_rows(rng, m, k, gs, fmt)
   w = jnp.asarray(rng.standard_t(3, (e, n, k)) * .1, jnp.float32)
-  qb = rg.quantize_experts(w, Operand(block_2d=True), None, values=False)
+  qb = rg.quantize_experts(w, Operand(format=fmt, block_2d=fmt == "nvfp4"),
+                           None, values=False)
   alpha = rg.group_alpha(qa, qb)
   want = np.asarray(ref.ragged_codes_matmul(qa.data, qa.scales, qb.data,
-                                            qb.scales, gs, alpha))
-  va = np.abs(np.asarray(ref.codes_values(qa.data, qa.scales), np.float64))
-  vb = np.abs(np.asarray(ref.codes_values(qb.data, qb.scales), np.float64))
+                                            qb.scales, gs, alpha, fmt=fmt))
+  va = np.abs(np.asarray(ref.codes_values(qa.data, qa.scales, fmt),
+                         np.float64))
+  vb = np.abs(np.asarray(ref.codes_values(qb.data, qb.scales, fmt),
+                         np.float64))
+  alpha1 = _alpha1(qa, qb, e)
   total = min(sum(sizes), m)
   for native in _forms():
     got = np.asarray(jax.jit(functools.partial(
-        kernel.ragged_codes_matmul, native=native))(
+        kernel.ragged_codes_matmul, native=native, fmt=fmt))(
             qa.data, qa.scales, qb.data, qb.scales, gs, alpha))
     assert not np.isnan(got).any()
     np.testing.assert_array_equal(got[total:], 0)
@@ -332,33 +513,38 @@ def test_fprop_kernel_equals_the_reference_on_gpu(sizes, m):
     for g, size in enumerate(sizes):
       rows = slice(start, min(start + size, m))
       start += size
-      tol = _bound(va[rows], vb[g].T, float(alpha[g]), k)
+      tol = _bound(va[rows], vb[g].T, float(alpha1[g]), k)
       assert np.all(np.abs(got[rows] - want[rows]) <= tol), (native, g)
 
 
 @GPU_ONLY
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 @pytest.mark.parametrize("sizes, length", [
-    ([32, 0, 160, 48, 0, 800], 1040),    # Aligned (the op pads), empty.
-    ([37, 0, 150, 50], 240),             # Ends inside blocks and pairs.
-    ([1008, 0, 0, 16, 0, 16], 1040),     # Skewed, tiny groups.
+    ([32, 0, 160, 48, 0, 800], 1056),    # Aligned (the op pads), empty.
+    ([37, 0, 150, 50], 256),             # Ends inside blocks and pairs.
+    ([1008, 0, 0, 16, 0, 16], 1056),     # Skewed, tiny groups.
 ])
-def test_wgrad_kernel_equals_the_reference_on_gpu(sizes, length):
+def test_wgrad_kernel_equals_the_reference_on_gpu(sizes, length, fmt):
   from nvfp4_jax.ops.ragged_dot import triton as kernel  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(2)
   k, n = 320, 384
+  op = Operand(format=fmt)
   gs = jnp.asarray(sizes, jnp.int32)
   x = jnp.asarray(rng.standard_t(3, (length, k)), jnp.float32)
   dy = jnp.asarray(rng.standard_t(3, (length, n)), jnp.float32)
-  qa = rg.quantize_tokens(x, gs, Operand(), None, values=False, codes=True)
-  qb = rg.quantize_tokens(dy, gs, Operand(), None, values=False, codes=True)
+  qa = rg.quantize_tokens(x, gs, op, None, values=False, codes=True)
+  qb = rg.quantize_tokens(dy, gs, op, None, values=False, codes=True)
   alpha = rg.group_alpha(qa, qb)
-  want = np.asarray(ref.ragged_codes_matmul_t(qa.data, qa.scales, qb.data,
-                                              qb.scales, gs, alpha))
-  va = np.abs(np.asarray(ref.codes_values(qa.data, qa.scales), np.float64))
-  vb = np.abs(np.asarray(ref.codes_values(qb.data, qb.scales), np.float64))
+  want = np.asarray(ref.ragged_codes_matmul_t(
+      qa.data, qa.scales, qb.data, qb.scales, gs, alpha, fmt=fmt))
+  va = np.abs(np.asarray(ref.codes_values(qa.data, qa.scales, fmt),
+                         np.float64))
+  vb = np.abs(np.asarray(ref.codes_values(qb.data, qb.scales, fmt),
+                         np.float64))
+  alpha1 = _alpha1(qa, qb, len(sizes))
   for native in _forms():
     got = np.asarray(jax.jit(functools.partial(
-        kernel.ragged_codes_matmul_t, native=native))(
+        kernel.ragged_codes_matmul_t, native=native, fmt=fmt))(
             qa.data, qa.scales, qb.data, qb.scales, gs, alpha))
     assert got.shape == (len(sizes), k, n) and not np.isnan(got).any()
     start = 0
@@ -368,7 +554,7 @@ def test_wgrad_kernel_equals_the_reference_on_gpu(sizes, length):
       if not size:
         np.testing.assert_array_equal(got[g], 0)
         continue
-      tol = _bound(va[:, toks], vb[:, toks].T, float(alpha[g]), size)
+      tol = _bound(va[:, toks], vb[:, toks].T, float(alpha1[g]), size)
       assert np.all(np.abs(got[g] - want[g]) <= tol), (native, g)
 
 

@@ -8,7 +8,9 @@ imported, and has no `tl.dot_scaled`. `kernels(monkeypatch)` patches those (undo
 with the test): arguments are `Arr`s (NumPy arrays as device pointers), bf16
 dots widen to FP32 (exact), and `tl.dot_scaled` is computed from its
 documented semantics: `lhs [M, K/2]` and `rhs [K/2, N]` E2M1 packed along K
-(element `2k` in the low nibble), E4M3 scales `[M, K/16]` and `[N, K/16]`.
+(element `2k` in the low nibble) or `[M, K]`, `[K, N]` E4M3, with scales
+`[M, K/s]` and `[N, K/s]`: E4M3 (NVFP4) or, as uint8, E8M0 `2^(b - 127)`
+(MX), the block size `s` from the scales' shape.
 So the kernels' pointers, masks, tile-to-group map and epilogue, and the
 operand layout they hand `tl.dot_scaled`, are checked against the reference
 offline; the hardware's MMA is not.
@@ -60,17 +62,32 @@ def kernels(monkeypatch):
     return dot(self, a, b, d, *rest)
   monkeypatch.setattr(ti.InterpreterBuilder, "create_dot", create_dot)
 
+  from triton._C.libtriton import ir  # pylint: disable=g-import-not-at-top
+  e2m1 = ir.ScaleDotElemTypeTY.E2M1
+
   def create_dot_scaled(self, lhs, lhs_scale, lhs_fmt, rhs, rhs_scale,
                         rhs_fmt, fast_math, lhs_k_pack, rhs_k_pack, acc):
-    del self, lhs_fmt, rhs_fmt, fast_math, lhs_k_pack, rhs_k_pack
+    del self, fast_math, lhs_k_pack, rhs_k_pack
+    assert lhs_fmt == rhs_fmt
     a = np.asarray(lhs.data).view(np.uint8)
     b = np.asarray(rhs.data).view(np.uint8)
-    av = np.stack([_E2M1[a & 15], _E2M1[a >> 4]], -1).reshape(a.shape[0], -1)
-    bv = np.stack([_E2M1[b & 15], _E2M1[b >> 4]], 1).reshape(-1, b.shape[1])
-    dec = lambda s: np.asarray(s.data).view(np.uint8).view(
-        ml_dtypes.float8_e4m3fn).astype(np.float64)
-    sa = np.repeat(dec(lhs_scale), 16, axis=1)
-    sb = np.repeat(dec(rhs_scale), 16, axis=1).T
+    if lhs_fmt == e2m1:
+      av = np.stack([_E2M1[a & 15], _E2M1[a >> 4]], -1).reshape(a.shape[0],
+                                                                  -1)
+      bv = np.stack([_E2M1[b & 15], _E2M1[b >> 4]], 1).reshape(-1,
+                                                                b.shape[1])
+    else:  # E4M3 bytes.
+      e4m3 = lambda x: x.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+      av, bv = e4m3(a), e4m3(b)
+
+    def dec(s):
+      b = np.asarray(s.data).view(np.uint8)
+      if s.get_element_ty() == tl.uint8:  # E8M0 (fp8 is stored as uint8 too).
+        return np.where(b == 255, np.nan, np.exp2(b.astype(np.float64) - 127))
+      return b.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    block = av.shape[1] // np.asarray(lhs_scale.data).shape[1]
+    sa = np.repeat(dec(lhs_scale), block, axis=1)
+    sb = np.repeat(dec(rhs_scale), block, axis=1).T
     out = (av * sa) @ (bv * sb) + acc.data.astype(np.float64)
     return ti.TensorHandle(out.astype(np.float32), acc.dtype.scalar)
   monkeypatch.setattr(ti.InterpreterBuilder, "create_dot_scaled",

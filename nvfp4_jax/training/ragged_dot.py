@@ -30,12 +30,13 @@ gradients, unchecked).
 Residuals are quantized codes: Wgrad's `q(rht(X^T))` and the experts'
 quantized weights (Dgrad reuses Fprop's 16x16 codes), 4.5 bits per element.
 
-The NVFP4 GEMMs multiply the exact bf16 block values (the emulation: Hopper's
-grouped kernels) or, where a native FP4 grouped GEMM runs
+The NVFP4 and MX GEMMs multiply the exact bf16 block values (the emulation:
+Hopper's grouped kernels) or, where a native block-scaled grouped GEMM runs
 (`rg.multiplies_codes`: Blackwell), the codes themselves: the quantizers
 then write codes only, Fprop multiplies the transpose of the weight's 16x16
-codes (the same tiles, code for code) and Dgrad the codes as quantized.
-The products are the same; only the FP32 summation order differs.
+codes (the same tiles, code for code; MX: the weight quantized along K)
+and Dgrad the codes as quantized. The products are the same; only the
+FP32 summation order differs.
 """
 
 from __future__ import annotations
@@ -93,9 +94,10 @@ def _weight_in_kernel_layout(recipe: Recipe) -> bool:
 
 
 def _codes(recipe: Recipe, gemm: str) -> bool:
-  """Whether `gemm` multiplies NVFP4 codes (a native FP4 grouped GEMM here,
-  `rg.multiplies_codes`) instead of bf16 block values."""
-  return recipe.gemm_format(gemm) == "nvfp4" and rg.multiplies_codes()
+  """Whether `gemm` multiplies codes (NVFP4, MXFP4 or MXFP8 on a native
+  grouped GEMM here, `rg.multiplies_codes`) instead of bf16 block values."""
+  return (recipe.gemm_format(gemm) in rg.CODES_FORMATS
+          and rg.multiplies_codes())
 
 
 def _codes_t(q: rg.Grouped) -> rg.Grouped:

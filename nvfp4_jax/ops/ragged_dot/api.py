@@ -689,8 +689,11 @@ def ragged_values_matmul_t(va: jax.Array, vb: jax.Array,
 
 
 # ----------------------------------------------------------------------------
-# The GEMMs on codes: native FP4 (Blackwell).
+# The GEMMs on codes: native FP4 / FP8 (Blackwell).
 # ----------------------------------------------------------------------------
+
+# The formats the GEMMs on codes multiply (both operands in one of them).
+CODES_FORMATS = ref.CODES_FORMATS
 
 
 def _codes_preference(platform: str) -> tuple[str, ...]:
@@ -734,10 +737,11 @@ RAGGED_CODES_MATMUL_T = dispatch.Op("ragged_codes_matmul_t", {
 
 
 def multiplies_codes() -> bool:
-  """Whether the grouped NVFP4 GEMMs multiply codes here, so the quantizers
-  write codes: a `default_implementation` naming the kernel ("triton"), or
-  by default where it runs (Blackwell with jax-triton installed; without
-  it the op keeps the block-values GEMMs rather than the reference loop)."""
+  """Whether the grouped NVFP4, MXFP4 and MXFP8 GEMMs multiply codes here,
+  so the quantizers write codes: a `default_implementation` naming the
+  kernel ("triton"), or by default where it runs (Blackwell with jax-triton
+  installed; without it the op keeps the block-values GEMMs rather than the
+  reference loop)."""
   if RAGGED_CODES_MATMUL.order()[0] == "xla":
     return False
   if dispatch.current_default() is not None:
@@ -746,25 +750,39 @@ def multiplies_codes() -> bool:
   return importlib.util.find_spec("jax_triton") is not None
 
 
+def _codes_format(what: str, a: Grouped, b: Grouped) -> str:
+  if a.fmt != b.fmt or a.fmt not in CODES_FORMATS:
+    raise ValueError(
+        f"{what}: both operands must hold codes of one format in "
+        f"{CODES_FORMATS}, got {a.fmt!r} and {b.fmt!r}.")
+  if a.data is None or b.data is None:
+    raise ValueError(f"{what}: an operand holds no codes (quantize it with "
+                     f"codes=True).")
+  return a.fmt
+
+
 def ragged_codes_matmul(a: Grouped, b: Grouped, group_sizes: jax.Array,
                         alpha: jax.Array | None = None, *,
                         out_dtype=jnp.float32,
                         implementation: str | None = None) -> jax.Array:
-  """`ragged_values_matmul` on NVFP4 codes: row `r` of group `e` times
-  `b[e].T`, `a` `[M, K]` and `b` `[E, N, K]` quantized along K (`Grouped`
-  with codes). implementation: "xla" (the reference on the block values),
-  "triton" (`tl.dot_scaled`, Blackwell), or None."""
+  """`ragged_values_matmul` on codes: row `r` of group `e` times `b[e].T`,
+  `a` `[M, K]` and `b` `[E, N, K]` quantized along K (`Grouped` with codes,
+  both NVFP4, MXFP4 or MXFP8; MX has no `alpha`). implementation: "xla"
+  (the reference on the block values), "triton" (`tl.dot_scaled`,
+  Blackwell), or None."""
+  fmt = _codes_format("ragged_codes_matmul", a, b)
   return RAGGED_CODES_MATMUL(implementation, a.data, a.scales, b.data,
                              b.scales, group_sizes, alpha,
-                             out_dtype=jnp.dtype(out_dtype))
+                             out_dtype=jnp.dtype(out_dtype), fmt=fmt)
 
 
 def ragged_codes_matmul_t(a: Grouped, b: Grouped, group_sizes: jax.Array,
                           alpha: jax.Array | None = None, *,
                           out_dtype=jnp.float32,
                           implementation: str | None = None) -> jax.Array:
-  """`ragged_values_matmul_t` (tokens last) on NVFP4 codes: `a [K, L]`,
+  """`ragged_values_matmul_t` (tokens last) on codes: `a [K, L]`,
   `b [N, L]` quantized along the tokens; `[E, K, N]`."""
+  fmt = _codes_format("ragged_codes_matmul_t", a, b)
   return RAGGED_CODES_MATMUL_T(implementation, a.data, a.scales, b.data,
                                b.scales, group_sizes, alpha,
-                               out_dtype=jnp.dtype(out_dtype))
+                               out_dtype=jnp.dtype(out_dtype), fmt=fmt)

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.core import prng
 from nvfp4_jax.core import tile
+from nvfp4_jax.core.arrays import MXArray
+from nvfp4_jax.ops.block_values.reference import dequantize_mx
 
 
 def offsets(group_sizes: jax.Array) -> jax.Array:
@@ -192,9 +194,20 @@ def ragged_values_matmul_t(va, vb, group_sizes, alpha=None, *,
 # ----------------------------------------------------------------------------
 
 
-def codes_values(codes: jax.Array, scales: jax.Array) -> jax.Array:
-  """Packed E2M1 codes `[..., C // 2]` and E4M3 scales `[..., C // 16]`: the
-  exact bf16 block values `[..., C]`."""
+CODES_FORMATS = ("nvfp4", "mxfp4", "mxfp8")
+
+
+def codes_values(codes: jax.Array, scales: jax.Array,
+                 fmt: str = "nvfp4") -> jax.Array:
+  """An operand's exact bf16 block values `[..., C]` from its codes:
+  NVFP4 packed E2M1 `[..., C // 2]` with E4M3 scales `[..., C // 16]`;
+  MXFP4 packed E2M1 `[..., C // 2]` or MXFP8 E4M3 `[..., C]` with E8M0
+  scales `[..., C // 32]` (`dequantize_mx`: no tensor scale)."""
+  if fmt != "nvfp4":
+    if fmt not in CODES_FORMATS:
+      raise ValueError(f"codes_values: fmt must be one of {CODES_FORMATS}, "
+                       f"got {fmt!r}.")
+    return dequantize_mx(MXArray(codes, scales, fmt), jnp.bfloat16)
   *lead, half = codes.shape
   nb = half * 2 // nm.NVFP4_BLOCK
   v = tile.block_values(codes.reshape(-1, nb, nm.NVFP4_BLOCK // 2),
@@ -203,18 +216,21 @@ def codes_values(codes: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def ragged_codes_matmul(a_codes, a_scales, b_codes, b_scales, group_sizes,
-                        alpha=None, *, out_dtype=jnp.float32):
+                        alpha=None, *, out_dtype=jnp.float32, fmt="nvfp4"):
   """`ragged_values_matmul` (layout "nk") of the operands' block values:
-  row `r` of group `e` times `b[e].T`, `b [E, N, K]` quantized along K."""
-  return ragged_values_matmul(codes_values(a_codes, a_scales),
-                              codes_values(b_codes, b_scales), group_sizes,
-                              alpha, out_dtype=out_dtype, vb_layout="nk")
+  row `r` of group `e` times `b[e].T`, `b [E, N, K]` quantized along K
+  (`fmt`: both operands' format, see `codes_values`)."""
+  return ragged_values_matmul(codes_values(a_codes, a_scales, fmt),
+                              codes_values(b_codes, b_scales, fmt),
+                              group_sizes, alpha, out_dtype=out_dtype,
+                              vb_layout="nk")
 
 
 def ragged_codes_matmul_t(a_codes, a_scales, b_codes, b_scales, group_sizes,
-                          alpha=None, *, out_dtype=jnp.float32):
+                          alpha=None, *, out_dtype=jnp.float32, fmt="nvfp4"):
   """`ragged_values_matmul_t` (tokens last) of the operands' block values:
   `a [K, L]`, `b [N, L]` quantized along the tokens."""
-  return ragged_values_matmul_t(codes_values(a_codes, a_scales),
-                                codes_values(b_codes, b_scales), group_sizes,
-                                alpha, out_dtype=out_dtype, tokens_last=True)
+  return ragged_values_matmul_t(codes_values(a_codes, a_scales, fmt),
+                                codes_values(b_codes, b_scales, fmt),
+                                group_sizes, alpha, out_dtype=out_dtype,
+                                tokens_last=True)
