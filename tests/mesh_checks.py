@@ -1874,6 +1874,42 @@ def check_moe_expert_parallel():
   print(f"moe explicit batch=8: loss {float(l1):.6f} vs {float(l3):.6f}")
 
 
+def check_ragged_all_to_all_model():
+  """`moe.ragged_all_to_all`'s CPU form against the semantics JAX documents
+  for `jax.lax.ragged_all_to_all` (slice `i` to device `i // per`, at the
+  receiver's row `output_offsets[i]`), written out in NumPy: a 2 x 4 mesh
+  exchanging over its second axis, two slices per receiver, empty slices
+  included; rows nobody writes keep the output's."""
+  from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((2, 4), ("data", "expert"))
+  n, per, rows, out_rows = 4, 2, 8, 32
+  rng = np.random.default_rng(0)
+  ops = rng.normal(size=(8, rows, 3)).astype(np.float32)
+  sizes = rng.integers(0, 2, (8, n * per)).astype(np.int32)
+  offs = (np.cumsum(sizes, axis=1) - sizes).astype(np.int32)
+  # Receiver rows: sender `e`'s slice `i` at `8 e + 4 (i % per)`.
+  places = np.asarray([[8 * (d % 4) + 4 * (i % per) for i in range(n * per)]
+                       for d in range(8)], np.int32)
+  init = np.full((8, out_rows, 3), -1, np.float32)
+  want = init.copy()
+  for d in range(8):
+    for i in range(n * per):
+      dst = 4 * (d // 4) + i // per
+      want[dst, places[d, i]:places[d, i] + sizes[d, i]] = ops[
+          d, offs[d, i]:offs[d, i] + sizes[d, i]]
+  spec = P(("data", "expert"))
+
+  def body(o, out, of, sz, pl):
+    return moe.ragged_all_to_all(o[0], out[0], of[0], sz[0], pl[0], sz[0],
+                                 "expert", "cpu")[None]
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))
+  got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 5,
+                              out_specs=spec, check_vma=False))(
+                                  *map(put, (ops, init, offs, sizes, places)))
+  assert np.array_equal(np.asarray(got), want)
+  print("ragged all-to-all model: equal")
+
+
 def check_moe_expert_parallel_dense():
   """`check_moe_expert_parallel` with the exchange of whole buffers
   (`moe.RAGGED_EXCHANGE` off): the same results."""

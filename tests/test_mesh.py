@@ -218,7 +218,8 @@ def test_moe_expert_parallel_equals_one_device():
   """The MoE layer on `expert=8` (NVFP4, with a capacity), `data=2 x
   expert=4` (dropless) and a user's Explicit mesh equals one device
   (mesh_checks: the derivation)."""
-  out = run_checks("moe_expert_parallel")
+  out = run_checks("ragged_all_to_all_model", "moe_expert_parallel")
+  assert "ragged all-to-all model: equal" in out
   assert sum(line.startswith("moe {") for line in out.splitlines()) == 2
   assert "moe explicit batch=8" in out
 

@@ -452,58 +452,20 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
                     token_axes=tokens)
     xs = dispatch(x, routing, top_k)
     rows = xs.shape[0]
-    # Copies to each peer: its experts' groups, contiguous in `xs`.
-    sent = routing.group_sizes.reshape(n, local)
-    count = jnp.sum(sent, axis=1)
-    start = jnp.cumsum(count) - count
-    got = jax.lax.all_to_all(sent, rules.expert, 0, 0)       # [n, local]
-    j = jnp.arange(rows, dtype=jnp.int32)
     me = jax.lax.axis_index(rules.expert)
-    if ragged:
-      # Only the copies that exist move: peer `p` gets `count[p]` rows from
-      # `start[p]`, into its buffer's block `me` (`[n * rows, D]`, block `q`
-      # for peer `q`'s copies; rows past them stay zero).
-      recv = ragged_all_to_all(
-          xs, jnp.zeros((n * rows, xs.shape[1]), xs.dtype), start, count,
-          jnp.full((n,), me * rows, jnp.int32), jnp.sum(got, axis=1),
-          rules.expert, platform)
-    else:
-      src = start[:, None] + j[None, :]                       # [n, rows]
-      valid = j[None, :] < count[:, None]
-      # Every exchange is a gather both ways (`permute`): XLA's row scatters
-      # are slow on a GPU.
-      dst = jnp.where(valid, src, rows).reshape(-1)  # Sent row -> copy.
-      sent_at = _inverse(dst, rows)                  # Copy -> sent row.
-      send = permute(xs, dst, sent_at).reshape(n, rows, -1)
-      recv = jax.lax.all_to_all(send, rules.expert, 0, 0).reshape(n * rows,
-                                                                   -1)
-    # Compact: local expert e's copies from peer 0, then peer 1, ..., each
-    # expert's group padded to `GROUP_ALIGN` rows.
-    sizes, first = group_starts(jnp.sum(got, axis=0), GROUP_ALIGN)
+    # Each local expert's copies from peer 0, then peer 1, ..., its group
+    # padded to `GROUP_ALIGN` rows: the layout its grouped GEMMs take.
     length = padded_length(n * rows, local, GROUP_ALIGN)
-    before = jnp.cumsum(got, axis=0) - got                    # [n, local]
-    starts = jnp.cumsum(got, axis=1) - got                    # [n, local]
-    e = jax.vmap(lambda g: jnp.searchsorted(jnp.cumsum(g), j,
-                                            side="right"))(got)
-    ok = e < local
-    e = jnp.minimum(e, local - 1)
-    take = lambda a: jnp.take_along_axis(a, e, axis=1)
-    dest = jnp.where(ok, first[e] + take(before) + j[None, :] - take(starts),
-                     length).reshape(-1)            # Received row -> row.
-    xc = permute(recv, _inverse(dest, length), dest)
-    out = _experts(xc, sizes, weights, keys, gemms, first_expert=me * local)
-    back = permute(out, dest, _inverse(dest, length))
     if ragged:
-      # Each peer's outputs back to where its copies are in its `xs`.
-      their_start = jax.lax.all_to_all(start[:, None], rules.expert, 0,
-                                       0)[:, 0]
-      out_xs = ragged_all_to_all(
-          back, jnp.zeros((rows, back.shape[1]), back.dtype),
-          jnp.arange(n, dtype=jnp.int32) * rows, jnp.sum(got, axis=1),
-          their_start, count, rules.expert, platform)
+      xc, sizes, back = _ragged_exchange(xs, routing.group_sizes, n, local,
+                                         length, me, rules.expert, platform)
+      out = _experts(xc, sizes, weights, keys, gemms, first_expert=me * local)
+      out_xs = back(out)
     else:
-      ret = jax.lax.all_to_all(back.reshape(n, rows, -1), rules.expert, 0, 0)
-      out_xs = permute(ret.reshape(n * rows, -1), sent_at, dst)
+      out_xs = _buffered_exchange(xs, routing.group_sizes, n, local, length,
+                                  me, rules.expert, lambda xc, sizes: _experts(
+                                      xc, sizes, weights, keys, gemms,
+                                      first_expert=me * local))
     return combine(out_xs, routing, top_k), routing.aux_loss
 
   tok = P(spmd.entry(tokens), None)
@@ -512,6 +474,81 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
       in_specs=(tok, P(), {k: w_spec for k in weights},
                 {k: P() for k in keys}),
       out_specs=(tok, P()), check_vma=False)(x, router, weights, keys)
+
+
+def _ragged_exchange(xs, group_sizes, n: int, local: int, length: int, me,
+                     axis: str, platform: str):
+  """Expert parallelism's exchange of the copies that exist, straight into
+  the receivers' padded layout: `(xc [length, D], padded group sizes,
+  back)`, `back(out)` returning the experts' outputs to the copies' places
+  in `xs`.
+
+  `xs` holds this device's copies sorted by (global) expert, `group_sizes`
+  `[E]` of them per expert; expert `e` lives on device `e // local`. Every
+  device learns every device's counts (an all-gather of `[E]` integers),
+  so each computes every receiver's layout: one ragged all-to-all slice per
+  expert, from the expert's rows in `xs` to their rows in the receiver's
+  padded layout (after the copies of the devices before it), and back. No
+  row is gathered or scattered on either side.
+  """
+  counts = jax.lax.all_gather(group_sizes.astype(jnp.int32), axis)  # [n, E]
+  totals = jnp.sum(counts, axis=0).reshape(n, local)
+  padded, first = jax.vmap(lambda t: group_starts(t, GROUP_ALIGN))(totals)
+  first = first.reshape(-1)                    # [E], in the owner's layout.
+  before = jnp.cumsum(counts, axis=0) - counts           # Earlier devices'.
+  starts = jnp.cumsum(counts, axis=1) - counts           # In each `xs`.
+  mine = me * local + jnp.arange(local, dtype=jnp.int32)
+  from_each = jnp.take(counts, mine, axis=1).reshape(-1)     # [n * local]
+  d = xs.shape[1]
+  xc = ragged_all_to_all(
+      xs, jnp.zeros((length, d), xs.dtype), starts[me], counts[me],
+      first + before[me], from_each, axis, platform)
+
+  def back(out):
+    at = jnp.take(first, mine)[None, :] + jnp.take(before, mine, axis=1)
+    return ragged_all_to_all(
+        out, jnp.zeros((xs.shape[0], d), out.dtype), at.reshape(-1),
+        from_each, jnp.take(starts, mine, axis=1).reshape(-1), counts[me],
+        axis, platform)
+  return xc, padded[me], back
+
+
+def _buffered_exchange(xs, group_sizes, n: int, local: int, length: int, me,
+                       axis: str, experts):
+  """Expert parallelism's exchange of whole buffers (`RAGGED_EXCHANGE`
+  off): each peer gets `[T_local * k, D]` rows (every copy this device
+  could send it), through `all_to_all`, then a gather into the padded
+  layout; `experts(xc, sizes)` runs there. The outputs of the copies in
+  `xs`' places."""
+  rows = xs.shape[0]
+  # Copies to each peer: its experts' groups, contiguous in `xs`.
+  sent = group_sizes.reshape(n, local)
+  count = jnp.sum(sent, axis=1)
+  start = jnp.cumsum(count) - count
+  got = jax.lax.all_to_all(sent, axis, 0, 0)                 # [n, local]
+  j = jnp.arange(rows, dtype=jnp.int32)
+  src = start[:, None] + j[None, :]                           # [n, rows]
+  valid = j[None, :] < count[:, None]
+  # Every exchange is a gather both ways (`permute`): XLA's row scatters
+  # are slow on a GPU.
+  dst = jnp.where(valid, src, rows).reshape(-1)      # Sent row -> copy.
+  sent_at = _inverse(dst, rows)                      # Copy -> sent row.
+  send = permute(xs, dst, sent_at).reshape(n, rows, -1)
+  recv = jax.lax.all_to_all(send, axis, 0, 0).reshape(n * rows, -1)
+  sizes, first = group_starts(jnp.sum(got, axis=0), GROUP_ALIGN)
+  before = jnp.cumsum(got, axis=0) - got                      # [n, local]
+  starts = jnp.cumsum(got, axis=1) - got                      # [n, local]
+  e = jax.vmap(lambda g: jnp.searchsorted(jnp.cumsum(g), j,
+                                          side="right"))(got)
+  ok = e < local
+  e = jnp.minimum(e, local - 1)
+  take = lambda a: jnp.take_along_axis(a, e, axis=1)
+  dest = jnp.where(ok, first[e] + take(before) + j[None, :] - take(starts),
+                   length).reshape(-1)              # Received row -> row.
+  xc = permute(recv, _inverse(dest, length), dest)
+  back = permute(experts(xc, sizes), dest, _inverse(dest, length))
+  ret = jax.lax.all_to_all(back.reshape(n, rows, -1), axis, 0, 0)
+  return permute(ret.reshape(n * rows, -1), sent_at, dst)
 
 
 # Whether expert parallelism exchanges only the copies that exist
@@ -525,9 +562,10 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes,
                       output_offsets, recv_sizes, axis_name: str,
                       platform: str):
   """`jax.lax.ragged_all_to_all` over `axis_name` (inside `shard_map`):
-  rows `[input_offsets[p], + send_sizes[p])` of `operand` to peer `p`, at
-  row `output_offsets[p]` of its `output`; `recv_sizes[q]` rows come from
-  peer `q`; rows nobody writes keep `output`'s.
+  slice `i` (rows `[input_offsets[i], + send_sizes[i])` of `operand`) to
+  device `i // per` (`per` slices per device), at row `output_offsets[i]`
+  of its `output`; `recv_sizes` are the sizes of the slices received, in
+  the same order; rows nobody writes keep `output`'s.
 
   XLA:CPU has no ragged all-to-all: there (`platform` "cpu") the same
   result is built from an all-gather of every device's rows and
@@ -540,18 +578,22 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes,
         recv_sizes, axis_name=axis_name)
   del recv_sizes  # Implied by the senders' sizes.
   me = jax.lax.axis_index(axis_name)
-  ops = jax.lax.all_gather(operand, axis_name)          # [n, R, D]
-  offs = jax.lax.all_gather(input_offsets, axis_name)   # [n (from), n (to)]
-  sizes = jax.lax.all_gather(send_sizes, axis_name)
-  places = jax.lax.all_gather(output_offsets, axis_name)
-  lo = jnp.take(places, me, axis=1)                     # From each peer.
-  hi = lo + jnp.take(sizes, me, axis=1)
+  n = jax.lax.axis_size(axis_name)
+  per = input_offsets.shape[0] // n                 # Slices per receiver.
+  gather = lambda a: jax.lax.all_gather(a, axis_name)
+  ops = gather(operand)                             # [n, R, D]
+  # The slices every device sends this one: `[n (from), per]`.
+  mine = lambda a: jax.lax.dynamic_slice_in_dim(gather(a), me * per, per,
+                                                axis=1)
+  offs, sizes, lo = mine(input_offsets), mine(send_sizes), mine(
+      output_offsets)
+  src = jnp.repeat(jnp.arange(n, dtype=jnp.int32), per)
+  offs, sizes, lo = offs.reshape(-1), sizes.reshape(-1), lo.reshape(-1)
   r = jnp.arange(output.shape[0], dtype=jnp.int32)
-  hit = (r[None, :] >= lo[:, None]) & (r[None, :] < hi[:, None])
-  q = jnp.argmax(hit, axis=0)
-  row = jnp.take(offs, me, axis=1)[q] + r - lo[q]
-  rows = ops[q, jnp.clip(row, 0, operand.shape[0] - 1)]
-  return jnp.where(jnp.any(hit, axis=0)[:, None], rows, output)
+  hit = (r[None, :] >= lo[:, None]) & (r[None, :] < (lo + sizes)[:, None])
+  c = jnp.argmax(hit, axis=0)
+  row = jnp.clip(offs[c] + r - lo[c], 0, operand.shape[0] - 1)
+  return jnp.where(jnp.any(hit, axis=0)[:, None], ops[src[c], row], output)
 
 
 def _inverse(index: jax.Array, length: int) -> jax.Array:
