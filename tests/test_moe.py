@@ -221,3 +221,46 @@ def test_padded_dispatch_feeds_the_op_aligned_groups_with_the_same_bits():
   padded_sizes = np.asarray(moe.layout(r, 2).group_sizes)
   assert np.all(padded_sizes % 16 == 0)
   assert padded_sizes.sum() > r.group_sizes.sum()   # Zero rows were added.
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2 or jax.default_backend() != "gpu",
+                    reason="needs two GPUs (the ragged all-to-all itself; CPU "
+                    "devices run its all-gather form: tests/test_mesh.py)")
+def test_expert_parallel_on_two_gpus_equals_one():
+  """Expert parallelism over two GPUs (`expert=2`, four experts each) with
+  the collective `jax.lax.ragged_all_to_all` (`moe.RAGGED_EXCHANGE`): the
+  BF16 layer's output and gradients equal one GPU's within FP32 bounds. A
+  misplaced row would be off by O(1). The bounds, as
+  `mesh_checks.check_moe_expert_parallel` derives them: the router's
+  logits per token shard move by at most `2 D u max sum_d |x_d r_d|`, an
+  output by `2 dz max|y|` plus its own rounding; gradients sum `t` terms in
+  another order (`2 t u t max|g|`)."""
+  from nvfp4_jax.parallel import MeshRules  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.parallel import make_mesh  # pylint: disable=g-import-not-at-top
+  d, t = 64, 256
+  x = jax.random.normal(jax.random.key(0), (2, t // 2, d))
+  layer = moe.NVFP4MoE(num_experts=8, hidden=64, top_k=2, recipe="bf16")
+  params = _params(layer, x)
+
+  def loss(p, x):
+    y, st = layer.apply({"params": p}, x, mutable=["losses"])
+    return jnp.sum(y * y) + st["losses"]["moe_aux_loss"][0], y
+  grad = jax.value_and_grad(loss, has_aux=True)
+  (_, y1), g1 = jax.jit(grad)(params, x)
+  rules = MeshRules(mesh=make_mesh(jax.devices()[:2], expert=2))
+
+  def sharded(p, x):
+    with nv.mesh_rules(rules):
+      return grad(p, x)
+  assert "ragged_all_to_all" in str(jax.make_jaxpr(sharded)(params, x))
+  (_, y2), g2 = jax.jit(sharded)(params, x)
+  xs, r = np.asarray(x).reshape(t, d), np.asarray(params["router"])
+  dz = 2 * d * U * float((np.abs(xs) @ np.abs(r)).max())
+  y1 = np.asarray(y1, np.float64)
+  out_max = float(np.abs(y1).max()) + 1.0
+  np.testing.assert_allclose(np.asarray(y2, np.float64), y1, rtol=0,
+                             atol=2 * dz * out_max + 4 * U * out_max)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    a = np.asarray(a, np.float64)
+    np.testing.assert_allclose(np.asarray(b, np.float64), a, rtol=0,
+                               atol=2 * t * U * t * float(np.abs(a).max()))
