@@ -3,6 +3,7 @@
     python -m benchmarks.probe_moe --shape 65536,512,1408,8 --stages fb,fb_bf16,dense_fb,profile
     python -m benchmarks.probe_moe --shape 65536,512,1408,8 --stages stack1,stack2 --recipe bf16
     python -m benchmarks.probe_moe --stages step --preset moe-small --batch 64 --seq 512
+    python -m benchmarks.probe_moe --shape 131072,512,1408,8 --stages permute
 
 `--shape M,K,N,E` (balanced groups). Each stage prints its lower and compile
 seconds, the first call's and the mean of five calls' wall milliseconds:
@@ -17,7 +18,11 @@ seconds, the first call's and the mean of five calls' wall milliseconds:
 - `profile`: the NVFP4 forward + backward's GPU kernels from a trace, the 30
   longest (a GPU only);
 - `step`: the trainer's step for `--preset` (build, lower, compile, median
-  of ten steps).
+  of ten steps);
+- `permute`: the MoE dispatch's row permutation of the `[M, K]` tokens
+  (`moe.permute`, a gather with a fill) against the same gather with
+  clamped indices and a select, and on uint32 words (the same bits): GPU
+  time and bandwidth (a GPU only).
 
 A faulthandler dump every `--dump-after` seconds shows where a stage that
 does not finish is.
@@ -118,6 +123,34 @@ def op_stages(stages, m: int, k: int, n: int, e: int, recipe: str) -> None:
         return h
 
       timed(st, lambda x, w: _fwd_bwd(layers)(x, w, x), x, wk)
+    elif st.startswith("permute"):
+      # A row permutation as the MoE layer's dispatch runs it
+      # (`moe.permute`: `jnp.take(mode="fill")`), and forms of the same
+      # gather to compare: indices clamped and a select after it, and the
+      # bf16 rows moved as uint32 words (the same bits). The kernels' GPU
+      # time: `timing.gpu_kernels`.
+      from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
+      order = jnp.asarray(rng.permutation(m + m // 8)[:m].astype(np.int32))
+      forms = {
+          "fill": lambda x, o: moe.permute(x, o, o),
+          "clip": lambda x, o: jnp.where(
+              (o < x.shape[0])[:, None],
+              jnp.take(x, o, axis=0, mode="clip"), 0),
+          "words": lambda x, o: jax.lax.bitcast_convert_type(
+              jnp.take(jax.lax.bitcast_convert_type(
+                  x.reshape(x.shape[0], -1, 2), jnp.uint32), o, axis=0,
+                       mode="fill", fill_value=0), BF16).reshape(
+                           o.shape[0], -1),
+      }
+      for form, f in forms.items():
+        kernels = timing.gpu_kernels(jax.jit(f), [(x, order)], calls=5)
+        total = sum(t for _, t in kernels.values())
+        if not total:
+          print(f"permute {form:6s} no GPU kernels traced", flush=True)
+          continue
+        print(f"permute {form:6s} {total * 1e3:8.3f} ms GPU per call "
+              f"({2 * x.size * 2 / total / 1e9:6.0f} GB/s of rows read and "
+              "written)", flush=True)
     elif st == "profile":
       kernels = timing.gpu_kernels(jax.jit(_fwd_bwd(op(recipe))),
                                    [(x, w, dy)], calls=5)
