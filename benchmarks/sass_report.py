@@ -227,6 +227,10 @@ def _cases() -> list[Case]:
   wc1 = pq.default_config(n, n, wide=wide)
   wc2 = pq.default_config(n, n, True, wide=wide)
   wcv = pq.default_config(n, n, wide=pq.wide_tiles(False, True, False))
+  # Four-over-Six's round-to-nearest codes (the word path where the E2M1
+  # conversion exists).
+  wf1 = pq.default_config(n, n, wide=pq.wide_tiles(False, False, True))
+  wf2 = pq.default_config(n, n, True, wide=pq.wide_tiles(False, False, True))
   rc = pr.default_config(n, n)
   q_tile = f"{qc.block_rows}x{qc.block_cols}"
   r_tile = f"{rc.block_tokens}x{rc.block_features} (tok x feat)"
@@ -284,6 +288,13 @@ def _cases() -> list[Case]:
       Case("quantize_2d", "nvfp4_quantize_2d", q(block_2d=True),
            f"{wc2.block_rows}x{wc2.block_cols}",
            wc2.block_rows * wc2.block_cols),
+      Case("quantize_fos", "nvfp4_quantize", q(four_over_six=True),
+           f"{wf1.block_rows}x{wf1.block_cols}",
+           wf1.block_rows * wf1.block_cols),
+      Case("quantize_2d_fos", "nvfp4_quantize_2d",
+           q(block_2d=True, four_over_six=True),
+           f"{wf2.block_rows}x{wf2.block_cols}",
+           wf2.block_rows * wf2.block_cols),
       Case("quantize_values", "nvfp4_quantize", q(with_values=True),
            f"{wcv.block_rows}x{wcv.block_cols}",
            wcv.block_rows * wcv.block_cols),

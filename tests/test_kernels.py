@@ -27,6 +27,7 @@ from nvfp4_jax.ops.quantize_rht_t import api as rht_t_api
 from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
 from nvfp4_jax.ops.block_scaled_matmul import reference as gemm_ref
 from nvfp4_jax.ops.quantize import reference as quantize_ref
+from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.core import tile
 from nvfp4_jax.ops.block_values import pallas_triton as pallas_block_dequantize
 from nvfp4_jax.ops.block_scaled_matmul import triton as pallas_gemm
@@ -489,6 +490,100 @@ def test_quantize_wide_tiles(block_2d, words, monkeypatch):
   assert ((c_want[nan] & 0x77) == 0).all()
   if words:
     assert (c_got[nan] == 0).all()
+
+
+def _fos_input(rows: int) -> jax.Array:
+  """bf16 `[rows, 544]` (the last 16x512 tile partial along K) with the
+  special blocks of Four-over-Six's word path: NaN, Inf, zero, subnormal,
+  blocks where both candidates are exact (4 and 6 tie: 6 kept) and tiny
+  blocks (scales that underflow under a large amax)."""
+  x = np.asarray(heavy((rows, 544), jnp.bfloat16, seed=29), np.float32)
+  x[5, 40:56] = 0              # A zero block (a tie at 0).
+  x[7, 70] = -np.inf           # Saturates its block's scale.
+  x[9, 96:112] = 1e-39         # Subnormals: flushed.
+  x[11, 0:16] = 3.0            # Exact in both candidates: a tie.
+  x[12, 16:32] = np.tile([-1.5, 0.0], 8)  # Also exact in both.
+  x[13, 128:144] = 1e-4        # Underflowing scales under amax 1e4.
+  return jnp.asarray(x, jnp.bfloat16)
+
+
+def _ftz_f32(x):
+  return nm.ftz(jnp.asarray(x, jnp.float32))
+
+
+def _check_fos_words(x, block_2d, amaxes, with_values=False):
+  """The word path's Four-over-Six (`WORDS_INTERPRETED`) against the
+  reference under each tensor amax (a jit argument: XLA folds a constant
+  amax's scale products in another order); returns how many blocks took
+  the 4-candidate."""
+  fn = lambda x, a: pallas_quantize.quantize(
+      x, block_2d=block_2d, four_over_six=True, amax=a,
+      with_values=with_values)
+  rows, k = x.shape
+  # The word path is the one that runs: x read as uint32 pairs.
+  assert f"u32[{rows},{k // 16},8]" in str(jax.make_jaxpr(fn)(
+      x, jnp.float32(1)))
+  run = jax.jit(fn)
+  ref = jax.jit(lambda x, a: quantize_ref.quantize_reference(
+      x, block_2d=block_2d, four_over_six=True, amax=a,
+      with_values=with_values))
+  fours = 0
+  for amax in amaxes:
+    got, want = run(x, amax), ref(x, amax)
+    if with_values:
+      (got, v_got), (want, v_want) = got, want
+      ok = ~np.isnan(np.asarray(v_want, np.float32))
+      np.testing.assert_array_equal(np.isnan(np.asarray(v_got, np.float32)),
+                                    ~ok)
+      np.testing.assert_array_equal(bf16_bits(v_got)[ok],
+                                    bf16_bits(v_want)[ok])
+    s_got, s_want = (np.asarray(jax.lax.bitcast_convert_type(q.scales,
+                                                             jnp.uint8))
+                     for q in (got, want))
+    np.testing.assert_array_equal(s_got, s_want)
+    nan = np.repeat(np.isnan(np.asarray(want.scales, np.float32)), 8, axis=1)
+    c_got, c_want = np.asarray(got.codes), np.asarray(want.codes)
+    np.testing.assert_array_equal(c_got[~nan], c_want[~nan])
+    assert (c_got[nan] == 0).all()
+    # Blocks that took the 4-candidate: scales above the 6-candidate's.
+    xf = _ftz_f32(x)
+    bam = tile.block_amax(xf.reshape(rows, k // 16, 16), block_2d)
+    s6, _ = nm.nvfp4_scale_constants(amax, four_over_six=True)
+    six = nm.nvfp4_block_decode_scale(bam, s6).astype(jnp.float32)
+    fours += int(np.sum(np.asarray(want.scales, np.float32)
+                        > np.asarray(six)))
+  return fours
+
+
+def test_quantize_four_over_six_words(monkeypatch):
+  """Four-over-Six on the 1x16 word path (Blackwell's E2M1 conversion for
+  both candidates, error terms of the decoded codes: `common.
+  words_choose_four`), its assembly replaced by the software twins: the
+  reference's scales and codes, with tensor amaxes that saturate (9),
+  keep (the data's) and underflow (1e4) block scales; both candidates
+  occur."""
+  if ON_GPU:
+    pytest.skip(WORDS_ON_GPU)
+  monkeypatch.setattr(pallas_quantize, "WORDS_INTERPRETED", True)
+  x = _fos_input(16)
+  amax = tile.abs_max(_ftz_f32(x))
+  assert _check_fos_words(x, False, [jnp.float32(9.0), amax,
+                                     jnp.float32(1e4)]) > 0
+
+
+@pytest.mark.slow
+def test_quantize_four_over_six_words_2d_nan_and_values(monkeypatch):
+  """`test_quantize_four_over_six_words` for 16x16 tiles and for codes
+  with block values, with a NaN block (a NaN tile: code 0 there)."""
+  if ON_GPU:
+    pytest.skip(WORDS_ON_GPU)
+  monkeypatch.setattr(pallas_quantize, "WORDS_INTERPRETED", True)
+  x = np.asarray(_fos_input(32), np.float32)
+  x[3, 20] = np.nan
+  x = jnp.asarray(x, jnp.bfloat16)
+  amaxes = [jnp.float32(9.0), jnp.float32(1e4)]
+  assert _check_fos_words(x, True, amaxes) > 0
+  assert _check_fos_words(x, False, amaxes, with_values=True) > 0
 
 
 def _blackwell_rtne_pair(monkeypatch):
