@@ -260,15 +260,20 @@ def _cases() -> list[Case]:
   pv = pp.pair_config(n, n, values_x=True)
   pv_tile = f"{pv.block_tokens}x{pv.block_features} (tok x feat)"
 
-  def pair(rounding, config=pc, values_x=False):
+  def pair(rounding, config=pc, values_x=False, fos=False):
     # The fused X/dY kernel itself (`quantize_pair` runs both-SR pairs as
     # two kernels, the rows above), on the pair tiles.
     def fn(x, a):
       k = (lambda i: key(i)) if rounding == "stochastic" else (lambda i: None)
       return pr.quantize_call(x, amax_t=a, key_t=k(1), amax_x=a, key_x=k(0),
                               size=16, sign_vector=None, fused_x=True,
-                              config=config, values_x=values_x)
+                              config=config, values_x=values_x,
+                              four_over_six_t=fos, four_over_six_x=fos)
     return lambda: (fn, (x, amax))
+
+  # Four-over-Six's Wgrad operand: the columns kernel where its word path
+  # runs (Blackwell), else the tensor-core kernel.
+  fos_columns = pr._columns_words_apply(False, False)  # pylint: disable=protected-access
 
   wm, wn, wk = 16, 4096, 4096
   wc = pwo.default_config(wm, wn, wk)
@@ -309,6 +314,10 @@ def _cases() -> list[Case]:
              with_codes=False), q_tile, qc.block_rows * qc.block_cols),
       Case("rht_t_rtne", "nvfp4_quantize_rht_t_columns", rht_t(), c_tile,
            c_elems),
+      Case("rht_t_fos", "nvfp4_quantize_rht_t"
+           + ("_columns" if fos_columns else ""),
+           rht_t(four_over_six=True), c_tile if fos_columns else r_tile,
+           c_elems if fos_columns else r_elems),
       Case("rht_t_sr", "nvfp4_quantize_rht_t_columns",
            rht_t(rounding="stochastic", key=key(0)), c_tile, c_elems),
       Case("rht_t_sr_values", "nvfp4_quantize_rht_t_columns_values",
@@ -318,6 +327,8 @@ def _cases() -> list[Case]:
            rht_t(rc, rounding="stochastic", key=key(0)), r_tile, r_elems),
       Case("pair_rtne", "nvfp4_quantize_x_and_rht_t", pair("nearest"),
            p_tile, p_elems),
+      Case("pair_fos", "nvfp4_quantize_x_and_rht_t",
+           pair("nearest", fos=True), p_tile, p_elems),
       Case("pair_sr", "nvfp4_quantize_x_and_rht_t", pair("stochastic"),
            p_tile, p_elems),
       Case("pair_rtne_values", "nvfp4_quantize_x_and_rht_t_values",

@@ -1383,7 +1383,8 @@ def words_choose_four(pairs: list[tuple[jax.Array, jax.Array]],
   mx3 = max_magnitude3(interpret)
   xs = terms[6] + terms[4]
   while len(xs) > 1:
-    xs = [mx3(*xs[i:i + 3]) for i in range(0, len(xs), 3)]
+    xs = [mx3(*xs[i:i + 3]) if i + 1 < len(xs) else xs[i]
+          for i in range(0, len(xs), 3)]
   mx = _halve_last(xs[0], mx3)
   mx = _rows_tiles(mx, block_2d, tile.abs_max)  # NaN-propagating.
   finite = mx < jnp.inf

@@ -284,17 +284,27 @@ COLUMNS_WORDS_INTERPRETED = False
 COLUMNS = True
 
 
+def _columns_words_apply(sr: bool, values: bool) -> bool:
+  """Whether the columns kernel takes `_columns_words` (Blackwell's
+  round-to-nearest codes; `COLUMNS_WORDS_INTERPRETED` where interpreted)."""
+  on = (COLUMNS_WORDS_INTERPRETED if common.backend() == "cpu"
+        else common.hardware_e2m1())
+  return on and not (sr or values)
+
+
 def _use_columns(config, applies: bool, what: str) -> bool:
   """Whether a call runs the columns kernels: where they apply (16-point
-  RHT; the Wgrad operand alone, without Four-over-Six) and `COLUMNS` is on,
+  RHT; the Wgrad operand alone, without Four-over-Six unless its
+  round-to-nearest codes take `_columns_words`) and `COLUMNS` is on,
   unless an `RHTConfig` asks for the tensor-core ones. A `ColumnsConfig`
   anywhere else is an error."""
   applies = applies and COLUMNS
   if isinstance(config, ColumnsConfig) and not applies:
     raise ValueError(
         f"{what}: a ColumnsConfig tiles the columns kernels, which run the "
-        f"Wgrad operand alone with 16-point RHT and no Four-over-Six; this "
-        f"call runs the tensor-core kernels: pass an RHTConfig or None.")
+        f"Wgrad operand alone with 16-point RHT, and Four-over-Six only for "
+        f"round-to-nearest codes on sm_100a/sm_103a; this call runs the "
+        f"tensor-core kernels: pass an RHTConfig or None.")
   return applies and not isinstance(config, RHTConfig)
 
 
@@ -311,7 +321,8 @@ def _tree_stack(parts: list[jax.Array]) -> jax.Array:
 
 def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
                     tokens: int, features: int, words_t: int,
-                    sign_vector: tuple[int, ...], words: bool = False):
+                    sign_vector: tuple[int, ...], words: bool = False,
+                    four_over_six: bool = False):
   """`q(rht(x.T))` of `nb` 16-token blocks x `bf` features, each 16-token
   block in the registers of the thread that owns its feature.
 
@@ -327,7 +338,8 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
   `[bf, nb]`, a transpose of thread-local axes.
 
   With `words` (Blackwell's round-to-nearest codes, `_columns_words`): the
-  same values through packed FP32 instructions and the E2M1 conversion.
+  same values through packed FP32 instructions and the E2M1 conversion,
+  also with `four_over_six` (the only path that takes it).
   """
   refs = list(refs)
   amax_ref = refs.pop(0)
@@ -343,7 +355,8 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
   mask = common.bounds_mask((nb, 1, bf), blk_dim(0), feat_dim(2))
   if words:
     packed, scales = _columns_words(_load_rows(x_ref, 0, mask, nb, bf),
-                                    amax_ref[...], sign_vector, interpret)
+                                    amax_ref[...], sign_vector, interpret,
+                                    four_over_six)
     out = jnp.transpose(packed, (1, 0, 2))
     common.store(out_ref, out, common.bounds_mask(out.shape, feat_dim(0),
                                                   blk_dim(1)))
@@ -378,7 +391,8 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
 
 
 def _columns_words(rows: list[jax.Array], amax: jax.Array,
-                   sign_vector: tuple[int, ...], interpret: bool):
+                   sign_vector: tuple[int, ...], interpret: bool,
+                   four_over_six: bool = False):
   """`_columns_kernel`'s round-to-nearest codes and scales where the E2M1
   conversion exists (`common.hardware_e2m1`), bit for bit its default
   path: the butterfly's FTZ products by `s / 4` and its additions two
@@ -389,7 +403,9 @@ def _columns_words(rows: list[jax.Array], amax: jax.Array,
   magnitude maxima of the 16 rounded values (`common.max_magnitude3`:
   exact, NaN if any is NaN), then the quantize kernel's word path
   (`common.words_encode`: the values are NaN in whole blocks, a NaN
-  anywhere in a block's sums making its amax NaN).
+  anywhere in a block's sums making its amax NaN). With `four_over_six`,
+  the quantize kernel's word-path Four-over-Six: both candidates' codes
+  by the conversion, the choice by `common.words_choose_four`.
 
   Returns `(packed uint8 [nb, bf, 8], scales e4m3 [nb, bf])`.
   """
@@ -410,9 +426,19 @@ def _columns_words(rows: list[jax.Array], amax: jax.Array,
   # The tensor constants as scalars (the maximum of one element): Triton
   # then computes them once, where it recomputes `[1]` tensors (the
   # division included) for each layout they are broadcast to.
-  constants = [jnp.max(c)
-               for c in common.words_scale_constants(amax, interpret)]
-  return common.words_encode(even, odd, bamax, *constants, interpret)
+  constants = [jnp.max(c) for c in common.words_scale_constants(
+      amax, interpret, four_over_six)]
+  if not four_over_six:
+    return common.words_encode(even, odd, bamax, *constants, interpret)
+  (s6, e6), (s4, e4) = (common.words_block_scales(
+      bamax, *constants, interpret, expansion=x) for x in (None, 1.5))
+  four = common.words_choose_four(
+      [(even, odd)], e6, s6.astype(jnp.float32), e4, s4.astype(jnp.float32),
+      False, interpret)
+  packed = jnp.where(four[..., None],
+                     common.scale_encode_codes(even, odd, e4, interpret),
+                     common.scale_encode_codes(even, odd, e6, interpret))
+  return packed, jnp.where(four, s4, s6)
 
 
 def _load_rows(x_ref, blk0, mask, nb: int, bf: int) -> list[jax.Array]:
@@ -489,7 +515,7 @@ def _columns_amax(x, *, sign_vector, with_x: bool,
 
 
 def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
-                  config: ColumnsConfig | None):
+                  config: ColumnsConfig | None, four_over_six: bool = False):
   """`quantize_call` of the Wgrad operand alone by `_columns_kernel`."""
   interpret = common.check_backend("quantize_rht_t")
   t, f = x.shape
@@ -514,12 +540,15 @@ def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
                pl.BlockSpec((bf, nb), lambda i, j: (j, i))]
   # Blackwell's round-to-nearest codes take the packed path
   # (`COLUMNS_WORDS_INTERPRETED`: also interpreted, with software twins).
-  words = ((COLUMNS_WORDS_INTERPRETED if interpret
-            else common.hardware_e2m1()) and not (sr or values_t))
+  words = _columns_words_apply(sr, values_t)
+  if four_over_six and not words:  # `quantize_call` does not send these.
+    raise ValueError("the columns kernel takes Four-over-Six only on its "
+                     "word path (round-to-nearest codes, sm_100a/sm_103a).")
   kernel = functools.partial(
       _columns_kernel, sr=sr, values=values_t, interpret=interpret, tokens=t,
       features=f, words_t=words_t,
-      sign_vector=tuple(sign_vector or default_sign_vector(B)), words=words)
+      sign_vector=tuple(sign_vector or default_sign_vector(B)), words=words,
+      four_over_six=four_over_six)
   name = "nvfp4_quantize_rht_t_columns" + ("_values" if values_t else "")
   out, scales = common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
@@ -527,7 +556,8 @@ def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape)(*args)
   if values_t:
     return NVFP4Values(tile.values_from_pairs(out.reshape(f, t // 2)), amax_t)
-  return NVFP4Array(codes=out.reshape(f, t // 2), scales=scales, amax=amax_t)
+  return NVFP4Array(codes=out.reshape(f, t // 2), scales=scales, amax=amax_t,
+                    four_over_six=four_over_six)
 
 
 def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
@@ -546,11 +576,13 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
   instead of its codes and scales.
   """
   check_size(size, "quantize_rht_t")
-  if _use_columns(config, size == B and not fused_x and not four_over_six_t,
-                  "quantize_rht_t"):
+  fos_columns = _columns_words_apply(key_t is not None, values_t)
+  if _use_columns(config, size == B and not fused_x and (
+      not four_over_six_t or fos_columns), "quantize_rht_t"):
     return _columns_call(x, amax_t=amax_t, key_t=key_t,
                          sign_vector=sign_vector, placement=placement,
-                         values_t=values_t, config=config)
+                         values_t=values_t, config=config,
+                         four_over_six=four_over_six_t)
   interpret = common.check_backend("quantize_rht_t")
   t, f = x.shape
   cfg = config or default_config(t, f, size)
