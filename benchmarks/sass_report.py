@@ -274,6 +274,8 @@ def _cases() -> list[Case]:
   # Four-over-Six's Wgrad operand: the columns kernel where its word path
   # runs (Blackwell), else the tensor-core kernel.
   fos_columns = pr._columns_words_apply(False, False)  # pylint: disable=protected-access
+  fc = pr.columns_config(four_over_six=True)
+  fc_tile = f"{fc.blocks} blocks x {fc.block_features} feat (x16 tok)"
 
   wm, wn, wk = 16, 4096, 4096
   wc = pwo.default_config(wm, wn, wk)
@@ -316,8 +318,8 @@ def _cases() -> list[Case]:
            c_elems),
       Case("rht_t_fos", "nvfp4_quantize_rht_t"
            + ("_columns" if fos_columns else ""),
-           rht_t(four_over_six=True), c_tile if fos_columns else r_tile,
-           c_elems if fos_columns else r_elems),
+           rht_t(four_over_six=True), fc_tile if fos_columns else r_tile,
+           fc.blocks * 16 * fc.block_features if fos_columns else r_elems),
       Case("rht_t_sr", "nvfp4_quantize_rht_t_columns",
            rht_t(rounding="stochastic", key=key(0)), c_tile, c_elems),
       Case("rht_t_sr_values", "nvfp4_quantize_rht_t_columns_values",

@@ -494,7 +494,7 @@ def test_quantize_wide_tiles(block_2d, words, monkeypatch):
 
 
 def _fos_input(rows: int) -> jax.Array:
-  """bf16 `[rows, 544]` (the last 16x512 tile partial along K) with the
+  """bf16 `[rows, 544]` (the last tile partial along K) with the
   special blocks of Four-over-Six's word path: NaN, Inf, zero, subnormal,
   blocks where both candidates are exact (4 and 6 tie: 6 kept) and tiny
   blocks (scales that underflow under a large amax)."""

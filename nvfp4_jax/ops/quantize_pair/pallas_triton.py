@@ -42,7 +42,7 @@ def splits_on_blackwell(dtype, row_rounding: str | None,
   conversion exists (`common.hardware_e2m1`, sm_100a/sm_103a): the 1x16
   quantizer's word path for `x` (codes or block values) and the columns
   kernel's packed path for `rht(x.T)` (bf16 `x`, its codes, 16-point RHT),
-  with or without Four-over-Six (both word paths take it: 24.4 + 29.2
+  with or without Four-over-Six (both word paths take it: 25.6 + 31.6
   SASS per element of `x` where the fused kernel runs 291.8, offline
   `sass_report` for sm_100a, BENCHMARKS.md).
 

@@ -514,12 +514,20 @@ def _columns_amax(x, *, sign_vector, with_x: bool,
       out_shape=[part] * n_out)(x.reshape(blocks, B, f))
 
 
+def columns_config(four_over_six: bool = False) -> ColumnsConfig:
+  """`_columns_call`'s default tile: `ColumnsConfig()`, and 2 blocks per
+  thread for Four-over-Six (sm_100a, offline `sass_report`: 96 registers
+  per thread and 31.6 instructions per element, where 4 blocks take 168
+  registers for 29.2; untimed)."""
+  return ColumnsConfig(blocks=2) if four_over_six else ColumnsConfig()
+
+
 def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
                   config: ColumnsConfig | None, four_over_six: bool = False):
   """`quantize_call` of the Wgrad operand alone by `_columns_kernel`."""
   interpret = common.check_backend("quantize_rht_t")
   t, f = x.shape
-  cfg = config or ColumnsConfig()
+  cfg = config or columns_config(four_over_six)
   nb = min(cfg.blocks, common.next_pow2(t // B))
   bf = max(B, min(cfg.block_features, common.next_pow2(f)))
   sr = key_t is not None
