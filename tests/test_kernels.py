@@ -579,8 +579,9 @@ def test_quantize_four_over_six_words(monkeypatch):
 
 @pytest.mark.slow
 def test_quantize_four_over_six_words_2d_nan_and_values(monkeypatch):
-  """`test_quantize_four_over_six_words` for 16x16 tiles and for codes
-  with block values, with a NaN block (a NaN tile: code 0 there)."""
+  """`test_quantize_four_over_six_words` for 16x16 tiles, for codes with
+  block values and for the values alone, with a NaN block (a NaN tile:
+  code 0 there, NaN values)."""
   if ON_GPU:
     pytest.skip(WORDS_ON_GPU)
   monkeypatch.setattr(pallas_quantize, "WORDS_INTERPRETED", True)
@@ -591,6 +592,22 @@ def test_quantize_four_over_six_words_2d_nan_and_values(monkeypatch):
   assert _check_fos_words(x, True, amaxes, monkeypatch) > 0
   assert _check_fos_words(x, False, amaxes, monkeypatch,
                           with_values=True) > 0
+  # The values alone (`with_codes=False`): the same block values.
+  only = jax.jit(lambda x, a: pallas_quantize.quantize(
+      x, four_over_six=True, amax=a, with_codes=False))
+  ref = jax.jit(lambda x, a: quantize_ref.quantize_reference(
+      x, four_over_six=True, amax=a, with_values=True)[1])
+  assert "u32[32,34,8] = bitcast_convert_type" in str(  # The word path.
+      jax.make_jaxpr(only)(x, amaxes[0]))
+  for amax in amaxes:
+    got, want = only(x, amax), np.asarray(ref(x, amax), np.float32)
+    assert got.four_over_six
+    ok = ~np.isnan(want)
+    assert not ok.all()
+    np.testing.assert_array_equal(
+        np.isnan(np.asarray(got.values, np.float32)), ~ok)
+    np.testing.assert_array_equal(bf16_bits(got.values)[ok],
+                                  bf16_bits(ref(x, amax))[ok])
 
 
 def _blackwell_rtne_pair(monkeypatch, four_over_six=False):
