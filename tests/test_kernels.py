@@ -984,9 +984,10 @@ def _kernel_names(fn, x):
 def test_rht_columns_kernel_is_the_default_where_it_applies(columns,
                                                             monkeypatch):
   """The Wgrad operand alone with 16-point RHT, and every amax pass of it,
-  run the columns kernels; the fused X pair, Four-over-Six, other Hadamard
-  sizes and an `RHTConfig` run the tensor-core ones (as does everything
-  with `COLUMNS` off)."""
+  run the columns kernels; the fused X pair, Four-over-Six (off the word
+  path, which runs on Blackwell only), other Hadamard sizes and an
+  `RHTConfig` run the tensor-core ones (as does everything with `COLUMNS`
+  off)."""
   monkeypatch.setattr(pallas_rht, "COLUMNS", columns)
   x = jnp.ones((64, 64), jnp.bfloat16)
   col = lambda n: n + "_columns" if columns else n

@@ -21,8 +21,9 @@ The tensor-core kernels (`_amax_kernel`, `_quantize_kernel`) transpose a
 tile and multiply it by `H` on the tensor cores. They run the rest: the fused
 pair (`fused_x=True`: the same read of `x` also produces the Fprop operand,
 `x` quantized 1x16 along `features`, TE's fused cast + transpose, whose
-blocks lie along the features), Four-over-Six, 64-point RHT, and any call
-given an `RHTConfig`:
+blocks lie along the features), Four-over-Six (except round-to-nearest
+codes where the columns kernel's word path runs: sm_100a/sm_103a), 64-point
+RHT, and any call given an `RHTConfig`:
 
 1. `_amax_kernel`: each program transforms `amax_steps` tiles in a loop
    (transpose + 16-point Hadamard on the tensor cores), keeps a running
@@ -278,9 +279,9 @@ def _store_operand(refs, as_values: bool, packed, scales, vals, block_dims,
 # reference.
 COLUMNS_WORDS_INTERPRETED = False
 
-# Whether `quantize_call` runs the Wgrad operand alone (16-point RHT, no
-# Four-over-Six) in `_columns_kernel` (benchmarks switch it off to time the
-# tensor-core kernel in the same run).
+# Whether `quantize_call` runs the Wgrad operand alone (16-point RHT;
+# Four-over-Six only on the word path) in `_columns_kernel` (benchmarks
+# switch it off to time the tensor-core kernel in the same run).
 COLUMNS = True
 
 
