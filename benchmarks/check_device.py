@@ -120,6 +120,15 @@ def quantizer_cases(key) -> list[tuple[str, object]]:
           rht_t_api.quantize_rht_t, rounding="stochastic", key=key)),
       ("quantize_pair (dY: SR + RHT)", lambda x: pair_api.quantize_pair(
           x, sr, sr_t, key_row=key, key_t=jax.random.key(8))),
+      # Four-over-Six (Blackwell: the word paths of both kernels).
+      ("quantize 1x16 Four-over-Six", functools.partial(
+          nv.quantize, four_over_six=True)),
+      ("quantize 16x16 Four-over-Six", functools.partial(
+          nv.quantize, block_2d=True, four_over_six=True)),
+      ("quantize_pair (X: RTNE + RHT, Four-over-Six)",
+       lambda x: pair_api.quantize_pair(
+           x, Operand(four_over_six=True),
+           Operand(rht=True, four_over_six=True))),
       ("block_dequantize", lambda x: nv.block_dequantize(nv.quantize(x))),
   ]
 

@@ -227,6 +227,10 @@ def _cases() -> list[Case]:
   wc1 = pq.default_config(n, n, wide=wide)
   wc2 = pq.default_config(n, n, True, wide=wide)
   wcv = pq.default_config(n, n, wide=pq.wide_tiles(False, True, False))
+  # Four-over-Six's round-to-nearest codes (the word path where the E2M1
+  # conversion exists).
+  wf1 = pq.default_config(n, n, wide=pq.wide_tiles(False, False, True))
+  wf2 = pq.default_config(n, n, True, wide=pq.wide_tiles(False, False, True))
   rc = pr.default_config(n, n)
   q_tile = f"{qc.block_rows}x{qc.block_cols}"
   r_tile = f"{rc.block_tokens}x{rc.block_features} (tok x feat)"
@@ -256,15 +260,22 @@ def _cases() -> list[Case]:
   pv = pp.pair_config(n, n, values_x=True)
   pv_tile = f"{pv.block_tokens}x{pv.block_features} (tok x feat)"
 
-  def pair(rounding, config=pc, values_x=False):
+  def pair(rounding, config=pc, values_x=False, fos=False):
     # The fused X/dY kernel itself (`quantize_pair` runs both-SR pairs as
     # two kernels, the rows above), on the pair tiles.
     def fn(x, a):
       k = (lambda i: key(i)) if rounding == "stochastic" else (lambda i: None)
       return pr.quantize_call(x, amax_t=a, key_t=k(1), amax_x=a, key_x=k(0),
                               size=16, sign_vector=None, fused_x=True,
-                              config=config, values_x=values_x)
+                              config=config, values_x=values_x,
+                              four_over_six_t=fos, four_over_six_x=fos)
     return lambda: (fn, (x, amax))
+
+  # Four-over-Six's Wgrad operand: the columns kernel where its word path
+  # runs (Blackwell), else the tensor-core kernel.
+  fos_columns = pr._columns_words_apply(False, False)  # pylint: disable=protected-access
+  fc = pr.columns_config(four_over_six=True)
+  fc_tile = f"{fc.blocks} blocks x {fc.block_features} feat (x16 tok)"
 
   wm, wn, wk = 16, 4096, 4096
   wc = pwo.default_config(wm, wn, wk)
@@ -284,6 +295,13 @@ def _cases() -> list[Case]:
       Case("quantize_2d", "nvfp4_quantize_2d", q(block_2d=True),
            f"{wc2.block_rows}x{wc2.block_cols}",
            wc2.block_rows * wc2.block_cols),
+      Case("quantize_fos", "nvfp4_quantize", q(four_over_six=True),
+           f"{wf1.block_rows}x{wf1.block_cols}",
+           wf1.block_rows * wf1.block_cols),
+      Case("quantize_2d_fos", "nvfp4_quantize_2d",
+           q(block_2d=True, four_over_six=True),
+           f"{wf2.block_rows}x{wf2.block_cols}",
+           wf2.block_rows * wf2.block_cols),
       Case("quantize_values", "nvfp4_quantize", q(with_values=True),
            f"{wcv.block_rows}x{wcv.block_cols}",
            wcv.block_rows * wcv.block_cols),
@@ -298,6 +316,10 @@ def _cases() -> list[Case]:
              with_codes=False), q_tile, qc.block_rows * qc.block_cols),
       Case("rht_t_rtne", "nvfp4_quantize_rht_t_columns", rht_t(), c_tile,
            c_elems),
+      Case("rht_t_fos", "nvfp4_quantize_rht_t"
+           + ("_columns" if fos_columns else ""),
+           rht_t(four_over_six=True), fc_tile if fos_columns else r_tile,
+           fc.blocks * 16 * fc.block_features if fos_columns else r_elems),
       Case("rht_t_sr", "nvfp4_quantize_rht_t_columns",
            rht_t(rounding="stochastic", key=key(0)), c_tile, c_elems),
       Case("rht_t_sr_values", "nvfp4_quantize_rht_t_columns_values",
@@ -307,6 +329,8 @@ def _cases() -> list[Case]:
            rht_t(rc, rounding="stochastic", key=key(0)), r_tile, r_elems),
       Case("pair_rtne", "nvfp4_quantize_x_and_rht_t", pair("nearest"),
            p_tile, p_elems),
+      Case("pair_fos", "nvfp4_quantize_x_and_rht_t",
+           pair("nearest", fos=True), p_tile, p_elems),
       Case("pair_sr", "nvfp4_quantize_x_and_rht_t", pair("stochastic"),
            p_tile, p_elems),
       Case("pair_rtne_values", "nvfp4_quantize_x_and_rht_t_values",

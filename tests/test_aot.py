@@ -523,6 +523,12 @@ def test_round_to_nearest_codes_use_the_e2m1_conversion(monkeypatch, cc, hw,
     # `_encode_codes_cvt_asm`).
     assert ("shf.l.wrap.b32" in rtne) != want
     assert pallas_quantize.wide_tiles(False, False, False) == want
+    # Four-over-Six takes the word path too: both candidates converted,
+    # their codes decoded for the error terms, units by `fma.rm.f32x2`.
+    fos = lower(lambda x: pallas_quantize.quantize(x, four_over_six=True))
+    assert ("fma.rm.f32x2" in fos) == want
+    assert ("cvt.rn.f16x2.e2m1x2" in fos) == want
+    assert not pallas_quantize.wide_tiles(False, False, True)  # 4K tiles.
     two_d = lower(lambda x: pallas_quantize.quantize(x, block_2d=True))
     assert ("testp.notanumber.f32" in two_d) == want
     # The bf16 block values decode the converted codes in hardware too.
@@ -550,7 +556,8 @@ def _triton_or_none():
 
 @pytest.mark.skipif(_triton_or_none() is None, reason="needs triton")
 @pytest.mark.parametrize("kernel", ["quantize_rtne", "quantize_2d",
-                                    "rht_t_rtne"])
+                                    "rht_t_rtne", "quantize_fos",
+                                    "quantize_2d_fos", "rht_t_fos"])
 def test_signed_e2m1_conversion_sees_one_block_per_instance(kernel, tmp_path,
                                                           monkeypatch):
   """The quantize kernels' signed E2M1 conversion tests one element of each
@@ -571,16 +578,20 @@ def test_signed_e2m1_conversion_sees_one_block_per_instance(kernel, tmp_path,
   ttgir = triton.compile(path, target=GPUTarget("cuda", 100, 32), options=dict(
       num_warps=low.num_warps, num_stages=low.num_stages)).asm["ttgir"]
   layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
-  asm = [l for l in ttgir.splitlines() if "cvt.rn.satfinite.e2m1x2" in l]
+  # Four-over-Six's error terms convert too (`common._error_terms_asm`,
+  # no NaN test: a NaN gives NaN terms whatever its code).
+  asm = [l for l in ttgir.splitlines() if "cvt.rn.satfinite.e2m1x2" in l
+         and "0xBC00" not in l]
   # One conversion (the columns kernel: a block's 8 pairs) or one per half
   # block (the quantize kernels' word path: pairs 0-3 and 4-7 of each block
-  # as `[..., 4]` arrays).
-  assert len(asm) in (1, 2), asm
+  # as `[..., 4]` arrays), per Four-over-Six candidate.
+  candidates = 2 if kernel.endswith("_fos") else 1
+  assert len(asm) in (candidates, 2 * candidates), asm
   for line in asm:
     assert "testp.notanumber" in line, line
     shape, name = re.search(r": tensor<([\dx]+)xf32, (#\w+)>[,\s]", line
                             ).groups()
-    assert shape.split("x")[-1] == str(8 // len(asm)), shape
+    assert shape.split("x")[-1] == str(8 * candidates // len(asm)), shape
     layout = layouts[name]
     if layout.startswith("#ttg.linear"):  # Registers' first bases: 1, 2
       # along the last axis (an instance's 4 consecutive registers: 4 pairs

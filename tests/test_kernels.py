@@ -27,6 +27,8 @@ from nvfp4_jax.ops.quantize_rht_t import api as rht_t_api
 from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
 from nvfp4_jax.ops.block_scaled_matmul import reference as gemm_ref
 from nvfp4_jax.ops.quantize import reference as quantize_ref
+from nvfp4_jax.core import hadamard
+from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.core import tile
 from nvfp4_jax.ops.block_values import pallas_triton as pallas_block_dequantize
 from nvfp4_jax.ops.block_scaled_matmul import triton as pallas_gemm
@@ -491,17 +493,160 @@ def test_quantize_wide_tiles(block_2d, words, monkeypatch):
     assert (c_got[nan] == 0).all()
 
 
-def _blackwell_rtne_pair(monkeypatch):
+def _fos_input(rows: int) -> jax.Array:
+  """bf16 `[rows, 544]` (the last tile partial along K) with the
+  special blocks of Four-over-Six's word path: NaN, Inf, zero, subnormal,
+  blocks where both candidates are exact (4 and 6 tie: 6 kept) and tiny
+  blocks (scales that underflow under a large amax)."""
+  x = np.asarray(heavy((rows, 544), jnp.bfloat16, seed=29), np.float32)
+  x[5, 40:56] = 0              # A zero block (a tie at 0).
+  x[7, 70] = -np.inf           # Saturates its block's scale.
+  x[9, 96:112] = 1e-39         # Subnormals: flushed.
+  x[11, 0:16] = 3.0            # Exact in both candidates: a tie.
+  x[12, 16:32] = np.tile([-1.5, 0.0], 8)  # Also exact in both.
+  x[13, 128:144] = 1e-4        # Underflowing scales under amax 1e4.
+  return jnp.asarray(x, jnp.bfloat16)
+
+
+def _ftz_f32(x):
+  return nm.ftz(jnp.asarray(x, jnp.float32))
+
+
+def _check_fos_words(x, block_2d, amaxes, monkeypatch, with_values=False):
+  """The word path's Four-over-Six (`WORDS_INTERPRETED`) against the
+  reference under each tensor amax (a jit argument: XLA folds a constant
+  amax's scale products in another order); returns how many blocks took
+  the 4-candidate."""
+  calls = []
+  choose = common.words_choose_four
+  monkeypatch.setattr(common, "words_choose_four",
+                      lambda *a: calls.append(1) or choose(*a))
+  run = jax.jit(lambda x, a: pallas_quantize.quantize(
+      x, block_2d=block_2d, four_over_six=True, amax=a,
+      with_values=with_values))
+  rows, k = x.shape
+
+  @jax.jit
+  def ref(x, a):
+    """The reference, and the 6-candidate's scales as numbers."""
+    bam = tile.block_amax(_ftz_f32(x).reshape(rows, k // 16, 16), block_2d)
+    s6, _ = nm.nvfp4_scale_constants(a, four_over_six=True)
+    return (quantize_ref.quantize_reference(
+        x, block_2d=block_2d, four_over_six=True, amax=a,
+        with_values=with_values),
+            nm.nvfp4_block_decode_scale(bam, s6).astype(jnp.float32))
+
+  fours = 0
+  for amax in amaxes:
+    got, (want, six) = run(x, amax), ref(x, amax)
+    assert calls  # The word path ran.
+    if with_values:
+      (got, v_got), (want, v_want) = got, want
+      ok = ~np.isnan(np.asarray(v_want, np.float32))
+      np.testing.assert_array_equal(np.isnan(np.asarray(v_got, np.float32)),
+                                    ~ok)
+      np.testing.assert_array_equal(bf16_bits(v_got)[ok],
+                                    bf16_bits(v_want)[ok])
+    s_got, s_want = (np.asarray(jax.lax.bitcast_convert_type(q.scales,
+                                                             jnp.uint8))
+                     for q in (got, want))
+    np.testing.assert_array_equal(s_got, s_want)
+    nan = np.repeat(np.isnan(np.asarray(want.scales, np.float32)), 8, axis=1)
+    c_got, c_want = np.asarray(got.codes), np.asarray(want.codes)
+    np.testing.assert_array_equal(c_got[~nan], c_want[~nan])
+    assert (c_got[nan] == 0).all()
+    # Blocks that took the 4-candidate: scales above the 6-candidate's.
+    fours += int(np.sum(np.asarray(want.scales, np.float32)
+                        > np.asarray(six)))
+  return fours
+
+
+def test_quantize_four_over_six_words(monkeypatch):
+  """Four-over-Six on the 1x16 word path (Blackwell's E2M1 conversion for
+  both candidates, error terms of the decoded codes: `common.
+  words_choose_four`), its assembly replaced by the software twins: the
+  reference's scales and codes, with tensor amaxes that saturate (9),
+  keep (the data's) and underflow (1e4) block scales; both candidates
+  occur."""
+  if ON_GPU:
+    pytest.skip(WORDS_ON_GPU)
+  monkeypatch.setattr(pallas_quantize, "WORDS_INTERPRETED", True)
+  x = _fos_input(16)
+  amax = jnp.float32(np.nanmax(np.abs(np.asarray(x, np.float32))))
+  assert _check_fos_words(x, False, [jnp.float32(9.0), amax,
+                                     jnp.float32(1e4)], monkeypatch) > 0
+
+
+@pytest.mark.slow
+def test_quantize_four_over_six_words_2d_nan_and_values(monkeypatch):
+  """`test_quantize_four_over_six_words` for 16x16 tiles, for codes with
+  block values and for the values alone, with a NaN block (a NaN tile:
+  code 0 there, NaN values)."""
+  if ON_GPU:
+    pytest.skip(WORDS_ON_GPU)
+  monkeypatch.setattr(pallas_quantize, "WORDS_INTERPRETED", True)
+  x = np.asarray(_fos_input(32), np.float32)
+  x[3, 20] = np.nan
+  x = jnp.asarray(x, jnp.bfloat16)
+  amaxes = [jnp.float32(9.0), jnp.float32(1e4)]
+  assert _check_fos_words(x, True, amaxes, monkeypatch) > 0
+  assert _check_fos_words(x, False, amaxes, monkeypatch,
+                          with_values=True) > 0
+  # The values alone (`with_codes=False`): the same block values.
+  only = jax.jit(lambda x, a: pallas_quantize.quantize(
+      x, four_over_six=True, amax=a, with_codes=False))
+  ref = jax.jit(lambda x, a: quantize_ref.quantize_reference(
+      x, four_over_six=True, amax=a, with_values=True)[1])
+  assert "u32[32,34,8] = bitcast_convert_type" in str(  # The word path.
+      jax.make_jaxpr(only)(x, amaxes[0]))
+  for amax in amaxes:
+    got, want = only(x, amax), np.asarray(ref(x, amax), np.float32)
+    assert got.four_over_six
+    ok = ~np.isnan(want)
+    assert not ok.all()
+    np.testing.assert_array_equal(
+        np.isnan(np.asarray(got.values, np.float32)), ~ok)
+    np.testing.assert_array_equal(bf16_bits(got.values)[ok],
+                                  bf16_bits(ref(x, amax))[ok])
+
+
+def _blackwell_rtne_pair(monkeypatch, four_over_six=False):
   if ON_GPU:
     pytest.skip(WORDS_ON_GPU)
   monkeypatch.setattr(common, "hardware_e2m1", lambda: True)
   monkeypatch.setattr(pallas_quantize, "WORDS_INTERPRETED", True)
   monkeypatch.setattr(pallas_rht, "COLUMNS_WORDS_INTERPRETED", True)
   x = rht_input((48, 64), jnp.bfloat16, seed=26)
+  fos = dict(four_over_six=four_over_six)
   fn = lambda x: pair_api.QUANTIZE_PAIR(
-      "pallas", x, Operand(rounding="nearest"),
-      Operand(rounding="nearest", rht=True), key_row=None, key_t=None)
+      "pallas", x, Operand(rounding="nearest", **fos),
+      Operand(rounding="nearest", rht=True, **fos), key_row=None, key_t=None)
   return fn, x
+
+
+def test_four_over_six_pair_splits_on_blackwell(monkeypatch):
+  """A Four-over-Six round-to-nearest pair splits as the plain one
+  (`test_rtne_pair_splits_on_blackwell`): the 1x16 word path and the
+  columns kernel's word path both take Four-over-Six. (Traced only; the
+  pair against the reference: the slow test below.)"""
+  fn, x = _blackwell_rtne_pair(monkeypatch, four_over_six=True)
+  jaxpr = str(jax.make_jaxpr(fn)(x))
+  assert "nvfp4_quantize_x_and_rht_t" not in jaxpr
+  assert "nvfp4_quantize_rht_t_columns" in jaxpr and "u32[48,4,8]" in jaxpr
+
+
+@pytest.mark.slow
+def test_four_over_six_pair_split_on_blackwell_equals_reference(monkeypatch):
+  """The split Four-over-Six pair, both kernels interpreted with their
+  assembly's software twins: the reference's scales and codes."""
+  fn, x = _blackwell_rtne_pair(monkeypatch, four_over_six=True)
+  gx, gt = jax.jit(fn)(x)
+  wx, wt = jit_xla(lambda x, **kw: pair_api.quantize_pair(
+      x, Operand(rounding="nearest", four_over_six=True),
+      Operand(rounding="nearest", rht=True, four_over_six=True), **kw))(x)
+  assert gx.four_over_six and gt.four_over_six
+  assert_same(gx, wx)
+  assert_same(gt, wt)
 
 
 def test_rtne_pair_splits_on_blackwell(monkeypatch):
@@ -690,6 +835,57 @@ def test_rht_columns_words_path(monkeypatch):
   assert (c_got[nan] == 0).all()
 
 
+@pytest.mark.slow
+def test_rht_columns_words_four_over_six(monkeypatch):
+  """Four-over-Six's Wgrad operand in the columns kernel's word path
+  (where that path runs: Blackwell; interpreted here with its assembly's
+  software twins; elsewhere it stays in the tensor-core kernel): the
+  reference's scales and codes (0 in NaN blocks) under tensor amaxes that
+  saturate, keep and underflow block scales; both candidates occur."""
+  if ON_GPU:
+    pytest.skip(WORDS_ON_GPU)
+  monkeypatch.setattr(pallas_rht, "COLUMNS_WORDS_INTERPRETED", True)
+  x = np.asarray(rht_input((48, 24), jnp.bfloat16, seed=30), np.float32)
+  x[3, 5] = np.nan       # Feature 5's first 16-token block: NaN.
+  x[16:32, 9] = 0        # A zero block (a tie).
+  x[40, 11] = np.inf     # Its block saturates.
+  x[0:16, 13] = 1e-39    # Subnormal inputs: flushed.
+  x[32:48, 15] = 2.0     # The RHT of a constant: exact in both, a tie.
+  x = jnp.asarray(x, jnp.bfloat16)
+  cfg = pallas_rht.ColumnsConfig(blocks=2, block_features=16)
+  fn = lambda x, a: pallas_rht.quantize_rht_t(x, config=cfg, amax=a,
+                                               four_over_six=True)
+  assert "nvfp4_quantize_rht_t_columns" in _kernel_names(
+      lambda x: fn(x, jnp.float32(1)), x)
+  run = jax.jit(fn)
+  def reference(x, a):
+    """The reference, and the 6-candidate's scales as numbers."""
+    y = hadamard.rht(x.T, size=16)
+    bam = tile.block_amax(_ftz_f32(y).reshape(24, 3, 16), False)
+    s6, _ = nm.nvfp4_scale_constants(a, four_over_six=True)
+    return (quantize_ref.quantize_reference(y, four_over_six=True, amax=a),
+            nm.nvfp4_block_decode_scale(bam, s6).astype(jnp.float32))
+
+  ref = truth(reference)
+  fours = 0
+  for amax in (jnp.float32(11.0), jnp.float32(60.0), jnp.float32(1e5)):
+    got, (want, six) = run(x, amax), ref(x, amax)
+    assert got.four_over_six
+    s_got, s_want = (np.asarray(jax.lax.bitcast_convert_type(q.scales,
+                                                             jnp.uint8))
+                     for q in (got, want))
+    np.testing.assert_array_equal(s_got, s_want)
+    nan = np.repeat(np.isnan(np.asarray(want.scales, np.float32)), 8, axis=1)
+    assert nan.any() and not nan.all()
+    c_got, c_want = np.asarray(got.codes), np.asarray(want.codes)
+    np.testing.assert_array_equal(c_got[~nan], c_want[~nan])
+    assert (c_got[nan] == 0).all()
+    # Blocks that took the 4-candidate: scales above the 6-candidate's.
+    fours += int(np.sum(np.asarray(want.scales, np.float32)
+                        > np.asarray(six)))
+  assert fours > 0
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu",
                     reason="the packed FP32 and E2M1 assembly runs on the GPU")
 def test_rht_columns_words_path_on_blackwell():
@@ -788,9 +984,10 @@ def _kernel_names(fn, x):
 def test_rht_columns_kernel_is_the_default_where_it_applies(columns,
                                                             monkeypatch):
   """The Wgrad operand alone with 16-point RHT, and every amax pass of it,
-  run the columns kernels; the fused X pair, Four-over-Six, other Hadamard
-  sizes and an `RHTConfig` run the tensor-core ones (as does everything
-  with `COLUMNS` off)."""
+  run the columns kernels; the fused X pair, Four-over-Six (off the word
+  path, which runs on Blackwell only), other Hadamard sizes and an
+  `RHTConfig` run the tensor-core ones (as does everything with `COLUMNS`
+  off)."""
   monkeypatch.setattr(pallas_rht, "COLUMNS", columns)
   x = jnp.ones((64, 64), jnp.bfloat16)
   col = lambda n: n + "_columns" if columns else n

@@ -41,8 +41,10 @@ def splits_on_blackwell(dtype, row_rounding: str | None,
   """Whether a round-to-nearest pair runs as two kernels where the E2M1
   conversion exists (`common.hardware_e2m1`, sm_100a/sm_103a): the 1x16
   quantizer's word path for `x` (codes or block values) and the columns
-  kernel's packed path for `rht(x.T)` (bf16 `x`, its codes, 16-point RHT,
-  no Four-over-Six).
+  kernel's packed path for `rht(x.T)` (bf16 `x`, its codes, 16-point RHT),
+  with or without Four-over-Six (both word paths take it: 25.6 + 31.6
+  SASS per element of `x` where the fused kernel runs 291.8, offline
+  `sass_report` for sm_100a, BENCHMARKS.md).
 
   Together they execute 6.9 + 12.8 = 19.7 SASS instructions per element of
   `x` there (10.3 + 12.8 = 23.1 with `x`'s block values), the fused kernel
@@ -52,8 +54,9 @@ def splits_on_blackwell(dtype, row_rounding: str | None,
   kernel is instruction-bound near 2 (3.6) TB/s of traffic and the two
   kernels are bound by HBM bandwidth instead. Not timed on a Blackwell GPU.
   """
+  del four_over_six  # Both kernels' word paths take it.
   return (row_rounding == "nearest" and t_rounding == "nearest"
-          and dtype == jnp.bfloat16 and rht_size == 16 and not four_over_six
+          and dtype == jnp.bfloat16 and rht_size == 16
           and not values_t and common.hardware_e2m1())
 
 

@@ -21,8 +21,9 @@ The tensor-core kernels (`_amax_kernel`, `_quantize_kernel`) transpose a
 tile and multiply it by `H` on the tensor cores. They run the rest: the fused
 pair (`fused_x=True`: the same read of `x` also produces the Fprop operand,
 `x` quantized 1x16 along `features`, TE's fused cast + transpose, whose
-blocks lie along the features), Four-over-Six, 64-point RHT, and any call
-given an `RHTConfig`:
+blocks lie along the features), Four-over-Six (except round-to-nearest
+codes where the columns kernel's word path runs: sm_100a/sm_103a), 64-point
+RHT, and any call given an `RHTConfig`:
 
 1. `_amax_kernel`: each program transforms `amax_steps` tiles in a loop
    (transpose + 16-point Hadamard on the tensor cores), keeps a running
@@ -278,23 +279,33 @@ def _store_operand(refs, as_values: bool, packed, scales, vals, block_dims,
 # reference.
 COLUMNS_WORDS_INTERPRETED = False
 
-# Whether `quantize_call` runs the Wgrad operand alone (16-point RHT, no
-# Four-over-Six) in `_columns_kernel` (benchmarks switch it off to time the
-# tensor-core kernel in the same run).
+# Whether `quantize_call` runs the Wgrad operand alone (16-point RHT;
+# Four-over-Six only on the word path) in `_columns_kernel` (benchmarks
+# switch it off to time the tensor-core kernel in the same run).
 COLUMNS = True
+
+
+def _columns_words_apply(sr: bool, values: bool) -> bool:
+  """Whether the columns kernel takes `_columns_words` (Blackwell's
+  round-to-nearest codes; `COLUMNS_WORDS_INTERPRETED` where interpreted)."""
+  on = (COLUMNS_WORDS_INTERPRETED if common.backend() == "cpu"
+        else common.hardware_e2m1())
+  return on and not (sr or values)
 
 
 def _use_columns(config, applies: bool, what: str) -> bool:
   """Whether a call runs the columns kernels: where they apply (16-point
-  RHT; the Wgrad operand alone, without Four-over-Six) and `COLUMNS` is on,
+  RHT; the Wgrad operand alone, without Four-over-Six unless its
+  round-to-nearest codes take `_columns_words`) and `COLUMNS` is on,
   unless an `RHTConfig` asks for the tensor-core ones. A `ColumnsConfig`
   anywhere else is an error."""
   applies = applies and COLUMNS
   if isinstance(config, ColumnsConfig) and not applies:
     raise ValueError(
         f"{what}: a ColumnsConfig tiles the columns kernels, which run the "
-        f"Wgrad operand alone with 16-point RHT and no Four-over-Six; this "
-        f"call runs the tensor-core kernels: pass an RHTConfig or None.")
+        f"Wgrad operand alone with 16-point RHT, and Four-over-Six only for "
+        f"round-to-nearest codes on sm_100a/sm_103a; this call runs the "
+        f"tensor-core kernels: pass an RHTConfig or None.")
   return applies and not isinstance(config, RHTConfig)
 
 
@@ -311,7 +322,8 @@ def _tree_stack(parts: list[jax.Array]) -> jax.Array:
 
 def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
                     tokens: int, features: int, words_t: int,
-                    sign_vector: tuple[int, ...], words: bool = False):
+                    sign_vector: tuple[int, ...], words: bool = False,
+                    four_over_six: bool = False):
   """`q(rht(x.T))` of `nb` 16-token blocks x `bf` features, each 16-token
   block in the registers of the thread that owns its feature.
 
@@ -327,7 +339,8 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
   `[bf, nb]`, a transpose of thread-local axes.
 
   With `words` (Blackwell's round-to-nearest codes, `_columns_words`): the
-  same values through packed FP32 instructions and the E2M1 conversion.
+  same values through packed FP32 instructions and the E2M1 conversion,
+  also with `four_over_six` (the only path that takes it).
   """
   refs = list(refs)
   amax_ref = refs.pop(0)
@@ -343,7 +356,8 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
   mask = common.bounds_mask((nb, 1, bf), blk_dim(0), feat_dim(2))
   if words:
     packed, scales = _columns_words(_load_rows(x_ref, 0, mask, nb, bf),
-                                    amax_ref[...], sign_vector, interpret)
+                                    amax_ref[...], sign_vector, interpret,
+                                    four_over_six)
     out = jnp.transpose(packed, (1, 0, 2))
     common.store(out_ref, out, common.bounds_mask(out.shape, feat_dim(0),
                                                   blk_dim(1)))
@@ -378,7 +392,8 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
 
 
 def _columns_words(rows: list[jax.Array], amax: jax.Array,
-                   sign_vector: tuple[int, ...], interpret: bool):
+                   sign_vector: tuple[int, ...], interpret: bool,
+                   four_over_six: bool = False):
   """`_columns_kernel`'s round-to-nearest codes and scales where the E2M1
   conversion exists (`common.hardware_e2m1`), bit for bit its default
   path: the butterfly's FTZ products by `s / 4` and its additions two
@@ -389,7 +404,9 @@ def _columns_words(rows: list[jax.Array], amax: jax.Array,
   magnitude maxima of the 16 rounded values (`common.max_magnitude3`:
   exact, NaN if any is NaN), then the quantize kernel's word path
   (`common.words_encode`: the values are NaN in whole blocks, a NaN
-  anywhere in a block's sums making its amax NaN).
+  anywhere in a block's sums making its amax NaN). With `four_over_six`,
+  the quantize kernel's word-path Four-over-Six: both candidates' codes
+  by the conversion, the choice by `common.words_choose_four`.
 
   Returns `(packed uint8 [nb, bf, 8], scales e4m3 [nb, bf])`.
   """
@@ -410,9 +427,19 @@ def _columns_words(rows: list[jax.Array], amax: jax.Array,
   # The tensor constants as scalars (the maximum of one element): Triton
   # then computes them once, where it recomputes `[1]` tensors (the
   # division included) for each layout they are broadcast to.
-  constants = [jnp.max(c)
-               for c in common.words_scale_constants(amax, interpret)]
-  return common.words_encode(even, odd, bamax, *constants, interpret)
+  constants = [jnp.max(c) for c in common.words_scale_constants(
+      amax, interpret, four_over_six)]
+  if not four_over_six:
+    return common.words_encode(even, odd, bamax, *constants, interpret)
+  (s6, e6), (s4, e4) = (common.words_block_scales(
+      bamax, *constants, interpret, expansion=x) for x in (None, 1.5))
+  four = common.words_choose_four(
+      [(even, odd)], e6, s6.astype(jnp.float32), e4, s4.astype(jnp.float32),
+      False, interpret)
+  packed = jnp.where(four[..., None],
+                     common.scale_encode_codes(even, odd, e4, interpret),
+                     common.scale_encode_codes(even, odd, e6, interpret))
+  return packed, jnp.where(four, s4, s6)
 
 
 def _load_rows(x_ref, blk0, mask, nb: int, bf: int) -> list[jax.Array]:
@@ -488,12 +515,20 @@ def _columns_amax(x, *, sign_vector, with_x: bool,
       out_shape=[part] * n_out)(x.reshape(blocks, B, f))
 
 
+def columns_config(four_over_six: bool = False) -> ColumnsConfig:
+  """`_columns_call`'s default tile: `ColumnsConfig()`, and 2 blocks per
+  thread for Four-over-Six (sm_100a, offline `sass_report`: 96 registers
+  per thread and 31.6 instructions per element, where 4 blocks take 168
+  registers for 29.2; untimed)."""
+  return ColumnsConfig(blocks=2) if four_over_six else ColumnsConfig()
+
+
 def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
-                  config: ColumnsConfig | None):
+                  config: ColumnsConfig | None, four_over_six: bool = False):
   """`quantize_call` of the Wgrad operand alone by `_columns_kernel`."""
   interpret = common.check_backend("quantize_rht_t")
   t, f = x.shape
-  cfg = config or ColumnsConfig()
+  cfg = config or columns_config(four_over_six)
   nb = min(cfg.blocks, common.next_pow2(t // B))
   bf = max(B, min(cfg.block_features, common.next_pow2(f)))
   sr = key_t is not None
@@ -514,12 +549,15 @@ def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
                pl.BlockSpec((bf, nb), lambda i, j: (j, i))]
   # Blackwell's round-to-nearest codes take the packed path
   # (`COLUMNS_WORDS_INTERPRETED`: also interpreted, with software twins).
-  words = ((COLUMNS_WORDS_INTERPRETED if interpret
-            else common.hardware_e2m1()) and not (sr or values_t))
+  words = _columns_words_apply(sr, values_t)
+  if four_over_six and not words:  # `quantize_call` does not send these.
+    raise ValueError("the columns kernel takes Four-over-Six only on its "
+                     "word path (round-to-nearest codes, sm_100a/sm_103a).")
   kernel = functools.partial(
       _columns_kernel, sr=sr, values=values_t, interpret=interpret, tokens=t,
       features=f, words_t=words_t,
-      sign_vector=tuple(sign_vector or default_sign_vector(B)), words=words)
+      sign_vector=tuple(sign_vector or default_sign_vector(B)), words=words,
+      four_over_six=four_over_six)
   name = "nvfp4_quantize_rht_t_columns" + ("_values" if values_t else "")
   out, scales = common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
@@ -527,7 +565,8 @@ def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape)(*args)
   if values_t:
     return NVFP4Values(tile.values_from_pairs(out.reshape(f, t // 2)), amax_t)
-  return NVFP4Array(codes=out.reshape(f, t // 2), scales=scales, amax=amax_t)
+  return NVFP4Array(codes=out.reshape(f, t // 2), scales=scales, amax=amax_t,
+                    four_over_six=four_over_six)
 
 
 def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
@@ -546,11 +585,13 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
   instead of its codes and scales.
   """
   check_size(size, "quantize_rht_t")
-  if _use_columns(config, size == B and not fused_x and not four_over_six_t,
-                  "quantize_rht_t"):
+  fos_columns = _columns_words_apply(key_t is not None, values_t)
+  if _use_columns(config, size == B and not fused_x and (
+      not four_over_six_t or fos_columns), "quantize_rht_t"):
     return _columns_call(x, amax_t=amax_t, key_t=key_t,
                          sign_vector=sign_vector, placement=placement,
-                         values_t=values_t, config=config)
+                         values_t=values_t, config=config,
+                         four_over_six=four_over_six_t)
   interpret = common.check_backend("quantize_rht_t")
   t, f = x.shape
   cfg = config or default_config(t, f, size)
