@@ -46,8 +46,8 @@ def splits_on_blackwell(dtype, row_rounding: str | None,
   SASS per element of `x` where the fused kernel runs 291.8, offline
   `sass_report` for sm_100a, BENCHMARKS.md).
 
-  Together they execute 6.9 + 12.8 = 19.7 SASS instructions per element of
-  `x` there (10.3 + 12.8 = 23.1 with `x`'s block values), the fused kernel
+  Together they execute 6.4 + 11.0 = 17.4 SASS instructions per element of
+  `x` there (7.2 + 11.0 = 18.2 with `x`'s block values), the fused kernel
   50.8 (39.8) (BENCHMARKS.md, offline `sass_report` for sm_100a), for one
   more read of `x` (2 bytes per element on top of ~3.1, or ~4.6): at
   B200's instruction rate (148 SMs, 4 warp schedulers each) the fused
