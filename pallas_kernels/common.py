@@ -884,6 +884,14 @@ def pallas_call(kernel, *, interpret: bool, num_warps: int, num_stages: int,
 
   @functools.wraps(call)
   def run(*args):
+    if interpret:
+      # Interpreted, the kernel is XLA operations: a compile-time constant
+      # operand (an amax given as a literal) would be folded into them, and
+      # XLA reassociates products of constants (`(b * c1) * c2` as
+      # `b * (c1 * c2)`: Four-over-Six's 4-candidate scale off by an E4M3
+      # step). Compiled, a kernel's operands are opaque; so here too.
+      args = tuple(jax.lax.optimization_barrier(a) if jnp.size(a) <= 16
+                   else a for a in args)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not any(t == jax.sharding.AxisType.Explicit
                              for t in mesh.axis_types):

@@ -106,6 +106,20 @@ def test_kernel_matches_reference(shape, dtype, block_2d, rounding):
                  np.float32))
 
 
+def test_kernel_with_a_constant_amax_matches_reference():
+  """The tensor amax given as a literal inside `jax.jit`: the interpreted
+  kernel's operands are kept from XLA's constant folding (as a compiled
+  kernel's are opaque), which would otherwise reassociate the
+  4-candidate's `(block amax * S_enc / 6) * 1.5` into `block amax *
+  (S_enc / 6 * 1.5)`: 11 of 512 block scales one E4M3 step off here."""
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 256)) * 3,
+                  jnp.bfloat16)
+  f = lambda impl: jax.jit(lambda x: nv.quantize(
+      x, four_over_six=True, amax=jnp.float32(9.0),
+      implementation=impl))(x)
+  assert_same(f("pallas"), f("xla"))
+
+
 def test_2d_tiles_transpose_and_dequantize_with_1536():
   w = heavy((64, 96), seed=3)
   quantize = jax.jit(functools.partial(nv.quantize, block_2d=True,
