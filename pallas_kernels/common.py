@@ -605,6 +605,18 @@ def _scale_encode_cvt_asm() -> str:
 _SCALE_ENCODE_CVT_ASM = _scale_encode_cvt_asm()
 
 
+def _decode_pair_ptx(code: str, k: int) -> list[str]:
+  """PTX lines decoding the two E2M1 codes of byte register `code` into
+  bf16 value pair `$k` under the f16 scale `dh` (registers `h`, `he`,
+  `ho`, `e`, `o`): `cvt.rn.f16x2.e2m1x2`, each code value times `dh` by an
+  exact mixed-precision FMA with -0, one `cvt.rn.bf16x2.f32` (exact: see
+  `_words_values_asm`)."""
+  return [f"cvt.rn.f16x2.e2m1x2 h, {code};", "mov.b32 {he, ho}, h;",
+          "fma.rn.f32.f16 e, he, dh, 0f80000000;",
+          "fma.rn.f32.f16 o, ho, dh, 0f80000000;",
+          f"cvt.rn.bf16x2.f32 ${k}, o, e;"]
+
+
 def _scale_values_cvt_asm() -> str:
   """`_scale_encode_cvt_asm`'s products and conversions, each pair's codes
   then decoded to its bf16 block values as `_words_values_asm` does, in
@@ -624,10 +636,7 @@ def _scale_values_cvt_asm() -> str:
              "mul.rn.ftz.f32x2 x, x, ee;",
              "mov.b64 {e, o}, x;",
              "cvt.rn.satfinite.e2m1x2.f32 b, o, e;",
-             "cvt.rn.f16x2.e2m1x2 h, b;", "mov.b32 {he, ho}, h;",
-             "fma.rn.f32.f16 e, he, dh, 0f80000000;",
-             "fma.rn.f32.f16 o, ho, dh, 0f80000000;",
-             f"cvt.rn.bf16x2.f32 ${k}, o, e;"]
+             *_decode_pair_ptx("b", k)]
   return ("{\n.reg .b32 e, o, h;\n.reg .b64 x, ee;\n.reg .b16 he, ho, dh;\n"
           ".reg .b8 b;\nmov.b64 ee, {$12, $12};\ncvt.rn.f16.f32 dh, $16;\n"
           + "\n".join(body) + "\n}")
@@ -1201,10 +1210,7 @@ def _words_values_asm() -> str:
   NaN `d` (a NaN block) gives NaN values."""
   body = ["mov.b32 {c0, c1, c2, c3}, $4;", "cvt.rn.f16.f32 dh, $5;"]
   for k in range(4):
-    body += [f"cvt.rn.f16x2.e2m1x2 h, c{k};", "mov.b32 {he, ho}, h;",
-             "fma.rn.f32.f16 e, he, dh, 0f80000000;",
-             "fma.rn.f32.f16 o, ho, dh, 0f80000000;",
-             f"cvt.rn.bf16x2.f32 ${k}, o, e;"]
+    body += _decode_pair_ptx(f"c{k}", k)
   return ("{\n.reg .b32 h, e, o;\n.reg .b16 he, ho, dh;\n"
           ".reg .b8 c0, c1, c2, c3;\n"
           + "\n".join(body) + "\n}")

@@ -735,6 +735,20 @@ def _same_grouped(got, want, what):
     assert diff == 0, f"{what}: {diff} {field} differ"
 
 
+def _whole_and_token_split(f, m, x, w, dy):
+  """`f(x, w, dy)` with the Pallas kernels, jitted whole and under plain
+  `jax.jit` shardings (auto mode) with `x` and `dy` split along the tokens
+  over `("batch", "fsdp")`: `(whole result, split result, the compiled
+  split program)`."""
+  tok, rep = (NamedSharding(m, P(("batch", "fsdp"), None)),
+              NamedSharding(m, P()))
+  with nv.default_implementation("pallas"):
+    want = jax.jit(f)(x, w, dy)
+    compiled = jax.jit(f, in_shardings=(tok, rep, tok)).lower(
+        x, w, dy).compile()
+    return want, compiled(x, w, dy), compiled
+
+
 def check_auto_moe_quick(backward=False):
   """`nv.ragged_dot` (the NVFP4 recipe: SR on dY, RHT'd Wgrad operands,
   16x16 expert tiles) in auto mode with the Pallas quantizers (interpreted
@@ -763,13 +777,7 @@ def check_auto_moe_quick(backward=False):
     return (y, _wgrad_operands(x, dy, gs, recipe, key), *vjp(dy))
   m = jax.make_mesh((4, 2), ("batch", "fsdp"),
                     axis_types=(AxisType.Auto,) * 2)
-  tok, rep = (NamedSharding(m, P(("batch", "fsdp"), None)),
-              NamedSharding(m, P()))
-  with nv.default_implementation("pallas"):
-    want = jax.jit(f)(x, w, dy)
-    compiled = jax.jit(f, in_shardings=(tok, rep, tok)).lower(
-        x, w, dy).compile()
-    got = compiled(x, w, dy)
+  want, got, compiled = _whole_and_token_split(f, m, x, w, dy)
   diff = int(np.sum(np.asarray(got[0]) != np.asarray(want[0])))
   assert diff == 0, f"auto ragged_dot y: {diff} elements differ"
   for what, g, r in zip(("dy", "x") if not backward else ("x", "dy"),
@@ -926,13 +934,7 @@ def _check_auto_mx(m):
     y, vjp = jax.vjp(lambda x, w: nv.ragged_dot(
         x, w, gs, recipe="mxfp4", key=key, align="assume"), x, w)
     return (y, vjp(dy)[0])
-  tok, rep = (NamedSharding(m, P(("batch", "fsdp"), None)),
-              NamedSharding(m, P()))
-  with nv.default_implementation("pallas"):
-    want = jax.jit(f)(x, w, dy)
-    compiled = jax.jit(f, in_shardings=(tok, rep, tok)).lower(
-        x, w, dy).compile()
-    got = compiled(x, w, dy)
+  want, got, compiled = _whole_and_token_split(f, m, x, w, dy)
   for what, g, r in zip(("y", "dx"), got, want):
     diff = int(np.sum(np.asarray(g) != np.asarray(r)))
     assert diff == 0, f"auto mxfp4 ragged_dot {what}: {diff} elements differ"

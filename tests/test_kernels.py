@@ -453,6 +453,21 @@ def test_quantize_small_tiles_many_grid_steps(block_2d, rounding):
   np.testing.assert_array_equal(bf16_bits(vals), bf16_bits(block_values(got)))
 
 
+def word_codes_outside_nan_blocks(got, want):
+  """The word paths' check against the reference: the same scale bytes, the
+  same codes outside NaN blocks. Returns the NaN blocks' element mask and
+  both codes (inside NaN blocks the reference's are 0 or 8, the word
+  path's 0: the GPU's canonical NaN)."""
+  s_got, s_want = (np.asarray(jax.lax.bitcast_convert_type(q.scales,
+                                                           jnp.uint8))
+                   for q in (got, want))
+  np.testing.assert_array_equal(s_got, s_want)
+  nan = np.repeat(np.isnan(np.asarray(want.scales, np.float32)), 8, axis=1)
+  c_got, c_want = np.asarray(got.codes), np.asarray(want.codes)
+  np.testing.assert_array_equal(c_got[~nan], c_want[~nan])
+  return nan, c_got, c_want
+
+
 @pytest.mark.parametrize("block_2d, words", [(False, False), (False, True),
                                              (True, True)])
 def test_quantize_wide_tiles(block_2d, words, monkeypatch):
@@ -480,14 +495,8 @@ def test_quantize_wide_tiles(block_2d, words, monkeypatch):
   got = jax.jit(fn)(x)
   want = jax.jit(lambda x: quantize_ref.quantize_reference(
       x, block_2d=block_2d, amax=jnp.float32(9.0)))(x)
-  s_got, s_want = (np.asarray(jax.lax.bitcast_convert_type(q.scales,
-                                                           jnp.uint8))
-                   for q in (got, want))
-  np.testing.assert_array_equal(s_got, s_want)
-  nan = np.repeat(np.isnan(np.asarray(want.scales, np.float32)), 8, axis=1)
+  nan, c_got, c_want = word_codes_outside_nan_blocks(got, want)
   assert nan.any()
-  c_got, c_want = np.asarray(got.codes), np.asarray(want.codes)
-  np.testing.assert_array_equal(c_got[~nan], c_want[~nan])
   assert ((c_want[nan] & 0x77) == 0).all()
   if words:
     assert (c_got[nan] == 0).all()
@@ -547,13 +556,7 @@ def _check_fos_words(x, block_2d, amaxes, monkeypatch, with_values=False):
                                     ~ok)
       np.testing.assert_array_equal(bf16_bits(v_got)[ok],
                                     bf16_bits(v_want)[ok])
-    s_got, s_want = (np.asarray(jax.lax.bitcast_convert_type(q.scales,
-                                                             jnp.uint8))
-                     for q in (got, want))
-    np.testing.assert_array_equal(s_got, s_want)
-    nan = np.repeat(np.isnan(np.asarray(want.scales, np.float32)), 8, axis=1)
-    c_got, c_want = np.asarray(got.codes), np.asarray(want.codes)
-    np.testing.assert_array_equal(c_got[~nan], c_want[~nan])
+    nan, c_got, _ = word_codes_outside_nan_blocks(got, want)
     assert (c_got[nan] == 0).all()
     # Blocks that took the 4-candidate: scales above the 6-candidate's.
     fours += int(np.sum(np.asarray(want.scales, np.float32)
@@ -702,12 +705,7 @@ def test_quantize_words_values(monkeypatch):
   assert "u32[16,10,8]" in str(jax.make_jaxpr(fn)(x))  # The word path.
   got, vals = jax.jit(fn)(x)
   want = jit_ref(amax=amax)(x)
-  np.testing.assert_array_equal(
-      np.asarray(jax.lax.bitcast_convert_type(got.scales, jnp.uint8)),
-      np.asarray(jax.lax.bitcast_convert_type(want.scales, jnp.uint8)))
-  nan = np.repeat(np.isnan(np.asarray(want.scales, np.float32)), 8, axis=1)
-  c_got, c_want = np.asarray(got.codes), np.asarray(want.codes)
-  np.testing.assert_array_equal(c_got[~nan], c_want[~nan])
+  word_codes_outside_nan_blocks(got, want)
   v_want = np.asarray(block_values(want), np.float32)
   v_got = np.asarray(vals, np.float32)
   assert np.isnan(v_want).any()
@@ -824,14 +822,8 @@ def test_rht_columns_words_path(monkeypatch):
                                                     amax=amax))(x)
   assert calls  # The path ran.
   want = jit_xla(rht_t_api.quantize_rht_t, amax=amax)(x)
-  s_got, s_want = (np.asarray(jax.lax.bitcast_convert_type(q.scales,
-                                                           jnp.uint8))
-                   for q in (got, want))
-  np.testing.assert_array_equal(s_got, s_want)
-  nan = np.repeat(np.isnan(np.asarray(want.scales, np.float32)), 8, axis=1)
+  nan, c_got, _ = word_codes_outside_nan_blocks(got, want)
   assert nan.any() and not nan.all()
-  c_got, c_want = np.asarray(got.codes), np.asarray(want.codes)
-  np.testing.assert_array_equal(c_got[~nan], c_want[~nan])
   assert (c_got[nan] == 0).all()
 
 
@@ -871,14 +863,8 @@ def test_rht_columns_words_four_over_six(monkeypatch):
   for amax in (jnp.float32(11.0), jnp.float32(60.0), jnp.float32(1e5)):
     got, (want, six) = run(x, amax), ref(x, amax)
     assert got.four_over_six
-    s_got, s_want = (np.asarray(jax.lax.bitcast_convert_type(q.scales,
-                                                             jnp.uint8))
-                     for q in (got, want))
-    np.testing.assert_array_equal(s_got, s_want)
-    nan = np.repeat(np.isnan(np.asarray(want.scales, np.float32)), 8, axis=1)
+    nan, c_got, _ = word_codes_outside_nan_blocks(got, want)
     assert nan.any() and not nan.all()
-    c_got, c_want = np.asarray(got.codes), np.asarray(want.codes)
-    np.testing.assert_array_equal(c_got[~nan], c_want[~nan])
     assert (c_got[nan] == 0).all()
     # Blocks that took the 4-candidate: scales above the 6-candidate's.
     fours += int(np.sum(np.asarray(want.scales, np.float32)
@@ -908,13 +894,7 @@ def test_rht_columns_words_path_on_blackwell():
   amax = jnp.float32(13.0)
   got = jax.jit(lambda x: pallas_rht.quantize_rht_t(x, amax=amax))(x)
   want = jit_xla(rht_t_api.quantize_rht_t, amax=amax)(x)
-  s_got, s_want = (np.asarray(jax.lax.bitcast_convert_type(q.scales,
-                                                           jnp.uint8))
-                   for q in (got, want))
-  np.testing.assert_array_equal(s_got, s_want)
-  nan = np.repeat(np.isnan(np.asarray(want.scales, np.float32)), 8, axis=1)
-  c_got, c_want = np.asarray(got.codes), np.asarray(want.codes)
-  np.testing.assert_array_equal(c_got[~nan], c_want[~nan])
+  nan, c_got, _ = word_codes_outside_nan_blocks(got, want)
   assert (c_got[nan] == 0).all()
 
 
