@@ -181,15 +181,23 @@ def busy_and_span(intervals):
   return f(intervals)
 
 
+CHILD_TIMEOUT_S = 600.0
+
+
 def _run(cfg: Config, cache_dir: str, env: dict,
          variants: dict | None = None) -> dict:
   payload = json.dumps({"cfg": dataclasses.asdict(cfg), "cache": cache_dir})
   if cfg.variant:
     env = dict(env, XLA_FLAGS=(env.get("XLA_FLAGS", "") + " "
                                + (variants or {})[cfg.variant]).strip())
-  out = subprocess.run(
-      [sys.executable, "-m", "benchmarks.bench_scaling", "--child", payload],
-      capture_output=True, text=True, check=False, env=env)
+  try:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_scaling", "--child", payload],
+        capture_output=True, text=True, check=False, env=env,
+        timeout=CHILD_TIMEOUT_S)
+  except subprocess.TimeoutExpired as e:
+    raise RuntimeError(f"{cfg.label} did not finish in {CHILD_TIMEOUT_S} s "
+                       "(a hang?)") from e
   if out.returncode:
     raise RuntimeError(f"{cfg.label} failed:\n{out.stderr[-3000:]}")
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -213,7 +221,9 @@ def configs(a) -> list[Config]:
         c = Config(preset, prec, b, s, mesh, a.warmup, a.steps,
                    a.profile if mesh not in ("", "data=1") or
                    a.profile_baseline else 0)
-        out.append(c)
+        if not (a.variants_only and a.variant
+                and mesh not in ("", "data=1")):
+          out.append(c)
         if mesh not in ("", "data=1"):
           out += [dataclasses.replace(c, variant=v) for v in variants(a)]
   return out
@@ -278,6 +288,11 @@ def main(argv=None):
                  "temporary directory)")
   p.add_argument("--xla-flags", default="",
                  help="appended to XLA_FLAGS in every process")
+  p.add_argument("--variants-only", action="store_true",
+                 help="time the meshes only with the --variant flags "
+                      "(the baselines still run without them)")
+  p.add_argument("--child-timeout-s", type=float, default=600,
+                 help="stop a process that runs longer (a hang)")
   p.add_argument("--variant", action="append", default=[],
                  help="NAME=FLAGS (repeatable): also time every mesh "
                  "configuration with these XLA flags added (labelled "
@@ -289,6 +304,8 @@ def main(argv=None):
     d = json.loads(a.child)
     print(json.dumps(_child(Config(**d["cfg"]), d["cache"])))
     return
+  global CHILD_TIMEOUT_S
+  CHILD_TIMEOUT_S = a.child_timeout_s
   start = time.perf_counter()
   env = dict(os.environ)
   # NVLink multicast stays off on the lent machines (shared GPUs).
