@@ -1179,6 +1179,51 @@ def words_block_scales(bamax: jax.Array, s_enc_over_6: jax.Array,
   return scales, enc
 
 
+# E4M3 codes: every block decode scale a kernel can write is one of them.
+E4M3_CODES = 256
+
+
+def encode_scale_table(inv_s_enc: jax.Array) -> jax.Array:
+  """The block encode scale of each E4M3 decode-scale code under the
+  tensor constant `inv_s_enc` (FP32 `[256]`, entry `k` for the code with
+  bits `k`): `numerics.nvfp4_block_encode_scale` of the codes' FP32
+  values, the reference's own steps (outside a kernel, its correctly
+  rounded division on every backend). A block's encode scale depends on
+  nothing but its decode scale's code and `inv_s_enc`, so a kernel that
+  looks it up (`words_block_scales_table`) gets the reference's bits for
+  every input, with no reciprocal of its own; the NaN codes (0x7F, 0xFF)
+  give NaN."""
+  codes = jax.lax.bitcast_convert_type(
+      jnp.arange(E4M3_CODES, dtype=jnp.uint8), jnp.float8_e4m3fn)
+  return nm.nvfp4_block_encode_scale(
+      codes.astype(jnp.float32), jnp.asarray(inv_s_enc, jnp.float32))
+
+
+def words_block_scales_table(bamax: jax.Array, s_enc_over_6: jax.Array,
+                             table_ref, expansion: float | None = None
+                             ) -> tuple[jax.Array, jax.Array]:
+  """`words_block_scales` with the encode scales looked up in
+  `table_ref` (`encode_scale_table(inv_s_enc)`, a `[256]` FP32 ref) at
+  the decode scales' bits: the same `(scales, encode scales)`, bit for
+  bit (the table's entries are the reference's for each code; the
+  gather's index is a byte, inside the table)."""
+  scales = nm.nvfp4_block_decode_scale(bamax, s_enc_over_6,
+                                       expansion=expansion)
+  code = jax.lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
+  return scales, _gather_by_thread(table_ref, code)
+
+
+def _gather_by_thread(ref, idx: jax.Array) -> jax.Array:
+  """`ref[idx]`, the index split by halving its last axis down to arrays
+  of one element per thread (whose gathers Triton lays out as they are),
+  the results stacked back (`jnp.stack` pairs)."""
+  if idx.shape[-1] % 2 or idx.shape[-1] <= 32:
+    return ref[idx.reshape(-1)].reshape(idx.shape)
+  e, o = jnp.unstack(idx.reshape(*idx.shape[:-1], -1, 2), axis=-1)
+  ge, go = _gather_by_thread(ref, e), _gather_by_thread(ref, o)
+  return jnp.stack([ge, go], axis=-1).reshape(idx.shape)
+
+
 def words_encode_values(even: jax.Array, odd: jax.Array, bamax: jax.Array,
                         s_enc_over_6: jax.Array, inv_s_enc: jax.Array,
                         interpret: bool):

@@ -343,7 +343,10 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
   also with `four_over_six` (the only path that takes it).
   """
   refs = list(refs)
+  # The word path's tensor constant `S_enc / 6` and encode-scale table
+  # (`common.encode_scale_table`), else the amax.
   amax_ref = refs.pop(0)
+  table_ref = refs.pop(0) if words else None
   seeds_ref = refs.pop(0) if sr else None
   origin_ref = refs.pop(0) if sr else None
   x_ref = refs.pop(0)
@@ -356,7 +359,8 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
   mask = common.bounds_mask((nb, 1, bf), blk_dim(0), feat_dim(2))
   if words:
     packed, scales = _columns_words(_load_rows(x_ref, 0, mask, nb, bf),
-                                    amax_ref[...], sign_vector, interpret,
+                                    amax_ref, table_ref, sign_vector,
+                                    interpret,
                                     four_over_six)
     out = jnp.transpose(packed, (1, 0, 2))
     common.store(out_ref, out, common.bounds_mask(out.shape, feat_dim(0),
@@ -391,7 +395,7 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
       (bf, nb), feat_dim(0), blk_dim(1)))
 
 
-def _columns_words(rows: list[jax.Array], amax: jax.Array,
+def _columns_words(rows: list[jax.Array], amax, table,
                    sign_vector: tuple[int, ...], interpret: bool,
                    four_over_six: bool = False):
   """`_columns_kernel`'s round-to-nearest codes and scales where the E2M1
@@ -424,15 +428,12 @@ def _columns_words(rows: list[jax.Array], amax: jax.Array,
   bamax = mx(m[0], m[1], m[1])  # Three sources: no sign to clear.
   even = _tree_stack(z[0::2])
   odd = _tree_stack(z[1::2])
-  # The tensor constants as scalars (the maximum of one element): Triton
-  # then computes them once, where it recomputes `[1]` tensors (the
-  # division included) for each layout they are broadcast to.
-  constants = [jnp.max(c) for c in common.words_scale_constants(
-      amax, interpret, four_over_six)]
+  s_enc_over_6 = amax[0]
   if not four_over_six:
-    return common.words_encode(even, odd, bamax, *constants, interpret)
-  (s6, e6), (s4, e4) = (common.words_block_scales(
-      bamax, *constants, interpret, expansion=x) for x in (None, 1.5))
+    scales, enc = common.words_block_scales_table(bamax, s_enc_over_6, table)
+    return common.scale_encode_codes(even, odd, enc, interpret), scales
+  (s6, e6), (s4, e4) = (common.words_block_scales_table(
+      bamax, s_enc_over_6, table, expansion=x) for x in (None, 1.5))
   four = common.words_choose_four(
       [(even, odd)], e6, s6.astype(jnp.float32), e4, s4.astype(jnp.float32),
       False, interpret)
@@ -532,8 +533,18 @@ def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
   nb = min(cfg.blocks, common.next_pow2(t // B))
   bf = max(B, min(cfg.block_features, common.next_pow2(f)))
   sr = key_t is not None
-  args = [jnp.reshape(amax_t, (1,)).astype(jnp.float32)]
-  in_specs = [common.scalar_spec(1)]
+  # Blackwell's round-to-nearest codes take the packed path
+  # (`COLUMNS_WORDS_INTERPRETED`: also interpreted, with software twins).
+  words = _columns_words_apply(sr, values_t)
+  if words:
+    s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
+        jnp.asarray(amax_t, jnp.float32), four_over_six=four_over_six)
+    args = [jnp.reshape(s_enc_over_6, (1,)),
+            common.encode_scale_table(inv_s_enc)]
+    in_specs = [common.scalar_spec(1), common.scalar_spec(common.E4M3_CODES)]
+  else:
+    args = [jnp.reshape(amax_t, (1,)).astype(jnp.float32)]
+    in_specs = [common.scalar_spec(1)]
   origin_t, words_t = prng.stream_origin(
       None if placement is None else placement.T, t)
   if sr:
@@ -547,9 +558,6 @@ def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
                jax.ShapeDtypeStruct((f, t // B), jnp.float8_e4m3fn)]
   out_specs = [pl.BlockSpec((bf, nb, n), lambda i, j: (j, i, 0)),
                pl.BlockSpec((bf, nb), lambda i, j: (j, i))]
-  # Blackwell's round-to-nearest codes take the packed path
-  # (`COLUMNS_WORDS_INTERPRETED`: also interpreted, with software twins).
-  words = _columns_words_apply(sr, values_t)
   if four_over_six and not words:  # `quantize_call` does not send these.
     raise ValueError("the columns kernel takes Four-over-Six only on its "
                      "word path (round-to-nearest codes, sm_100a/sm_103a).")
