@@ -620,6 +620,38 @@ def test_signed_e2m1_conversion_sees_one_block_per_instance(kernel, tmp_path,
     assert int(per_thread.group(1).split(",")[-1]) % 4 == 0, layout
 
 
+@pytest.mark.skipif(_triton_or_none() is None, reason="needs triton")
+def test_rht_columns_words_row_loads_share_one_base_address(tmp_path,
+                                                            monkeypatch):
+  """The columns kernel's word path (sm_100a) computes one 64-bit address
+  per thread for its 16 row loads, the others that address plus a
+  constant (`pallas_triton._bounded`: its index maps see the program ids
+  bounded by the grid, so LLVM proves the 32-bit offsets' sums in range);
+  with unbounded ids each load sign-extends and adds its own offset. Read
+  from the PTX Triton 3.6 compiles the kernel's TTIR to (no GPU)."""
+  import os  # pylint: disable=g-import-not-at-top
+  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+  from benchmarks import sass_report  # pylint: disable=g-import-not-at-top
+  triton = _triton_or_none()
+  monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+  case = next(c for c in sass_report.cases_for((10, 0))
+              if c.name == "rht_t_rtne")
+  low = sass_report.lower_case(case, (10, 0))
+  path = os.path.join(tmp_path, "k.ttir")
+  with open(path, "w") as f:
+    f.write(low.ttir)
+  ptx = triton.compile(path, target=GPUTarget("cuda", 100, 32), options=dict(
+      num_warps=low.num_warps, num_stages=low.num_stages)).asm["ptx"]
+  rows = re.findall(r"ld\.global\.v4\.b32 \{[^}]*\}, \[ (%rd\d+) \+ 0 \]",
+                    ptx)
+  assert len(rows) == 16, rows  # 8 features per thread: 16-byte rows.
+  roots = set()
+  for reg in rows:
+    derived = re.search(rf"add\.s64\s+{reg}, (%rd\d+), \d+;", ptx)
+    roots.add(derived.group(1) if derived else reg)
+  assert len(roots) == 1, roots
+
+
 # --- Native FP4 plans: the weight quantized as it is stored -------------------
 
 
