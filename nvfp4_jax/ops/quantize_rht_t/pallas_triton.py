@@ -346,7 +346,7 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
   # The word path's tensor constant `S_enc / 6` and encode-scale table
   # (`common.encode_scale_table`), else the amax.
   amax_ref = refs.pop(0)
-  table_ref = refs.pop(0) if words else None
+  table_ref = refs.pop(0) if words and not four_over_six else None
   seeds_ref = refs.pop(0) if sr else None
   origin_ref = refs.pop(0) if sr else None
   x_ref = refs.pop(0)
@@ -437,8 +437,12 @@ def _columns_words(rows: list[jax.Array], amax, table,
     scales, enc = common.words_block_scales_table(bamax, s_enc_over_6, table,
                                                    interpret)
     return common.scale_encode_words(even, odd, enc, interpret), scales
-  (s6, e6), (s4, e4) = (common.words_block_scales_table(
-      bamax, s_enc_over_6, table, interpret, expansion=x) for x in (None, 1.5))
+  # Four-over-Six: both constants given (`amax[1]` is `1 / S_enc`), each
+  # candidate's reciprocal in the kernel (`rcp.rn.ftz`; two table
+  # lookups per block compile to more instructions here).
+  (s6, e6), (s4, e4) = (common.words_block_scales(
+      bamax, s_enc_over_6, amax[1], interpret, expansion=x)
+      for x in (None, 1.5))
   four = common.words_choose_four(
       [(even, odd)], e6, s6.astype(jnp.float32), e4, s4.astype(jnp.float32),
       False, interpret)
@@ -525,8 +529,8 @@ def columns_config(four_over_six: bool = False,
                    words: bool = False) -> ColumnsConfig:
   """`_columns_call`'s default tile: `ColumnsConfig()`; 2 blocks per
   thread for Four-over-Six (sm_100a, offline `sass_report`: 96 registers
-  per thread and 31.6 instructions per element, where 4 blocks take 168
-  registers for 29.2; untimed); 256 features for the round-to-nearest
+  per thread and 29.4 instructions per element, where 4 blocks take 168
+  registers for 28.0; untimed); 256 features for the round-to-nearest
   codes of the word path (`words`; 8 features per thread, 16-byte row
   loads: 8.1 instructions per element at 120 registers, where 128
   features give 9.0 at 72; 8 blocks of 256 features 7.9 at 150; untimed)."""
@@ -565,9 +569,14 @@ def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
   if words:
     s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
         jnp.asarray(amax_t, jnp.float32), four_over_six=four_over_six)
-    args = [jnp.reshape(s_enc_over_6, (1,)),
-            common.encode_scale_table(inv_s_enc)]
-    in_specs = [common.scalar_spec(1), common.scalar_spec(common.E4M3_CODES)]
+    if four_over_six:
+      args = [jnp.stack([s_enc_over_6, inv_s_enc])]
+      in_specs = [common.scalar_spec(2)]
+    else:
+      args = [jnp.reshape(s_enc_over_6, (1,)),
+              common.encode_scale_table(inv_s_enc)]
+      in_specs = [common.scalar_spec(1),
+                  common.scalar_spec(common.E4M3_CODES)]
   else:
     args = [jnp.reshape(amax_t, (1,)).astype(jnp.float32)]
     in_specs = [common.scalar_spec(1)]
