@@ -340,7 +340,11 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
 
   With `words` (Blackwell's round-to-nearest codes, `_columns_words`): the
   same values through packed FP32 instructions and the E2M1 conversion,
-  also with `four_over_six` (the only path that takes it).
+  also with `four_over_six` (the only path that takes it); the tensor
+  constants and the encode-scale table come from the wrapper
+  (`_columns_call`), the codes are stored as `[bf, 2 nb]` uint32 words
+  (except with `four_over_six`), and the index maps see bounded program
+  ids (`_bounded`).
   """
   refs = list(refs)
   # The word path's tensor constant `S_enc / 6` and encode-scale table
@@ -410,13 +414,20 @@ def _columns_words(rows: list[jax.Array], amax, table,
   to bf16, widened back in the same conversion
   (`common.round_bf16_widened`), the block amax a tree of three-input
   magnitude maxima of the 16 rounded values (`common.max_magnitude3`:
-  exact, NaN if any is NaN), then the quantize kernel's word path
-  (`common.words_encode`: the values are NaN in whole blocks, a NaN
-  anywhere in a block's sums making its amax NaN). With `four_over_six`,
-  the quantize kernel's word-path Four-over-Six: both candidates' codes
-  by the conversion, the choice by `common.words_choose_four`.
+  exact, NaN if any is NaN), then the word encoder (the values are NaN in
+  whole blocks, a NaN anywhere in a block's sums making its amax NaN):
+  the decode scales' E4M3 bytes (`common.e4m3_codes`), each block's
+  encode scale looked up by its byte in the wrapper's table (`table`,
+  `common.encode_scale_table`: no reciprocal in the kernel) and the
+  codes as uint32 words (`common.scale_encode_words`). `amax` is the
+  wrapper's constants ref: `[S_enc / 6]`, and `[S_enc / 6, 1 / S_enc]`
+  with `four_over_six`, which takes the quantize kernel's word-path
+  Four-over-Six (`common.words_block_scales` per candidate, both
+  candidates' codes by the conversion, the choice by
+  `common.words_choose_four`).
 
-  Returns `(packed uint8 [nb, bf, 8], scales e4m3 [nb, bf])`.
+  Returns `(words uint32 [nb, bf, 2], scales e4m3 [nb, bf])`, or with
+  `four_over_six` `(packed uint8 [nb, bf, 8], scales)`.
   """
   mul = lambda v, c: common.mul_ftz_const_x2(interpret, c)(v)
   sums = tile.hadamard_butterfly(
