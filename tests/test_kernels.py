@@ -888,6 +888,22 @@ def test_rht_columns_words_constants_are_the_kernels(four_over_six):
   assert _same_bits(np.asarray(table)[~edge], want[~edge])
 
 
+@pytest.mark.parametrize("expansion", [None, 1.5])
+def test_e4m3_codes_are_the_decode_scales_bits(expansion):
+  """`common.e4m3_codes` (the word path's scale bytes, the table's index)
+  interpreted: the bits of `numerics.nvfp4_block_decode_scale`, for block
+  amaxes over every exponent (zero, subnormal, saturating, infinite, NaN)
+  under a tensor constant that keeps, rounds and saturates them; the
+  GPU's assembly converts with the instruction the cast lowers to."""
+  bamax = jnp.asarray(np.abs(_amax_sweep()))
+  s6 = jnp.float32(0.37)
+  got = common.e4m3_codes(bamax * s6, expansion, True)
+  want = nm.nvfp4_block_decode_scale(bamax, s6, expansion=expansion)
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(
+      np.asarray(got), np.asarray(want.view(jnp.uint8)).astype(np.int32))
+
+
 def test_rht_columns_words_bounded_index_maps_are_the_index_maps():
   """`_bounded` (the word path's BlockSpec index maps) changes no block
   index of a program id inside its grid."""
