@@ -578,7 +578,7 @@ def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
   nb = min(cfg.blocks, common.next_pow2(t // B))
   bf = max(B, min(cfg.block_features, common.next_pow2(f)))
   if words:
-    a = jnp.asarray(amax_t, jnp.float32)
+    a = jnp.reshape(jnp.asarray(amax_t, jnp.float32), ())
     if interpret:  # As `common.pallas_call` keeps the kernels' operands:
       a = jax.lax.optimization_barrier(a)  # computed, not constant-folded.
     s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
