@@ -276,6 +276,9 @@ def _cases() -> list[Case]:
   fos_columns = pr._columns_words_apply(False, False)  # pylint: disable=protected-access
   fc = pr.columns_config(four_over_six=True)
   fc_tile = f"{fc.blocks} blocks x {fc.block_features} feat (x16 tok)"
+  # Round-to-nearest codes: the word path's tile where it runs.
+  rw = pr.columns_config(words=fos_columns)
+  rw_tile = f"{rw.blocks} blocks x {rw.block_features} feat (x16 tok)"
 
   wm, wn, wk = 16, 4096, 4096
   wc = pwo.default_config(wm, wn, wk)
@@ -314,8 +317,8 @@ def _cases() -> list[Case]:
       Case("quantize_sr_values", "nvfp4_quantize_values",  # dY's Dgrad op.
            q(rounding="stochastic", key=key(0), with_values=True,
              with_codes=False), q_tile, qc.block_rows * qc.block_cols),
-      Case("rht_t_rtne", "nvfp4_quantize_rht_t_columns", rht_t(), c_tile,
-           c_elems),
+      Case("rht_t_rtne", "nvfp4_quantize_rht_t_columns", rht_t(), rw_tile,
+           rw.blocks * 16 * rw.block_features),
       Case("rht_t_fos", "nvfp4_quantize_rht_t"
            + ("_columns" if fos_columns else ""),
            rht_t(four_over_six=True), fc_tile if fos_columns else r_tile,

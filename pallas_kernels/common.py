@@ -574,7 +574,8 @@ def widen_words(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   return f(w << 16), f(w & jnp.uint32(0xFFFF0000))
 
 
-def _scale_encode_cvt_asm() -> str:
+def _scale_encode_cvt_asm(nan_test: str = "testp.notanumber.f32 nan, $9;"
+                          ) -> str:
   """`mul.ftz.f32` of 4 pairs by their block's encode scale (`$9`), two
   products per `mul.ftz.f32x2` (Blackwell's packed FP32: per lane the same
   IEEE multiplication, flushing subnormal inputs and results, PTX ISA
@@ -598,11 +599,17 @@ def _scale_encode_cvt_asm() -> str:
   body += ["mov.b32 acc, {b0, b1, b2, b3};", "selp.b32 $0, 0, acc, nan;"]
   return ("{\n.reg .b32 acc, e, o;\n.reg .b64 x, ee;\n"
           ".reg .b8 b0, b1, b2, b3;\n.reg .pred nan;\n"
-          "mov.b64 ee, {$9, $9};\ntestp.notanumber.f32 nan, $9;\n"
+          "mov.b64 ee, {$9, $9};\n" + nan_test + "\n"
           + "\n".join(body) + "\n}")
 
 
 _SCALE_ENCODE_CVT_ASM = _scale_encode_cvt_asm()
+# The same with the NaN test as a floating-point comparison of the encode
+# scale with itself (PTX ISA `setp`: `.nan` is true iff either operand is
+# NaN; `testp.notanumber` is true iff its operand is NaN: the same
+# predicate), which ptxas emits as one FSETP where `testp` takes an
+# integer mask and compare.
+_SCALE_ENCODE_CVT_SETP_ASM = _scale_encode_cvt_asm("setp.nan.f32 nan, $9, $9;")
 
 
 def _decode_pair_ptx(code: str, k: int) -> list[str]:
@@ -670,6 +677,43 @@ def scale_encode_codes(xe: jax.Array, xo: jax.Array, enc: jax.Array,
       constraints="=r," + ",".join(["f"] * 12), pack=4,
       result_shape_dtypes=[jax.ShapeDtypeStruct(xe.shape, jnp.int8)])
   return jax.lax.bitcast_convert_type(packed, jnp.uint8)
+
+
+def scale_encode_words(xe: jax.Array, xo: jax.Array, enc: jax.Array,
+                       interpret: bool) -> jax.Array:
+  """`scale_encode_codes` as uint32 words `[..., n / 4]` (word `j`: the
+  codes of pairs `4j .. 4j + 3`, pair `4j + k` in byte `k`, i.e. the same
+  bytes in memory order), for a kernel that stores words: one assembly
+  instance per word (`_SCALE_ENCODE_CVT_SETP_ASM`, the NaN test as
+  `setp.nan`), its 4 pairs taken as 8 arrays `[..., n / 4]` split from
+  the pairs' axis (in a thread's registers where the axis is). Interpreted,
+  the same split arrays into the assembly's software twin (per pair the
+  FTZ product, `numerics.e2m1_encode_nearest`, code 0 for NaN, as
+  `scale_encode_codes`'), so the split is checked off the GPU too."""
+  n = xe.shape[-1]
+
+  def quarters(x):  # x[..., 4j + k], k = 0 .. 3, each [..., n / 4].
+    a, b = jnp.unstack(x.reshape(*x.shape[:-1], n // 4, 2, 2), axis=-1)
+    # a[..., j, h] = x[..., 4j + 2h], b[..., j, h] = x[..., 4j + 2h + 1].
+    a0, a1 = jnp.unstack(a, axis=-1)
+    b0, b1 = jnp.unstack(b, axis=-1)
+    return [a0, b0, a1, b1]
+  eb = jnp.broadcast_to(enc[..., None], (*enc.shape, n // 4))
+  args = quarters(xe) + quarters(xo) + [eb]
+  if interpret:
+    def code(x):
+      y = nm.ftz(x) * eb
+      return jnp.where(jnp.isnan(y), jnp.uint32(0),
+                       nm.e2m1_encode_nearest(y).astype(jnp.uint32))
+    words = jnp.zeros(eb.shape, jnp.uint32)
+    for k in range(4):
+      words |= (code(args[k]) | (code(args[4 + k]) << 4)) << (8 * k)
+    return words
+  [words] = plt.elementwise_inline_asm(
+      _SCALE_ENCODE_CVT_SETP_ASM, args=args,
+      constraints="=r," + ",".join(["f"] * 9), pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(eb.shape, jnp.int32)])
+  return jax.lax.bitcast_convert_type(words, jnp.uint32)
 
 
 def scale_encode_values(xe: jax.Array, xo: jax.Array, enc: jax.Array,
@@ -1177,6 +1221,89 @@ def words_block_scales(bamax: jax.Array, s_enc_over_6: jax.Array,
   enc = flushed_reciprocal(interpret)(scales.astype(jnp.float32) * inv_s_enc)
   enc = jnp.where(enc > nm.F32_MAX, jnp.float32(nm.F32_MAX), enc)
   return scales, enc
+
+
+# E4M3 codes: every block decode scale a kernel can write is one of them.
+E4M3_CODES = 256
+
+
+def encode_scale_table(inv_s_enc: jax.Array) -> jax.Array:
+  """The block encode scale of each E4M3 decode-scale code under the
+  tensor constant `inv_s_enc` (FP32 `[256]`, entry `k` for the code with
+  bits `k`): `numerics.nvfp4_block_encode_scale` of the codes' FP32
+  values, the reference's own steps (outside a kernel, its correctly
+  rounded division on every backend). A block's encode scale depends on
+  nothing but its decode scale's code and `inv_s_enc`, so a kernel that
+  looks it up (`words_block_scales_table`) gets the reference's bits for
+  every input, with no reciprocal of its own; the NaN codes (0x7F, 0xFF)
+  give NaN."""
+  codes = jax.lax.bitcast_convert_type(
+      jnp.arange(E4M3_CODES, dtype=jnp.uint8), jnp.float8_e4m3fn)
+  return nm.nvfp4_block_encode_scale(
+      codes.astype(jnp.float32), jnp.asarray(inv_s_enc, jnp.float32))
+
+
+def words_block_scales_table(bamax: jax.Array, s_enc_over_6: jax.Array,
+                             table_ref, interpret: bool,
+                             expansion: float | None = None
+                             ) -> tuple[jax.Array, jax.Array]:
+  """`words_block_scales` with the encode scales looked up in
+  `table_ref` (`encode_scale_table(inv_s_enc)`, a `[256]` FP32 ref) at
+  the decode scales' bits: the same `(scales, encode scales)`, bit for
+  bit (the table's entries are the reference's for each code; the
+  gather's index is a byte, inside the table)."""
+  code = e4m3_codes(bamax.astype(jnp.float32) * s_enc_over_6, expansion,
+                    interpret)
+  scales = jax.lax.bitcast_convert_type(code.astype(jnp.uint8),
+                                        jnp.float8_e4m3fn)
+  return scales, _gather_by_thread(table_ref, code)
+
+
+# The E4M3 bytes of two FP32 values (`$2`: byte 0 -> `$0`, `$3`: byte 1
+# -> `$1`), each zero-extended to 32 bits: one `cvt.rn.satfinite.e4m3x2.f32`
+# (Triton's own conversion of FP32 to float8_e4m3fn; `$2` to the lower
+# byte) and a `prmt` per byte (PTX ISA `prmt`: selector 0x4440 takes byte
+# 0 of `w`, then byte 4, i.e. byte 0 of the zero operand, thrice; 0x4441:
+# byte 1 of `w`).
+_E4M3_CODES_ASM = """{
+.reg .b16 h, z;
+.reg .b32 w;
+cvt.rn.satfinite.e4m3x2.f32 h, $3, $2;
+mov.b16 z, 0;
+mov.b32 w, {h, z};
+prmt.b32 $0, w, 0, 0x4440;
+prmt.b32 $1, w, 0, 0x4441;
+}"""
+
+
+def e4m3_codes(d: jax.Array, expansion: float | None,
+               interpret: bool) -> jax.Array:
+  """The bits of `numerics.nvfp4_block_decode_scale`'s E4M3 scales from
+  the products `d = block_amax * s_enc_over_6`, as int32 (0 .. 255): its
+  `expansion` and clamp, then on the GPU `_E4M3_CODES_ASM` (the conversion
+  the cast lowers to, each element on its own: which two an instance
+  takes does not matter), the bytes ready for a table index; interpreted,
+  the cast's bits."""
+  if expansion is not None:
+    d = d * jnp.float32(expansion)
+  d = jnp.where(d > nm.E4M3_MAX, jnp.float32(nm.E4M3_MAX), d)
+  if interpret:
+    return jax.lax.bitcast_convert_type(d.astype(jnp.float8_e4m3fn),
+                                        jnp.uint8).astype(jnp.int32)
+  return plt.elementwise_inline_asm(
+      _E4M3_CODES_ASM, args=[d], constraints="=r,=r,f,f", pack=2,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(d.shape, jnp.int32)])[0]
+
+
+def _gather_by_thread(ref, idx: jax.Array) -> jax.Array:
+  """`ref[idx]`, the index split by halving its last axis down to arrays
+  of one element per thread (whose gathers Triton lays out as they are),
+  the results stacked back (`jnp.stack` pairs)."""
+  if idx.shape[-1] % 2 or idx.shape[-1] <= 32:
+    return ref[idx.reshape(-1)].reshape(idx.shape)
+  e, o = jnp.unstack(idx.reshape(*idx.shape[:-1], -1, 2), axis=-1)
+  ge, go = _gather_by_thread(ref, e), _gather_by_thread(ref, o)
+  return jnp.stack([ge, go], axis=-1).reshape(idx.shape)
 
 
 def words_encode_values(even: jax.Array, odd: jax.Array, bamax: jax.Array,

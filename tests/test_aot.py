@@ -542,7 +542,12 @@ def test_round_to_nearest_codes_use_the_e2m1_conversion(monkeypatch, cc, hw,
     from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pallas_rht  # pylint: disable=g-import-not-at-top
     rht = lower(lambda x: pallas_rht.quantize_rht_t(x, amax=jnp.float32(1)))
     assert ("add.rn.f32x2" in rht) == want
-    assert ("testp.notanumber.f32" in rht) == want
+    # Its codes as words (`common.scale_encode_words`: the NaN test by
+    # `setp.nan`), the encode scales looked up in the wrapper's table: no
+    # division or reciprocal in the kernel.
+    assert ("setp.nan.f32" in rht) == want
+    if want:
+      assert "div.rn.f32" not in rht and "rcp.rn" not in rht
 
 
 def _triton_or_none():
@@ -588,6 +593,15 @@ def test_signed_e2m1_conversion_sees_one_block_per_instance(kernel, tmp_path,
   candidates = 2 if kernel.endswith("_fos") else 1
   assert len(asm) in (candidates, 2 * candidates), asm
   for line in asm:
+    if "packed_element = 1 " in line:
+      # `common.scale_encode_words` (the columns kernel's codes): one
+      # instance per word, its 4 pairs 8 arrays split from one block's
+      # pairs (one block per instance by construction; the split is
+      # checked interpreted by tests/test_kernels.py's
+      # test_rht_columns_words_path), 2 words per block.
+      assert "setp.nan.f32" in line, line
+      assert re.search(r": tensor<[\dx]+x2xf32, #\w+>[,\s]", line), line
+      continue
     assert "testp.notanumber" in line, line
     shape, name = re.search(r": tensor<([\dx]+)xf32, (#\w+)>[,\s]", line
                             ).groups()
@@ -604,6 +618,38 @@ def test_signed_e2m1_conversion_sees_one_block_per_instance(kernel, tmp_path,
       continue
     per_thread = re.search(r"sizePerThread = \[([\d, ]+)\]", layout)
     assert int(per_thread.group(1).split(",")[-1]) % 4 == 0, layout
+
+
+@pytest.mark.skipif(_triton_or_none() is None, reason="needs triton")
+def test_rht_columns_words_row_loads_share_one_base_address(tmp_path,
+                                                            monkeypatch):
+  """The columns kernel's word path (sm_100a) computes one 64-bit address
+  per thread for its 16 row loads, the others that address plus a
+  constant (`pallas_triton._bounded`: its index maps see the program ids
+  bounded by the grid, so LLVM proves the 32-bit offsets' sums in range);
+  with unbounded ids each load sign-extends and adds its own offset. Read
+  from the PTX Triton 3.6 compiles the kernel's TTIR to (no GPU)."""
+  import os  # pylint: disable=g-import-not-at-top
+  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+  from benchmarks import sass_report  # pylint: disable=g-import-not-at-top
+  triton = _triton_or_none()
+  monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+  case = next(c for c in sass_report.cases_for((10, 0))
+              if c.name == "rht_t_rtne")
+  low = sass_report.lower_case(case, (10, 0))
+  path = os.path.join(tmp_path, "k.ttir")
+  with open(path, "w") as f:
+    f.write(low.ttir)
+  ptx = triton.compile(path, target=GPUTarget("cuda", 100, 32), options=dict(
+      num_warps=low.num_warps, num_stages=low.num_stages)).asm["ptx"]
+  rows = re.findall(r"ld\.global\.v4\.b32 \{[^}]*\}, \[ (%rd\d+) \+ 0 \]",
+                    ptx)
+  assert len(rows) == 16, rows  # 8 features per thread: 16-byte rows.
+  roots = set()
+  for reg in rows:
+    derived = re.search(rf"add\.s64\s+{reg}, (%rd\d+), \d+;", ptx)
+    roots.add(derived.group(1) if derived else reg)
+  assert len(roots) == 1, roots
 
 
 # --- Native FP4 plans: the weight quantized as it is stored -------------------

@@ -795,6 +795,126 @@ def test_rht_columns_small_tiles_many_grid_steps(rounding):
   assert f32_bits(vals.amax) == f32_bits(got.amax)
 
 
+def _amax_sweep() -> np.ndarray:
+  """Positive FP32 amaxes over every exponent (zero, subnormals, the
+  saturating and overflowing ends, infinity, NaN), 4 significands each."""
+  bits = (np.arange(256, dtype=np.uint32)[:, None] << 23) | np.array(
+      [0, 1, 0x2AAAAA, 0x7FFFFF], np.uint32)
+  return bits.reshape(-1).view(np.float32)
+
+
+def _ieee(fn):
+  """`fn` in NumPy FP32 arithmetic (IEEE, subnormals kept: the GPU's
+  `div.rn`, `rcp.rn`, `mul.rn` without `.ftz`), warnings off."""
+  with np.errstate(all="ignore"):
+    return fn()
+
+
+def _ftz(x: np.ndarray) -> np.ndarray:
+  return np.where(np.abs(x) < np.float32(nm.F32_TINY), x * np.float32(0), x)
+
+
+def _same_bits(a, b) -> bool:
+  """Equal bit patterns, NaNs as one (the kernel only tests for NaN)."""
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  nan = np.isnan(a)
+  return bool((nan == np.isnan(b)).all()
+              and (a.view(np.uint32) == b.view(np.uint32))[~nan].all())
+
+
+@pytest.mark.parametrize("four_over_six", [False, True])
+def test_rht_columns_words_constants_are_the_kernels(four_over_six):
+  """The columns word path's tensor constant `S_enc / 6` and encode-scale
+  table, computed by the wrapper (`_columns_call`: `numerics.
+  nvfp4_scale_constants`, `common.encode_scale_table`), are bit for bit
+  what the kernel computed before from the amax, for amaxes over every
+  exponent and all 256 E4M3 codes:
+
+  - interpreted (XLA:CPU): its software twins, `common.
+    words_scale_constants` and `words_block_scales`;
+  - on the GPU: `div.rn`, `rcp.rn` (IEEE, subnormals kept; modelled in
+    NumPy FP32), the flush, then per block `rcp.rn.ftz` of the decoded
+    scale times `1 / S_enc`, clamped to F32_MAX; against the wrapper's GPU
+    branch (`div_rn`), run here on the CPU. Subnormal amaxes are left out
+    of this one: XLA:CPU reads them as zero in `amax == 0` (S_enc 1),
+    XLA:GPU and the kernel do not (2688 / amax overflows: both F32_MAX).
+  """
+  amax = _amax_sweep()
+  run = lambda divide: jax.jit(lambda a: nm.nvfp4_scale_constants(
+      a, divide=divide, four_over_six=four_over_six))(amax)
+  twin = jax.jit(lambda a: common.words_scale_constants(
+      a, True, four_over_six))(amax)
+  for got, want in zip(run(nm.divide), twin):
+    assert _same_bits(got, want)
+  num = np.float32(nm.FOUR_OVER_SIX_NUMERATOR if four_over_six
+                   else nm.E4M3_MAX_X_E2M1_MAX)
+  f32_max = np.float32(nm.F32_MAX)
+
+  def kernel_constants():
+    s = num / amax
+    s = np.where(s > f32_max, f32_max, s)
+    s = np.where((amax == 0) | (s == 0), np.float32(1), s)
+    return s * np.float32(1.0 / nm.E2M1_MAX), _ftz(np.float32(1) / s)
+  normal = ~((amax > 0) & (amax < np.float32(nm.F32_TINY)))
+  for got, want in zip(run(nm.div_rn), _ieee(kernel_constants)):
+    assert _same_bits(np.asarray(got)[normal], want[normal])
+  # The table, one row per tensor constant (entry k: E4M3 bits k).
+  inv = np.asarray(twin[1])[::7]
+  code = jnp.arange(256, dtype=jnp.uint8)
+  d = np.asarray(code.view(jnp.float8_e4m3fn).astype(jnp.float32))
+
+  def kernel_table():
+    e = np.float32(1) / _ftz(d[None, :] * inv[:, None])
+    return np.where(e > f32_max, f32_max, e)
+  table = jax.jit(jax.vmap(common.encode_scale_table))(inv)
+  assert np.isnan(np.asarray(table)[:, [0x7F, 0xFF]]).all()
+  # The interpreted kernel's own reciprocal path, per code (the codes of
+  # positive scales: its block amaxes are magnitudes).
+  _, enc = jax.jit(jax.vmap(lambda c: common.words_block_scales(
+      jnp.asarray(d), jnp.float32(1), c, True)))(inv)
+  positive = ~np.signbit(d) & ~np.isnan(d)
+  assert _same_bits(np.asarray(table)[:, positive],
+                    np.asarray(enc)[:, positive])
+  # The GPU: IEEE products, of which XLA:CPU flushes those whose exact
+  # value lies below 2^-126 and rounds up to it (left out here; the GPU's
+  # `mul.rn.f32` and XLA:GPU keep them, as NumPy).
+  exact = d[None, :].astype(np.float64) * inv[:, None]
+  edge = (np.abs(exact) < nm.F32_TINY) & (
+      np.abs(exact.astype(np.float32)) == np.float32(nm.F32_TINY))
+  want = _ieee(kernel_table)
+  gpu_branch = jax.jit(lambda c: nm.nvfp4_block_encode_scale(
+      jnp.asarray(d)[None, :], c[:, None], divide=nm.div_rn))(inv)
+  assert _same_bits(np.asarray(gpu_branch)[~edge], want[~edge])
+  assert _same_bits(np.asarray(table)[~edge], want[~edge])
+
+
+@pytest.mark.parametrize("expansion", [None, 1.5])
+def test_e4m3_codes_are_the_decode_scales_bits(expansion):
+  """`common.e4m3_codes` (the word path's scale bytes, the table's index)
+  interpreted: the bits of `numerics.nvfp4_block_decode_scale`, for block
+  amaxes over every exponent (zero, subnormal, saturating, infinite, NaN)
+  under a tensor constant that keeps, rounds and saturates them; the
+  GPU's assembly converts with the instruction the cast lowers to."""
+  bamax = jnp.asarray(np.abs(_amax_sweep()))
+  s6 = jnp.float32(0.37)
+  got = common.e4m3_codes(bamax * s6, expansion, True)
+  want = nm.nvfp4_block_decode_scale(bamax, s6, expansion=expansion)
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(
+      np.asarray(got), np.asarray(want.view(jnp.uint8)).astype(np.int32))
+
+
+def test_rht_columns_words_bounded_index_maps_are_the_index_maps():
+  """`_bounded` (the word path's BlockSpec index maps) changes no block
+  index of a program id inside its grid."""
+  fn = lambda i, j: (j, i, 0)
+  grid = (5, 3)
+  for i in range(grid[0]):
+    for j in range(grid[1]):
+      got = pallas_rht._bounded(grid)(fn)(jnp.int32(i), jnp.int32(j))
+      assert tuple(int(v) for v in got) == fn(i, j)
+
+
 def test_rht_columns_words_path(monkeypatch):
   """The columns kernel's path of Blackwell's round-to-nearest codes
   (`_columns_words`: packed FP32 butterfly, bf16-pair rounding and block

@@ -340,10 +340,17 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
 
   With `words` (Blackwell's round-to-nearest codes, `_columns_words`): the
   same values through packed FP32 instructions and the E2M1 conversion,
-  also with `four_over_six` (the only path that takes it).
+  also with `four_over_six` (the only path that takes it); the tensor
+  constants and the encode-scale table come from the wrapper
+  (`_columns_call`), the codes are stored as `[bf, 2 nb]` uint32 words
+  (except with `four_over_six`), and the index maps see bounded program
+  ids (`_bounded`).
   """
   refs = list(refs)
+  # The word path's tensor constant `S_enc / 6` and encode-scale table
+  # (`common.encode_scale_table`), else the amax.
   amax_ref = refs.pop(0)
+  table_ref = refs.pop(0) if words and not four_over_six else None
   seeds_ref = refs.pop(0) if sr else None
   origin_ref = refs.pop(0) if sr else None
   x_ref = refs.pop(0)
@@ -356,11 +363,16 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
   mask = common.bounds_mask((nb, 1, bf), blk_dim(0), feat_dim(2))
   if words:
     packed, scales = _columns_words(_load_rows(x_ref, 0, mask, nb, bf),
-                                    amax_ref[...], sign_vector, interpret,
+                                    amax_ref, table_ref, sign_vector,
+                                    interpret,
                                     four_over_six)
     out = jnp.transpose(packed, (1, 0, 2))
-    common.store(out_ref, out, common.bounds_mask(out.shape, feat_dim(0),
-                                                  blk_dim(1)))
+    if not four_over_six:  # uint32 words, 2 per block: `[bf, 2 nb]`.
+      out = out.reshape(bf, 2 * nb)
+      dims = (feat_dim(0), (1, 2 * i * nb, 2 * blocks, 2 * nb))
+    else:
+      dims = (feat_dim(0), blk_dim(1))
+    common.store(out_ref, out, common.bounds_mask(out.shape, *dims))
     common.store(scales_ref, scales.T, common.bounds_mask(
         (bf, nb), feat_dim(0), blk_dim(1)))
     return
@@ -391,7 +403,7 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
       (bf, nb), feat_dim(0), blk_dim(1)))
 
 
-def _columns_words(rows: list[jax.Array], amax: jax.Array,
+def _columns_words(rows: list[jax.Array], amax, table,
                    sign_vector: tuple[int, ...], interpret: bool,
                    four_over_six: bool = False):
   """`_columns_kernel`'s round-to-nearest codes and scales where the E2M1
@@ -402,13 +414,20 @@ def _columns_words(rows: list[jax.Array], amax: jax.Array,
   to bf16, widened back in the same conversion
   (`common.round_bf16_widened`), the block amax a tree of three-input
   magnitude maxima of the 16 rounded values (`common.max_magnitude3`:
-  exact, NaN if any is NaN), then the quantize kernel's word path
-  (`common.words_encode`: the values are NaN in whole blocks, a NaN
-  anywhere in a block's sums making its amax NaN). With `four_over_six`,
-  the quantize kernel's word-path Four-over-Six: both candidates' codes
-  by the conversion, the choice by `common.words_choose_four`.
+  exact, NaN if any is NaN), then the word encoder (the values are NaN in
+  whole blocks, a NaN anywhere in a block's sums making its amax NaN):
+  the decode scales' E4M3 bytes (`common.e4m3_codes`), each block's
+  encode scale looked up by its byte in the wrapper's table (`table`,
+  `common.encode_scale_table`: no reciprocal in the kernel) and the
+  codes as uint32 words (`common.scale_encode_words`). `amax` is the
+  wrapper's constants ref: `[S_enc / 6]`, and `[S_enc / 6, 1 / S_enc]`
+  with `four_over_six`, which takes the quantize kernel's word-path
+  Four-over-Six (`common.words_block_scales` per candidate, both
+  candidates' codes by the conversion, the choice by
+  `common.words_choose_four`).
 
-  Returns `(packed uint8 [nb, bf, 8], scales e4m3 [nb, bf])`.
+  Returns `(words uint32 [nb, bf, 2], scales e4m3 [nb, bf])`, or with
+  `four_over_six` `(packed uint8 [nb, bf, 8], scales)`.
   """
   mul = lambda v, c: common.mul_ftz_const_x2(interpret, c)(v)
   sums = tile.hadamard_butterfly(
@@ -424,15 +443,17 @@ def _columns_words(rows: list[jax.Array], amax: jax.Array,
   bamax = mx(m[0], m[1], m[1])  # Three sources: no sign to clear.
   even = _tree_stack(z[0::2])
   odd = _tree_stack(z[1::2])
-  # The tensor constants as scalars (the maximum of one element): Triton
-  # then computes them once, where it recomputes `[1]` tensors (the
-  # division included) for each layout they are broadcast to.
-  constants = [jnp.max(c) for c in common.words_scale_constants(
-      amax, interpret, four_over_six)]
+  s_enc_over_6 = amax[0]
   if not four_over_six:
-    return common.words_encode(even, odd, bamax, *constants, interpret)
+    scales, enc = common.words_block_scales_table(bamax, s_enc_over_6, table,
+                                                   interpret)
+    return common.scale_encode_words(even, odd, enc, interpret), scales
+  # Four-over-Six: both constants given (`amax[1]` is `1 / S_enc`), each
+  # candidate's reciprocal in the kernel (`rcp.rn.ftz`; two table
+  # lookups per block compile to more instructions here).
   (s6, e6), (s4, e4) = (common.words_block_scales(
-      bamax, *constants, interpret, expansion=x) for x in (None, 1.5))
+      bamax, s_enc_over_6, amax[1], interpret, expansion=x)
+      for x in (None, 1.5))
   four = common.words_choose_four(
       [(even, odd)], e6, s6.astype(jnp.float32), e4, s4.astype(jnp.float32),
       False, interpret)
@@ -515,12 +536,33 @@ def _columns_amax(x, *, sign_vector, with_x: bool,
       out_shape=[part] * n_out)(x.reshape(blocks, B, f))
 
 
-def columns_config(four_over_six: bool = False) -> ColumnsConfig:
-  """`_columns_call`'s default tile: `ColumnsConfig()`, and 2 blocks per
+def columns_config(four_over_six: bool = False,
+                   words: bool = False) -> ColumnsConfig:
+  """`_columns_call`'s default tile: `ColumnsConfig()`; 2 blocks per
   thread for Four-over-Six (sm_100a, offline `sass_report`: 96 registers
-  per thread and 31.6 instructions per element, where 4 blocks take 168
-  registers for 29.2; untimed)."""
-  return ColumnsConfig(blocks=2) if four_over_six else ColumnsConfig()
+  per thread and 29.4 instructions per element, where 4 blocks take 168
+  registers for 28.0; untimed); 256 features for the round-to-nearest
+  codes of the word path (`words`; 8 features per thread, 16-byte row
+  loads: 8.1 instructions per element at 120 registers, where 128
+  features give 9.0 at 72; 8 blocks of 256 features 7.9 at 150; untimed)."""
+  if four_over_six:
+    return ColumnsConfig(blocks=2)
+  return ColumnsConfig(block_features=256) if words else ColumnsConfig()
+
+
+def _bounded(grid: tuple[int, ...]):
+  """Wraps a BlockSpec index map so that it sees each program id bounded
+  by its grid dimension (`min(id, dim - 1)`: the id itself, as every id
+  is below its dimension). The bound gives LLVM the offsets' ranges: it
+  then proves that their 32-bit sums do not overflow and computes a
+  thread's addresses from one 64-bit base plus constants (one address for
+  the 16 row loads, immediate offsets in the loads), where an unbounded
+  id leaves a sign extension and a 64-bit addition per access."""
+  def wrap(index_map):
+    def bounded(*ids):
+      return index_map(*(jnp.minimum(p, d - 1) for p, d in zip(ids, grid)))
+    return bounded
+  return wrap
 
 
 def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
@@ -528,28 +570,51 @@ def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
   """`quantize_call` of the Wgrad operand alone by `_columns_kernel`."""
   interpret = common.check_backend("quantize_rht_t")
   t, f = x.shape
-  cfg = config or columns_config(four_over_six)
+  sr = key_t is not None
+  # Blackwell's round-to-nearest codes take the packed path
+  # (`COLUMNS_WORDS_INTERPRETED`: also interpreted, with software twins).
+  words = _columns_words_apply(sr, values_t)
+  cfg = config or columns_config(four_over_six, words)
   nb = min(cfg.blocks, common.next_pow2(t // B))
   bf = max(B, min(cfg.block_features, common.next_pow2(f)))
-  sr = key_t is not None
-  args = [jnp.reshape(amax_t, (1,)).astype(jnp.float32)]
-  in_specs = [common.scalar_spec(1)]
+  if words:
+    a = jnp.reshape(jnp.asarray(amax_t, jnp.float32), ())
+    if interpret:  # As `common.pallas_call` keeps the kernels' operands:
+      a = jax.lax.optimization_barrier(a)  # computed, not constant-folded.
+    s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
+        a, four_over_six=four_over_six)
+    if four_over_six:
+      args = [jnp.stack([s_enc_over_6, inv_s_enc])]
+      in_specs = [common.scalar_spec(2)]
+    else:
+      args = [jnp.reshape(s_enc_over_6, (1,)),
+              common.encode_scale_table(inv_s_enc)]
+      in_specs = [common.scalar_spec(1),
+                  common.scalar_spec(common.E4M3_CODES)]
+  else:
+    args = [jnp.reshape(amax_t, (1,)).astype(jnp.float32)]
+    in_specs = [common.scalar_spec(1)]
   origin_t, words_t = prng.stream_origin(
       None if placement is None else placement.T, t)
   if sr:
     args += [prng.seeds_from_key(key_t), origin_t]
     in_specs += [common.scalar_spec(2)] * 2
   args.append(x.reshape(t // B, B, f))
-  in_specs.append(pl.BlockSpec((nb, B, bf), lambda i, j: (i, 0, j)))
+  grid = (common.cdiv(t // B, nb), common.cdiv(f, bf))
+  # The word path's index maps see the program ids bounded by the grid
+  # (`_bounded`), so that one base address serves a thread's 16 row loads.
+  index = _bounded(grid) if words else (lambda fn: fn)
+  in_specs.append(pl.BlockSpec((nb, B, bf), index(lambda i, j: (i, 0, j))))
   n = B // 2  # Value pairs (uint32) or bytes of codes per block.
   out_shape = [jax.ShapeDtypeStruct((f, t // B, n),
                                     jnp.uint32 if values_t else jnp.uint8),
                jax.ShapeDtypeStruct((f, t // B), jnp.float8_e4m3fn)]
-  out_specs = [pl.BlockSpec((bf, nb, n), lambda i, j: (j, i, 0)),
-               pl.BlockSpec((bf, nb), lambda i, j: (j, i))]
-  # Blackwell's round-to-nearest codes take the packed path
-  # (`COLUMNS_WORDS_INTERPRETED`: also interpreted, with software twins).
-  words = _columns_words_apply(sr, values_t)
+  out_specs = [pl.BlockSpec((bf, nb, n), index(lambda i, j: (j, i, 0))),
+               pl.BlockSpec((bf, nb), index(lambda i, j: (j, i)))]
+  as_words = words and not four_over_six
+  if as_words:  # The codes as uint32 words, 2 per block.
+    out_shape[0] = jax.ShapeDtypeStruct((f, t // B * 2), jnp.uint32)
+    out_specs[0] = pl.BlockSpec((bf, 2 * nb), index(lambda i, j: (j, i)))
   if four_over_six and not words:  # `quantize_call` does not send these.
     raise ValueError("the columns kernel takes Four-over-Six only on its "
                      "word path (round-to-nearest codes, sm_100a/sm_103a).")
@@ -561,10 +626,12 @@ def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
   name = "nvfp4_quantize_rht_t_columns" + ("_values" if values_t else "")
   out, scales = common.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
-      name=name, grid=(common.cdiv(t // B, nb), common.cdiv(f, bf)),
+      name=name, grid=grid,
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape)(*args)
   if values_t:
     return NVFP4Values(tile.values_from_pairs(out.reshape(f, t // 2)), amax_t)
+  if as_words:  # Little-endian: byte k of a word is its pair k's codes.
+    out = jax.lax.bitcast_convert_type(out, jnp.uint8)
   return NVFP4Array(codes=out.reshape(f, t // 2), scales=scales, amax=amax_t,
                     four_over_six=four_over_six)
 
