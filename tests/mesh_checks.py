@@ -1826,14 +1826,14 @@ def check_moe_expert_parallel():
       with nv.mesh_rules(rules):
         return grad(p, x)
     (l2, y2), g2 = jax.jit(sharded)(params, x)
-    # The exchange moves only the copies that exist (`moe.RAGGED_EXCHANGE`;
-    # on CPU devices `moe.ragged_all_to_all`'s all-gather form), or whole
-    # `[n, T_local * k, D]` buffers through `all_to_all`.
+    # The exchange moves only the copies that exist (`moe.EXCHANGE`
+    # "ragged"; on CPU devices `moe.ragged_all_to_all`'s all-gather form),
+    # or whole `[n, T_local * k, D]` buffers through `all_to_all`.
     jaxpr = str(jax.make_jaxpr(sharded)(params, x))
     buffers = [m for m in re.findall(r":\w+\[([\d,]+)\] = all_to_all",
                                      jaxpr) if m.count(",") == 2]
-    assert bool(buffers) == (not moe.RAGGED_EXCHANGE), (buffers,
-                                                        moe.RAGGED_EXCHANGE)
+    ragged = moe.exchange_for("cpu") == "ragged"
+    assert bool(buffers) == (not ragged), (buffers, moe.EXCHANGE)
     logit_terms = np.abs(np.asarray(x).reshape(t, d)) @ np.abs(
         np.asarray(params["router"]))
     dz = 2 * d * U * logit_terms.max()
@@ -1914,13 +1914,13 @@ def check_ragged_all_to_all_model():
 
 def check_moe_expert_parallel_dense():
   """`check_moe_expert_parallel` with the exchange of whole buffers
-  (`moe.RAGGED_EXCHANGE` off): the same results."""
+  (`moe.EXCHANGE = "buffered"`, the default on GPUs): the same results."""
   from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
-  moe.RAGGED_EXCHANGE = False
+  moe.EXCHANGE = "buffered"
   try:
     check_moe_expert_parallel()
   finally:
-    moe.RAGGED_EXCHANGE = True
+    moe.EXCHANGE = "auto"
 
 
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()

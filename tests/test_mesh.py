@@ -224,10 +224,10 @@ def test_moe_expert_parallel_equals_one_device():
   assert "moe explicit batch=8" in out
 
 
-@pytest.mark.slow  # ~20 s: the same check, the other exchange.
 def test_moe_expert_parallel_dense_exchange_equals_one_device():
-  """The exchange of whole `[n, T_local * k]` buffers (`all_to_all`, the
-  switch `moe.RAGGED_EXCHANGE` off) gives the same results."""
+  """The exchange of whole `[n, T_local * k]` buffers (`all_to_all`,
+  `moe.EXCHANGE = "buffered"`, what GPUs run by default) gives the same
+  results."""
   out = run_checks("moe_expert_parallel_dense")
   assert sum(line.startswith("moe {") for line in out.splitlines()) == 2
 

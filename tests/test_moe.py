@@ -224,11 +224,13 @@ def test_padded_dispatch_feeds_the_op_aligned_groups_with_the_same_bits():
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2 or jax.default_backend() != "gpu",
-                    reason="needs two GPUs (the ragged all-to-all itself; CPU "
-                    "devices run its all-gather form: tests/test_mesh.py)")
-def test_expert_parallel_on_two_gpus_equals_one():
-  """Expert parallelism over two GPUs (`expert=2`, four experts each) with
-  the collective `jax.lax.ragged_all_to_all` (`moe.RAGGED_EXCHANGE`): the
+                    reason="needs two GPUs (CPU devices run both exchanges: "
+                    "tests/test_mesh.py)")
+@pytest.mark.parametrize("exchange", ["auto", "ragged"])
+def test_expert_parallel_on_two_gpus_equals_one(exchange, monkeypatch):
+  """Expert parallelism over two GPUs (`expert=2`, four experts each), with
+  the GPUs' default exchange (`moe.EXCHANGE` "auto": whole buffers through
+  `all_to_all`) and with `jax.lax.ragged_all_to_all` ("ragged"): the
   BF16 layer's output and gradients equal one GPU's within FP32 bounds. A
   misplaced row would be off by O(1). The bounds, as
   `mesh_checks.check_moe_expert_parallel` derives them: the router's
@@ -252,7 +254,9 @@ def test_expert_parallel_on_two_gpus_equals_one():
   def sharded(p, x):
     with nv.mesh_rules(rules):
       return grad(p, x)
-  assert "ragged_all_to_all" in str(jax.make_jaxpr(sharded)(params, x))
+  monkeypatch.setattr(moe, "EXCHANGE", exchange)
+  jaxpr = str(jax.make_jaxpr(sharded)(params, x))
+  assert ("ragged_all_to_all" in jaxpr) == (exchange == "ragged")
   (_, y2), g2 = jax.jit(sharded)(params, x)
   xs, r = np.asarray(x).reshape(t, d), np.asarray(params["router"])
   dz = 2 * d * U * float((np.abs(xs) @ np.abs(r)).max())
@@ -264,3 +268,16 @@ def test_expert_parallel_on_two_gpus_equals_one():
     a = np.asarray(a, np.float64)
     np.testing.assert_allclose(np.asarray(b, np.float64), a, rtol=0,
                                atol=2 * t * U * t * float(np.abs(a).max()))
+
+
+def test_exchange_switch(monkeypatch):
+  """`moe.EXCHANGE` picks the expert-parallel exchange per platform ("auto":
+  whole buffers on GPUs, the ragged collective elsewhere); a misspelt
+  value is an error that names it and the choices."""
+  assert moe.exchange_for("gpu") == moe.exchange_for("cuda") == "buffered"
+  assert moe.exchange_for("tpu") == moe.exchange_for("cpu") == "ragged"
+  monkeypatch.setattr(moe, "EXCHANGE", "ragged")
+  assert moe.exchange_for("gpu") == "ragged"
+  monkeypatch.setattr(moe, "EXCHANGE", "dense")
+  with pytest.raises(ValueError, match="'dense'.*'buffered'"):
+    moe.exchange_for("gpu")

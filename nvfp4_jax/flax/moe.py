@@ -445,7 +445,7 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
   local = num_experts // n
   w_spec = P(rules.expert, None, None)
   platform = rules.mesh.devices.flat[0].platform
-  ragged = RAGGED_EXCHANGE
+  ragged = exchange_for(platform) == "ragged"
 
   def body(x, router, weights, keys):
     routing = route(router_logits(x, router), top_k, capacity_factor,
@@ -515,8 +515,8 @@ def _ragged_exchange(xs, group_sizes, n: int, local: int, length: int, me,
 
 def _buffered_exchange(xs, group_sizes, n: int, local: int, length: int, me,
                        axis: str, experts):
-  """Expert parallelism's exchange of whole buffers (`RAGGED_EXCHANGE`
-  off): each peer gets `[T_local * k, D]` rows (every copy this device
+  """Expert parallelism's exchange of whole buffers (`EXCHANGE`
+  "buffered", the default on GPUs): each peer gets `[T_local * k, D]` rows (every copy this device
   could send it), through `all_to_all`, then a gather into the padded
   layout; `experts(xc, sizes)` runs there. The outputs of the copies in
   `xs`' places."""
@@ -551,11 +551,37 @@ def _buffered_exchange(xs, group_sizes, n: int, local: int, length: int, me,
   return permute(ret.reshape(n * rows, -1), sent_at, dst)
 
 
-# Whether expert parallelism exchanges only the copies that exist
-# (`jax.lax.ragged_all_to_all`) or buffers of every copy a device could
-# send (`jax.lax.all_to_all` of `[n, T_local * k]` rows, twice the bytes on
-# two devices); a switch for tests and benchmarks.
-RAGGED_EXCHANGE = True
+# How expert parallelism exchanges the token copies between devices:
+# - "ragged": only the copies that exist (`jax.lax.ragged_all_to_all`),
+#   one slice per expert straight into the receiver's padded layout;
+# - "buffered": `jax.lax.all_to_all` of `[n, T_local * k]` rows per device
+#   (every copy a device could send each peer: twice the bytes that exist
+#   on two devices), then row gathers into the padded layout;
+# - "auto": "buffered" on GPUs, "ragged" elsewhere (TPUs have the ragged
+#   collective; CPU devices build it from an all-gather).
+# Why not "ragged" on GPUs: on one host, jax 0.11.2's XLA runs the ragged
+# all-to-all as a peer-copy kernel (`RaggedAllToAllKernelImpl`) that moved
+# `moe-small`'s exchange at ~10 GB/s (105 ms a step on 2 H100s: 0.17 of
+# one GPU's throughput per GPU, against 0.55 buffered; BENCHMARKS.md,
+# "Expert parallelism"); its NCCL form
+# (`--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false
+# --xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true`) hung,
+# and `--xla_gpu_experimental_ragged_all_to_all_use_device_kernel=true`
+# left the same kernel. Set "ragged" where XLA's collective is fast.
+EXCHANGE = "auto"
+_EXCHANGES = ("auto", "ragged", "buffered")
+
+
+def exchange_for(platform: str) -> str:
+  """The exchange `EXCHANGE` selects on devices of `platform` ("gpu",
+  "cuda", "rocm", "tpu", "cpu"): "ragged" or "buffered"."""
+  if EXCHANGE not in _EXCHANGES:
+    raise ValueError(
+        f"nvfp4_jax.flax.moe.EXCHANGE = {EXCHANGE!r}: use one of "
+        f"{', '.join(map(repr, _EXCHANGES))}.")
+  if EXCHANGE != "auto":
+    return EXCHANGE
+  return "buffered" if platform in ("gpu", "cuda", "rocm") else "ragged"
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes,

@@ -42,12 +42,12 @@ def splits_on_blackwell(dtype, row_rounding: str | None,
   conversion exists (`common.hardware_e2m1`, sm_100a/sm_103a): the 1x16
   quantizer's word path for `x` (codes or block values) and the columns
   kernel's packed path for `rht(x.T)` (bf16 `x`, its codes, 16-point RHT),
-  with or without Four-over-Six (both word paths take it: 25.6 + 31.6
+  with or without Four-over-Six (both word paths take it: 25.6 + 29.4
   SASS per element of `x` where the fused kernel runs 291.8, offline
   `sass_report` for sm_100a, BENCHMARKS.md).
 
-  Together they execute 6.4 + 11.0 = 17.4 SASS instructions per element of
-  `x` there (7.2 + 11.0 = 18.2 with `x`'s block values), the fused kernel
+  Together they execute 6.4 + 8.1 = 14.5 SASS instructions per element of
+  `x` there (7.2 + 8.1 = 15.3 with `x`'s block values), the fused kernel
   50.8 (39.8) (BENCHMARKS.md, offline `sass_report` for sm_100a), for one
   more read of `x` (2 bytes per element on top of ~3.1, or ~4.6): at
   B200's instruction rate (148 SMs, 4 warp schedulers each) the fused
