@@ -27,10 +27,11 @@ def test_list_and_dry_run(tmp_path, capsys):
 def test_common_flags_reach_every_run(tmp_path, capsys):
   assert study.main(["--preset", "tiny", "--steps", "10", "--out",
                      str(tmp_path), "--eval-every", "5", "--ckpt-every", "5",
-                     "--dry-run"]) == 0
+                     "--mesh", "data=4", "--dry-run"]) == 0
   lines = capsys.readouterr().out.splitlines()
   assert len(lines) == 16
-  assert all("--eval-every 5" in l and "--ckpt-every 5" in l for l in lines)
+  assert all("--eval-every 5" in l and "--ckpt-every 5" in l
+             and "--mesh data=4" in l for l in lines)
 
 
 @pytest.mark.slow  # Trains a run of the study in a subprocess.

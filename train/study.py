@@ -4,9 +4,10 @@
     python -m train.study --dry-run                 # the commands it runs
     python -m train.study --preset small --steps 2000 --out runs/study
     python -m train.study ... --stop-after 420     # in a 10-minute job
+    python -m train.study --preset base --mesh data=4 --only bf16-s0,nvfp4-s0
 
 Runs a named set of configurations (same data, seeds, token budget and
-schedule) one after another on one device, each as `python -m train` in its
+schedule) one after another on one device (or one `--mesh`), each as `python -m train` in its
 own process. A killed study picks up where it stopped: finished runs (a final
 evaluation in their metrics) are not redone, and an interrupted run continues
 from its last checkpoint (`--resume`). Then it writes `results.md` (final
@@ -87,7 +88,7 @@ def commands(study: str, args) -> list[tuple[str, pathlib.Path, list[str]]]:
       argv = [*flags, "--preset", args.preset, "--steps", str(args.steps),
               "--seed", str(seed), "--out", str(root), "--no-progress"]
       for name in ("batch_size", "seq_len", "eval_every", "ckpt_every",
-                   "data"):
+                   "data", "mesh"):
         v = getattr(args, name)
         if v is not None:
           argv += [f"--{name.replace('_', '-')}", str(v)]
@@ -233,6 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                  help="steps between checkpoints (what an interrupted run "
                  "resumes from)")
   p.add_argument("--data")
+  p.add_argument("--mesh", metavar="AXIS=N,...",
+                 help="each run's device mesh (`python -m train --mesh`), "
+                 "e.g. data=4; --batch-size is then the global batch")
   p.add_argument("--out", default="runs/study")
   p.add_argument("--only", help="comma list of run labels to run")
   p.add_argument("--stop-after", type=float, metavar="SECONDS",
