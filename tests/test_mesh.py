@@ -216,11 +216,11 @@ def test_cli_mesh_run_matches_one_device(tmp_path):
 
 def test_moe_expert_parallel_equals_one_device():
   """The MoE layer on `expert=8` (NVFP4, with a capacity), `data=2 x
-  expert=4` (dropless) and a user's Explicit mesh equals one device
-  (mesh_checks: the derivation)."""
+  expert=4`, `data=8` (dropless) and a user's Explicit mesh equals one
+  device (mesh_checks: the derivation)."""
   out = run_checks("ragged_all_to_all_model", "moe_expert_parallel")
   assert "ragged all-to-all model: equal" in out
-  assert sum(line.startswith("moe {") for line in out.splitlines()) == 2
+  assert sum(line.startswith("moe {") for line in out.splitlines()) == 3
   assert "moe explicit batch=8" in out
 
 
@@ -229,7 +229,7 @@ def test_moe_expert_parallel_dense_exchange_equals_one_device():
   `moe.EXCHANGE = "buffered"`, what GPUs run by default) gives the same
   results."""
   out = run_checks("moe_expert_parallel_dense")
-  assert sum(line.startswith("moe {") for line in out.splitlines()) == 2
+  assert sum(line.startswith("moe {") for line in out.splitlines()) == 3
 
 def _free_port() -> int:
   import socket  # pylint: disable=g-import-not-at-top
