@@ -20,6 +20,9 @@ small XLA ops that build its group map). TFLOP/s count 2 M K N per GEMM;
 "fwd+bwd" is the sum of the three GEMMs' times. The kernels' results are
 checked in the same run: three groups of each against dense GEMMs of their
 rows (max relative difference; bf16 outputs: up to 2^-8 is one rounding).
+tokamax's `ragged_dot` (its default implementation on the GPU, forward
+and `jax.vjp`), timed where `import tokamax` works (carried as wheels to a
+machine without a network); the table says "not installed" otherwise.
 `--profile` prints each kernel's GPU time. `--quick`: 16k tokens only,
 `lax.ragged_dot` timed for the last model's balanced routing only (it runs
 at 1-2% of dense; at 64k tokens it is not timed). `--smoke` (CPU): tiny
@@ -92,6 +95,15 @@ def _ours(smoke: bool):
     return _ref_fprop, _ref_wgrad
   from nvfp4_jax.ops.ragged_dot import pallas_mosaic_gpu as rk  # pylint: disable=g-import-not-at-top
   return rk.ragged_values_matmul, rk.ragged_values_matmul_t
+
+
+def _tokamax():
+  """tokamax's `ragged_dot`, or the reason it does not import."""
+  try:
+    import tokamax  # pylint: disable=g-import-not-at-top
+  except Exception as ex:  # pylint: disable=broad-except
+    return f"not installed ({type(ex).__name__}: {ex})"[:200]
+  return tokamax.ragged_dot
 
 
 def measure(model, tokens, routing, *, with_lax: bool, smoke: bool,
@@ -178,6 +190,26 @@ def measure(model, tokens, routing, *, with_lax: bool, smoke: bool,
       except jax.errors.JaxRuntimeError as ex:  # Its autotuner: OOM.
         row[key] = ("OOM" if "RESOURCE_EXHAUSTED" in str(ex)
                     or "Out of memory" in str(ex) else "error")
+  tk = _tokamax() if not smoke else "not timed (--smoke)"
+  if isinstance(tk, str):
+    row["tokamax fwd"] = row["tokamax f+b"] = tk.split(" (")[0]
+  else:
+    def tk_fb(a, b, g, cot):
+      y, vjp = jax.vjp(lambda a, b: tk(
+          a, b, g, preferred_element_type=F32).astype(BF16), a, b)
+      return y, vjp(cot)
+    tk_f = jax.jit(lambda a, b, g: tk(a, b, g, preferred_element_type=F32
+                                      ).astype(BF16))
+    for key, fn, a in (("tokamax fwd", tk_f, (x, w, gs)),
+                       ("tokamax f+b", jax.jit(tk_fb), (x, w, gs, dy))):
+      try:
+        sec = t(fn, [a]) / (1 if key == "tokamax fwd" else 3)
+        row[key] = flop / sec / 1e12
+        row[key + " ratio"] = (
+            d[0] / sec if key == "tokamax fwd" else sum(d) / (3 * sec))
+      except Exception as ex:  # pylint: disable=broad-except
+        row[key] = f"error: {type(ex).__name__}"
+        print(f"  tokamax {key}: {str(ex)[:300]}", flush=True)
   if profile:
     for label, fn, a in (("fwd", of, (x, w, gs)), ("dgrad", od, (dy, w, gs)),
                          ("wgrad", ow, (x, dy, gs))):
@@ -237,8 +269,10 @@ def main(argv=None):
         "dense time / time.\n")
   print(timing.table(rows, (
       "model", "E", "tokens", "M", "routing", "empty", "dense fwd",
-      "lax fwd", "ours fwd", "fwd ratio", "dense f+b", "lax f+b", "ours f+b",
-      "f+b ratio", "dgrad ratio", "wgrad ratio", "lax fwd ratio", "fwd err",
+      "lax fwd", "tokamax fwd", "ours fwd", "fwd ratio", "tokamax fwd ratio",
+      "dense f+b", "lax f+b", "tokamax f+b", "ours f+b", "f+b ratio",
+      "tokamax f+b ratio", "dgrad ratio", "wgrad ratio", "lax fwd ratio",
+      "fwd err",
       "dgrad err", "wgrad err")))
   return rows
 
