@@ -1783,7 +1783,8 @@ def check_gpt_step_fsdp_tp():
   check_gpt_step(("fsdp", "tp"), resume=False)
 
 
-def check_moe_expert_parallel():
+def check_moe_expert_parallel(expert_only: bool = False,
+                              explicit: bool = True):
   """The MoE layer on an `expert` mesh equals one device.
 
   Expert parallel (`expert=8`, one NVFP4 expert per device, with a capacity
@@ -1809,9 +1810,9 @@ def check_moe_expert_parallel():
   from nvfp4_jax.parallel import make_mesh  # pylint: disable=g-import-not-at-top
   d, t = 64, 128
   x = jax.random.normal(jax.random.key(0), (8, t // 8, d))
-  for sizes, recipe, cf in ((dict(expert=8), None, 0.5),
-                            (dict(data=2, expert=4), "bf16", None),
-                            (dict(data=8), "bf16", None)):
+  cases = ((dict(expert=8), None, 0.5), (dict(data=2, expert=4), "bf16", None),
+           (dict(data=8), "bf16", None))
+  for sizes, recipe, cf in cases[:2] if expert_only else cases:
     layer = NVFP4MoE(num_experts=8, hidden=32, top_k=2, capacity_factor=cf,
                      recipe=recipe)
     params = layer.init(jax.random.key(1), x)["params"]
@@ -1861,6 +1862,8 @@ def check_moe_expert_parallel():
     print(f"moe {sizes} recipe={recipe or 'nvfp4'} cf={cf}: loss "
           f"{float(l1):.6f} vs {float(l2):.6f}, max |dy| "
           f"{float(np.abs(np.asarray(y1) - np.asarray(y2)).max()):.3g}")
+  if not explicit:
+    return
   # The user's mesh under sharding in types (Explicit axes, the user's axis
   # name): the layer gathers its tokens and runs whole, as one device does
   # (the last layer above, bf16, dropless): the same bounds.
@@ -1920,14 +1923,30 @@ def check_ragged_all_to_all_model():
 
 
 def check_moe_expert_parallel_dense():
-  """`check_moe_expert_parallel` with the exchange of whole buffers
-  (`moe.EXCHANGE = "buffered"`, the default on GPUs): the same results."""
+  """`check_moe_expert_parallel` with the buffered exchange
+  (`moe.EXCHANGE = "buffered"`, the default on GPUs): the same results
+  with each branch of its `lax.cond`.
+
+  - `EXCHANGE_SLACK` 0.01: one row per peer, which no routing here fits,
+    so the whole-buffer branch must run (a fast path taken anyway would
+    drop copies: O(1) errors).
+  - `EXCHANGE_SLACK` `n (rows - 1) / rows`: `rows - 1` rows per peer. On
+    `expert=8` each device holds one expert and a token's top-2 copies go
+    to two experts, so no device sends all its copies to one peer: the
+    fast path runs (`data=2 x expert=4` too, unless all 32 copies of a
+    device pick one device's two experts).
+  - The default (1.25): whichever the routing takes.
+  """
   from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
   moe.EXCHANGE = "buffered"
+  rows = 16 * 2          # `check_moe_expert_parallel`: t / 8 tokens, top-2.
   try:
-    check_moe_expert_parallel()
+    for slack in (0.01, 8 * (rows - 1) / rows, moe.EXCHANGE_SLACK):
+      moe.EXCHANGE_SLACK = slack
+      print(f"slack {slack:.4g}")
+      check_moe_expert_parallel(expert_only=slack != 1.25, explicit=False)
   finally:
-    moe.EXCHANGE = "auto"
+    moe.EXCHANGE, moe.EXCHANGE_SLACK = "auto", 1.25
 
 
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()

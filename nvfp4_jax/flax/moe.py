@@ -467,19 +467,28 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
     xs = dispatch(x, routing, top_k)
     rows = xs.shape[0]
     me = jax.lax.axis_index(rules.expert)
-    # Each local expert's copies from peer 0, then peer 1, ..., its group
-    # padded to `GROUP_ALIGN` rows: the layout its grouped GEMMs take.
-    length = padded_length(n * rows, local, GROUP_ALIGN)
     if ragged:
+      # Each local expert's copies from peer 0, then peer 1, ..., its group
+      # padded to `GROUP_ALIGN` rows: the layout its grouped GEMMs take.
+      length = padded_length(n * rows, local, GROUP_ALIGN)
       xc, sizes, back = _ragged_exchange(xs, routing.group_sizes, n, local,
                                          length, me, rules.expert, platform)
       out = _experts(xc, sizes, weights, keys, gemms, first_expert=me * local)
       out_xs = back(out)
     else:
-      out_xs = _buffered_exchange(xs, routing.group_sizes, n, local, length,
-                                  me, rules.expert, lambda xc, sizes: _experts(
-                                      xc, sizes, weights, keys, gemms,
-                                      first_expert=me * local))
+      run = lambda cap: _buffered_exchange(
+          xs, routing.group_sizes, n, local, cap, me, rules.expert,
+          lambda xc, sizes: _experts(xc, sizes, weights, keys, gemms,
+                                     first_expert=me * local))
+      cap = exchange_capacity(rows, n)
+      if cap < rows:
+        # Every device takes the same branch: the largest count any
+        # device sends any peer, over every token shard.
+        sent = jnp.sum(routing.group_sizes.reshape(n, local), axis=1)
+        fits = jax.lax.pmax(jnp.max(sent), tokens) <= cap
+        out_xs = jax.lax.cond(fits, lambda: run(cap), lambda: run(rows))
+      else:
+        out_xs = run(rows)
     return combine(out_xs, routing, top_k), routing.aux_loss
 
   tok = P(spmd.entry(tokens), None)
@@ -527,28 +536,42 @@ def _ragged_exchange(xs, group_sizes, n: int, local: int, length: int, me,
   return xc, padded[me], back
 
 
-def _buffered_exchange(xs, group_sizes, n: int, local: int, length: int, me,
+def exchange_capacity(rows: int, n: int) -> int:
+  """Rows per peer of the buffered exchange's fast path: `EXCHANGE_SLACK`
+  times an even share of a device's `rows` copies (`rows` itself where
+  that is no smaller, or `EXCHANGE_SLACK` is None)."""
+  if EXCHANGE_SLACK is None:
+    return rows
+  if not EXCHANGE_SLACK > 0:
+    raise ValueError(
+        f"nvfp4_jax.flax.moe.EXCHANGE_SLACK = {EXCHANGE_SLACK!r}: use a "
+        "positive number (1.25: a quarter above an even share) or None.")
+  return min(rows, max(1, math.ceil(rows / n * EXCHANGE_SLACK)))
+
+
+def _buffered_exchange(xs, group_sizes, n: int, local: int, cap: int, me,
                        axis: str, experts):
   """Expert parallelism's exchange of whole buffers (`EXCHANGE`
-  "buffered", the default on GPUs): each peer gets `[T_local * k, D]` rows (every copy this device
-  could send it), through `all_to_all`, then a gather into the padded
-  layout; `experts(xc, sizes)` runs there. The outputs of the copies in
-  `xs`' places."""
+  "buffered", the default on GPUs): each peer gets `[cap, D]` rows (at
+  least the copies this device sends it: the caller checks), through
+  `all_to_all`, then a gather into the padded layout; `experts(xc, sizes)`
+  runs there. The outputs of the copies in `xs`' places."""
   rows = xs.shape[0]
+  length = padded_length(n * cap, local, GROUP_ALIGN)
   # Copies to each peer: its experts' groups, contiguous in `xs`.
   sent = group_sizes.reshape(n, local)
   count = jnp.sum(sent, axis=1)
   start = jnp.cumsum(count) - count
   got = jax.lax.all_to_all(sent, axis, 0, 0)                 # [n, local]
-  j = jnp.arange(rows, dtype=jnp.int32)
-  src = start[:, None] + j[None, :]                           # [n, rows]
+  j = jnp.arange(cap, dtype=jnp.int32)
+  src = start[:, None] + j[None, :]                           # [n, cap]
   valid = j[None, :] < count[:, None]
   # Every exchange is a gather both ways (`permute`): XLA's row scatters
   # are slow on a GPU.
   dst = jnp.where(valid, src, rows).reshape(-1)      # Sent row -> copy.
   sent_at = _inverse(dst, rows)                      # Copy -> sent row.
-  send = permute(xs, dst, sent_at).reshape(n, rows, -1)
-  recv = jax.lax.all_to_all(send, axis, 0, 0).reshape(n * rows, -1)
+  send = permute(xs, dst, sent_at).reshape(n, cap, -1)
+  recv = jax.lax.all_to_all(send, axis, 0, 0).reshape(n * cap, -1)
   sizes, first = group_starts(jnp.sum(got, axis=0), GROUP_ALIGN)
   before = jnp.cumsum(got, axis=0) - got                      # [n, local]
   starts = jnp.cumsum(got, axis=1) - got                      # [n, local]
@@ -561,8 +584,8 @@ def _buffered_exchange(xs, group_sizes, n: int, local: int, length: int, me,
                    length).reshape(-1)              # Received row -> row.
   xc = permute(recv, _inverse(dest, length), dest)
   back = permute(experts(xc, sizes), dest, _inverse(dest, length))
-  ret = jax.lax.all_to_all(back.reshape(n, rows, -1), axis, 0, 0)
-  return permute(ret.reshape(n * rows, -1), sent_at, dst)
+  ret = jax.lax.all_to_all(back.reshape(n, cap, -1), axis, 0, 0)
+  return permute(ret.reshape(n * cap, -1), sent_at, dst)
 
 
 # How expert parallelism exchanges the token copies between devices:
@@ -584,6 +607,14 @@ def _buffered_exchange(xs, group_sizes, n: int, local: int, length: int, me,
 # left the same kernel. Set "ragged" where XLA's collective is fast.
 EXCHANGE = "auto"
 _EXCHANGES = ("auto", "ragged", "buffered")
+# The buffered exchange's fast path: each device sends each peer a buffer
+# of `EXCHANGE_SLACK` times an even share of its copies (`T_local k / n`),
+# and the experts run on `n` such buffers, when no device sends any peer
+# more (checked on every device: `lax.cond` on the largest count, one
+# `pmax`); otherwise the whole-buffer exchange runs. Balanced routing
+# moves and computes on `slack / n` of the whole buffers. None: always
+# whole buffers (no `cond`).
+EXCHANGE_SLACK = 1.25
 
 
 def exchange_for(platform: str) -> str:
