@@ -8,7 +8,10 @@
 GPU on any machine (no GPU needed: JAX's CUDA plugin, the `gpu` extra, and
 nothing else) and prints what each program lowered to: the NVFP4 layer's
 forward and backward, every quantizer, the weight-only matmul, the GEMMs
-(NVFP4 and MX) and the MoE op (`ragged_dot`); with the `triton` package,
+(NVFP4 and MX) and the MoE op (`ragged_dot`), and which E2M1 encoder
+each program's quantizers use (the hardware conversion where it compiles
+for the target: `--features`, default `accelerated`, compiles for sm_XYa
+as on the GPU itself, `none` for plain sm_XY); with the `triton` package,
 each Pallas-Triton kernel's SASS instructions per element
 (`benchmarks.sass_report`). It exits non-zero on a
 compile error, on a block-scaled dot XLA decomposed, or on a Blackwell GEMM

@@ -52,9 +52,10 @@ class Target:
     l2_bytes: L2 cache size.
     clock_ghz: SM clock.
     features: the compute capability's feature extension
-      (`FEATURE_EXTENSIONS`): "ACCELERATED_FEATURES" as a real GPU from
-      9.0 reports it (XLA then compiles for sm_XYa, e.g. sm_120a, where the
-      arch-specific instructions exist, such as the E2M1 conversion),
+      (`FEATURE_EXTENSIONS`): "ACCELERATED_FEATURES" (the default), as
+      XLA describes a GPU from 9.0 it runs on (it then compiles for sm_XYa,
+      e.g. sm_120a, where the arch-specific instructions exist, such as
+      the E2M1 conversion),
       "FAMILY_COMPATIBLE_FEATURES" (sm_XYf), or None: the bare capability
       (plain sm_XY; `target(name, features=None)`).
   """
