@@ -641,8 +641,10 @@ def _sass(t, hw: bool = False) -> int:
   else:
     os.environ["TRITON_CACHE_DIR"] = saved
   print(f"\n## Quantizer kernels' SASS on sm_{cap} (triton "
-        f"{triton.__version__}, static counts)\n" + sass_report.table(rows),
-        flush=True)
+        f"{triton.__version__}, static counts; lowered "
+        f"{'with' if hw else 'without'} the E2M1 conversion, as for "
+        f"{t.features or 'the bare capability'})\n"
+        + sass_report.table(rows), flush=True)
   for f in failures:
     print("FAILED", f)
   return len(failures)
