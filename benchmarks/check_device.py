@@ -8,7 +8,10 @@
 GPU on any machine (no GPU needed: JAX's CUDA plugin, the `gpu` extra, and
 nothing else) and prints what each program lowered to: the NVFP4 layer's
 forward and backward, every quantizer, the weight-only matmul, the GEMMs
-(NVFP4 and MX) and the MoE op (`ragged_dot`); with the `triton` package,
+(NVFP4 and MX) and the MoE op (`ragged_dot`), and which E2M1 encoder
+each program's quantizers use (the hardware conversion where it compiles
+for the target: `--features`, default `accelerated`, compiles for sm_XYa
+as on the GPU itself, `none` for plain sm_XY); with the `triton` package,
 each Pallas-Triton kernel's SASS instructions per element
 (`benchmarks.sass_report`). It exits non-zero on a
 compile error, on a block-scaled dot XLA decomposed, or on a Blackwell GEMM
@@ -313,7 +316,11 @@ def _random_scales(rng, rows: int, k: int) -> NVFP4Array:
 
 # --- Ahead of time (--target) ------------------------------------------------
 
-AOT_COLS = ("program", "dispatch", "lowered to", "status")
+AOT_COLS = ("program", "dispatch", "lowered to", "E2M1 encoder", "status")
+# `--features` -> `aot.Target.features`.
+FEATURES = {"accelerated": "ACCELERATED_FEATURES",
+            "family": "FAMILY_COMPATIBLE_FEATURES", "none": None}
+_E2M1_CVT = "cvt.rn.satfinite.e2m1x2.f32"
 # `--target` choices: the Blackwell GPUs (`aot.TARGETS` also has Thor, cc
 # 11.0, for the dispatch's tests: XLA's Triton cannot compile the Pallas
 # kernels for it, jax 0.11.2).
@@ -500,19 +507,51 @@ def _describe(pre: str, post: str, kernels, cudnn_visible: bool = True
   return "; ".join(parts) or "elementwise XLA only", problems
 
 
+def _encoder(post: str) -> str:
+  """Which E2M1 encoder the Pallas-Triton kernels of a compiled program
+  use: "hardware cvt" where their Triton IR (carried in the optimized HLO)
+  has `cvt.rn.satfinite.e2m1x2.f32` (the round-to-nearest quantizers on
+  the GPUs where it compiles), "software" where they have none, "-"
+  without Pallas-Triton kernels."""
+  if "__gpu$xla.gpu.triton" not in post:
+    return "-"
+  return "hardware cvt" if _E2M1_CVT in post else "software"
+
+
+def e2m1_probe_line(t: aot.Target, hw: bool) -> str:
+  """What `common.hardware_e2m1` answered for the target, in words."""
+  from pallas_kernels import common  # pylint: disable=g-import-not-at-top
+  arch = f"sm_{t.cc[0]}{t.cc[1]}" + {"ACCELERATED_FEATURES": "a",
+                                      "FAMILY_COMPATIBLE_FEATURES": "f"}.get(
+                                          t.features, "")
+  how = ("known to compile" if t.cc in common.HW_E2M1_CCS else
+         "not asked below 10.0" if t.cc < (10, 0) else
+         "probed: compiles" if hw else "probed: does not compile")
+  return (f"E2M1 conversion ({_E2M1_CVT}) for {arch} ({how}): the "
+          f"round-to-nearest quantizers use the "
+          f"{'hardware conversion' if hw else 'software encoder'}")
+
+
 def ahead_of_time(target: str, *, cudnn=aot.DEFAULT_CUDNN, sass: bool = True,
-                  cases: list[AotCase] | None = None) -> int:
+                  cases: list[AotCase] | None = None,
+                  features: str | None = "ACCELERATED_FEATURES") -> int:
   """Compiles every case for `target`, prints the tables; the number of
-  failed rows (0: all compiled as expected)."""
-  t = aot.target(target)
+  failed rows (0: all compiled as expected). `features`: the compute
+  capability's feature extension (`aot.Target.features`; None: the bare
+  capability, e.g. plain sm_120)."""
+  from pallas_kernels import common  # pylint: disable=g-import-not-at-top
+  t = aot.target(target, features)
   print(f"target: {t.name} ({t.device_kind}), compute capability "
-        f"{t.cc[0]}.{t.cc[1]}, cuDNN {cudnn[0]}.{cudnn[1]}, compiled ahead of "
+        f"{t.cc[0]}.{t.cc[1]} ({t.features or 'no feature extension'}), "
+        f"cuDNN {cudnn[0]}.{cudnn[1]}, compiled ahead of "
         f"time on {jax.devices()[0].platform}\nversions: " + ", ".join(
             f"{p} {_version(p)}" for p in (
                 "jax", "jaxlib", "jax-cuda13-plugin", "triton",
                 "jax-triton")), flush=True)
   rows, failed = [], 0
   with aot.compiling_for(t, cudnn=cudnn) as c:
+    hw = common.hardware_e2m1()
+    print(e2m1_probe_line(t, hw), flush=True)
     visible = cudnn < cudnn_api.MIN_CUDNN or c.cudnn_visible()
     decomposes = cudnn < cudnn_api.MIN_CUDNN or not visible
     if not visible:
@@ -545,6 +584,7 @@ def ahead_of_time(target: str, *, cudnn=aot.DEFAULT_CUDNN, sass: bool = True,
         post = lowered.compile().as_text()
         row["lowered to"], problems = _describe(pre, post, c.triton_kernels,
                                                 visible)
+        row["E2M1 encoder"] = _encoder(post)
         low = aot.lowering(post)
         cudnn_by_dispatch = not visible and "__op$block_scaled_dot" in pre
         native = (case.native if case.native is not None else
@@ -561,13 +601,15 @@ def ahead_of_time(target: str, *, cudnn=aot.DEFAULT_CUDNN, sass: bool = True,
   print("\n## Compiled for " + t.name + "\n" + timing.table(rows, AOT_COLS),
         flush=True)
   if sass:
-    failed += _sass(t)
+    failed += _sass(t, hw)
   return failed
 
 
-def _sass(t) -> int:
+def _sass(t, hw: bool = False) -> int:
   """The Pallas-Triton kernels' SASS instructions per element on the
-  target (`benchmarks.sass_report`); 0, or 1 if it could not run."""
+  target (`benchmarks.sass_report`), lowered as for the XLA compile (`hw`:
+  with the E2M1 conversion where the probe said it compiles); 0, or 1 if
+  it could not run."""
   try:
     from benchmarks import sass_report  # pylint: disable=g-import-not-at-top
     import triton  # pylint: disable=g-import-not-at-top
@@ -582,9 +624,9 @@ def _sass(t) -> int:
   with tempfile.TemporaryDirectory(prefix="check_device_sass_") as work:
     # Triton's compile cache: a scratch one, whatever $HOME allows.
     os.environ["TRITON_CACHE_DIR"] = os.path.join(work, "cache")
-    for case in sass_report.cases_for(t.cc):
+    for case in sass_report.cases_for(t.cc, hw):
       try:
-        lowered = sass_report.lower_case(case, t.cc)
+        lowered = sass_report.lower_case(case, t.cc, hw)
         sub = os.path.join(work, case.name)
         os.makedirs(sub)
         compiled = sass_report.compile_ttir(triton, lowered, cap, ptxas, sub)
@@ -599,8 +641,10 @@ def _sass(t) -> int:
   else:
     os.environ["TRITON_CACHE_DIR"] = saved
   print(f"\n## Quantizer kernels' SASS on sm_{cap} (triton "
-        f"{triton.__version__}, static counts)\n" + sass_report.table(rows),
-        flush=True)
+        f"{triton.__version__}, static counts; lowered "
+        f"{'with' if hw else 'without'} the E2M1 conversion, as for "
+        f"{t.features or 'the bare capability'})\n"
+        + sass_report.table(rows), flush=True)
   for f in failures:
     print("FAILED", f)
   return len(failures)
@@ -619,6 +663,14 @@ def main(argv=None):
                  help="with --target: cuDNN version MAJOR.MINOR to compile "
                       f"against (default {aot.DEFAULT_CUDNN[0]}."
                       f"{aot.DEFAULT_CUDNN[1]})")
+  p.add_argument("--features", choices=tuple(FEATURES),
+                 default="accelerated",
+                 help="with --target: the compute capability's feature "
+                      "extension, as XLA compiles for it: 'accelerated' "
+                      "(default: sm_XYa, as on the GPU itself), 'family' "
+                      "(sm_XYf), 'none' (plain sm_XY, where arch-specific "
+                      "instructions such as the E2M1 conversion do not "
+                      "exist)")
   p.add_argument("--no-sass", action="store_true",
                  help="with --target: skip the SASS instruction counts")
   a = p.parse_args(argv)
@@ -626,7 +678,8 @@ def main(argv=None):
     cudnn = (tuple(int(v) for v in a.cudnn.split(".")) if a.cudnn
              else aot.DEFAULT_CUDNN)
     try:
-      failed = ahead_of_time(a.target, cudnn=cudnn, sass=not a.no_sass)
+      failed = ahead_of_time(a.target, cudnn=cudnn, sass=not a.no_sass,
+                             features=FEATURES[a.features])
     except aot.Unavailable as e:
       raise SystemExit(f"check_device --target: {e}") from e
     if failed:

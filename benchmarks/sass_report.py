@@ -352,10 +352,11 @@ def _cases() -> list[Case]:
   ]
 
 
-def cases_for(cc: tuple[int, int]) -> list[Case]:
+def cases_for(cc: tuple[int, int], accelerated: bool = False) -> list[Case]:
   """`_cases()` with the tiles dispatch picks on compute capability `cc`
-  (e.g. Blackwell's round-to-nearest quantizers take 8K tiles)."""
-  with capture_ttir(cc):
+  (e.g. Blackwell's round-to-nearest quantizers take 8K tiles;
+  `accelerated`: see `capture_ttir`)."""
+  with capture_ttir(cc, accelerated):
     return _cases()
 
 
@@ -372,8 +373,17 @@ class Lowered:
 
 
 @contextlib.contextmanager
-def capture_ttir(cc: tuple[int, int]):
-  """Claims a GPU of compute capability `cc`; yields the captured kernels."""
+def capture_ttir(cc: tuple[int, int], accelerated: bool = False):
+  """Claims a GPU of compute capability `cc`; yields the captured kernels.
+
+  `accelerated`: the kernels are lowered for the arch-specific target
+  (sm_XYa, as XLA compiles for a GPU that reports its accelerated features,
+  and as Triton's own compile here does from 9.0), where the E2M1
+  conversion compiles from 10.0: `common.e2m1_conversion_compiles` (the
+  probe `common.hardware_e2m1` asks outside `common.HW_E2M1_CCS`) answers
+  True; else False, as for plain sm_XY (XLA's ahead-of-time compile for a
+  bare capability). Nothing is compiled to ask: the report's own compile
+  targets sm_XYa either way."""
   # pylint: disable=g-import-not-at-top
   from jax._src.pallas.triton import lowering
   from jax._src.pallas.triton import pallas_call_registration as reg
@@ -412,6 +422,10 @@ def capture_ttir(cc: tuple[int, int]):
                     else stages)))
     return result
 
+  if hasattr(common, "e2m1_conversion_compiles"):
+    saved.append((common, "e2m1_conversion_compiles",
+                  common.e2m1_conversion_compiles))
+    common.e2m1_conversion_compiles = lambda: accelerated
   common.backend = lambda: "gpu"
   common.compute_capability = lambda: cc
   common.pallas_call = record_params
@@ -423,10 +437,12 @@ def capture_ttir(cc: tuple[int, int]):
       setattr(obj, attr, value)
 
 
-def lower_case(case: Case, cc: tuple[int, int]) -> Lowered:
-  """The TTIR of `case.kernel`, lowered for CUDA without a GPU."""
+def lower_case(case: Case, cc: tuple[int, int], accelerated: bool = False
+               ) -> Lowered:
+  """The TTIR of `case.kernel`, lowered for CUDA without a GPU
+  (`accelerated`: see `capture_ttir`)."""
   import jax  # pylint: disable=g-import-not-at-top
-  with capture_ttir(cc) as captured:
+  with capture_ttir(cc, accelerated) as captured:
     fn, args = case.build()
     jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   picked = [k for k in captured if k.name == case.kernel]
@@ -561,12 +577,19 @@ def detail(row: Row) -> str:
   return "\n".join(lines)
 
 
+def e2m1_conversions(sass: Sass) -> int:
+  """The body's E2M1 conversions (`F2FP...E2M1...PACK`: the hardware
+  encoder's `cvt...e2m1x2.f32`; not the `UNPACK` decodes)."""
+  return sum(op.startswith("F2FP") and ".E2M1." in op and "UNPACK" not in op
+             for _, op, _ in sass.body)
+
+
 def table(rows: list[Row]) -> str:
   """The summary table; per element = per element a thread owns."""
   head = ("| kernel | tile | warps | regs | spills (B) | SASS body | "
           "body / tile elems | instrs / elem (thread) | loop body "
-          "(instrs / elem) | top opcode classes |")
-  out = [head, "|" + "---|" * 10]
+          "(instrs / elem) | E2M1 cvt (F2FP) | top opcode classes |")
+  out = [head, "|" + "---|" * 11]
   for r in rows:
     n = dynamic = len(r.sass.body)
     threads = 32 * r.lowered.num_warps
@@ -583,6 +606,7 @@ def table(rows: list[Row]) -> str:
         f"| {r.case.name} | {r.case.tile} | {r.lowered.num_warps} | "
         f"{c.regs} | {spills} | {n} | {n / r.case.elems_per_program:.3f} | "
         f"{dynamic * threads / r.case.elems_per_program:.1f} | {loop} | "
+        f"{e2m1_conversions(r.sass)} | "
         f"{_fmt_classes(class_counts(r.sass.body), 4)} |")
   return "\n".join(out)
 
@@ -603,7 +627,11 @@ once per iteration (body + loop x (iterations - 1))."""
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--arch", default="sm_90",
-                      help="CUDA target, sm_XY (default sm_90)")
+                      help="CUDA target, sm_XY or sm_XYa (default sm_90); "
+                      "from 10.0, sm_XYa lowers the kernels with the E2M1 "
+                      "conversion where `common.HW_E2M1_CCS` does not "
+                      "list the capability (as XLA compiles for the GPU "
+                      "itself), sm_XY without (as for a bare capability)")
   parser.add_argument("--kernels", default="",
                       help="comma-separated case names (default: all)")
   parser.add_argument("--triton-path", default=None,
@@ -618,10 +646,11 @@ def main(argv=None):
                       "software E2M1 encoder where the conversion exists)")
   args = parser.parse_args(argv)
 
-  m = re.fullmatch(r"sm_(\d+)(\d)a?", args.arch)
+  m = re.fullmatch(r"sm_(\d+)(\d)(a?)", args.arch)
   if not m:
-    parser.error(f"--arch {args.arch!r}: expected sm_XY")
+    parser.error(f"--arch {args.arch!r}: expected sm_XY or sm_XYa")
   cc = (int(m.group(1)), int(m.group(2)))
+  accelerated = m.group(3) == "a"
   capability = cc[0] * 10 + cc[1]
   if args.ptxas:
     os.environ["TRITON_PTXAS_PATH"] = args.ptxas
@@ -634,7 +663,7 @@ def main(argv=None):
   if args.software_e2m1:
     from pallas_kernels import common  # pylint: disable=g-import-not-at-top
     common.HW_E2M1 = False
-  cases = cases_for(cc)
+  cases = cases_for(cc, accelerated)
   if args.list:
     print("\n".join(f"{c.name}: {c.kernel}, {c.tile}" for c in cases))
     return
@@ -653,7 +682,7 @@ def main(argv=None):
   rows, failures = [], []
   for case in cases:
     try:
-      lowered = lower_case(case, cc)
+      lowered = lower_case(case, cc, accelerated)
       sub = os.path.join(workdir, case.name)
       os.makedirs(sub, exist_ok=True)
       compiled = compile_ttir(triton, lowered, capability, ptxas, sub)

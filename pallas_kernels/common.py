@@ -515,18 +515,72 @@ _ENCODE_CODES_CVT_ASM = _encode_codes_cvt_asm()
 HW_E2M1 = True
 
 
-# Where the E2M1 conversion compiles in the Pallas-Triton kernels: it is an
-# arch-specific instruction (sm_100a, sm_103a, sm_120a), and XLA's Triton
-# pipeline targets sm_100a/sm_103a but plain sm_120 (ptxas: "not supported
-# on .target 'sm_120'"; compiled ahead of time with jax 0.10.2).
+# Where the E2M1 conversion compiles in the Pallas-Triton kernels without
+# asking: it is an arch-specific instruction (sm_100a, sm_103a, sm_110a,
+# sm_120a, sm_121a and the `f` families), and XLA's Triton pipeline targets
+# sm_100a/sm_103a on these. On the other capabilities from 10.0 the target
+# depends on the compile: a GPU reports its accelerated features (XLA then
+# targets e.g. sm_120a), an ahead-of-time compile for a bare capability
+# targets plain sm_120, where ptxas rejects the instruction ("not supported
+# on .target 'sm_120'"). There `hardware_e2m1` compiles a probe.
 HW_E2M1_CCS = ((10, 0), (10, 3))
+
+# `(compute capability, dispatch.probe_target())` -> whether the probe
+# compiled; the error where it did not.
+_E2M1_PROBES: dict[Any, bool] = {}
+_E2M1_PROBE_ERRORS: dict[Any, str] = {}
+
+
+def _e2m1_probe_kernel(x_ref, o_ref):
+  """The word encoder's assembly (`_ENCODE_CODES_CVT_ASM`) on one tile."""
+  ye, yo = x_ref[0], x_ref[1]
+  [packed] = plt.elementwise_inline_asm(
+      _ENCODE_CODES_CVT_ASM, args=[ye, yo],
+      constraints="=r," + ",".join(["f"] * 8), pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(ye.shape, jnp.int8)])
+  o_ref[...] = packed
+
+
+def _e2m1_probe(x: jax.Array) -> jax.Array:
+  return pl.pallas_call(
+      _e2m1_probe_kernel, name="e2m1_probe",
+      out_shape=jax.ShapeDtypeStruct(x.shape[1:], jnp.int8),
+      compiler_params=plt.CompilerParams(num_warps=1, num_stages=1))(x)
+
+
+def e2m1_conversion_compiles() -> bool:
+  """Whether a Pallas-Triton kernel with `cvt.rn.satfinite.e2m1x2.f32`
+  (`_ENCODE_CODES_CVT_ASM`) compiles for the GPU the program compiles for
+  (`dispatch.probe_target`: this process's GPU, or the target of an
+  ahead-of-time compile): compiled once per (capability, target) and
+  cached; False where there is nothing to compile for, or the compile
+  raises (e.g. ptxas on plain sm_120). Safe inside a trace: the probe is a
+  separate program on abstract arguments."""
+  target = dispatch.probe_target()
+  if target is None:
+    return False
+  key = (compute_capability(), target)
+  if key not in _E2M1_PROBES:
+    try:
+      dispatch.compile_probe(
+          _e2m1_probe, jax.ShapeDtypeStruct((2, 32, 32), jnp.float32))
+      _E2M1_PROBES[key] = True
+    except Exception as e:  # pylint: disable=broad-except
+      _E2M1_PROBES[key] = False
+      _E2M1_PROBE_ERRORS[key] = f"{type(e).__name__}: {e}"[:2000]
+  return _E2M1_PROBES[key]
 
 
 def hardware_e2m1() -> bool:
   """Whether the kernels convert to E2M1 with `cvt...e2m1x2.f32` on the GPU
-  they compile for (`HW_E2M1_CCS`)."""
+  they compile for: on `HW_E2M1_CCS`, and from compute capability 10.0 on
+  where the conversion compiles (`e2m1_conversion_compiles`)."""
+  if not HW_E2M1:
+    return False
   cc = compute_capability()
-  return HW_E2M1 and cc is not None and tuple(cc) in HW_E2M1_CCS
+  if cc is None or tuple(cc) < (10, 0):
+    return False
+  return tuple(cc) in HW_E2M1_CCS or e2m1_conversion_compiles()
 
 # Whether the kernels use `_ENCODE_ASM` on the GPU (benchmarks switch it off
 # to time the jnp encoders in the same run).

@@ -248,7 +248,13 @@ def test_global_scaled_dot_vmaps():
 
 def test_target_config_text():
   text = aot.target_config("gb10", cudnn=(9, 8))
-  assert "cuda_compute_capability{major:12 minor:1}" in text
+  # As the GPU reports itself (XLA: sm_121a); `features=None`: plain sm_121.
+  assert ("cuda_compute_capability{major:12 minor:1 feature_extension:"
+          "ACCELERATED_FEATURES}") in text
+  assert "cuda_compute_capability{major:12 minor:1}" in aot.target_config(
+      aot.target("gb10", features=None))
+  with pytest.raises(ValueError, match="feature extension 'SM_121A'"):
+    aot.target("gb10", features="SM_121A")
   assert "dnn_version_info{major:9 minor:8}" in text
   assert 'device_description_str:"NVIDIA GB10"' in text
   with pytest.raises(ValueError, match="unknown target 'h300'.*b200"):
@@ -724,3 +730,141 @@ def test_fsdp_step_on_two_h100s_gathers_weights_once_not_activations():
   assert gathered == weights, (gathered, weights)
   assert scattered >= weights - 2 * 256 * cfg.d_model * 2, (scattered,
                                                               weights)
+
+
+# --- Where the E2M1 conversion compiles: the probe (cc >= 10 outside
+# `common.HW_E2M1_CCS`) ---------------------------------------------------------
+
+_CVT = "cvt.rn.satfinite.e2m1x2.f32"
+
+
+def _cuda_lowering(monkeypatch, cc):
+  """`lower(fn, *args)`: `fn` lowered for CUDA (nothing compiled or run),
+  Pallas-Triton asked for capability `cc` where it asks the GPU."""
+  from jax._src.pallas.triton import pallas_call_registration as reg  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  if hasattr(reg, "gpu_info_lib"):  # jax >= 0.11 asks the (absent) GPU.
+    monkeypatch.setattr(reg, "gpu_info_lib", types.SimpleNamespace(
+        get_gpu_info=lambda: types.SimpleNamespace(
+            compute_capability=cc[0] * 10 + cc[1])))
+  return lambda fn, *args: jax.jit(fn).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+
+
+def test_e2m1_probe_is_not_run_without_a_gpu_to_compile_for(monkeypatch):
+  """No GPU capability (CPU, unknown), below 10.0, 10.0/10.3 (known), or a
+  capability with no GPU of it here and no ahead-of-time compiler: the
+  probe never compiles; the software encoder except on 10.0/10.3."""
+  calls = []
+  monkeypatch.setattr(common, "_E2M1_PROBES", {})
+  monkeypatch.setattr(dispatch, "compile_probe",
+                      lambda *a: calls.append(a))
+  local = dispatch._local_gpu()  # pylint: disable=protected-access
+  local_cc = None if local is None else tuple(
+      int(v) for v in str(local.compute_capability).split(".")[:2])
+  with dispatch.target_device("cpu"):
+    assert not common.hardware_e2m1()
+  with dispatch.target_device("gpu"):  # Capability unknown.
+    assert not common.hardware_e2m1()
+  with dispatch.target_device("gpu", (9, 0)):
+    assert not common.hardware_e2m1()
+  for cc in ((10, 0), (10, 3)):
+    with dispatch.target_device("gpu", cc):
+      assert common.hardware_e2m1()
+  for cc in ((10, 1), (11, 0), (12, 0), (12, 1)):
+    if cc == local_cc:
+      continue
+    with dispatch.target_device("gpu", cc):
+      assert dispatch.probe_target() is None
+      assert not common.hardware_e2m1()
+  assert calls == [] and common._E2M1_PROBES == {}  # pylint: disable=protected-access
+
+
+def test_e2m1_probe_falls_back_on_a_compile_error_and_is_cached(monkeypatch):
+  """A probe compile that raises (ptxas on plain sm_120) gives the
+  software encoder, one that compiles the conversion; each is compiled
+  once per (capability, target), on abstract arguments, and the kernels
+  follow the answer. The probe runs inside the quantizer's trace: its
+  compile here lowers the probe program for CUDA (no GPU), so the probe
+  kernel's assembly is checked to lower from within another trace too."""
+  monkeypatch.setattr(common, "_E2M1_PROBES", {})
+  monkeypatch.setattr(common, "_E2M1_PROBE_ERRORS", {})
+  from nvfp4_jax.ops.quantize import pallas_triton as pallas_quantize  # pylint: disable=g-import-not-at-top
+  lower = _cuda_lowering(monkeypatch, (12, 0))
+  calls = []
+
+  def fails(fn, *args):
+    calls.append(args)
+    raise RuntimeError("ptxas: Instruction 'cvt with .e2m1x2' not supported "
+                       "on .target 'sm_120'")
+
+  def compiles(fn, *args):
+    calls.append(args)
+    assert _CVT in lower(fn, *args)
+
+  x = jax.ShapeDtypeStruct((32, 256), jnp.bfloat16)
+  jax.clear_caches()  # Traces are cached by function, not by target.
+  try:
+    with dispatch.target_device("gpu", (12, 0)):
+      with dispatch.probe_compiler(("sm_120", "test"), fails):
+        sw = lower(pallas_quantize.quantize, x)
+        assert not common.hardware_e2m1()
+      jax.clear_caches()
+      with dispatch.probe_compiler(("sm_120a", "test"), compiles):
+        hw = lower(pallas_quantize.quantize, x)
+        assert common.hardware_e2m1()
+        # Switched off: no probe, the software encoder.
+        monkeypatch.setattr(common, "HW_E2M1", False)
+        assert not common.hardware_e2m1()
+  finally:
+    jax.clear_caches()
+  assert (_CVT in sw, _CVT in hw) == (False, True)
+  assert "mul.rn.ftz.sat.f32" in sw  # The software encoder.
+  assert len(calls) == 2, calls  # One compile per target, then cached.
+  assert all(type(a) is jax.ShapeDtypeStruct for c in calls for a in c)  # pylint: disable=unidiomatic-typecheck
+  [err] = common._E2M1_PROBE_ERRORS.values()  # pylint: disable=protected-access
+  assert "sm_120" in err
+
+
+@needs_plugin
+@pytest.mark.parametrize("target", ["rtx-pro-6000", "gb10"])
+@pytest.mark.parametrize("features, want", [
+    (None, False),  # Plain sm_120 / sm_121: ptxas rejects the conversion.
+    ("ACCELERATED_FEATURES", True)])  # sm_120a / sm_121a, as on the GPU.
+def test_e2m1_probe_compiles_for_the_target(monkeypatch, target, features,
+                                            want):
+  """Ahead of time for 12.0 / 12.1: the probe compiles once for the
+  target's topology (XLA's Triton pipeline and ptxas), and the 1x16, 16x16,
+  RHT columns and pair quantizers compile either way, with the conversion
+  exactly where the probe compiled (their Triton IR, carried in the
+  optimized HLO, holds the inline assembly that goes to ptxas as is)."""
+  from nvfp4_jax.ops.quantize import pallas_triton as pallas_quantize  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.quantize_pair import pallas_triton as pallas_pair  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pallas_rht  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(common, "_E2M1_PROBES", {})
+  monkeypatch.setattr(common, "_E2M1_PROBE_ERRORS", {})
+  probe = dispatch.compile_probe
+  calls = []
+
+  def counted(*args):
+    calls.append(args)
+    return probe(*args)
+  monkeypatch.setattr(dispatch, "compile_probe", counted)
+  x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+  programs = {
+      "1x16": pallas_quantize.quantize,
+      "16x16": lambda x: pallas_quantize.quantize(x, block_2d=True),
+      "rht": lambda x: pallas_rht.quantize_rht_t(x, amax=jnp.float32(1)),
+      "pair": lambda x: pallas_pair.quantize_pair(
+          x, row_rounding="nearest", t_rounding="nearest", t_rht=True,
+          key_row=None, key_t=None)}
+  with aot.compiling_for(target, features=features) as c:
+    for name, fn in programs.items():
+      post = c.compile(fn, x)
+      assert (_CVT in post) == want, name
+      assert "__gpu$xla.gpu.triton" in post, name
+    assert common.hardware_e2m1() == want
+  assert len(calls) == 1, calls
+  if not want:
+    [err] = common._E2M1_PROBE_ERRORS.values()  # pylint: disable=protected-access
+    assert "e2m1x2" in err and f"sm_{aot.target(target).cc[0]}" in err, err

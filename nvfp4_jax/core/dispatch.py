@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Hashable, Iterator, Mapping
 
 import jax
 
@@ -30,6 +30,9 @@ _OVERRIDE: ScopeStack[str] = ScopeStack()
 # ahead of time.
 _TARGET: ScopeStack[tuple[str, tuple[int, int] | None,
                           tuple[int, int] | None]] = ScopeStack()
+# `(key, compile)` of a device compiled for ahead of time: how
+# `compile_probe` compiles for it (`probe_compiler`).
+_PROBE: ScopeStack[tuple[Hashable, Callable[..., Any]]] = ScopeStack()
 
 # Platform -> implementation names tried in order before the reference. The
 # one preference of every op: kernels on GPUs, the reference elsewhere.
@@ -98,6 +101,73 @@ def target_device(platform_name: str, cc: tuple[int, int] | None = None,
   pair = lambda v: None if v is None else (int(v[0]), int(v[1]))
   with _TARGET.push((platform_name, pair(cc), pair(cudnn))):
     yield
+
+
+@contextlib.contextmanager
+def probe_compiler(key: Hashable, compile_fn: Callable[..., Any]
+                   ) -> Iterator[None]:
+  """Within the block, `compile_probe(fn, *args)` compiles for the device
+  a program is compiled for ahead of time (`target_device`'s) by calling
+  `compile_fn(fn, *args)`, which raises where `fn` does not compile there;
+  `key` names that device and toolchain (`probe_target`: results cached by
+  it stay valid while it is the same). Set by `nvfp4_jax.tools.aot`."""
+  with _PROBE.push((key, compile_fn)):
+    yield
+
+
+def _local_gpu():
+  try:
+    return jax.devices("gpu")[0]
+  except (RuntimeError, IndexError):
+    return None
+
+
+def probe_target() -> Hashable | None:
+  """What `compile_probe` compiles for: the innermost `probe_compiler`'s
+  key; else this process's first GPU where it is the GPU dispatch answers
+  for (`("gpu", device kind, compute capability)`); else None (nothing to
+  compile for: no GPU, or a `target_device` of another capability without
+  a `probe_compiler`)."""
+  probe = _PROBE.current()
+  if probe is not None:
+    return probe[0]
+  if platform() != "gpu":
+    return None
+  cc = compute_capability()
+  device = _local_gpu() if cc is not None else None
+  if device is None:
+    return None
+  try:
+    major, minor = str(device.compute_capability).split(".")[:2]
+  except AttributeError:
+    return None
+  if (int(major), int(minor)) != cc:
+    return None
+  return ("gpu", device.device_kind, cc)
+
+
+def compile_probe(fn: Callable[..., Any], *args: jax.ShapeDtypeStruct
+                  ) -> None:
+  """Compiles `jax.jit(fn)` for `args` (shapes and dtypes only) for
+  `probe_target()`'s device, nothing run: so kernels can ask while tracing
+  whether an instruction compiles there (it may be called inside another
+  trace: the arguments are abstract, never the caller's tracers).
+
+  Raises:
+    What the compile raises where `fn` does not compile there;
+    RuntimeError where `probe_target()` is None.
+  """
+  probe = _PROBE.current()
+  if probe is not None:
+    probe[1](fn, *args)
+    return
+  if probe_target() is None:
+    raise RuntimeError("compile_probe: no GPU to compile for here (see "
+                       "dispatch.probe_target).")
+  sharding = jax.sharding.SingleDeviceSharding(_local_gpu())
+  args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+               for a in args)
+  jax.jit(fn).trace(*args).lower().compile()
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 from typing import Any, Callable, Iterator
 
@@ -50,6 +51,13 @@ class Target:
     bandwidth: memory bandwidth, bytes/s.
     l2_bytes: L2 cache size.
     clock_ghz: SM clock.
+    features: the compute capability's feature extension
+      (`FEATURE_EXTENSIONS`): "ACCELERATED_FEATURES" (the default), as
+      XLA describes a GPU from 9.0 it runs on (it then compiles for sm_XYa,
+      e.g. sm_120a, where the arch-specific instructions exist, such as
+      the E2M1 conversion),
+      "FAMILY_COMPATIBLE_FEATURES" (sm_XYf), or None: the bare capability
+      (plain sm_XY; `target(name, features=None)`).
   """
 
   name: str
@@ -62,6 +70,7 @@ class Target:
   bandwidth: float
   l2_bytes: int
   clock_ghz: float
+  features: str | None = "ACCELERATED_FEATURES"
 
   @property
   def shared_memory_per_block_optin(self) -> int:
@@ -108,14 +117,27 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
 DEFAULT_CUDNN = (9, 14)
 
 
-def target(name: str | Target) -> Target:
-  """`TARGETS[name]`, with an error naming the choices."""
-  if isinstance(name, Target):
+# `GpuTargetConfig`'s `cuda_compute_capability.feature_extension` values
+# (None: none, the bare capability).
+FEATURE_EXTENSIONS = (None, "ACCELERATED_FEATURES",
+                      "FAMILY_COMPATIBLE_FEATURES")
+_OWN = "the target's"
+
+
+def target(name: str | Target, features: str | None = _OWN) -> Target:
+  """`TARGETS[name]`, with an error naming the choices; `features` replaces
+  its feature extension (`Target.features`; None: the bare capability)."""
+  if not isinstance(name, Target):
+    if name not in TARGETS:
+      raise ValueError(f"unknown target {name!r}; use one of "
+                       f"{', '.join(TARGETS)}.")
+    name = TARGETS[name]
+  if features is _OWN:
     return name
-  if name not in TARGETS:
-    raise ValueError(f"unknown target {name!r}; use one of "
-                     f"{', '.join(TARGETS)}.")
-  return TARGETS[name]
+  if features not in FEATURE_EXTENSIONS:
+    raise ValueError(f"feature extension {features!r}; use one of "
+                     f"{FEATURE_EXTENSIONS}.")
+  return dataclasses.replace(name, features=features)
 
 
 def target_config(t: str | Target, cudnn: tuple[int, int] = DEFAULT_CUDNN,
@@ -133,8 +155,9 @@ def target_config(t: str | Target, cudnn: tuple[int, int] = DEFAULT_CUDNN,
       clock_rate_ghz=t.clock_ghz, device_memory_size=t.memory_bytes,
       shared_memory_per_block_optin=t.shared_memory_per_block_optin)
   fields = " ".join(f"{k}:{v}" for k, v in info.items())
+  ext = f" feature_extension:{t.features}" if t.features else ""
   return (f"gpu_device_info{{{fields} cuda_compute_capability{{major:"
-          f"{t.cc[0]} minor:{t.cc[1]}}} registers_per_core_limit:65536 "
+          f"{t.cc[0]} minor:{t.cc[1]}{ext}}} registers_per_core_limit:65536 "
           f"registers_per_block_limit:65536}}\n"
           f"runtime_version{{major:{cuda}}} platform_name:\"CUDA\" "
           f"dnn_version_info{{major:{cudnn[0]} minor:{cudnn[1]}}} "
@@ -244,15 +267,17 @@ class Compiler:
 
 
 @contextlib.contextmanager
-def compiling_for(name: str | Target, *, cudnn: tuple[int, int] = DEFAULT_CUDNN
-                  ) -> Iterator[Compiler]:
+def compiling_for(name: str | Target, *, cudnn: tuple[int, int] = DEFAULT_CUDNN,
+                  features: str | None = _OWN) -> Iterator[Compiler]:
   """Within the block, the project's dispatch answers for the target GPU,
-  and `Compiler.compile` compiles for it.
+  and `Compiler.compile` compiles for it; `features`: another feature
+  extension than the target's (`target`; None: the bare capability, e.g.
+  plain sm_120).
 
   Raises:
     Unavailable: no CUDA plugin (see the module's docstring).
   """
-  t = target(name)
+  t = target(name, features)
   try:
     device = _topology_device(t, cudnn)
   except Exception as e:  # pylint: disable=broad-except
@@ -276,11 +301,24 @@ def compiling_for(name: str | Target, *, cudnn: tuple[int, int] = DEFAULT_CUDNN
       stack.enter_context(dispatch.target_device("gpu", t.cc, cudnn))
       stack.enter_context(_recording_triton(kernels, cache))
       stack.enter_context(_pallas_triton_target(t.cc))
+      # Kernels that ask whether an instruction compiles (`pallas_kernels.
+      # common.hardware_e2m1`) compile their probe for this device too.
+      stack.enter_context(dispatch.probe_compiler(
+          ("aot", t.name, t.cc, t.features, cudnn), functools.partial(_compile_probe, device)))
       yield Compiler(t, cudnn, device, kernels, cache)
   finally:
     jax.config.update("jax_enable_compilation_cache", cache_on)
     _reset_compilation_cache()
     jax.clear_caches()
+
+
+def _compile_probe(device, fn: Callable, *args) -> None:
+  """`dispatch.compile_probe` in a `compiling_for` block: `fn` compiled for
+  the target's device (raises where it does not compile there)."""
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+               for a in args)
+  jax.jit(fn).trace(*args).lower().compile()
 
 
 def _reset_compilation_cache() -> None:
