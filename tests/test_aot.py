@@ -565,6 +565,23 @@ def _triton_or_none():
     return None
 
 
+def _sm100_asm(kernel: str, tmp_path, monkeypatch) -> dict:
+  """`sass_report`'s case `kernel` lowered for cc 10.0 and compiled by
+  triton for sm_100a: its `asm` (`ttgir`, `ptx`, ...)."""
+  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  from benchmarks import sass_report  # pylint: disable=g-import-not-at-top
+  triton = _triton_or_none()
+  monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+  case = next(c for c in sass_report.cases_for((10, 0)) if c.name == kernel)
+  low = sass_report.lower_case(case, (10, 0))
+  path = os.path.join(tmp_path, "k.ttir")
+  with open(path, "w") as f:
+    f.write(low.ttir)
+  return triton.compile(path, target=GPUTarget("cuda", 100, 32), options=dict(
+      num_warps=low.num_warps, num_stages=low.num_stages)).asm
+
+
 @pytest.mark.skipif(_triton_or_none() is None, reason="needs triton")
 @pytest.mark.parametrize("kernel", ["quantize_rtne", "quantize_2d",
                                     "rht_t_rtne", "quantize_fos",
@@ -576,18 +593,7 @@ def test_signed_e2m1_conversion_sees_one_block_per_instance(kernel, tmp_path,
   layout for sm_100a gives each thread 4 (or 8) consecutive pairs of a
   block, so an instance never spans two blocks. Read from the TTGIR Triton
   3.6 compiles the kernel's TTIR to (no GPU)."""
-  import os  # pylint: disable=g-import-not-at-top
-  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
-  from benchmarks import sass_report  # pylint: disable=g-import-not-at-top
-  triton = _triton_or_none()
-  monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-  case = next(c for c in sass_report.cases_for((10, 0)) if c.name == kernel)
-  low = sass_report.lower_case(case, (10, 0))
-  path = os.path.join(tmp_path, "k.ttir")
-  with open(path, "w") as f:
-    f.write(low.ttir)
-  ttgir = triton.compile(path, target=GPUTarget("cuda", 100, 32), options=dict(
-      num_warps=low.num_warps, num_stages=low.num_stages)).asm["ttgir"]
+  ttgir = _sm100_asm(kernel, tmp_path, monkeypatch)["ttgir"]
   layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
   # Four-over-Six's error terms convert too (`common._error_terms_asm`,
   # no NaN test: a NaN gives NaN terms whatever its code).
@@ -635,19 +641,7 @@ def test_rht_columns_words_row_loads_share_one_base_address(tmp_path,
   bounded by the grid, so LLVM proves the 32-bit offsets' sums in range);
   with unbounded ids each load sign-extends and adds its own offset. Read
   from the PTX Triton 3.6 compiles the kernel's TTIR to (no GPU)."""
-  import os  # pylint: disable=g-import-not-at-top
-  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
-  from benchmarks import sass_report  # pylint: disable=g-import-not-at-top
-  triton = _triton_or_none()
-  monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-  case = next(c for c in sass_report.cases_for((10, 0))
-              if c.name == "rht_t_rtne")
-  low = sass_report.lower_case(case, (10, 0))
-  path = os.path.join(tmp_path, "k.ttir")
-  with open(path, "w") as f:
-    f.write(low.ttir)
-  ptx = triton.compile(path, target=GPUTarget("cuda", 100, 32), options=dict(
-      num_warps=low.num_warps, num_stages=low.num_stages)).asm["ptx"]
+  ptx = _sm100_asm("rht_t_rtne", tmp_path, monkeypatch)["ptx"]
   rows = re.findall(r"ld\.global\.v4\.b32 \{[^}]*\}, \[ (%rd\d+) \+ 0 \]",
                     ptx)
   assert len(rows) == 16, rows  # 8 features per thread: 16-byte rows.
