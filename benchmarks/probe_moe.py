@@ -20,9 +20,9 @@ seconds, the first call's and the mean of five calls' wall milliseconds:
 - `step`: the trainer's step for `--preset` (build, lower, compile, median
   of ten steps);
 - `permute`: the MoE dispatch's row permutation of the `[M, K]` tokens
-  (`moe.permute`, a gather with a fill) against the same gather with
-  clamped indices and a select, and on uint32 words (the same bits): GPU
-  time and bandwidth (a GPU only).
+  (`moe.permute`: `gather_rows`, a Pallas kernel on GPUs) against XLA's
+  gather with a fill, the same with clamped indices and a select, and on
+  uint32 words (the same bits): GPU time and bandwidth (a GPU only).
 
 A faulthandler dump every `--dump-after` seconds shows where a stage that
 does not finish is.
@@ -125,14 +125,18 @@ def op_stages(stages, m: int, k: int, n: int, e: int, recipe: str) -> None:
       timed(st, lambda x, w: _fwd_bwd(layers)(x, w, x), x, wk)
     elif st.startswith("permute"):
       # A row permutation as the MoE layer's dispatch runs it
-      # (`moe.permute`: `jnp.take(mode="fill")`), and forms of the same
-      # gather to compare: indices clamped and a select after it, and the
-      # bf16 rows moved as uint32 words (the same bits). The kernels' GPU
-      # time: `timing.gpu_kernels`.
+      # (`moe.permute`: `gather_rows`, the Pallas kernel on a GPU), and
+      # forms of the same gather to compare: XLA's `jnp.take(mode="fill")`
+      # (the reference), the kernel named, indices clamped and a select
+      # after it, and the bf16 rows moved as uint32 words (the same bits).
+      # The kernels' GPU time: `timing.gpu_kernels`.
       from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
       order = jnp.asarray(rng.permutation(m + m // 8)[:m].astype(np.int32))
+      from nvfp4_jax.ops.gather_rows.api import gather_rows  # pylint: disable=g-import-not-at-top
       forms = {
-          "fill": lambda x, o: moe.permute(x, o, o),
+          "permute": lambda x, o: moe.permute(x, o, o),
+          "fill": lambda x, o: gather_rows(x, o, implementation="xla"),
+          "kernel": lambda x, o: gather_rows(x, o, implementation="pallas"),
           "clip": lambda x, o: jnp.where(
               (o < x.shape[0])[:, None],
               jnp.take(x, o, axis=0, mode="clip"), 0),
@@ -146,9 +150,9 @@ def op_stages(stages, m: int, k: int, n: int, e: int, recipe: str) -> None:
         kernels = timing.gpu_kernels(jax.jit(f), [(x, order)], calls=5)
         total = sum(t for _, t in kernels.values())
         if not total:
-          print(f"permute {form:6s} no GPU kernels traced", flush=True)
+          print(f"permute {form:7s} no GPU kernels traced", flush=True)
           continue
-        print(f"permute {form:6s} {total * 1e3:8.3f} ms GPU per call "
+        print(f"permute {form:7s} {total * 1e3:8.3f} ms GPU per call "
               f"({2 * x.size * 2 / total / 1e9:6.0f} GB/s of rows read and "
               "written)", flush=True)
     elif st == "profile":

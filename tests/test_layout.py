@@ -146,7 +146,8 @@ def test_one_folder_per_op():
   ops = ROOT / "nvfp4_jax" / "ops"
   folders = sorted(p.name for p in ops.iterdir() if p.is_dir()
                    and p.name != "__pycache__")
-  assert folders == ["block_scaled_matmul", "block_values", "quantize",
+  assert folders == ["block_scaled_matmul", "block_values", "gather_rows",
+                     "quantize",
                      "quantize_pair", "quantize_rht_t", "ragged_dot",
                      "weight_only_matmul"]
   for name in folders:

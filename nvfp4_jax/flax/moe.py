@@ -48,6 +48,7 @@ from nvfp4_jax.core import spmd
 from nvfp4_jax.flax.rules import PrecisionRules
 from nvfp4_jax.parallel import current_rules
 from nvfp4_jax.training.dot_general import explicit_mesh
+from nvfp4_jax.ops.gather_rows.api import gather_rows
 from nvfp4_jax.ops.ragged_dot.api import alignment
 from nvfp4_jax.ops.ragged_dot.api import padded_layout
 from nvfp4_jax.ops.ragged_dot.api import padded_length
@@ -67,8 +68,9 @@ AUX_LOSS = "moe_aux_loss"
 def permute(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
   """`x[order]` (rows), for a one-to-one `order` and `inverse` its inverse;
   an index out of range (in either) stands for no row: it reads zeros. The
-  gradient is the gather `g[inverse]` (no scatter-add)."""
-  return jnp.take(x, order, axis=0, mode="fill", fill_value=0)
+  gradient is the gather `g[inverse]` (no scatter-add). Both gathers are
+  `nvfp4_jax.ops.gather_rows` (a Pallas kernel on GPUs)."""
+  return gather_rows(x, order.astype(jnp.int32))
 
 
 def _permute_fwd(x, order, inverse):
@@ -77,7 +79,7 @@ def _permute_fwd(x, order, inverse):
 
 def _permute_bwd(res, g):
   order, inverse = res
-  return jnp.take(g, inverse, axis=0, mode="fill", fill_value=0), None, None
+  return gather_rows(g, inverse.astype(jnp.int32)), None, None
 
 
 permute.defvjp(_permute_fwd, _permute_bwd)

@@ -1,0 +1,2 @@
+"""Row gathers with a fill (`gather_rows`): the mixture-of-experts layer's
+token permutations."""
