@@ -494,6 +494,34 @@ def _no_f32_gather_of(compiled, shapes, what):
   assert not bad, f"{what}: the quantizer's input is gathered: {bad}"
 
 
+def check_auto_gather_rows():
+  """Auto mode with the row gather kernel (`nvfp4_jax.ops.gather_rows`,
+  interpreted on CPU): under `jax.jit` shardings each device gathers the
+  rows of its shard of the index (`spmd.gather_per_shard`), so the result
+  is split as the index is and equals the whole gather bit for bit; the
+  compiled program runs the kernel on `[M / 8, D]` (off, on the whole
+  `[M, D]`)."""
+  from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.gather_rows.api import gather_rows  # pylint: disable=g-import-not-at-top
+  m = jax.make_mesh((8,), ("batch",), axis_types=(AxisType.Auto,))
+  x = jnp.asarray(make_heavy_tailed((96, 48), seed=5)).astype(jnp.bfloat16)
+  index = jnp.asarray(np.random.RandomState(0).permutation(128) % 100,
+                      jnp.int32)           # Rows 96..99 name none: zeros.
+  rows = NamedSharding(m, P("batch", None))
+  split = NamedSharding(m, P("batch"))
+  f = jax.jit(lambda x, i: gather_rows(x, i, implementation="pallas"),
+              in_shardings=(rows, split))
+  compiled = f.lower(x, index).compile()
+  got = compiled(jax.device_put(x, rows), jax.device_put(index, split))
+  want = gather_rows(x, index, implementation="xla")
+  assert np.array_equal(np.asarray(got, np.float32),
+                        np.asarray(want, np.float32)), "auto gather_rows"
+  assert got.sharding.is_equivalent_to(NamedSharding(m, P("batch", None)), 2)
+  hlo = compiled.as_text()
+  assert "bf16[16,48]" in hlo, "the kernel's local shape"
+  print("  auto gather_rows on batch=8: equal, split as the index")
+
+
 def check_auto_kernels_quick():
   """Auto mode (`jax.jit` in_shardings on the user's mesh) with the Pallas
   kernels (interpreted on CPU): the pair quantizer of dY (stochastic

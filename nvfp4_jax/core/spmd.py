@@ -642,6 +642,50 @@ def matmul_per_shard(fn: Callable, a: Any, b: Any, *args: jax.Array,
   return _batchable(cp, whole)(*ops, *args)
 
 
+def gather_per_shard(fn: Callable, x: jax.Array, index: jax.Array,
+                     **kwargs) -> jax.Array:
+  """`fn(x, index, **kwargs)`, a row gather kernel (`x [rows, D]`, `index
+  [M]` -> `[M, D]`), run per shard under `jax.jit` shardings: each device
+  gathers the rows of its shard of `index` from the whole `x` (gathered
+  where split: an index may name any row), so the result's rows are split
+  as `index` is and no device computes another's rows. Where `blockwise`
+  calls its kernel as it is, this is `fn(x, index, **kwargs)`."""
+  if (jnp.ndim(x) != 2 or jnp.ndim(index) != 1
+      or not _auto_partitions((x, index))):
+    return fn(x, index, **kwargs)
+  from jax.experimental.custom_partitioning import SdyShardingRule  # pylint: disable=g-import-not-at-top
+  from jax.experimental.custom_partitioning import custom_partitioning  # pylint: disable=g-import-not-at-top
+
+  def whole(x, index):
+    return fn(x, index, **kwargs)
+
+  def call(x, index):
+    return jax.jit(whole)(x, index)
+
+  def shardings(mesh, arg_shapes):
+    spec = getattr(arg_shapes[1].sharding, "spec", None) or ()
+    m = entry([a for a in (entry_axes(spec[0]) if spec else ())
+               if a in mesh.shape])
+    return ((NamedSharding(mesh, P(None, None)), NamedSharding(mesh, P(m))),
+            NamedSharding(mesh, P(m, None)))
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    args_sh, out_sh = shardings(mesh, arg_shapes)
+    return mesh, call, out_sh, args_sh
+
+  def infer(mesh, arg_shapes, result_shape):
+    del result_shape
+    return shardings(mesh, arg_shapes)[1]
+
+  rule = SdyShardingRule((("r", "d"), ("m",)), (("m", "d2"),),
+                         need_replication_factors=("r", "d", "d2"))
+  cp = custom_partitioning(call)
+  cp.def_partition(partition, infer_sharding_from_operands=infer,
+                   sharding_rule=rule)
+  return _batchable(cp, whole)(x, index)
+
+
 def local_group_sizes(group_sizes: jax.Array, axes: Sequence[str],
                       rows: int) -> jax.Array:
   """The group sizes of this device's `rows` rows of a row-sorted grouped
