@@ -161,6 +161,13 @@ def test_non_finite_step_is_skipped_counted_and_not_applied():
   assert bool(metrics["finite"]) and int(state.skipped) == 1
   assert not np.array_equal(nv.master_params(state.opt_state)["head"]["kernel"],
                             master["head"]["kernel"])
+  # The skip is a select per element, not a `lax.cond` around the update
+  # (XLA kept a second copy of the state for the branches).
+  step = jax.make_jaxpr(trainer.train_step)(state, batch).jaxpr
+  body = step.eqns[0].params["jaxpr"].jaxpr if step.eqns[0].primitive.name in (
+      "jit", "pjit") else step
+  names = {e.primitive.name for e in body.eqns}
+  assert "cond" not in names and "select_n" in names, names
 
 
 # The modules that own the GPT's parameters; each acts token by token.
