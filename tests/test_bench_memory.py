@@ -1,0 +1,236 @@
+"""`benchmarks.bench_memory --search model`: the largest GPT of a ladder on a
+device mesh (the bookkeeping; the slow test runs the CPU smoke mode)."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from benchmarks import bench_memory as bm
+
+GIB = 2**30
+LADDER = bm.parse_ladder(bm.LADDER)
+PARAMS = [bm.approx_params(r) for r in LADDER]
+
+
+def test_ladder_shapes():
+  """The presets keep their own heads and d_ff; the GPT-3-like rungs get
+  heads of 128 and d_ff = 8/3 d_model to a multiple of 256; the parameter
+  count from the shape is the model's own (models.param_count)."""
+  from models import GPTConfig  # pylint: disable=g-import-not-at-top
+  from models import param_count  # pylint: disable=g-import-not-at-top
+  assert bm.shape_fields(768, 18) == {"d_model": 768, "num_layers": 18,
+                                      "num_heads": 12, "d_ff": 2048}
+  assert bm.shape_fields(2048, 24) == {"d_model": 2048, "num_layers": 24,
+                                       "num_heads": 16, "d_ff": 5376}
+  for rung in ("1024x28", "1536x2"):
+    cfg = GPTConfig(**bm.shape_fields(*bm.parse_rung(rung)))
+    assert param_count(cfg) == bm.approx_params(rung)
+  # The default ladder: 25.6M (small) to ~21.7B.
+  assert round(PARAMS[0] / 1e5) == 256 and 21e9 < PARAMS[-1] < 22e9
+
+
+def _truth(peak, limit):
+  return max((i for i in range(len(LADDER)) if peak(i) <= limit), default=-1)
+
+
+@pytest.mark.parametrize("name,peak", [
+    # Bytes per device on 4 shards: the state plus activations.
+    ("state", lambda i: 4.0 * PARAMS[i] + 2 * GIB),
+    ("state, more than the guess", lambda i: 6.0 * PARAMS[i] + 6 * GIB),
+    ("convex", lambda i: 3.0 * PARAMS[i] + 1e-10 * PARAMS[i] ** 2),
+    ("a jump at the 8th rung", lambda i: 4.0 * PARAMS[i] + (
+        30 * GIB if i >= 7 else 0)),
+    ("nothing fits", lambda i: 100 * GIB + PARAMS[i]),
+    ("everything fits", lambda i: 1e-3 * PARAMS[i]),
+])
+@pytest.mark.parametrize("limit_gib", [19.8, 59.4])
+def test_next_rung_finds_the_largest_fitting_rung(name, peak, limit_gib):
+  """The compile search ends on a closed bracket (the rung that fits, the
+  next over, or a ladder's end), each compile strictly inside the bracket,
+  in fewer compiles than the ladder has rungs."""
+  limit = limit_gib * GIB
+  peaks = {}
+  while (i := bm.next_rung(peaks, LADDER, limit, shards=4)) is not None:
+    lo, hi = bm.bracket(peaks, LADDER, limit)
+    assert lo < i < hi and LADDER[i] not in peaks, (name, i, peaks)
+    peaks[LADDER[i]] = peak(i)
+  lo, hi = bm.bracket(peaks, LADDER, limit)
+  assert lo == _truth(peak, limit), (name, peaks)
+  assert hi == lo + 1, (name, peaks)
+  assert len(peaks) <= 4, (name, list(peaks))
+  if name == "state":  # The guess from the state's bytes is right: 2.
+    assert len(peaks) == 2, list(peaks)
+
+
+def test_next_rung_counts_a_compile_out_of_memory_as_over():
+  peaks = {LADDER[5]: None}
+  assert bm.bracket(peaks, LADDER, 60 * GIB) == (-1, 5)
+  assert bm.next_rung(peaks, LADDER, 60 * GIB) < 5
+
+
+def test_next_model_run_steps_down_after_out_of_memory():
+  """None while the search is open; then the search's answer; after a run
+  out of memory the rung below; done on success, on an error, at the
+  ladder's foot or after three runs."""
+  ladder = bm.parse_ladder("128x1,128x2,256x2,256x4")
+  peaks = {ladder[2]: 10.0, ladder[3]: 20.0}
+  nr = lambda runs, peaks=peaks: bm.next_model_run(peaks, ladder, 15.0, [
+      {"rung": ladder[i], "ok": ok, **extra} for i, ok, extra in runs])
+  assert nr([], {ladder[3]: 20.0}) is None  # Still searching.
+  assert nr([]) == 2
+  assert nr([(2, False, {})]) == 1
+  assert nr([(2, False, {}), (1, False, {})]) == 0
+  assert nr([(2, False, {}), (1, False, {}), (0, False, {})]) is None
+  assert nr([(2, False, {}), (1, True, {})]) is None
+  assert nr([(2, False, {"error": 1})]) is None
+  assert bm.next_model_run({ladder[0]: 20.0}, ladder, 15.0, []) is None
+
+
+def test_model_search_resumes_from_its_state(tmp_path, monkeypatch):
+  """A search stopped by its deadline keeps every compile in its state; the
+  next call goes on from there and ends where one uninterrupted search
+  ends, compiling no rung twice."""
+  ladder = bm.parse_ladder(bm.SMOKE["ladder"])
+  params = {r: bm.approx_params(r) for r in ladder}
+  compiled = []
+  clock = types.SimpleNamespace(now=0.0)
+
+  def fake_compile(c, rung):
+    del c
+    compiled.append(rung)
+    clock.now += 1
+    return None, None, 10.0 * params[rung], params[rung], 1.0
+
+  monkeypatch.setattr(bm, "_model_compile", fake_compile)
+  monkeypatch.setattr(bm, "time", types.SimpleNamespace(
+      time=lambda: clock.now, strftime=lambda _: "t",
+      perf_counter=lambda: clock.now))
+  c = bm.MeshConfig("bf16", "quantized", 32, 1, "fsdp=8", ladder)
+  limit_gib = 0.03
+  whole = bm._model_search(c, limit_gib, str(tmp_path / "whole.json"), 1e9)
+  n = len(compiled)
+  assert n >= 2  # Else the stop below would not interrupt anything.
+  compiled.clear()
+  clock.now = 0.0
+  f = str(tmp_path / "s.json")
+  part = bm._model_search(c, limit_gib, f, deadline=1.0)  # One compile.
+  assert len(part["rungs"]) == 1
+  with open(f) as fh:
+    assert json.load(fh)["rungs"] == part["rungs"]
+  again = bm._model_search(c, limit_gib, f, deadline=1e9)
+  assert again["rungs"] == whole["rungs"]
+  assert sorted(compiled) == sorted(whole["rungs"]) and len(compiled) == n
+  # Under another limit the state is refused, not mixed.
+  with pytest.raises(SystemExit, match="allocator limit"):
+    bm._model_search(c, 0.5, f, deadline=1e9)
+
+
+def test_model_rows():
+  """The row names the largest rung that ran, its peak, the next rung up and
+  why it does not fit (its compiled peak, or out of memory when run)."""
+  ladder = bm.parse_ladder("128x1,128x2,256x2,256x4")
+  rung = lambda r, p: {"peak": p * GIB, "params": bm.approx_params(r),
+                       "s": 2.0, "note": ""}
+  run = lambda r, ok, p: {"rung": r, "ok": ok, "peak": p * GIB,
+                          "params": bm.approx_params(r), "s": 5.0,
+                          "step_s": 0.5, "device": "d", "jax": "j"}
+  c = bm.MeshConfig("nvfp4", "quantized", 32, 1, "fsdp=8", ladder)
+  rungs = {"128x2": rung("128x2", 1.0), "256x2": rung("256x2", 2.0),
+           "256x4": rung("256x4", 3.0)}
+  st = {"limit": 2.5 * GIB, "rungs": rungs,
+        "runs": [run("256x2", True, 2.0)]}
+  (row,) = bm.model_rows([c], {c.label: st})
+  assert row["largest_ran"] == "256x2" and row["peak_gib"] == "2"
+  assert row["next_up"].startswith("256x4 (3.54") and (
+      row["next_peak_gib"] == "3")
+  assert row["compiles"] == 3 and row["compile_s"] == 6
+  st["runs"] = [run("256x2", False, 2.0), run("128x2", True, 1.0)]
+  (row,) = bm.model_rows([c], {c.label: st})
+  assert row["largest_ran"] == "128x2"
+  assert row["next_peak_gib"] == "2, out of memory when run"
+  st["runs"] = [{"rung": "256x2", "ok": False, "error": 1}]
+  (row,) = bm.model_rows([c], {c.label: st})
+  assert row["largest_ran"] == "run failed (exit 1)"
+  (row,) = bm.model_rows([c], {c.label: {}})
+  assert row["largest_ran"] == "not run (search unfinished)"
+
+
+def test_model_children_environment():
+  """Compile-only children leave the allocator unfilled (they run side by
+  side); runs preallocate as users do; the smoke mode has 8 CPU devices."""
+  env = bm.model_env({"XLA_FLAGS": "--xla_foo"}, "/s", compile_only=True,
+                     smoke=True)
+  assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+  assert env["JAX_PLATFORMS"] == "cpu"
+  assert env["XLA_FLAGS"] == (
+      "--xla_foo --xla_force_host_platform_device_count=8")
+  env = bm.model_env({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, "/s",
+                     compile_only=False)
+  assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+  assert "JAX_PLATFORMS" not in env
+
+
+@pytest.mark.parametrize("mesh", ["fsdp", "fsdp=0", "fsdp=x", "tensor=4",
+                                  "fsdp=2,fsdp=2"])
+def test_bad_mesh_is_refused(mesh):
+  with pytest.raises(SystemExit, match=r"--mesh .*(fsdp=4|twice)"):
+    bm.parse_mesh(mesh)
+
+
+def test_bad_arguments_are_refused(capsys, tmp_path):
+  with pytest.raises(SystemExit):
+    bm.main(["--search", "models"])
+  assert "invalid choice: 'models'" in capsys.readouterr().err
+  with pytest.raises(SystemExit, match="needs --mesh"):
+    bm.main(["--search", "model"])
+  with pytest.raises(SystemExit, match="belong to --search model"):
+    bm.main(["--mesh", "fsdp=4"])
+  with pytest.raises(SystemExit, match="increasing parameter count"):
+    bm.main(["--search", "model", "--mesh", "fsdp=4", "--ladder",
+             "1024x28,768x18", "--state-dir", str(tmp_path)])
+  with pytest.raises(SystemExit, match="'1000x4' is not DxL"):
+    bm.parse_ladder("1000x4")
+  with pytest.raises(SystemExit, match="'fsdp=four' is not AXIS=SIZE"):
+    bm.main(["--search", "model", "--mesh", "fsdp=four"])
+
+
+def _smoke(state_dir, *extra):
+  out = subprocess.run(
+      [sys.executable, "-m", "benchmarks.bench_memory", "--smoke",
+       "--state-dir", str(state_dir), *extra],
+      capture_output=True, text=True, check=True,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  return out.stdout, out.stderr
+
+
+@pytest.mark.slow
+def test_smoke_finds_and_runs_the_largest_rung_then_resumes(tmp_path):
+  """8 CPU devices, fsdp=8, the tiny ladder under a limit inside it: each
+  precision's search ends on a rung whose compiled peak is within the limit
+  with the next rung's over, runs it for two steps, and a second call
+  resumes from the state (runs only, no compile), a third does nothing."""
+  _, err = _smoke(tmp_path, "--no-run")
+  assert "compiled in" in err and "two steps ran" not in err
+  out, err = _smoke(tmp_path)
+  assert "compiled in" not in err and err.count("two steps ran") == 2, err
+  ladder = bm.parse_ladder(bm.SMOKE["ladder"])
+  limit = bm.SMOKE["limit_gib"] * GIB
+  for prec in ("bf16", "nvfp4"):
+    c = bm.MeshConfig(prec, "quantized", bm.SMOKE["seq"], bm.SMOKE["batch"],
+                      bm.SMOKE["mesh"], ladder)
+    with open(tmp_path / ("model_" + bm._slug(c.label) + ".json")) as f:
+      st = json.load(f)
+    assert st["limit"] == limit
+    (run,) = st["runs"]
+    i = ladder.index(run["rung"])
+    assert run["ok"] and run["peak"] <= limit
+    assert st["rungs"][run["rung"]]["peak"] <= limit
+    assert st["rungs"][ladder[i + 1]]["peak"] > limit  # Inside the ladder.
+    assert f"| {prec} | quantized | fsdp=8 | 1x32 | {run['rung']} |" in out
+  out2, err2 = _smoke(tmp_path)
+  assert "compiled in" not in err2 and "ran" not in err2
+  assert out2.splitlines()[1:] == out.splitlines()[1:]
