@@ -301,9 +301,10 @@ def _gib(b) -> str:
 
 # GPT shapes, `d_model x layers`, in increasing size: the presets small,
 # base and large, then GPT-3-like shapes (heads of 128, SwiGLU's d_ff ~
-# 8/3 d_model; `shape_fields`).
+# 8/3 d_model; `shape_fields`): 25.6M to 38.6B parameters, past what
+# 4 H200s hold at the default allocator limit.
 LADDER = ("512x8,768x18,1024x28,1536x24,2048x24,2560x32,3072x32,4096x32,"
-          "5120x40,5120x48,6144x48")
+          "5120x40,5120x48,6144x48,7168x48,8192x48")
 # `--smoke`: 8 CPU devices, shapes that compile in seconds, and a limit
 # that the ladder's top is over (its peaks: tests/test_bench_memory.py).
 SMOKE = {"ladder": "128x1,128x2,256x2,256x4,384x4,512x4", "mesh": "fsdp=8",
@@ -523,36 +524,47 @@ def _model_compile(c: MeshConfig, rung: str, state=None, tokens=None):
   return trainer, compiled, peak, params, time.perf_counter() - t
 
 
-def _model_search(c: MeshConfig, limit_gib: float | None, state_file: str,
-                  deadline: float) -> dict:
-  """The search (compiles only), its state in `state_file` after every
-  compile; no compile starts after `deadline` (epoch seconds)."""
-  st = _load_state(state_file)
-  st.setdefault("rungs", {})
-  st["limit"] = same_limit(st, _limit(limit_gib), state_file)
-  sizes = parse_mesh(c.mesh)
-  shards = math.prod(sizes.get(a, 1) for a in ("fsdp", "model"))
-  while time.time() < deadline:
-    peaks = {r: v["peak"] for r, v in st["rungs"].items()}
-    i = next_rung(peaks, c.ladder, st["limit"], shards)
-    if i is None:
-      break
-    rung = c.ladder[i]
-    try:
-      _, _, peak, params, s = _model_compile(c, rung)
-      note = ""
-    except Exception as e:  # pylint: disable=broad-except
-      if not _is_oom(e):
-        raise
-      peak, params, s, note = None, approx_params(rung), 0.0, str(e)[:200]
-    st["rungs"][rung] = {"peak": peak, "params": params, "s": s,
-                         "note": note}
-    _save_state(state_file, st)
-    _model_log(c, f"{rung} ({params / 1e6:.4g}M): peak "
-               + (f"{peak / 2**30:.3g} GiB per device" if peak is not None
-                  else "out of memory compiling")
-               + f" (limit {st['limit'] / 2**30:.3g}; compiled in {s:.0f} s)")
-  return st
+def plan_compiles(peaks: dict[str, float | None], ladder, limit: float,
+                  shards: int = 1, pair: bool = True) -> list[int]:
+  """The ladder indices to compile side by side in the next round (empty
+  once the bracket is closed): `next_rung`'s guess and, with `pair`, its
+  neighbor inside the bracket (above, or below where the guess is the
+  bracket's top), so a right guess closes the bracket in one round."""
+  i = next_rung(peaks, ladder, limit, shards)
+  if i is None:
+    return []
+  if not pair:
+    return [i]
+  lo, hi = bracket(peaks, ladder, limit)
+  if i + 1 < hi:
+    return [i, i + 1]
+  return [i - 1, i] if i - 1 > lo else [i]
+
+
+def _model_compile_child(c: MeshConfig, rung: str,
+                         limit_gib: float | None) -> dict:
+  """One rung compiled from shapes (nothing allocated): its peak per
+  device (None: out of memory while compiling), parameters, seconds, and
+  the allocator limit of this process."""
+  limit = _limit(limit_gib)
+  try:
+    _, _, peak, params, secs = _model_compile(c, rung)
+    note = ""
+  except Exception as e:  # pylint: disable=broad-except
+    if not _is_oom(e):
+      raise
+    peak, params, secs, note = None, approx_params(rung), 0.0, str(e)[:200]
+  _model_log(c, f"{rung} ({params / 1e6:.4g}M): peak "
+             + (f"{peak / 2**30:.3g} GiB per device" if peak is not None
+                else "out of memory compiling")
+             + f" (limit {limit / 2**30:.3g}; compiled in {secs:.0f} s)")
+  return {"rung": rung, "peak": peak, "params": params, "s": secs,
+          "note": note, "limit": limit}
+
+
+def _limit_child(limit_gib: float | None) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  return {"limit": _limit(limit_gib), "device": jax.devices()[0].device_kind}
 
 
 def _model_run(c: MeshConfig, rung: str) -> dict:
@@ -670,88 +682,113 @@ def model_env(environ, state_dir: str, compile_only: bool,
 
 
 def model_main(a) -> list[dict]:
-  """`--search model`: each precision's search, then its runs, within
-  `--budget-s`; prints the table and returns its rows."""
+  """`--search model`: rounds of compiles per precision (a process per
+  compile, up to `--jobs` at once), then its runs (one at a time: a run
+  holds every device of the mesh), within `--budget-s`; prints the table
+  and returns its rows."""
   from benchmarks import timing  # pylint: disable=g-import-not-at-top
   t_start = time.time()
   stop_new = t_start + a.budget_s
   stop_all = stop_new + a.grace_s
   ladder = parse_ladder(a.ladder)
   sizes = parse_mesh(a.mesh)
+  shards = math.prod(sizes.get(k, 1) for k in ("fsdp", "model"))
   mesh = ",".join(f"{k}={v}" for k, v in sizes.items())
   configs = [MeshConfig(p, r, a.seq, a.batch, mesh, ladder, a.attention)
              for r in a.remat.split(",") for p in a.precisions.split(",")]
   os.makedirs(a.state_dir, exist_ok=True)
-  state_file = lambda c: os.path.join(a.state_dir,
-                                      "model_" + _slug(c.label) + ".json")
-  limit = [] if a.limit_gib is None else ["--limit-gib", str(a.limit_gib)]
-  done, running = set(), []  # running: (config, "search" | rung, Popen)
+  files = {c.label: os.path.join(a.state_dir, "model_" + _slug(c.label)
+                                 + ".json") for c in configs}
+  limit_arg = [] if a.limit_gib is None else ["--limit-gib",
+                                               str(a.limit_gib)]
+
+  def launch(c, args, compile_only):
+    env = model_env(os.environ, a.state_dir, compile_only, a.smoke)
+    cmd = [sys.executable, "-m", "benchmarks.bench_memory", "--search",
+           "model", "--model-child",
+           json.dumps(dataclasses.asdict(c)) if c else "{}", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+
+  # The allocator limit the compiles are searched under, from a process
+  # like theirs.
+  probe = launch(None, ["--limit-probe", *limit_arg], True)
+  out, _ = probe.communicate()
+  if probe.returncode:
+    raise SystemExit(f"reading the device's memory limit failed (exit "
+                     f"{probe.returncode}); its log is above.")
+  limit = json.loads(out.strip().splitlines()[-1])["limit"]
+  states = {}
+  for c in configs:
+    st = _load_state(files[c.label])
+    st.setdefault("rungs", {})
+    st["limit"] = same_limit(st, limit, files[c.label])
+    states[c.label] = st
+    _save_state(files[c.label], st)
+  done, running = set(), []  # running: (config, rung, "compile" | "run", Popen)
   while True:
     now = time.time()
     if now > stop_all:
-      for c, what, proc in running:
+      for c, rung, kind, proc in running:
         proc.kill()
-        _model_log(c, f"stopped ({what}): past --budget-s + --grace-s")
-      for _, _, proc in running:
         proc.wait()
+        _model_log(c, f"{kind} of {rung} stopped: past --budget-s + "
+                   "--grace-s")
       break
-    busy = {c.label for c, _, _ in running}
+    busy = {c.label for c, _, _, _ in running}
     for c in configs:
       if now > stop_new or c.label in busy or c.label in done:
         continue
-      st = _load_state(state_file(c))
-      peaks = {r: v["peak"] for r, v in st.get("rungs", {}).items()}
-      lim = st.get("limit")
-      searching = lim is None or next_rung(peaks, ladder, lim) is not None
-      if searching:
-        if sum(w == "search" for _, w, _ in running) >= a.jobs:
-          continue
-        what, args = "search", ["--state-file", state_file(c), *limit,
-                                "--deadline", str(stop_new)]
-      else:
-        i = next_model_run(peaks, ladder, lim, st.get("runs", []))
-        if i is None or a.no_run:
-          done.add(c.label)
-          continue
-        if any(w != "search" for _, w, _ in running):
-          continue  # A run holds every device of the mesh.
-        est = st["rungs"].get(ladder[i], {}).get("s", 0)
-        if now + est > stop_all:
-          _model_log(c, f"{ladder[i]} not run: its compile alone took "
-                     f"{est:.0f} s, past the budget")
-          done.add(c.label)
-          continue
-        what, args = ladder[i], ["--try-rung", ladder[i]]
-      env = model_env(os.environ, a.state_dir, what == "search", a.smoke)
-      cmd = [sys.executable, "-m", "benchmarks.bench_memory", "--model-child",
-             json.dumps(dataclasses.asdict(c)), *args]
-      running.append((c, what, subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                                                text=True, env=env)))
-      busy.add(c.label)
-    if not running:
-      if all(c.label in done for c in configs) or time.time() > stop_new:
-        break
-      continue
-    time.sleep(0.5)
-    for c, what, proc in [r for r in running if r[2].poll() is not None]:
-      running.remove((c, what, proc))
-      out = proc.stdout.read()
-      if proc.returncode:
-        _model_log(c, f"{what} failed (exit {proc.returncode}); its log is "
-                   "above")
-        if what != "search":
-          st = _load_state(state_file(c))
-          st["runs"] = st.get("runs", []) + [
-              {"rung": what, "ok": False, "error": proc.returncode}]
-          _save_state(state_file(c), st)
+      st = states[c.label]
+      peaks = {r: v["peak"] for r, v in st["rungs"].items()}
+      todo = plan_compiles(peaks, ladder, limit, shards, a.pair)
+      if todo:
+        free = a.jobs - sum(k == "compile" for _, _, k, _ in running)
+        for i in todo[:max(0, free)]:
+          running.append((c, ladder[i], "compile", launch(
+              c, ["--try-rung", ladder[i], "--compile-only", *limit_arg],
+              True)))
+        continue
+      i = next_model_run(peaks, ladder, limit, st.get("runs", []))
+      if i is None or a.no_run:
         done.add(c.label)
         continue
-      if what != "search":
-        st = _load_state(state_file(c))
-        st["runs"] = st.get("runs", []) + [json.loads(
-            out.strip().splitlines()[-1])]
-        _save_state(state_file(c), st)
-  states = {c.label: _load_state(state_file(c)) for c in configs}
+      if any(k == "run" for _, _, k, _ in running):
+        continue  # A run holds every device of the mesh.
+      est = st["rungs"].get(ladder[i], {}).get("s", 0)
+      if now + est > stop_all:
+        _model_log(c, f"{ladder[i]} not run: its compile alone took "
+                   f"{est:.0f} s, past --budget-s + --grace-s")
+        done.add(c.label)
+        continue
+      running.append((c, ladder[i], "run", launch(
+          c, ["--try-rung", ladder[i]], False)))
+    if not running:
+      if all(c.label in done for c in configs) or now > stop_new:
+        break
+      time.sleep(0.2)
+      continue
+    time.sleep(0.2)
+    for c, rung, kind, proc in [r for r in running if r[3].poll() is not None]:
+      running.remove((c, rung, kind, proc))
+      st = states[c.label]
+      out = proc.stdout.read()
+      if proc.returncode:
+        _model_log(c, f"{kind} of {rung} failed (exit {proc.returncode}); "
+                   "its log is above")
+        if kind == "run":
+          st.setdefault("runs", []).append(
+              {"rung": rung, "ok": False, "error": proc.returncode})
+        else:
+          st["failed"] = f"compile of {rung} failed (exit {proc.returncode})"
+          done.add(c.label)
+      else:
+        r = json.loads(out.strip().splitlines()[-1])
+        if kind == "run":
+          st.setdefault("runs", []).append(r)
+        else:
+          same_limit(st, r.pop("limit"), files[c.label])
+          st["rungs"][rung] = r
+      _save_state(files[c.label], st)
   rows = model_rows(configs, states)
   runs = [r for s in states.values() for r in s.get("runs", [])
           if "device" in r]
@@ -771,8 +808,9 @@ def main(argv=None):
   p.add_argument("--try-batch", type=int, help=argparse.SUPPRESS)
   p.add_argument("--model-child", help=argparse.SUPPRESS)
   p.add_argument("--try-rung", help=argparse.SUPPRESS)
-  p.add_argument("--deadline", type=float, default=math.inf,
+  p.add_argument("--compile-only", action="store_true",
                  help=argparse.SUPPRESS)
+  p.add_argument("--limit-probe", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--search", choices=("batch", "model"), default="batch",
                  help="batch: the largest micro-batch of each preset on one "
                  "device; model: the largest GPT of --ladder on --mesh")
@@ -798,6 +836,9 @@ def main(argv=None):
   p.add_argument("--grace-s", type=float, default=45.0,
                  help="model search: children still busy this long after "
                  "--budget-s are stopped (their finished compiles are kept)")
+  p.add_argument("--no-pair", dest="pair", action="store_false",
+                 help="model search: one compile per precision per round "
+                 "(default: the guess and its neighbor side by side)")
   p.add_argument("--smoke", action="store_true",
                  help="model search on 8 CPU devices: a tiny ladder, "
                  f"{SMOKE['mesh']}, a {SMOKE['limit_gib']} GiB limit")
@@ -807,11 +848,11 @@ def main(argv=None):
   p.add_argument("--compiles", type=int, default=8,
                  help="compiles per configuration in the search, the "
                  "line's two included")
-  p.add_argument("--jobs", type=int, default=3,
+  p.add_argument("--jobs", type=int, default=None,
                  help="configurations at once, each its own process within "
                  "its own allocator limit (keep jobs x the memory fraction "
-                 "below 1); model search: searches at once (runs go one at "
-                 "a time)")
+                 "below 1); model search: compiles at once, default 4 "
+                 "(runs go one at a time)")
   p.add_argument("--configs", default="",
                  help="comma list of precision:remat pairs to run instead of "
                  "every pair of --precisions and --remat, e.g. "
@@ -839,11 +880,15 @@ def main(argv=None):
   a.seq = a.seq or 1024
   a.precisions = a.precisions or "bf16,nvfp4"
   a.remat = a.remat or ("quantized" if model else "none,quantized")
+  a.jobs = a.jobs or (4 if model else 3)
   if a.model_child:
-    c = json.loads(a.model_child)
-    c = MeshConfig(**{**c, "ladder": tuple(c["ladder"])})
-    r = (_model_run(c, a.try_rung) if a.try_rung else
-         _model_search(c, a.limit_gib, a.state_file, a.deadline))
+    if a.limit_probe:
+      r = _limit_child(a.limit_gib)
+    else:
+      c = json.loads(a.model_child)
+      c = MeshConfig(**{**c, "ladder": tuple(c["ladder"])})
+      r = (_model_compile_child(c, a.try_rung, a.limit_gib)
+           if a.compile_only else _model_run(c, a.try_rung))
     print(json.dumps(r))
     return
   if model:

@@ -1,6 +1,7 @@
 """`benchmarks.bench_memory --search model`: the largest GPT of a ladder on a
 device mesh (the bookkeeping; the slow test runs the CPU smoke mode)."""
 
+import io
 import json
 import os
 import subprocess
@@ -29,8 +30,8 @@ def test_ladder_shapes():
   for rung in ("1024x28", "1536x2"):
     cfg = GPTConfig(**bm.shape_fields(*bm.parse_rung(rung)))
     assert param_count(cfg) == bm.approx_params(rung)
-  # The default ladder: 25.6M (small) to ~21.7B.
-  assert round(PARAMS[0] / 1e5) == 256 and 21e9 < PARAMS[-1] < 22e9
+  # The default ladder: 25.6M (small) to 38.6B.
+  assert round(PARAMS[0] / 1e5) == 256 and round(PARAMS[-1] / 1e8) == 386
 
 
 def _truth(peak, limit):
@@ -66,6 +67,18 @@ def test_next_rung_finds_the_largest_fitting_rung(name, peak, limit_gib):
     assert len(peaks) == 2, list(peaks)
 
 
+def test_plan_compiles_pairs_the_guess_with_its_neighbor():
+  limit = 60 * GIB
+  (i, j) = bm.plan_compiles({}, LADDER, limit, shards=4)
+  assert j == i + 1 == bm.next_rung({}, LADDER, limit, shards=4) + 1
+  # The guess at the bracket's top: paired with the rung below.
+  peaks = {LADDER[2]: 1.0, LADDER[5]: 2 * limit}
+  assert bm.plan_compiles(peaks, LADDER, limit) == [3, 4]
+  assert bm.plan_compiles(peaks, LADDER, limit, pair=False) == [4]
+  assert bm.plan_compiles({LADDER[2]: 1.0, LADDER[3]: 2 * limit}, LADDER,
+                          limit) == []
+
+
 def test_next_rung_counts_a_compile_out_of_memory_as_over():
   peaks = {LADDER[5]: None}
   assert bm.bracket(peaks, LADDER, 60 * GIB) == (-1, 5)
@@ -90,43 +103,103 @@ def test_next_model_run_steps_down_after_out_of_memory():
   assert bm.next_model_run({ladder[0]: 20.0}, ladder, 15.0, []) is None
 
 
-def test_model_search_resumes_from_its_state(tmp_path, monkeypatch):
-  """A search stopped by its deadline keeps every compile in its state; the
-  next call goes on from there and ends where one uninterrupted search
-  ends, compiling no rung twice."""
-  ladder = bm.parse_ladder(bm.SMOKE["ladder"])
-  params = {r: bm.approx_params(r) for r in ladder}
-  compiled = []
+class _FakeChildren:
+  """Children of `model_main` without processes: compiles take 10 fake
+  seconds (peak 10 bytes a parameter), runs 5; every run must find no other
+  run in flight."""
+
+  def __init__(self, clock):
+    self.clock, self.procs, self.compiled = clock, [], []
+    self.params = {}
+
+  def __call__(self, cmd, **_):
+    fake = self
+    i = cmd.index("--model-child")
+    lim = (float(cmd[cmd.index("--limit-gib") + 1]) * GIB
+           if "--limit-gib" in cmd else 60 * GIB)
+    dur = 0.0
+    if "--limit-probe" in cmd:
+      out = {"limit": lim, "device": "fake"}
+    else:
+      rung = cmd[cmd.index("--try-rung") + 1]
+      params = bm.approx_params(rung)
+      assert json.loads(cmd[i + 1])["mesh"] == "fsdp=8"
+      if "--compile-only" in cmd:
+        self.compiled.append(rung)
+        out, dur = {"rung": rung, "peak": 10.0 * params, "params": params,
+                    "s": 10.0, "note": "", "limit": lim}, 10.0
+      else:
+        assert not [q for q in self.procs if q.run and q.poll() is None]
+        out, dur = {"rung": rung, "ok": True, "peak": 10.0 * params,
+                    "params": params, "s": 5.0, "step_s": 0.1,
+                    "device": "fake", "jax": "x"}, 5.0
+
+    class Proc:
+      returncode = 0
+      run = "--try-rung" in cmd and "--compile-only" not in cmd
+      finish = fake.clock.now + dur
+      stdout = io.StringIO(json.dumps(out))
+
+      def poll(self):
+        return self.returncode if fake.clock.now >= self.finish else None
+
+      def communicate(self):
+        return self.stdout.read(), None
+
+      def kill(self):
+        self.returncode, self.finish = -9, -1.0
+
+      def wait(self):
+        return self.returncode
+
+    proc = Proc()
+    self.procs.append(proc)
+    return proc
+
+
+def test_model_search_runs_and_resumes_from_its_state(tmp_path, monkeypatch):
+  """The parent's rounds with faked children and clock: a call stopped by
+  its budget keeps every finished compile in its state; the next call goes
+  on from there (no finished rung compiled again) and ends where one
+  uninterrupted call ends; runs go one at a time."""
   clock = types.SimpleNamespace(now=0.0)
 
-  def fake_compile(c, rung):
-    del c
-    compiled.append(rung)
-    clock.now += 1
-    return None, None, 10.0 * params[rung], params[rung], 1.0
+  def sleep(dt):
+    clock.now += dt
 
-  monkeypatch.setattr(bm, "_model_compile", fake_compile)
   monkeypatch.setattr(bm, "time", types.SimpleNamespace(
-      time=lambda: clock.now, strftime=lambda _: "t",
+      time=lambda: clock.now, sleep=sleep, strftime=lambda _: "t",
       perf_counter=lambda: clock.now))
-  c = bm.MeshConfig("bf16", "quantized", 32, 1, "fsdp=8", ladder)
-  limit_gib = 0.03
-  whole = bm._model_search(c, limit_gib, str(tmp_path / "whole.json"), 1e9)
-  n = len(compiled)
-  assert n >= 2  # Else the stop below would not interrupt anything.
-  compiled.clear()
+  children = _FakeChildren(clock)
+  monkeypatch.setattr(subprocess, "Popen", children)
+  args = ["--search", "model", "--mesh", "fsdp=8", "--ladder",
+          bm.SMOKE["ladder"], "--limit-gib", "0.03", "--seq", "32",
+          "--batch", "1"]
+  whole = bm.main(args + ["--state-dir", str(tmp_path / "whole")])
+  n = len(children.compiled)
+  # 10 bytes a parameter under 0.03 GiB: 256x2 (1.84M) fits, 256x4 (3.54M)
+  # does not, for both precisions.
+  assert [r["largest_ran"] for r in whole] == ["256x2", "256x2"]
+  assert [r["next_up"] for r in whole] == ["256x4 (3.541M)"] * 2
+  assert n > 2 * 2  # More than one round of two compiles each.
+  children.compiled.clear()
+  children.procs.clear()
   clock.now = 0.0
-  f = str(tmp_path / "s.json")
-  part = bm._model_search(c, limit_gib, f, deadline=1.0)  # One compile.
-  assert len(part["rungs"]) == 1
-  with open(f) as fh:
-    assert json.load(fh)["rungs"] == part["rungs"]
-  again = bm._model_search(c, limit_gib, f, deadline=1e9)
-  assert again["rungs"] == whole["rungs"]
-  assert sorted(compiled) == sorted(whole["rungs"]) and len(compiled) == n
-  # Under another limit the state is refused, not mixed.
-  with pytest.raises(SystemExit, match="allocator limit"):
-    bm._model_search(c, 0.5, f, deadline=1e9)
+  part = bm.main(args + ["--state-dir", str(tmp_path / "s"), "--budget-s",
+                         "15", "--grace-s", "0"])
+  assert [r["largest_ran"] for r in part] == [
+      "not run (search unfinished)"] * 2
+  first = list(children.compiled)
+  files = sorted((tmp_path / "s").glob("model_*.json"))
+  kept = [r for f in files for r in json.loads(f.read_text())["rungs"]]
+  assert 0 < len(kept) < len(first)  # The second round was stopped.
+  children.compiled.clear()
+  children.procs.clear()
+  clock.now = 0.0
+  again = bm.main(args + ["--state-dir", str(tmp_path / "s")])
+  assert again == whole
+  assert not set(children.compiled) & set(kept)
+  assert len(kept) + len(children.compiled) == n
 
 
 def test_model_rows():
