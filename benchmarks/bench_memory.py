@@ -30,6 +30,33 @@ Each try is logged to stderr as it ends (batch, peak, seconds), and each
 configuration's progress is written to `--state-dir` after every compile and
 run: a second invocation with the same directory resumes where the first
 stopped.
+
+The largest model on a device mesh (`--search model`):
+
+    python -m benchmarks.bench_memory --search model --mesh fsdp=4 \\
+        --remat quantized --precisions bf16,nvfp4 --seq 1024 --batch 4
+
+`--batch` is then the micro-batch per batch shard (per device on `data`
+and `fsdp`), and the model grows along `--ladder`, GPT shapes `d_model x
+layers` (`LADDER`: the presets small, base, large, then GPT-3-like shapes
+up to 8192x48). Each rung is the trainer's own sharded step (`Trainer` on
+the mesh: `MeshRules` shardings, bf16 parameters, FP32 master weights and
+Adam state split over `fsdp`), compiled from shapes (nothing allocated),
+its peak per device by XLA as above, under the allocator limit a process
+like the run's has (read once by a probe process; `--limit-gib` instead).
+The search runs in rounds, each compile its own process: the guess (the
+largest rung under the limit by a line in the parameter count: the
+state's 16 bytes a parameter before any compile, then through the
+compiled rungs; `next_rung`) and its neighbor side by side, until the rung
+that fits sits below one that does not. Then that rung is built,
+initialized and run for two steps on all mesh devices in a fresh process
+(the rung below if it runs out of memory), one run at a time; the
+precisions' compiles run side by side (`--jobs` at once, compiles only,
+`XLA_PYTHON_CLIENT_PREALLOCATE=false`). `--budget-s`: no compile or run
+starts after it, and children still busy `--grace-s` later are stopped;
+the table shows what is done, and the state (after every compile and run)
+lets the same command go on. `--smoke`: the same on 8 CPU devices, a tiny
+ladder and a limit inside it.
 """
 
 from __future__ import annotations
@@ -620,7 +647,7 @@ def model_rows(configs, states) -> list[dict]:
     searched = bool(rungs) and next_rung(peaks, c.ladder, limit) is None
     row = {"precision": c.precision, "remat": c.remat, "mesh": c.mesh,
            "per_device": f"{c.batch}x{c.seq}",
-           "limit_gib": _g(limit) if rungs else "",
+           "limit_gib": _g(st.get("limit")),
            "compiles": len(rungs),
            "compile_s": round(sum(v["s"] for v in rungs.values())),
            "fits_by_xla": c.ladder[lo] if lo >= 0 else
@@ -652,6 +679,8 @@ def model_rows(configs, states) -> list[dict]:
         row["next_peak_gib"] = (
             f"{_g(failed[0].get('peak', p.get('peak')))}, out of memory "
             "when run" if failed else
+            f"compile failed (exit {p['error']}), not a memory answer"
+            if p.get("error") else
             "out of memory compiling" if rung in rungs and p["peak"] is None
             else _g(p["peak"]) if rung in rungs else "not compiled")
     rows.append(row)
@@ -778,9 +807,9 @@ def model_main(a) -> list[dict]:
         if kind == "run":
           st.setdefault("runs", []).append(
               {"rung": rung, "ok": False, "error": proc.returncode})
-        else:
-          st["failed"] = f"compile of {rung} failed (exit {proc.returncode})"
-          done.add(c.label)
+        else:  # Counted as over the limit, and said so in the table.
+          st["rungs"][rung] = {"peak": None, "params": approx_params(rung),
+                               "s": 0.0, "note": "", "error": proc.returncode}
       else:
         r = json.loads(out.strip().splitlines()[-1])
         if kind == "run":
@@ -798,6 +827,16 @@ def model_main(a) -> list[dict]:
         f"device by XLA's memory analysis; {time.time() - t_start:.0f} s")
   print(timing.table(rows, [k for k in MODEL_COLS
                             if any(k in r for r in rows)]))
+  def unfinished(c):
+    st = states[c.label]
+    peaks = {r: v["peak"] for r, v in st["rungs"].items()}
+    return bool(plan_compiles(peaks, ladder, limit, shards)) or (
+        not a.no_run and next_model_run(peaks, ladder, limit,
+                                        st.get("runs", [])) is not None)
+
+  if any(unfinished(c) for c in configs):
+    print(f"Unfinished within --budget-s: the same command with --state-dir "
+          f"{a.state_dir} goes on from here.")
   return rows
 
 

@@ -157,7 +157,8 @@ class _FakeChildren:
     return proc
 
 
-def test_model_search_runs_and_resumes_from_its_state(tmp_path, monkeypatch):
+def test_model_search_runs_and_resumes_from_its_state(tmp_path, monkeypatch,
+                                                     capsys):
   """The parent's rounds with faked children and clock: a call stopped by
   its budget keeps every finished compile in its state; the next call goes
   on from there (no finished rung compiled again) and ends where one
@@ -189,6 +190,7 @@ def test_model_search_runs_and_resumes_from_its_state(tmp_path, monkeypatch):
                          "15", "--grace-s", "0"])
   assert [r["largest_ran"] for r in part] == [
       "not run (search unfinished)"] * 2
+  assert "goes on from here" in capsys.readouterr().out
   first = list(children.compiled)
   files = sorted((tmp_path / "s").glob("model_*.json"))
   kept = [r for f in files for r in json.loads(f.read_text())["rungs"]]
@@ -198,6 +200,7 @@ def test_model_search_runs_and_resumes_from_its_state(tmp_path, monkeypatch):
   clock.now = 0.0
   again = bm.main(args + ["--state-dir", str(tmp_path / "s")])
   assert again == whole
+  assert "goes on from here" not in capsys.readouterr().out
   assert not set(children.compiled) & set(kept)
   assert len(kept) + len(children.compiled) == n
 
@@ -228,6 +231,10 @@ def test_model_rows():
   st["runs"] = [{"rung": "256x2", "ok": False, "error": 1}]
   (row,) = bm.model_rows([c], {c.label: st})
   assert row["largest_ran"] == "run failed (exit 1)"
+  st["runs"] = [run("256x2", True, 2.0)]
+  rungs["256x4"] = {"peak": None, "params": 1, "s": 0.0, "error": 1}
+  (row,) = bm.model_rows([c], {c.label: st})
+  assert row["next_peak_gib"] == "compile failed (exit 1), not a memory answer"
   (row,) = bm.model_rows([c], {c.label: {}})
   assert row["largest_ran"] == "not run (search unfinished)"
 
