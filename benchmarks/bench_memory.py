@@ -330,8 +330,8 @@ def _gib(b) -> str:
 # base and large, then GPT-3-like shapes (heads of 128, SwiGLU's d_ff ~
 # 8/3 d_model; `shape_fields`): 25.6M to 38.6B parameters, past what
 # 4 H200s hold at the default allocator limit.
-LADDER = ("512x8,768x18,1024x28,1536x24,2048x24,2560x32,3072x32,4096x32,"
-          "5120x40,5120x48,6144x48,7168x48,8192x48")
+LADDER = ("512x8,768x18,1024x28,1536x24,2048x24,2560x32,3072x32,3584x32,"
+          "4096x32,4608x36,5120x40,5120x48,6144x48,7168x48,8192x48")
 # `--smoke`: 8 CPU devices, shapes that compile in seconds, and a limit
 # that the ladder's top is over (its peaks: tests/test_bench_memory.py).
 SMOKE = {"ladder": "128x1,128x2,256x2,256x4,384x4,512x4", "mesh": "fsdp=8",
@@ -555,17 +555,18 @@ def plan_compiles(peaks: dict[str, float | None], ladder, limit: float,
                   shards: int = 1, pair: bool = True) -> list[int]:
   """The ladder indices to compile side by side in the next round (empty
   once the bracket is closed): `next_rung`'s guess and, with `pair`, its
-  neighbor inside the bracket (above, or below where the guess is the
-  bracket's top), so a right guess closes the bracket in one round."""
+  neighbor inside the bracket, so a right guess closes the bracket in one
+  round: above it, or below where the guess is the bracket's top or no
+  peak is known yet (the first guess leaves the activations out)."""
   i = next_rung(peaks, ladder, limit, shards)
   if i is None:
     return []
   if not pair:
     return [i]
   lo, hi = bracket(peaks, ladder, limit)
-  if i + 1 < hi:
+  if i + 1 < hi and any(p is not None for p in peaks.values()):
     return [i, i + 1]
-  return [i - 1, i] if i - 1 > lo else [i]
+  return [i - 1, i] if i - 1 > lo else [i, i + 1] if i + 1 < hi else [i]
 
 
 def _model_compile_child(c: MeshConfig, rung: str,

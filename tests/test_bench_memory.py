@@ -52,25 +52,39 @@ def _truth(peak, limit):
 def test_next_rung_finds_the_largest_fitting_rung(name, peak, limit_gib):
   """The compile search ends on a closed bracket (the rung that fits, the
   next over, or a ladder's end), each compile strictly inside the bracket,
-  in fewer compiles than the ladder has rungs."""
+  in at most 4 compiles of the 15 rungs; in rounds of two side by side
+  (`plan_compiles`), at most 3 rounds."""
   limit = limit_gib * GIB
+  truth = _truth(peak, limit)
   peaks = {}
   while (i := bm.next_rung(peaks, LADDER, limit, shards=4)) is not None:
     lo, hi = bm.bracket(peaks, LADDER, limit)
     assert lo < i < hi and LADDER[i] not in peaks, (name, i, peaks)
     peaks[LADDER[i]] = peak(i)
-  lo, hi = bm.bracket(peaks, LADDER, limit)
-  assert lo == _truth(peak, limit), (name, peaks)
-  assert hi == lo + 1, (name, peaks)
+  assert bm.bracket(peaks, LADDER, limit) == (truth, truth + 1), (name,
+                                                                   peaks)
   assert len(peaks) <= 4, (name, list(peaks))
   if name == "state":  # The guess from the state's bytes is right: 2.
     assert len(peaks) == 2, list(peaks)
+  peaks, rounds = {}, 0
+  while todo := bm.plan_compiles(peaks, LADDER, limit, shards=4):
+    lo, hi = bm.bracket(peaks, LADDER, limit)
+    assert all(lo < i < hi and LADDER[i] not in peaks for i in todo)
+    peaks.update({LADDER[i]: peak(i) for i in todo})
+    rounds += 1
+  assert bm.bracket(peaks, LADDER, limit) == (truth, truth + 1)
+  assert rounds <= 3, (name, list(peaks))
 
 
 def test_plan_compiles_pairs_the_guess_with_its_neighbor():
   limit = 60 * GIB
+  # Before any peak, the guess and the rung below it.
   (i, j) = bm.plan_compiles({}, LADDER, limit, shards=4)
-  assert j == i + 1 == bm.next_rung({}, LADDER, limit, shards=4) + 1
+  assert i + 1 == j == bm.next_rung({}, LADDER, limit, shards=4)
+  # After one, the guess and the rung above it.
+  peaks = {LADDER[j]: 2 * limit}
+  (i, j) = bm.plan_compiles(peaks, LADDER, limit, shards=4)
+  assert i + 1 == j and i == bm.next_rung(peaks, LADDER, limit, shards=4)
   # The guess at the bracket's top: paired with the rung below.
   peaks = {LADDER[2]: 1.0, LADDER[5]: 2 * limit}
   assert bm.plan_compiles(peaks, LADDER, limit) == [3, 4]
