@@ -534,21 +534,24 @@ def _is_oom(e: Exception) -> bool:
   return "resource_exhausted" in msg or "out of memory" in msg
 
 
-def _model_compile(c: MeshConfig, rung: str, state=None, tokens=None):
-  """The compiled step of `rung` (from shapes alone unless `state` and
-  `tokens` are given), its per-device XLA peak, parameters, seconds."""
+def _model_compile(c: MeshConfig, rung: str, built=None):
+  """The compiled step of `rung`, its per-device XLA peak, parameters and
+  seconds: from shapes alone (nothing allocated), or for `built`, a
+  (trainer, state, tokens) of the rung's own."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   t = time.perf_counter()
-  trainer, batch = _model_trainer(c, rung)
-  if state is None:
+  if built is None:
+    trainer, batch = _model_trainer(c, rung)
     state = trainer.abstract_state()
     tokens = jax.ShapeDtypeStruct((1, batch, c.seq + 1), jnp.int32,
                                   sharding=trainer.batch_sharding)
+  else:
+    trainer, state, tokens = built
   params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
   compiled = trainer.train_step.lower(state, tokens).compile()
   peak = peak_bytes(compiled.memory_analysis())
-  return trainer, compiled, peak, params, time.perf_counter() - t
+  return compiled, peak, params, time.perf_counter() - t
 
 
 def plan_compiles(peaks: dict[str, float | None], ladder, limit: float,
@@ -576,7 +579,7 @@ def _model_compile_child(c: MeshConfig, rung: str,
   the allocator limit of this process."""
   limit = _limit(limit_gib)
   try:
-    _, _, peak, params, secs = _model_compile(c, rung)
+    _, peak, params, secs = _model_compile(c, rung)
     note = ""
   except Exception as e:  # pylint: disable=broad-except
     if not _is_oom(e):
@@ -608,14 +611,16 @@ def _model_run(c: MeshConfig, rung: str) -> dict:
     state = trainer.init_state()
     tokens = trainer.put_batch(np.random.default_rng(0).integers(
         0, 256, (1, batch, c.seq + 1)).astype(np.int32))
-    _, compiled, peak, params, _ = _model_compile(c, rung, state, tokens)
+    compiled, peak, params, _ = _model_compile(c, rung,
+                                               (trainer, state, tokens))
     out.update(peak=peak, params=params)
     state, m = compiled(state, tokens)
     jax.block_until_ready(m)
     t = time.perf_counter()
     state, m = compiled(state, tokens)
     jax.block_until_ready(m)
-    out.update(ok=True, step_s=time.perf_counter() - t)
+    out.update(ok=True, step_s=time.perf_counter() - t,
+               loss=float(m["loss"]))
   except Exception as e:  # pylint: disable=broad-except
     if not _is_oom(e):
       raise
@@ -658,7 +663,7 @@ def model_rows(configs, states) -> list[dict]:
       i = c.ladder.index(r["rung"])
       row.update(largest_ran=r["rung"], params_m=f"{r['params'] / 1e6:.4g}",
                  peak_gib=_g(r["peak"]), run_s=round(r["s"]),
-                 step_s=round(r["step_s"], 2))
+                 step_s=round(r["step_s"], 2), loss=r.get("loss"))
     else:
       i = None
       errors = [r["error"] for r in runs if r.get("error")]
@@ -690,7 +695,8 @@ def model_rows(configs, states) -> list[dict]:
 
 MODEL_COLS = ("precision", "remat", "mesh", "per_device", "largest_ran",
               "params_m", "peak_gib", "next_up", "next_peak_gib", "limit_gib",
-              "fits_by_xla", "compiles", "compile_s", "run_s", "step_s")
+              "fits_by_xla", "compiles", "compile_s", "run_s", "step_s",
+              "loss")
 
 
 def model_env(environ, state_dir: str, compile_only: bool,

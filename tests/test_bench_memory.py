@@ -3,6 +3,7 @@ device mesh (the bookkeeping; the slow test runs the CPU smoke mode)."""
 
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -322,6 +323,9 @@ def test_smoke_finds_and_runs_the_largest_rung_then_resumes(tmp_path):
     (run,) = st["runs"]
     i = ladder.index(run["rung"])
     assert run["ok"] and run["peak"] <= limit
+    # Uniform random bytes: ln 256 at initialization, about that after one
+    # update (the run is a real step, not a failed one read as done).
+    assert abs(run["loss"] - math.log(256)) < 0.5
     assert st["rungs"][run["rung"]]["peak"] <= limit
     assert st["rungs"][ladder[i + 1]]["peak"] > limit  # Inside the ladder.
     assert f"| {prec} | quantized | fsdp=8 | 1x32 | {run['rung']} |" in out
