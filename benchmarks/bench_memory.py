@@ -46,9 +46,9 @@ its peak per device by XLA as above, under the allocator limit a process
 like the run's has (read once by a probe process; `--limit-gib` instead).
 The search runs in rounds, each compile its own process: the guess (the
 largest rung under the limit by a line in the parameter count: the
-state's 16 bytes a parameter before any compile, then through the
-compiled rungs; `next_rung`) and its neighbor side by side, until the rung
-that fits sits below one that does not. Then that rung is built,
+state's bytes a parameter before any compile, then through the compiled
+rungs; `next_rung`) and its neighbor side by side (both neighbors in the
+first round), until the rung that fits sits below one that does not. Then that rung is built,
 initialized and run for two steps on all mesh devices in a fresh process
 (the rung below if it runs out of memory), one run at a time; the
 precisions' compiles run side by side (`--jobs` at once, compiles only,
@@ -338,11 +338,19 @@ SMOKE = {"ladder": "128x1,128x2,256x2,256x4,384x4,512x4", "mesh": "fsdp=8",
          "seq": 32, "batch": 1, "limit_gib": 0.03, "precisions": "bf16,nvfp4"}
 MESH_AXES = ("data", "fsdp", "model", "expert")
 MAX_MODEL_RUNS = 3  # The search's answer, then at most two rungs down.
-# Bytes per parameter the train state holds (compute-dtype parameters,
-# their gradients, the FP32 master copy and Adam's two moments, about
-# 2 + 2 + 4 + 8), split over the axes that split parameters: the first
-# compile's guess, before any peak is known.
+# The first guess, before any peak is known: bytes per parameter of the
+# train state (bf16 parameters and gradients, the FP32 master copy and
+# Adam's two moments: about 2 + 2 + 4 + 8), split over the axes that split
+# parameters, plus a layer's bf16 weights gathered whole on every device
+# (2 bytes a parameter less its own shard). On one H100 GPT base's state
+# measured ~16 (BENCHMARKS.md, the batch search's line at batch 0).
 STATE_BYTES_PER_PARAM = 16
+GATHERED_BYTES_PER_PARAM = 2
+
+
+def prior_bytes_per_param(shards: int) -> float:
+  return (STATE_BYTES_PER_PARAM / shards
+          + GATHERED_BYTES_PER_PARAM * (1 - 1 / shards))
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -432,7 +440,7 @@ def next_rung(peaks: dict[str, float], ladder, limit: float,
 
   The guess is the largest rung strictly inside the bracket whose peak,
   read off a line in the parameter count, is within the limit: before any
-  compile, the state's bytes (`STATE_BYTES_PER_PARAM` / `shards`); after
+  compile, the state's bytes (`prior_bytes_per_param`); after
   one, the line through it and the origin; after more, the line through
   the compiled rungs nearest the limit (one each side once both are
   known). A guess outside the bracket takes the rung next to the side it
@@ -449,7 +457,7 @@ def next_rung(peaks: dict[str, float], ladder, limit: float,
     return None
   known = sorted(i for i, p in done.items() if p is not None)
   if not known:
-    line = (0.0, STATE_BYTES_PER_PARAM / shards)
+    line = (0.0, prior_bytes_per_param(shards))
   elif len(known) == 1:
     line = (0.0, done[known[0]] / params[known[0]])
   else:
@@ -559,17 +567,19 @@ def plan_compiles(peaks: dict[str, float | None], ladder, limit: float,
   """The ladder indices to compile side by side in the next round (empty
   once the bracket is closed): `next_rung`'s guess and, with `pair`, its
   neighbor inside the bracket, so a right guess closes the bracket in one
-  round: above it, or below where the guess is the bracket's top or no
-  peak is known yet (the first guess leaves the activations out)."""
+  round (above it, or below where the guess is the bracket's top); before
+  any peak is known, both neighbors (the first guess is the roughest)."""
   i = next_rung(peaks, ladder, limit, shards)
   if i is None:
     return []
   if not pair:
     return [i]
   lo, hi = bracket(peaks, ladder, limit)
-  if i + 1 < hi and any(p is not None for p in peaks.values()):
+  if not any(p is not None for p in peaks.values()):
+    return [j for j in (i - 1, i, i + 1) if lo < j < hi]
+  if i + 1 < hi:
     return [i, i + 1]
-  return [i - 1, i] if i - 1 > lo else [i, i + 1] if i + 1 < hi else [i]
+  return [i - 1, i] if i - 1 > lo else [i]
 
 
 def _model_compile_child(c: MeshConfig, rung: str,
@@ -897,7 +907,7 @@ def main(argv=None):
   p.add_argument("--jobs", type=int, default=None,
                  help="configurations at once, each its own process within "
                  "its own allocator limit (keep jobs x the memory fraction "
-                 "below 1); model search: compiles at once, default 4 "
+                 "below 1); model search: compiles at once, default 6 "
                  "(runs go one at a time)")
   p.add_argument("--configs", default="",
                  help="comma list of precision:remat pairs to run instead of "
@@ -926,7 +936,7 @@ def main(argv=None):
   a.seq = a.seq or 1024
   a.precisions = a.precisions or "bf16,nvfp4"
   a.remat = a.remat or ("quantized" if model else "none,quantized")
-  a.jobs = a.jobs or (4 if model else 3)
+  a.jobs = a.jobs or (6 if model else 3)
   if a.model_child:
     if a.limit_probe:
       r = _limit_child(a.limit_gib)

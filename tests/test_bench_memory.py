@@ -41,6 +41,7 @@ def _truth(peak, limit):
 
 @pytest.mark.parametrize("name,peak", [
     # Bytes per device on 4 shards: the state plus activations.
+    ("the first guess's", lambda i: bm.prior_bytes_per_param(4) * PARAMS[i]),
     ("state", lambda i: 4.0 * PARAMS[i] + 2 * GIB),
     ("state, more than the guess", lambda i: 6.0 * PARAMS[i] + 6 * GIB),
     ("convex", lambda i: 3.0 * PARAMS[i] + 1e-10 * PARAMS[i] ** 2),
@@ -65,7 +66,7 @@ def test_next_rung_finds_the_largest_fitting_rung(name, peak, limit_gib):
   assert bm.bracket(peaks, LADDER, limit) == (truth, truth + 1), (name,
                                                                    peaks)
   assert len(peaks) <= 4, (name, list(peaks))
-  if name == "state":  # The guess from the state's bytes is right: 2.
+  if name == "the first guess's":  # Right at once: it and the next, 2.
     assert len(peaks) == 2, list(peaks)
   peaks, rounds = {}, 0
   while todo := bm.plan_compiles(peaks, LADDER, limit, shards=4):
@@ -75,13 +76,15 @@ def test_next_rung_finds_the_largest_fitting_rung(name, peak, limit_gib):
     rounds += 1
   assert bm.bracket(peaks, LADDER, limit) == (truth, truth + 1)
   assert rounds <= 3, (name, list(peaks))
+  if name == "the first guess's":
+    assert rounds == 1
 
 
-def test_plan_compiles_pairs_the_guess_with_its_neighbor():
+def test_plan_compiles_pairs_the_guess_with_its_neighbors():
   limit = 60 * GIB
-  # Before any peak, the guess and the rung below it.
-  (i, j) = bm.plan_compiles({}, LADDER, limit, shards=4)
-  assert i + 1 == j == bm.next_rung({}, LADDER, limit, shards=4)
+  # Before any peak, the guess and both its neighbors.
+  (i, j, k) = bm.plan_compiles({}, LADDER, limit, shards=4)
+  assert i + 1 == j == k - 1 == bm.next_rung({}, LADDER, limit, shards=4)
   # After one, the guess and the rung above it.
   peaks = {LADDER[j]: 2 * limit}
   (i, j) = bm.plan_compiles(peaks, LADDER, limit, shards=4)
