@@ -835,6 +835,17 @@ def model_main(a) -> list[dict]:
           same_limit(st, r.pop("limit"), files[c.label])
           st["rungs"][rung] = r
       _save_state(files[c.label], st)
+    # Compiles the finished ones made pointless (outside the bracket now)
+    # are stopped: the round's answer need not wait for them.
+    for c, rung, kind, proc in list(running):
+      st = states[c.label]
+      lo, hi = bracket({r: v["peak"] for r, v in st["rungs"].items()},
+                       ladder, limit)
+      if kind == "compile" and not lo < ladder.index(rung) < hi:
+        running.remove((c, rung, kind, proc))
+        proc.kill()
+        proc.wait()
+        _model_log(c, f"compile of {rung} stopped: not needed any more")
   rows = model_rows(configs, states)
   runs = [r for s in states.values() for r in s.get("runs", [])
           if "device" in r]

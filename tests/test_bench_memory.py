@@ -126,9 +126,9 @@ class _FakeChildren:
   seconds (peak 10 bytes a parameter), runs 5; every run must find no other
   run in flight."""
 
-  def __init__(self, clock):
+  def __init__(self, clock, compile_s=lambda params: 10.0):
     self.clock, self.procs, self.compiled = clock, [], []
-    self.params = {}
+    self.compile_s = compile_s
 
   def __call__(self, cmd, **_):
     fake = self
@@ -144,8 +144,9 @@ class _FakeChildren:
       assert json.loads(cmd[i + 1])["mesh"] == "fsdp=8"
       if "--compile-only" in cmd:
         self.compiled.append(rung)
-        out, dur = {"rung": rung, "peak": 10.0 * params, "params": params,
-                    "s": 10.0, "note": "", "limit": lim}, 10.0
+        dur = self.compile_s(params)
+        out = {"rung": rung, "peak": 10.0 * params, "params": params,
+               "s": dur, "note": "", "limit": lim}
       else:
         assert not [q for q in self.procs if q.run and q.poll() is None]
         out, dur = {"rung": rung, "ok": True, "peak": 10.0 * params,
@@ -181,14 +182,7 @@ def test_model_search_runs_and_resumes_from_its_state(tmp_path, monkeypatch,
   its budget keeps every finished compile in its state; the next call goes
   on from there (no finished rung compiled again) and ends where one
   uninterrupted call ends; runs go one at a time."""
-  clock = types.SimpleNamespace(now=0.0)
-
-  def sleep(dt):
-    clock.now += dt
-
-  monkeypatch.setattr(bm, "time", types.SimpleNamespace(
-      time=lambda: clock.now, sleep=sleep, strftime=lambda _: "t",
-      perf_counter=lambda: clock.now))
+  clock = _fake_clock(monkeypatch)
   children = _FakeChildren(clock)
   monkeypatch.setattr(subprocess, "Popen", children)
   args = ["--search", "model", "--mesh", "fsdp=8", "--ladder",
@@ -221,6 +215,37 @@ def test_model_search_runs_and_resumes_from_its_state(tmp_path, monkeypatch,
   assert "goes on from here" not in capsys.readouterr().out
   assert not set(children.compiled) & set(kept)
   assert len(kept) + len(children.compiled) == n
+
+
+def _fake_clock(monkeypatch):
+  clock = types.SimpleNamespace(now=0.0)
+
+  def sleep(dt):
+    clock.now += dt
+
+  monkeypatch.setattr(bm, "time", types.SimpleNamespace(
+      time=lambda: clock.now, sleep=sleep, strftime=lambda _: "t",
+      perf_counter=lambda: clock.now))
+  return clock
+
+
+def test_model_search_stops_compiles_the_bracket_no_longer_needs(
+    tmp_path, monkeypatch, capsys):
+  """The first round compiles the guess and both neighbors; once the
+  smaller two close the bracket, the larger (slower) compile is stopped
+  rather than waited for."""
+  children = _FakeChildren(_fake_clock(monkeypatch),
+                           compile_s=lambda params: params / 1e5)
+  monkeypatch.setattr(subprocess, "Popen", children)
+  # 10 bytes a parameter under 10 MB: 128x2 (0.47M) fits, 256x2 (1.84M)
+  # does not; the first guess (3.75 bytes a parameter on fsdp=8) is 256x2.
+  (row,) = bm.main(["--search", "model", "--mesh", "fsdp=8", "--ladder",
+                    bm.SMOKE["ladder"], "--limit-gib", str(1e7 / GIB),
+                    "--seq", "32", "--batch", "1", "--precisions", "bf16",
+                    "--state-dir", str(tmp_path)])
+  assert children.compiled == ["128x2", "256x2", "256x4"]
+  assert "compile of 256x4 stopped: not needed" in capsys.readouterr().err
+  assert row["largest_ran"] == "128x2" and row["compiles"] == 2
 
 
 def test_model_rows():
