@@ -605,7 +605,8 @@ def _model_compile_child(c: MeshConfig, rung: str,
 
 def _limit_child(limit_gib: float | None) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
-  return {"limit": _limit(limit_gib), "device": jax.devices()[0].device_kind}
+  return {"limit": _limit(limit_gib),
+          "device": f"{len(jax.devices())} x {jax.devices()[0].device_kind}"}
 
 
 def _model_run(c: MeshConfig, rung: str) -> dict:
@@ -614,8 +615,8 @@ def _model_run(c: MeshConfig, rung: str) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
-  out = {"rung": rung, "ok": False, "device": jax.devices()[0].device_kind,
-         "jax": jax.__version__}
+  out = {"rung": rung, "ok": False, "jax": jax.__version__,
+         "device": f"{len(jax.devices())} x {jax.devices()[0].device_kind}"}
   try:
     trainer, batch = _model_trainer(c, rung)
     state = trainer.init_state()
@@ -762,7 +763,8 @@ def model_main(a) -> list[dict]:
   if probe.returncode:
     raise SystemExit(f"reading the device's memory limit failed (exit "
                      f"{probe.returncode}); its log is above.")
-  limit = json.loads(out.strip().splitlines()[-1])["limit"]
+  probed = json.loads(out.strip().splitlines()[-1])
+  limit = probed["limit"]
   states = {}
   for c in configs:
     st = _load_state(files[c.label])
@@ -849,7 +851,8 @@ def model_main(a) -> list[dict]:
   rows = model_rows(configs, states)
   runs = [r for s in states.values() for r in s.get("runs", [])
           if "device" in r]
-  where = f"{runs[0]['device']}, jax {runs[0]['jax']}; " if runs else ""
+  where = (f"{runs[0]['device']}, jax {runs[0]['jax']}; " if runs else
+           f"{probed['device']}; ")
   print(f"{where}largest GPT of the ladder that trains two steps on "
         f"{mesh} (per-device micro-batch {a.batch} x {a.seq}); peaks per "
         f"device by XLA's memory analysis; {time.time() - t_start:.0f} s")
