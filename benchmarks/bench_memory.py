@@ -30,6 +30,33 @@ Each try is logged to stderr as it ends (batch, peak, seconds), and each
 configuration's progress is written to `--state-dir` after every compile and
 run: a second invocation with the same directory resumes where the first
 stopped.
+
+The largest model on a device mesh (`--search model`):
+
+    python -m benchmarks.bench_memory --search model --mesh fsdp=4 \\
+        --remat quantized --precisions bf16,nvfp4 --seq 1024 --batch 4
+
+`--batch` is then the micro-batch per batch shard (per device on `data`
+and `fsdp`), and the model grows along `--ladder`, GPT shapes `d_model x
+layers` (`LADDER`: the presets small, base, large, then GPT-3-like shapes
+up to 8192x48). Each rung is the trainer's own sharded step (`Trainer` on
+the mesh: `MeshRules` shardings, bf16 parameters, FP32 master weights and
+Adam state split over `fsdp`), compiled from shapes (nothing allocated),
+its peak per device by XLA as above, under the allocator limit a process
+like the run's has (read once by a probe process; `--limit-gib` instead).
+The search runs in rounds, each compile its own process: the guess (the
+largest rung under the limit by a line in the parameter count: the
+state's bytes a parameter before any compile, then through the compiled
+rungs; `next_rung`) and its neighbor side by side (both neighbors in the
+first round), until the rung that fits sits below one that does not. Then that rung is built,
+initialized and run for two steps on all mesh devices in a fresh process
+(the rung below if it runs out of memory), one run at a time; the
+precisions' compiles run side by side (`--jobs` at once, compiles only,
+`XLA_PYTHON_CLIENT_PREALLOCATE=false`). `--budget-s`: no compile or run
+starts after it, and children still busy `--grace-s` later are stopped;
+the table shows what is done, and the state (after every compile and run)
+lets the same command go on. `--smoke`: the same on 8 CPU devices, a tiny
+ladder and a limit inside it.
 """
 
 from __future__ import annotations
@@ -297,27 +324,605 @@ def _gib(b) -> str:
   return "" if b is None else f"{b / 2**30:.2f}"
 
 
+# The largest model on a device mesh (`--search model`).
+
+# GPT shapes, `d_model x layers`, in increasing size: the presets small,
+# base and large, then GPT-3-like shapes (heads of 128, SwiGLU's d_ff ~
+# 8/3 d_model; `shape_fields`): 25.6M to 38.6B parameters, past what
+# 4 H200s hold at the default allocator limit.
+LADDER = ("512x8,768x18,1024x28,1536x24,2048x24,2560x32,3072x32,3584x32,"
+          "4096x32,4608x36,5120x40,5120x48,6144x48,7168x48,8192x48")
+# `--smoke`: 8 CPU devices, shapes that compile in seconds, and a limit
+# that the ladder's top is over (its peaks: tests/test_bench_memory.py).
+SMOKE = {"ladder": "128x1,128x2,256x2,256x4,384x4,512x4", "mesh": "fsdp=8",
+         "seq": 32, "batch": 1, "limit_gib": 0.03, "precisions": "bf16,nvfp4"}
+MESH_AXES = ("data", "fsdp", "model", "expert")
+MAX_MODEL_RUNS = 3  # The search's answer, then at most two rungs down.
+# The first guess, before any peak is known: bytes per parameter of the
+# train state (bf16 parameters and gradients, the FP32 master copy and
+# Adam's two moments: about 2 + 2 + 4 + 8), split over the axes that split
+# parameters, plus a layer's bf16 weights gathered whole on every device
+# (2 bytes a parameter less its own shard). On one H100 GPT base's state
+# measured ~16 (BENCHMARKS.md, the batch search's line at batch 0).
+STATE_BYTES_PER_PARAM = 16
+GATHERED_BYTES_PER_PARAM = 2
+
+
+def prior_bytes_per_param(shards: int) -> float:
+  return (STATE_BYTES_PER_PARAM / shards
+          + GATHERED_BYTES_PER_PARAM * (1 - 1 / shards))
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """`"fsdp=4"` or `"data=2,fsdp=2"` as `{axis: size}`, or a SystemExit
+  naming the bad part."""
+  sizes = {}
+  for part in (text or "").split(","):
+    k, eq, v = part.strip().partition("=")
+    if not eq or k not in MESH_AXES or not v.isdigit() or int(v) < 1:
+      raise SystemExit(
+          f"--mesh {text!r}: {part!r} is not AXIS=SIZE; use comma-separated "
+          f"axes of {MESH_AXES} with positive sizes, e.g. --mesh fsdp=4 or "
+          f"--mesh data=2,fsdp=2.")
+    if k in sizes:
+      raise SystemExit(f"--mesh {text!r} names {k!r} twice.")
+    sizes[k] = int(v)
+  return sizes
+
+
+def shape_fields(d_model: int, layers: int) -> dict[str, int]:
+  """`GPTConfig` fields of the rung `d_model x layers`: a preset's heads and
+  d_ff where its width matches (small, base, large), else heads of 128
+  (at least one) and d_ff = 8/3 d_model rounded to a multiple of 256."""
+  from models import presets  # pylint: disable=g-import-not-at-top
+  for cfg in presets.PRESETS.values():
+    if cfg.d_model == d_model and not cfg.num_experts:
+      heads, d_ff = cfg.num_heads, cfg.d_ff
+      break
+  else:
+    heads = max(1, d_model // 128)
+    d_ff = max(256, round(8 * d_model / 3 / 256) * 256)
+  return {"d_model": d_model, "num_layers": layers, "num_heads": heads,
+          "d_ff": d_ff}
+
+
+def approx_params(rung: str, vocab: int = 256) -> int:
+  """Parameters of the rung "DxL" from its shape (attention 4 d^2, SwiGLU
+  3 d d_ff, two norms a block; embedding and head; no biases)."""
+  f = shape_fields(*parse_rung(rung))
+  d = f["d_model"]
+  return (f["num_layers"] * (4 * d * d + 3 * d * f["d_ff"] + 2 * d)
+          + 2 * vocab * d + d)
+
+
+def parse_rung(rung: str) -> tuple[int, int]:
+  d, x, layers = rung.strip().partition("x")
+  if not x or not d.isdigit() or not layers.isdigit() or int(d) % 32 or (
+      int(layers) < 1):
+    raise SystemExit(f"ladder rung {rung!r} is not DxL (d_model, a multiple "
+                     f"of 32, x layers), e.g. 2048x24.")
+  return int(d), int(layers)
+
+
+def parse_ladder(text: str) -> tuple[str, ...]:
+  """The ladder's rungs, checked to grow in parameters."""
+  rungs = tuple(r.strip() for r in text.split(",") if r.strip())
+  sizes = [approx_params(r) for r in rungs]
+  if not rungs or any(a >= b for a, b in zip(sizes, sizes[1:])):
+    raise SystemExit(f"--ladder {text!r}: give DxL rungs in increasing "
+                     f"parameter count, e.g. {LADDER[:29]!r}.")
+  return rungs
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """One precision's search: the model grows, the rest is fixed."""
+  precision: str
+  remat: str
+  seq: int
+  batch: int  # Sequences per batch shard (per device for data/fsdp).
+  mesh: str
+  ladder: tuple[str, ...]
+  attention: str = "fused"
+
+  @property
+  def label(self) -> str:
+    return (f"{self.precision} remat={self.remat} {self.mesh} "
+            f"{self.batch}x{self.seq}")
+
+
+def next_rung(peaks: dict[str, float], ladder, limit: float,
+              shards: int = 1) -> int | None:
+  """The ladder index to compile next in the search for the largest rung
+  whose peak is within `limit`, or None once the bracket is closed (the
+  largest known to fit is the one below the smallest known not to, or the
+  ladder's end).
+
+  The guess is the largest rung strictly inside the bracket whose peak,
+  read off a line in the parameter count, is within the limit: before any
+  compile, the state's bytes (`prior_bytes_per_param`); after
+  one, the line through it and the origin; after more, the line through
+  the compiled rungs nearest the limit (one each side once both are
+  known). A guess outside the bracket takes the rung next to the side it
+  fell off, so every compile shrinks the bracket.
+  """
+  n = len(ladder)
+  params = [approx_params(r) for r in ladder]
+  idx = {r: i for i, r in enumerate(ladder)}
+  done = {idx[r]: p for r, p in peaks.items() if r in idx}
+  fit = [i for i, p in done.items() if p is not None and p <= limit]
+  over = [i for i, p in done.items() if p is None or p > limit]
+  lo, hi = max(fit, default=-1), min(over, default=n)
+  if hi - lo <= 1:
+    return None
+  known = sorted(i for i, p in done.items() if p is not None)
+  if not known:
+    line = (0.0, prior_bytes_per_param(shards))
+  elif len(known) == 1:
+    line = (0.0, done[known[0]] / params[known[0]])
+  else:
+    a, b = ((lo, hi) if lo in known and hi in known else
+            sorted(known, key=lambda i: abs(done[i] - limit))[:2])
+    a, b = sorted((a, b))
+    slope = (done[b] - done[a]) / (params[b] - params[a])
+    line = (done[a] - slope * params[a], slope)
+  if line[1] <= 0:
+    return (lo + hi) // 2  # The peak does not grow: bisect.
+  guess = max((i for i in range(n) if line[0] + line[1] * params[i]
+               <= limit), default=lo + 1)
+  return min(max(guess, lo + 1), hi - 1)
+
+
+def bracket(peaks: dict[str, float | None], ladder, limit: float):
+  """(largest index known to fit or -1, smallest known not to or len)."""
+  done = {ladder.index(r): p for r, p in peaks.items() if r in ladder}
+  fit = [i for i, p in done.items() if p is not None and p <= limit]
+  over = [i for i, p in done.items() if p is None or p > limit]
+  return max(fit, default=-1), min(over, default=len(ladder))
+
+
+def next_model_run(peaks: dict[str, float | None], ladder, limit: float,
+                   runs: list[dict]) -> int | None:
+  """The ladder index to run next, or None when done: once the search is
+  over, its answer; after a run out of memory, the rung below it; done once
+  a run succeeds or fails otherwise, at the ladder's foot, or after
+  `MAX_MODEL_RUNS` runs."""
+  if next_rung(peaks, ladder, limit) is not None:
+    return None  # Still searching.
+  lo, _ = bracket(peaks, ladder, limit)
+  if lo < 0 or len(runs) >= MAX_MODEL_RUNS or any(
+      r["ok"] or r.get("error") for r in runs):
+    return None
+  if not runs:
+    return lo
+  i = min(ladder.index(r["rung"]) for r in runs) - 1
+  return i if i >= 0 else None
+
+
+def _model_log(c: MeshConfig, msg: str) -> None:
+  print(f"[{time.strftime('%H:%M:%S')}] {c.label}: {msg}", file=sys.stderr,
+        flush=True)
+
+
+def _model_trainer(c: MeshConfig, rung: str):
+  """The trainer of rung `rung` on the mesh `c.mesh` (the trainer's own
+  sharded step: `MeshRules` shardings of the FP32 master weights and Adam
+  state, the batch split over the mesh's batch axes)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from nvfp4_jax import parallel as sharding  # pylint: disable=g-import-not-at-top
+  from train import data  # pylint: disable=g-import-not-at-top
+  from train.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  from train.loop import Trainer  # pylint: disable=g-import-not-at-top
+  from train.loop import model_config  # pylint: disable=g-import-not-at-top
+
+  sizes = parse_mesh(c.mesh)
+  n = math.prod(sizes.values())
+  if len(jax.devices()) < n:
+    raise SystemExit(f"--mesh {c.mesh} needs {n} devices; this process sees "
+                     f"{len(jax.devices())} ({jax.devices()[0].device_kind}).")
+  mesh = sharding.make_mesh(jax.devices()[:n], **sizes)
+  import nvfp4_jax  # pylint: disable=g-import-not-at-top
+  batch = c.batch * nvfp4_jax.MeshRules(mesh=mesh).data_parallel
+  rng = np.random.default_rng(0)
+  tokens = batch * (c.seq + 1) * 4
+  corpus = data.Corpus(train=rng.integers(0, 256, tokens).astype(np.uint8),
+                       val=rng.integers(0, 256, tokens).astype(np.uint8),
+                       vocab_size=256, source="random")
+  tc = TrainConfig(preset="large", precision=c.precision, steps=1000,
+                   batch_size=batch, seq_len=c.seq, diagnostics=False,
+                   eval_batches=1, attention=c.attention, remat=c.remat)
+  mc = model_config(tc, 256).replace(**shape_fields(*parse_rung(rung)))
+  return Trainer(tc, corpus, mc, mesh=mesh), batch
+
+
+def _is_oom(e: Exception) -> bool:
+  msg = str(e).lower()
+  return "resource_exhausted" in msg or "out of memory" in msg
+
+
+def _model_compile(c: MeshConfig, rung: str, built=None):
+  """The compiled step of `rung`, its per-device XLA peak, parameters and
+  seconds: from shapes alone (nothing allocated), or for `built`, a
+  (trainer, state, tokens) of the rung's own."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  t = time.perf_counter()
+  if built is None:
+    trainer, batch = _model_trainer(c, rung)
+    state = trainer.abstract_state()
+    tokens = jax.ShapeDtypeStruct((1, batch, c.seq + 1), jnp.int32,
+                                  sharding=trainer.batch_sharding)
+  else:
+    trainer, state, tokens = built
+  params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+  compiled = trainer.train_step.lower(state, tokens).compile()
+  peak = peak_bytes(compiled.memory_analysis())
+  return compiled, peak, params, time.perf_counter() - t
+
+
+def plan_compiles(peaks: dict[str, float | None], ladder, limit: float,
+                  shards: int = 1, pair: bool = True) -> list[int]:
+  """The ladder indices to compile side by side in the next round (empty
+  once the bracket is closed): `next_rung`'s guess and, with `pair`, its
+  neighbor inside the bracket, so a right guess closes the bracket in one
+  round (above it, or below where the guess is the bracket's top); before
+  any peak is known, both neighbors (the first guess is the roughest)."""
+  i = next_rung(peaks, ladder, limit, shards)
+  if i is None:
+    return []
+  if not pair:
+    return [i]
+  lo, hi = bracket(peaks, ladder, limit)
+  if not any(p is not None for p in peaks.values()):
+    return [j for j in (i - 1, i, i + 1) if lo < j < hi]
+  if i + 1 < hi:
+    return [i, i + 1]
+  return [i - 1, i] if i - 1 > lo else [i]
+
+
+def _model_compile_child(c: MeshConfig, rung: str,
+                         limit_gib: float | None) -> dict:
+  """One rung compiled from shapes (nothing allocated): its peak per
+  device (None: out of memory while compiling), parameters, seconds, and
+  the allocator limit of this process."""
+  limit = _limit(limit_gib)
+  try:
+    _, peak, params, secs = _model_compile(c, rung)
+    note = ""
+  except Exception as e:  # pylint: disable=broad-except
+    if not _is_oom(e):
+      raise
+    peak, params, secs, note = None, approx_params(rung), 0.0, str(e)[:200]
+  _model_log(c, f"{rung} ({params / 1e6:.4g}M): peak "
+             + (f"{peak / 2**30:.3g} GiB per device" if peak is not None
+                else "out of memory compiling")
+             + f" (limit {limit / 2**30:.3g}; compiled in {secs:.0f} s)")
+  return {"rung": rung, "peak": peak, "params": params, "s": secs,
+          "note": note, "limit": limit}
+
+
+def _limit_child(limit_gib: float | None) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  return {"limit": _limit(limit_gib),
+          "device": f"{len(jax.devices())} x {jax.devices()[0].device_kind}"}
+
+
+def _model_run(c: MeshConfig, rung: str) -> dict:
+  """`rung` initialized, compiled and run for two steps on the mesh, in a
+  fresh process; the second step timed."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  t0 = time.perf_counter()
+  out = {"rung": rung, "ok": False, "jax": jax.__version__,
+         "device": f"{len(jax.devices())} x {jax.devices()[0].device_kind}"}
+  try:
+    trainer, batch = _model_trainer(c, rung)
+    state = trainer.init_state()
+    tokens = trainer.put_batch(np.random.default_rng(0).integers(
+        0, 256, (1, batch, c.seq + 1)).astype(np.int32))
+    compiled, peak, params, _ = _model_compile(c, rung,
+                                               (trainer, state, tokens))
+    out.update(peak=peak, params=params)
+    state, m = compiled(state, tokens)
+    jax.block_until_ready(m)
+    t = time.perf_counter()
+    state, m = compiled(state, tokens)
+    jax.block_until_ready(m)
+    out.update(ok=True, step_s=time.perf_counter() - t,
+               loss=float(m["loss"]))
+  except Exception as e:  # pylint: disable=broad-except
+    if not _is_oom(e):
+      raise
+    out["oom"] = str(e)[:200]
+  out["s"] = time.perf_counter() - t0
+  _model_log(c, f"{rung}: " + ("two steps ran" if out["ok"] else
+                               "out of memory when run")
+             + f" ({out['s']:.0f} s)")
+  return out
+
+
+def _g(b) -> str:
+  """Bytes as GiB to three figures (tiny CPU peaks included)."""
+  return "" if b is None else f"{b / 2**30:.3g}"
+
+
+def model_rows(configs, states) -> list[dict]:
+  """One row per configuration: the largest rung that ran, its peak, the
+  next rung up and why it does not fit."""
+  rows = []
+  for c in configs:
+    st = states[c.label]
+    rungs = st.get("rungs", {})
+    peaks = {r: v["peak"] for r, v in rungs.items()}
+    limit = st.get("limit", float("nan"))
+    runs = st.get("runs", [])
+    ok = [r for r in runs if r["ok"]]
+    lo, hi = (bracket(peaks, c.ladder, limit) if rungs else
+              (-1, len(c.ladder)))
+    searched = bool(rungs) and next_rung(peaks, c.ladder, limit) is None
+    row = {"precision": c.precision, "remat": c.remat, "mesh": c.mesh,
+           "per_device": f"{c.batch}x{c.seq}",
+           "limit_gib": _g(st.get("limit")),
+           "compiles": len(rungs),
+           "compile_s": round(sum(v["s"] for v in rungs.values())),
+           "fits_by_xla": c.ladder[lo] if lo >= 0 else
+                          ("none" if searched else "")}
+    if ok:
+      r = ok[0]
+      i = c.ladder.index(r["rung"])
+      row.update(largest_ran=r["rung"], params_m=f"{r['params'] / 1e6:.4g}",
+                 peak_gib=_g(r["peak"]), run_s=round(r["s"]),
+                 step_s=round(r["step_s"], 2), loss=r.get("loss"))
+    else:
+      i = None
+      errors = [r["error"] for r in runs if r.get("error")]
+      row["largest_ran"] = (f"run failed (exit {errors[0]})" if errors else
+                            "none ran" if runs else
+                            "not run" + ("" if searched else
+                                         " (search unfinished)"))
+    up = None if i is None else i + 1
+    if up is not None:
+      failed = [r for r in runs if not r["ok"] and
+                c.ladder.index(r["rung"]) == up]
+      if up >= len(c.ladder):
+        row["next_up"] = "ladder ends"
+      else:
+        rung = c.ladder[up]
+        p = rungs.get(rung, {})
+        params = p.get("params") or approx_params(rung)
+        row["next_up"] = f"{rung} ({params / 1e6:.4g}M)"
+        row["next_peak_gib"] = (
+            f"{_g(failed[0].get('peak', p.get('peak')))}, out of memory "
+            "when run" if failed else
+            f"compile failed (exit {p['error']}), not a memory answer"
+            if p.get("error") else
+            "out of memory compiling" if rung in rungs and p["peak"] is None
+            else _g(p["peak"]) if rung in rungs else "not compiled")
+    rows.append(row)
+  return rows
+
+
+MODEL_COLS = ("precision", "remat", "mesh", "per_device", "largest_ran",
+              "params_m", "peak_gib", "next_up", "next_peak_gib", "limit_gib",
+              "fits_by_xla", "compiles", "compile_s", "run_s", "step_s",
+              "loss")
+
+
+def model_env(environ, state_dir: str, compile_only: bool,
+              smoke: bool = False) -> dict[str, str]:
+  """`child_env`, but a compile-only child leaves the allocator unfilled
+  (`XLA_PYTHON_CLIENT_PREALLOCATE=false`: it allocates nothing, and
+  searches run side by side with each other and with a run, which needs
+  its arena). `smoke`: 8 CPU devices."""
+  env = child_env(environ, state_dir)
+  if compile_only:
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  if smoke:
+    env["JAX_PLATFORMS"] = "cpu"
+    flags = env.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+      env["XLA_FLAGS"] = (flags +
+                          " --xla_force_host_platform_device_count=8").strip()
+  return env
+
+
+def model_main(a) -> list[dict]:
+  """`--search model`: rounds of compiles per precision (a process per
+  compile, up to `--jobs` at once), then its runs (one at a time: a run
+  holds every device of the mesh), within `--budget-s`; prints the table
+  and returns its rows."""
+  from benchmarks import timing  # pylint: disable=g-import-not-at-top
+  t_start = time.time()
+  stop_new = t_start + a.budget_s
+  stop_all = stop_new + a.grace_s
+  ladder = parse_ladder(a.ladder)
+  sizes = parse_mesh(a.mesh)
+  shards = math.prod(sizes.get(k, 1) for k in ("fsdp", "model"))
+  mesh = ",".join(f"{k}={v}" for k, v in sizes.items())
+  configs = [MeshConfig(p, r, a.seq, a.batch, mesh, ladder, a.attention)
+             for r in a.remat.split(",") for p in a.precisions.split(",")]
+  os.makedirs(a.state_dir, exist_ok=True)
+  files = {c.label: os.path.join(a.state_dir, "model_" + _slug(c.label)
+                                 + ".json") for c in configs}
+  limit_arg = [] if a.limit_gib is None else ["--limit-gib",
+                                               str(a.limit_gib)]
+
+  def launch(c, args, compile_only):
+    env = model_env(os.environ, a.state_dir, compile_only, a.smoke)
+    cmd = [sys.executable, "-m", "benchmarks.bench_memory", "--search",
+           "model", "--model-child",
+           json.dumps(dataclasses.asdict(c)) if c else "{}", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+
+  # The allocator limit the compiles are searched under, from a process
+  # like theirs.
+  probe = launch(None, ["--limit-probe", *limit_arg], True)
+  out, _ = probe.communicate()
+  if probe.returncode:
+    raise SystemExit(f"reading the device's memory limit failed (exit "
+                     f"{probe.returncode}); its log is above.")
+  probed = json.loads(out.strip().splitlines()[-1])
+  limit = probed["limit"]
+  states = {}
+  for c in configs:
+    st = _load_state(files[c.label])
+    st.setdefault("rungs", {})
+    st["limit"] = same_limit(st, limit, files[c.label])
+    states[c.label] = st
+    _save_state(files[c.label], st)
+  done, running = set(), []  # running: (config, rung, "compile" | "run", Popen)
+  while True:
+    now = time.time()
+    if now > stop_all:
+      for c, rung, kind, proc in running:
+        proc.kill()
+        proc.wait()
+        _model_log(c, f"{kind} of {rung} stopped: past --budget-s + "
+                   "--grace-s")
+      break
+    busy = {c.label for c, _, _, _ in running}
+    for c in configs:
+      if now > stop_new or c.label in busy or c.label in done:
+        continue
+      st = states[c.label]
+      peaks = {r: v["peak"] for r, v in st["rungs"].items()}
+      todo = plan_compiles(peaks, ladder, limit, shards, a.pair)
+      if todo:
+        free = a.jobs - sum(k == "compile" for _, _, k, _ in running)
+        for i in todo[:max(0, free)]:
+          running.append((c, ladder[i], "compile", launch(
+              c, ["--try-rung", ladder[i], "--compile-only", *limit_arg],
+              True)))
+        continue
+      i = next_model_run(peaks, ladder, limit, st.get("runs", []))
+      if i is None or a.no_run:
+        done.add(c.label)
+        continue
+      if any(k == "run" for _, _, k, _ in running):
+        continue  # A run holds every device of the mesh.
+      est = st["rungs"].get(ladder[i], {}).get("s", 0)
+      if now + est > stop_all:
+        _model_log(c, f"{ladder[i]} not run: its compile alone took "
+                   f"{est:.0f} s, past --budget-s + --grace-s")
+        done.add(c.label)
+        continue
+      running.append((c, ladder[i], "run", launch(
+          c, ["--try-rung", ladder[i]], False)))
+    if not running:
+      if all(c.label in done for c in configs) or now > stop_new:
+        break
+      time.sleep(0.2)
+      continue
+    time.sleep(0.2)
+    for c, rung, kind, proc in [r for r in running if r[3].poll() is not None]:
+      running.remove((c, rung, kind, proc))
+      st = states[c.label]
+      out = proc.stdout.read()
+      if proc.returncode:
+        _model_log(c, f"{kind} of {rung} failed (exit {proc.returncode}); "
+                   "its log is above")
+        if kind == "run":
+          st.setdefault("runs", []).append(
+              {"rung": rung, "ok": False, "error": proc.returncode})
+        else:  # Counted as over the limit, and said so in the table.
+          st["rungs"][rung] = {"peak": None, "params": approx_params(rung),
+                               "s": 0.0, "note": "", "error": proc.returncode}
+      else:
+        r = json.loads(out.strip().splitlines()[-1])
+        if kind == "run":
+          st.setdefault("runs", []).append(r)
+        else:
+          same_limit(st, r.pop("limit"), files[c.label])
+          st["rungs"][rung] = r
+      _save_state(files[c.label], st)
+    # Compiles the finished ones made pointless (outside the bracket now)
+    # are stopped: the round's answer need not wait for them.
+    for c, rung, kind, proc in list(running):
+      st = states[c.label]
+      lo, hi = bracket({r: v["peak"] for r, v in st["rungs"].items()},
+                       ladder, limit)
+      if kind == "compile" and not lo < ladder.index(rung) < hi:
+        running.remove((c, rung, kind, proc))
+        proc.kill()
+        proc.wait()
+        _model_log(c, f"compile of {rung} stopped: not needed any more")
+  rows = model_rows(configs, states)
+  runs = [r for s in states.values() for r in s.get("runs", [])
+          if "device" in r]
+  where = (f"{runs[0]['device']}, jax {runs[0]['jax']}; " if runs else
+           f"{probed['device']}; ")
+  print(f"{where}largest GPT of the ladder that trains two steps on "
+        f"{mesh} (per-device micro-batch {a.batch} x {a.seq}); peaks per "
+        f"device by XLA's memory analysis; {time.time() - t_start:.0f} s")
+  print(timing.table(rows, [k for k in MODEL_COLS
+                            if any(k in r for r in rows)]))
+  def unfinished(c):
+    st = states[c.label]
+    peaks = {r: v["peak"] for r, v in st["rungs"].items()}
+    return bool(plan_compiles(peaks, ladder, limit, shards)) or (
+        not a.no_run and next_model_run(peaks, ladder, limit,
+                                        st.get("runs", [])) is not None)
+
+  if any(unfinished(c) for c in configs):
+    print(f"Unfinished within --budget-s: the same command with --state-dir "
+          f"{a.state_dir} goes on from here.")
+  return rows
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--child", help=argparse.SUPPRESS)
   p.add_argument("--state-file", help=argparse.SUPPRESS)
   p.add_argument("--try-batch", type=int, help=argparse.SUPPRESS)
+  p.add_argument("--model-child", help=argparse.SUPPRESS)
+  p.add_argument("--try-rung", help=argparse.SUPPRESS)
+  p.add_argument("--compile-only", action="store_true",
+                 help=argparse.SUPPRESS)
+  p.add_argument("--limit-probe", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--search", choices=("batch", "model"), default="batch",
+                 help="batch: the largest micro-batch of each preset on one "
+                 "device; model: the largest GPT of --ladder on --mesh")
   p.add_argument("--presets", default="base,large")
-  p.add_argument("--batch", type=int, default=8,
-                 help="micro-batch of the first compile (the second is 2x)")
-  p.add_argument("--seq", type=int, default=1024)
-  p.add_argument("--precisions", default="bf16,nvfp4")
-  p.add_argument("--remat", default="none,quantized")
+  p.add_argument("--batch", type=int, default=None,
+                 help="batch search: micro-batch of the first compile (the "
+                 "second is 2x; default 8). Model search: sequences per "
+                 "batch shard, i.e. per device on data/fsdp (default 4)")
+  p.add_argument("--seq", type=int, default=None, help="default 1024")
+  p.add_argument("--precisions", default=None, help="default bf16,nvfp4")
+  p.add_argument("--remat", default=None,
+                 help="default none,quantized (batch search), quantized "
+                 "(model search)")
+  p.add_argument("--mesh", default=None,
+                 help="model search: the device mesh, AXIS=SIZE,... of "
+                 f"{MESH_AXES}, e.g. fsdp=4")
+  p.add_argument("--ladder", default=None,
+                 help="model search: GPT shapes d_model x layers in "
+                 f"increasing size (default {LADDER})")
+  p.add_argument("--budget-s", type=float, default=math.inf,
+                 help="model search: no compile or run starts after this "
+                 "many seconds; the table is printed with what is done")
+  p.add_argument("--grace-s", type=float, default=45.0,
+                 help="model search: children still busy this long after "
+                 "--budget-s are stopped (their finished compiles are kept)")
+  p.add_argument("--no-pair", dest="pair", action="store_false",
+                 help="model search: one compile per precision per round "
+                 "(default: the guess and its neighbor side by side)")
+  p.add_argument("--smoke", action="store_true",
+                 help="model search on 8 CPU devices: a tiny ladder, "
+                 f"{SMOKE['mesh']}, a {SMOKE['limit_gib']} GiB limit")
   p.add_argument("--attention", default="fused")
   p.add_argument("--limit-gib", type=float, default=None,
                  help="memory budget instead of the device's allocator limit")
   p.add_argument("--compiles", type=int, default=8,
                  help="compiles per configuration in the search, the "
                  "line's two included")
-  p.add_argument("--jobs", type=int, default=3,
+  p.add_argument("--jobs", type=int, default=None,
                  help="configurations at once, each its own process within "
                  "its own allocator limit (keep jobs x the memory fraction "
-                 "below 1)")
+                 "below 1); model search: compiles at once, default 6 "
+                 "(runs go one at a time)")
   p.add_argument("--configs", default="",
                  help="comma list of precision:remat pairs to run instead of "
                  "every pair of --precisions and --remat, e.g. "
@@ -335,6 +940,36 @@ def main(argv=None):
                  "configuration, written after every compile and run); a "
                  "second invocation with the same directory resumes")
   a = p.parse_args(argv)
+  if a.smoke:
+    a.search = "model"
+    for k in ("ladder", "mesh", "seq", "batch", "limit_gib", "precisions"):
+      if getattr(a, k) is None:
+        setattr(a, k, SMOKE[k])
+  model = a.search == "model"
+  a.batch = a.batch or (4 if model else 8)
+  a.seq = a.seq or 1024
+  a.precisions = a.precisions or "bf16,nvfp4"
+  a.remat = a.remat or ("quantized" if model else "none,quantized")
+  a.jobs = a.jobs or (6 if model else 3)
+  if a.model_child:
+    if a.limit_probe:
+      r = _limit_child(a.limit_gib)
+    else:
+      c = json.loads(a.model_child)
+      c = MeshConfig(**{**c, "ladder": tuple(c["ladder"])})
+      r = (_model_compile_child(c, a.try_rung, a.limit_gib)
+           if a.compile_only else _model_run(c, a.try_rung))
+    print(json.dumps(r))
+    return
+  if model:
+    if not a.mesh:
+      raise SystemExit("--search model needs --mesh, e.g. --mesh fsdp=4 "
+                       "(a mesh of one device: --mesh data=1).")
+    a.ladder = a.ladder or LADDER
+    return model_main(a)
+  if a.mesh or a.ladder:
+    raise SystemExit("--mesh and --ladder belong to --search model; the "
+                     "batch search runs on one device.")
   run = not a.no_run
   if a.child:
     c = bench_step.StepConfig(**json.loads(a.child))
