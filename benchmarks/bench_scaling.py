@@ -62,6 +62,7 @@ class Config:
   profile: int = 0  # Steps to trace (0: none).
   compile_only: bool = False
   variant: str = ""  # A name from `--variant`: its XLA flags are added.
+  tp_partial_sums: str = "float32"  # `MeshRules.partial_sums`.
 
   @property
   def devices(self) -> int:
@@ -74,6 +75,8 @@ class Config:
   @property
   def label(self) -> str:
     v = f" [{self.variant}]" if self.variant else ""
+    if self.tp_partial_sums != "float32":
+      v += f" [sums={self.tp_partial_sums}]"
     return f"{self.preset} {self.precision} {self.mesh or 'no mesh'}{v}"
 
 
@@ -94,7 +97,7 @@ def _child(cfg: Config, cache_dir: str) -> dict:
   t0 = time.perf_counter()
   trainer, state, batch = bench_step.build(bench_step.StepConfig(
       cfg.preset, cfg.precision, cfg.batch * cfg.devices, cfg.seq,
-      mesh=cfg.mesh))
+      mesh=cfg.mesh, tp_partial_sums=cfg.tp_partial_sums))
   if trainer.mesh_rules is None:  # The batch on the device, as on a mesh.
     batch = jax.device_put(batch, jax.devices()[0])
   compiled = trainer.train_step.lower(state, batch).compile()
@@ -226,6 +229,9 @@ def configs(a) -> list[Config]:
           out.append(c)
         if mesh not in ("", "data=1"):
           out += [dataclasses.replace(c, variant=v) for v in variants(a)]
+        if "model=" in mesh:
+          out += [dataclasses.replace(c, tp_partial_sums=t)
+                  for t in a.tp_partial_sums.split(",") if t != "float32"]
   return out
 
 
@@ -288,6 +294,10 @@ def main(argv=None):
                  "temporary directory)")
   p.add_argument("--xla-flags", default="",
                  help="appended to XLA_FLAGS in every process")
+  p.add_argument("--tp-partial-sums", default="float32",
+                 help="comma list: also time the meshes with a model axis "
+                 "with tensor parallelism's partial sums in the output dtype "
+                 "('float32,output'; MeshRules.partial_sums)")
   p.add_argument("--variants-only", action="store_true",
                  help="time the meshes only with the --variant flags "
                       "(the baselines still run without them)")
@@ -358,6 +368,7 @@ def main(argv=None):
       took[c] = time.perf_counter() - t0
       results[c].append(r)
       base_cfg = dataclasses.replace(c, mesh="data=1", variant="",
+                                     tp_partial_sums="float32",
                                      profile=results_profile(cfgs, c))
       base = results.get(base_cfg, [None])[-1]
       print(f"  round {rnd + 1}: {_fmt_row(c, r, base)} "
@@ -370,6 +381,7 @@ def main(argv=None):
     if not runs:
       continue
     base_cfg = dataclasses.replace(c, mesh="data=1", variant="",
+                                   tp_partial_sums="float32",
                                    profile=results_profile(cfgs, c))
     base_runs = results.get(base_cfg, [])
     ms = statistics.median(r["ms"] for r in runs)

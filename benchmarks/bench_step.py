@@ -48,6 +48,7 @@ class StepConfig:
   steps: int = 15
   mesh: str = ""  # "" one device; else `--mesh` syntax, e.g. "data=2".
   residuals: str = "codes"  # `Recipe.residuals` of the NVFP4 layers.
+  tp_partial_sums: str = "float32"  # `MeshRules.partial_sums`.
 
   @property
   def mesh_sizes(self) -> dict[str, int]:
@@ -88,7 +89,8 @@ def build(cfg: StepConfig):
                        vocab_size=256, source="random")
   tc = TrainConfig(preset=cfg.preset, precision=cfg.precision,
                    steps=1000, batch_size=cfg.batch, seq_len=cfg.seq,
-                   diagnostics=False, residuals=cfg.residuals)
+                   diagnostics=False, residuals=cfg.residuals,
+                   tp_partial_sums=cfg.tp_partial_sums)
   mc = model_config(tc, 256).replace(attention=cfg.attention,
                                      remat=cfg.remat)
   mesh = (sharding.make_mesh(jax.devices()[:cfg.devices], **cfg.mesh_sizes)

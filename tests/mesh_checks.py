@@ -294,6 +294,62 @@ def check_dot_general(impl, names, residuals="codes"):
     _check_collectives(c, sh, k, n)
 
 
+def check_partial_sums():
+  """`LinearSharding(partial_sums="output")` on bf16 operands: tensor
+  parallelism's all-reduces (Y of the row-parallel layer, dX of the
+  column-parallel one) carry bf16, half the bytes (the "float32" default
+  carries FP32), and the results stay within the derived bound of the
+  unsharded layer's. The bound: each shard's FP32 partial is rounded to
+  bf16 (at most `2^-8` of its magnitude), their sum is rounded again, and
+  the unsharded result once: `4 * 2^-8 * (|A| @ |B|)` plus the FP32
+  reordering bound (`gemm_bound`), `|A|` and `|B|` the GEMM's dequantized
+  operands."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  m = mesh(data=2, fsdp=2, model=2)
+  t, k, n = 128, 64, 96
+  bf16 = jnp.bfloat16
+  x = jnp.asarray(make_heavy_tailed((t, k), seed=1)).astype(bf16)
+  w = (jnp.asarray(make_heavy_tailed((k, n), seed=2)) * 0.01).astype(bf16)
+  dy = jnp.asarray(make_heavy_tailed((t, n), seed=3)).astype(bf16)
+  key = jax.random.key(7)
+  recipe = nv.Recipe.nvfp4()
+
+  def compiled(sharding):
+    def f(x, w, dy):
+      y, vjp = jax.vjp(lambda x, w: nv.dot_general(
+          x, w, DN, recipe=recipe, key=key, sharding=sharding), x, w)
+      return (y, *vjp(dy))
+    specs = ((P(), P(), P()) if sharding is None else
+             (sharding.x_spec, sharding.kernel_spec, sharding.y_spec))
+    args = [jax.device_put(a, NamedSharding(m, s))
+            for a, s in zip((x, w, dy), specs)]
+    # The sums over `model` as the program asks for them (XLA:CPU then
+    # promotes a bf16 all-reduce to FP32; NCCL sums bf16).
+    sums = re.findall(r"(\w+)\[\d+,\d+\] = psum\[axes=\('model',\)",
+                      str(jax.make_jaxpr(f)(*args)))
+    return sums, jax.jit(f)(*args)
+
+  _, (y0, dx0, _) = compiled(None)
+  qx, _, qdy, _, qw = _operands(recipe, x, w, dy, key)
+  sizes = {"y": (qx, qw, k), "dx": (qdy, qw.T, n)}
+  shardings = _linear_shardings(m)
+  for name, what in (("row+fsdp", "y"), ("column+fsdp", "dx")):
+    a, b, depth = sizes[what]
+    da, db = _DEQUANTIZE(a, b)
+    magnitude = (np.abs(np.asarray(da, np.float64))
+                 @ np.abs(np.asarray(db, np.float64)).T)
+    for sums, dtype in (("float32", "f32"), ("output", "bf16")):
+      sh = dataclasses.replace(shardings[name], partial_sums=sums)
+      reduces, (y, dx, _) = compiled(sh)
+      assert reduces == [dtype], (name, sums, reduces)
+      got, want = (y, y0) if what == "y" else (dx, dx0)
+      bound = (4 * 2.0**-8 * magnitude if sums == "output" else 2.0**-7
+               * np.abs(np.asarray(want, np.float64))) + gemm_bound(a, b,
+                                                                    depth)
+      check_within(got, want, bound, f"partial sums {sums} {name} {what}")
+    print(f"  partial sums on {name}: all-reduces f32, then bf16")
+
+
 def check_dot_general_xla():
   check_dot_general("xla", ("data", "fsdp", "column+fsdp", "row+fsdp"))
 

@@ -310,6 +310,9 @@ RULES = {
     "PartitionSpec with too many entries": (
         lambda: nv.sharding.quantize(X, _mesh(), P(None, None, "data")),
         ValueError, ["3 entries", "(32, 64)", "one entry"]),
+    "MeshRules partial sums in an unknown dtype": (
+        lambda: nv.MeshRules(mesh=_mesh(), partial_sums="bf16"),
+        ValueError, ["partial_sums='bf16'", "('float32', 'output')"]),
     "MeshRules.shardings naming an axis the mesh lacks": (
         lambda: nv.MeshRules(mesh=_mesh()).shardings({"w": P("tensor")}),
         ValueError, ["P('tensor',)", "'tensor'", "('data', 'fsdp', 'model')"]),

@@ -30,6 +30,7 @@ from models.gpt import MLP_KINDS
 from models.gpt import REMAT_KINDS
 from nvfp4_jax.core.recipe import FOUR_OVER_SIX_MODES
 from nvfp4_jax.core.recipe import RESIDUALS
+from nvfp4_jax.parallel.mesh import PARTIAL_SUMS
 from train.config import MAX_SEED
 from train.config import MAX_STEPS
 from train.config import ABLATIONS
@@ -163,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--remat", metavar=_one_of(REMAT_KINDS), default="none",
                  help="quantized: blocks keep only the FP4 residuals of "
                  "their NVFP4 layers and recompute the rest (less memory)")
+  p.add_argument("--tp-partial-sums", metavar=_one_of(PARTIAL_SUMS),
+                 default="float32",
+                 help="with a model mesh axis: sum tensor parallelism's "
+                 "partial results in float32 (rounded once, the default) "
+                 "or in the output dtype (half the bytes for bf16, as "
+                 "Megatron-style tensor parallelism)")
   p.add_argument("--data", metavar="PATH",
                  help="text file, directory of text files, or uint16 .bin "
                  "token file (default: the Python standard library's source)")
@@ -282,7 +289,8 @@ def make_configs(args, precisions: list[str]) -> list[TrainConfig]:
         late_switch_mode=args.late_switch_mode, eval_every=args.eval_every,
         ckpt_every=args.ckpt_every,
         diagnostics=not args.no_diagnostics, attention=args.attention,
-        remat=args.remat, **ablations[p]) for p in precisions]
+        remat=args.remat, tp_partial_sums=args.tp_partial_sums,
+        **ablations[p]) for p in precisions]
   except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None
 

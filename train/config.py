@@ -11,6 +11,7 @@ from models import PRESETS
 from models import MLP_KINDS
 from models.gpt import ATTENTION_KINDS
 from models.gpt import REMAT_KINDS
+from nvfp4_jax.parallel.mesh import PARTIAL_SUMS
 from nvfp4_jax.core.recipe import FOUR_OVER_SIX_MODES
 from nvfp4_jax.core.recipe import RESIDUALS
 from nvfp4_jax.core.recipe import check_field
@@ -108,6 +109,9 @@ class TrainConfig:
     residuals: "codes" or "values": how NVFP4 layers save the operands their
       backward pass multiplies (`nvfp4_jax.Recipe`: values skip the
       dequantize pass where the GEMM is emulated, at bf16's memory).
+    tp_partial_sums: on a mesh with a `model` axis, the dtype tensor
+      parallelism sums partial results in: "float32" or "output"
+      (`nvfp4_jax.MeshRules(partial_sums=...)`).
   """
 
   preset: str = "tiny"
@@ -141,6 +145,7 @@ class TrainConfig:
   attention: str = "fused"
   remat: str = "none"
   residuals: str = "codes"
+  tp_partial_sums: str = "float32"
 
   def __post_init__(self):
     # Types first: "false" is a truthy string and True an int in Python.
@@ -222,7 +227,8 @@ class TrainConfig:
             f"block_0/attn/qkv,block_5/mlp/down (as python -m "
             f"train.sensitivity prints them).")
     for name, choices in (("attention", ATTENTION_KINDS),
-                          ("remat", REMAT_KINDS), ("residuals", RESIDUALS)):
+                          ("remat", REMAT_KINDS), ("residuals", RESIDUALS),
+                          ("tp_partial_sums", PARTIAL_SUMS)):
       if getattr(self, name) not in choices:
         raise ValueError(f"unknown {name} {getattr(self, name)!r}; use one "
                          f"of {choices}.")

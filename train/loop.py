@@ -106,8 +106,8 @@ class Trainer:
     self.eval_data = data_lib.eval_batches(
         corpus.val, batch_size=cfg.micro_batch, seq_len=cfg.seq_len,
         num_batches=cfg.eval_batches * cfg.grad_accum)
-    self.mesh_rules = (None if mesh is None else
-                       nvfp4_jax.MeshRules(mesh=mesh))
+    self.mesh_rules = (None if mesh is None else nvfp4_jax.MeshRules(
+        mesh=mesh, partial_sums=cfg.tp_partial_sums))
     self.fns = StepFunctions(cfg, self.model, self.rules, self.optimizer,
                              self.schedule, mesh_rules=self.mesh_rules)
     if self.mesh_rules is None:

@@ -116,6 +116,9 @@ def make_mesh(devices: Sequence[jax.Device] | None = None,
               axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
 
 
+# How tensor parallelism sums partial results (`LinearSharding.partial_sums`).
+PARTIAL_SUMS = ("float32", "output")
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LinearSharding:
   """How one linear layer `Y = X @ kernel` (`X: [tokens, in]`, `kernel:
@@ -135,6 +138,12 @@ class LinearSharding:
       default the one tensor parallelism does not (0 unless the layer is
       row-parallel). On the dimension `model` splits too, `fsdp` is the
       minor axis: `P(None, ("model", "fsdp"))`.
+    partial_sums: the dtype tensor parallelism sums partial results in
+      (Y of a row-parallel layer, dX of a column-parallel one): "float32"
+      (each device's FP32 accumulator, rounded once after the sum: the
+      unsharded GEMM within FP32 reordering) or "output" (each device's
+      result rounded to the output dtype, then summed in it, as
+      Megatron-style tensor parallelism does: half the bytes for bf16).
   """
 
   mesh: Mesh
@@ -143,6 +152,7 @@ class LinearSharding:
   model: str | None = None
   fsdp: str | None = None
   fsdp_dim: int | None = None
+  partial_sums: str = "float32"
 
   def __post_init__(self):
     object.__setattr__(self, "tokens", tuple(self.tokens))
@@ -151,6 +161,11 @@ class LinearSharding:
     if self.fsdp_dim not in (0, 1):
       raise ValueError(f"LinearSharding.fsdp_dim must be 0 (in) or 1 (out), "
                        f"got {self.fsdp_dim!r}.")
+    if self.partial_sums not in PARTIAL_SUMS:
+      raise ValueError(
+          f"partial_sums={self.partial_sums!r}: use one of {PARTIAL_SUMS} "
+          "(\"float32\": sums in FP32, rounded once; \"output\": in the "
+          "output dtype, half the bytes for bf16).")
     names = set(self.mesh.axis_names)
     for a in self.tokens + tuple(x for x in (self.model, self.fsdp) if x):
       if a not in names:
@@ -309,6 +324,8 @@ class MeshRules:
     tensor_parallel: ordered `(layer-path regex, "column" | "row")` pairs,
       first match wins (`re.search`); unmatched layers are not split over
       `model`. Default: the GPT's projections.
+    partial_sums: the dtype tensor parallelism sums partial results in,
+      "float32" (default) or "output" (`LinearSharding.partial_sums`).
 
   Axes named here but absent from the mesh are dropped (a mesh of only
   `data` is plain data parallelism); every mesh axis must have a role.
@@ -320,8 +337,13 @@ class MeshRules:
   model: str | None = "model"
   expert: str | None = EXPERT_AXIS
   tensor_parallel: tuple[tuple[str, str], ...] = GPT_TENSOR_PARALLEL
+  partial_sums: str = "float32"
 
   def __post_init__(self):
+    if self.partial_sums not in PARTIAL_SUMS:
+      raise ValueError(
+          f"MeshRules(partial_sums={self.partial_sums!r}): use one of "
+          f"{PARTIAL_SUMS}.")
     names = tuple(self.mesh.axis_names)
     object.__setattr__(self, "batch",
                        tuple(a for a in self.batch if a in names))
@@ -377,7 +399,7 @@ class MeshRules:
     style = self.style(path)
     return LinearSharding(mesh=self.mesh, tokens=self.batch, tensor=style,
                           model=self.model if style else None,
-                          fsdp=self.fsdp)
+                          fsdp=self.fsdp, partial_sums=self.partial_sums)
 
   def batch_spec(self, ndim: int, axis: int = 0) -> P:
     """The spec of a batch array whose `axis` indexes sequences."""

@@ -183,6 +183,7 @@ class _Whole:
 
   x_axes = y_axes = w_axes = ()
   reduces_y = reduces_dx = False
+  f32_sums = True
   # Every device holds the whole weight (no axis splits it; the tokens may
   # be split): the weight's quantization needs no collective.
   whole_w = True
@@ -217,6 +218,7 @@ class _Shard(_Whole):
     self.whole_w = spmd.num_shards(s.sizes, self.w_axes) == 1
     self.reduces_y = bool(s.k_axes)
     self.reduces_dx = bool(s.n_axes)
+    self.f32_sums = s.partial_sums == "float32"
 
   def place_x(self, x):
     return spmd.placement(self.s.x_spec, x.shape)
@@ -300,8 +302,10 @@ def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, plan: GemmPlan,
            ctx: _Whole):
   keys = recipe.operand_keys(key)
   wgrad_q = recipe.gemm_format("wgrad") != "bf16"
-  # A sum across shards runs in FP32 and rounds once, as the whole GEMM.
-  acc_dtype = jnp.float32 if ctx.reduces_y else out_dtype
+  # A sum across shards runs in FP32 and rounds once, as the whole GEMM
+  # (unless `partial_sums="output"`: each shard's result rounded, summed in
+  # the output dtype).
+  acc_dtype = jnp.float32 if ctx.reduces_y and ctx.f32_sums else out_dtype
   # Fprop's X is multiplied at once; Wgrad's q(rht(X^T)) is the residual
   # (codes: 4.5 bits per element; or its values, see `_saves_values`).
   qx, qxt = _named("nvfp4_quantize_x", lambda x, kr, kt: _pair(
@@ -472,10 +476,11 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, res, dy,
     # dX in x's dtype straight from the FP32 accumulator (one rounding, as
     # the cast after it): the GEMM's epilogue writes it, not an FP32 copy.
     # A sum across shards stays FP32 and rounds once after it.
-    dx = _gemm("nvfp4_dgrad", jnp.float32 if ctx.reduces_dx else x_dtype)(
-        qdy, qw)
+    f32 = ctx.reduces_dx and ctx.f32_sums
+    dx = _gemm("nvfp4_dgrad", jnp.float32 if f32 else x_dtype)(qdy, qw)
   else:
-    acc_dtype = jnp.float32 if ctx.reduces_dx else out_dtype
+    acc_dtype = (jnp.float32 if ctx.reduces_dx and ctx.f32_sums
+                 else out_dtype)
     dx = _named("bf16_dgrad", lambda dy, w: _hp_matmul(
         dy, w.T, acc_dtype, precision))(dy, ctx.gather_w(w, False))
   if wgrad_q:
