@@ -63,6 +63,7 @@ class Config:
   compile_only: bool = False
   variant: str = ""  # A name from `--variant`: its XLA flags are added.
   tp_partial_sums: str = "float32"  # `MeshRules.partial_sums`.
+  amax: str = "global"  # `MeshRules.amax`.
 
   @property
   def devices(self) -> int:
@@ -77,6 +78,8 @@ class Config:
     v = f" [{self.variant}]" if self.variant else ""
     if self.tp_partial_sums != "float32":
       v += f" [sums={self.tp_partial_sums}]"
+    if self.amax != "global":
+      v += f" [amax={self.amax}]"
     return f"{self.preset} {self.precision} {self.mesh or 'no mesh'}{v}"
 
 
@@ -97,7 +100,7 @@ def _child(cfg: Config, cache_dir: str) -> dict:
   t0 = time.perf_counter()
   trainer, state, batch = bench_step.build(bench_step.StepConfig(
       cfg.preset, cfg.precision, cfg.batch * cfg.devices, cfg.seq,
-      mesh=cfg.mesh, tp_partial_sums=cfg.tp_partial_sums))
+      mesh=cfg.mesh, tp_partial_sums=cfg.tp_partial_sums, amax=cfg.amax))
   if trainer.mesh_rules is None:  # The batch on the device, as on a mesh.
     batch = jax.device_put(batch, jax.devices()[0])
   compiled = trainer.train_step.lower(state, batch).compile()
@@ -232,6 +235,9 @@ def configs(a) -> list[Config]:
         if "model=" in mesh:
           out += [dataclasses.replace(c, tp_partial_sums=t)
                   for t in a.tp_partial_sums.split(",") if t != "float32"]
+        if mesh not in ("", "data=1"):
+          out += [dataclasses.replace(c, amax=t)
+                  for t in a.amax.split(",") if t != "global"]
   return out
 
 
@@ -298,6 +304,10 @@ def main(argv=None):
                  help="comma list: also time the meshes with a model axis "
                  "with tensor parallelism's partial sums in the output dtype "
                  "('float32,output'; MeshRules.partial_sums)")
+  p.add_argument("--amax", default="global",
+                 help="comma list: also time the meshes with the "
+                 "activations' and gradients' amax per token shard "
+                 "('global,local'; MeshRules.amax)")
   p.add_argument("--variants-only", action="store_true",
                  help="time the meshes only with the --variant flags "
                       "(the baselines still run without them)")
@@ -368,7 +378,7 @@ def main(argv=None):
       took[c] = time.perf_counter() - t0
       results[c].append(r)
       base_cfg = dataclasses.replace(c, mesh="data=1", variant="",
-                                     tp_partial_sums="float32",
+                                     tp_partial_sums="float32", amax="global",
                                      profile=results_profile(cfgs, c))
       base = results.get(base_cfg, [None])[-1]
       print(f"  round {rnd + 1}: {_fmt_row(c, r, base)} "
@@ -381,7 +391,7 @@ def main(argv=None):
     if not runs:
       continue
     base_cfg = dataclasses.replace(c, mesh="data=1", variant="",
-                                   tp_partial_sums="float32",
+                                   tp_partial_sums="float32", amax="global",
                                    profile=results_profile(cfgs, c))
     base_runs = results.get(base_cfg, [])
     ms = statistics.median(r["ms"] for r in runs)

@@ -49,6 +49,7 @@ class StepConfig:
   mesh: str = ""  # "" one device; else `--mesh` syntax, e.g. "data=2".
   residuals: str = "codes"  # `Recipe.residuals` of the NVFP4 layers.
   tp_partial_sums: str = "float32"  # `MeshRules.partial_sums`.
+  amax: str = "global"  # `MeshRules.amax`.
 
   @property
   def mesh_sizes(self) -> dict[str, int]:
@@ -90,7 +91,7 @@ def build(cfg: StepConfig):
   tc = TrainConfig(preset=cfg.preset, precision=cfg.precision,
                    steps=1000, batch_size=cfg.batch, seq_len=cfg.seq,
                    diagnostics=False, residuals=cfg.residuals,
-                   tp_partial_sums=cfg.tp_partial_sums)
+                   tp_partial_sums=cfg.tp_partial_sums, amax=cfg.amax)
   mc = model_config(tc, 256).replace(attention=cfg.attention,
                                      remat=cfg.remat)
   mesh = (sharding.make_mesh(jax.devices()[:cfg.devices], **cfg.mesh_sizes)

@@ -350,6 +350,63 @@ def check_partial_sums():
     print(f"  partial sums on {name}: all-reduces f32, then bf16")
 
 
+def check_local_amax():
+  """`LinearSharding(amax="local")`: each token shard quantizes X and dY
+  with its own tensor amax. The forward pass (round to nearest, the
+  weight's global 16x16 quantization) then equals the one-device layer run
+  on each shard's tokens alone, bit for bit; no amax collective runs over
+  the token axes (the default reduces X's and dY's amaxes over them), and
+  on a row-parallel layer X's amax still reduces over `model` (X is split
+  by features there)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  m = mesh(data=2, fsdp=2, model=2)
+  t, k, n = 128, 64, 96
+  x = jnp.asarray(make_heavy_tailed((t, k), seed=1))
+  # Each token shard's magnitudes differ: a shared amax would show.
+  x = x * jnp.repeat(jnp.asarray([1.0, 8.0, 0.25, 3.0]), t // 4)[:, None]
+  w = jnp.asarray(make_heavy_tailed((k, n), seed=2)) * 0.01
+  dy = jnp.asarray(make_heavy_tailed((t, n), seed=3))
+  key = jax.random.key(7)
+  recipe = nv.Recipe.nvfp4()
+
+  def f(sharding):
+    def g(x, w, dy):
+      y, vjp = jax.vjp(lambda x, w: nv.dot_general(
+          x, w, DN, recipe=recipe, key=key, sharding=sharding), x, w)
+      return (y, *vjp(dy))
+    return g
+
+  def run(sharding):
+    specs = (sharding.x_spec, sharding.kernel_spec, sharding.y_spec)
+    args = [jax.device_put(a, NamedSharding(m, s))
+            for a, s in zip((x, w, dy), specs)]
+    jaxpr = str(jax.make_jaxpr(f(sharding))(*args))
+    reduced = re.findall(r"pmax\[axes=\(([^)]*)\)", jaxpr)
+    return reduced, jax.jit(f(sharding))(*args)
+
+  part = lambda a, i: a[i * 32:(i + 1) * 32]
+  shards = [jax.jit(f(None))(part(x, i), w, part(dy, i)) for i in range(4)]
+  want = np.concatenate([np.asarray(s[0]) for s in shards])
+  # The row-parallel layer sums partial products across `model`: FP32
+  # reordering within `gemm_bound` of each shard's own operands.
+  bound = np.concatenate([gemm_bound(o[0], o[4], k) for o in (
+      _operands(recipe, part(x, i), w, part(dy, i), key) for i in range(4))])
+  shardings = _linear_shardings(m)
+  for name in ("data", "row+fsdp"):
+    glob, _ = run(shardings[name])
+    local, (y, _, _) = run(dataclasses.replace(shardings[name], amax="local"))
+    assert any("data" in a for a in glob), (name, glob)
+    assert not any("'data'" in a for a in local), (name, local)
+    if name == "row+fsdp":
+      assert any("model" in a for a in local), local
+    if name == "data":
+      assert np.array_equal(np.asarray(y), want), f"local amax {name} y"
+    else:
+      check_within(y, want, bound, f"local amax {name} y")
+    print(f"  local amax on {name}: the per-shard layer's y; amax "
+          f"reductions {len(glob)} -> {len(local)}")
+
+
 def check_dot_general_xla():
   check_dot_general("xla", ("data", "fsdp", "column+fsdp", "row+fsdp"))
 

@@ -313,6 +313,9 @@ RULES = {
     "MeshRules partial sums in an unknown dtype": (
         lambda: nv.MeshRules(mesh=_mesh(), partial_sums="bf16"),
         ValueError, ["partial_sums='bf16'", "('float32', 'output')"]),
+    "MeshRules amax in an unknown scope": (
+        lambda: nv.MeshRules(mesh=_mesh(), amax="per_device"),
+        ValueError, ["amax='per_device'", "('global', 'local')"]),
     "MeshRules.shardings naming an axis the mesh lacks": (
         lambda: nv.MeshRules(mesh=_mesh()).shardings({"w": P("tensor")}),
         ValueError, ["P('tensor',)", "'tensor'", "('data', 'fsdp', 'model')"]),

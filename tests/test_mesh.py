@@ -49,7 +49,7 @@ def test_sharded_dot_general_reference():
   tier runs every layout, Explicit and auto, and README's example)."""
   out = run_checks("dot_general_xla", "dot_general_values", "user_mesh_quick",
                    "auto_kernels_quick", "auto_moe_quick", "auto_gather_rows",
-                   "partial_sums")
+                   "partial_sums", "local_amax")
   assert "3.97x fewer" in out  # FSDP weights travel as 4-bit codes.
   # With residuals saved as values, too.
   assert out.split("[dot_general_values]")[1].split(
@@ -61,6 +61,8 @@ def test_sharded_dot_general_reference():
   assert "auto ragged_dot (SR, RHT) on batch x fsdp: equal" in out
   # Tensor parallelism's partial sums in bf16 on request (half the bytes).
   assert "partial sums on column+fsdp: all-reduces f32, then bf16" in out
+  # Each token shard's own amax on request (no collective on the batch).
+  assert "local amax on data: the per-shard layer's y; amax reductions 4 -> 0" in out
   # The MoE layer's row gathers per shard of their index.
   assert "auto gather_rows on batch=8: equal, split as the index" in out
 

@@ -30,6 +30,7 @@ from models.gpt import MLP_KINDS
 from models.gpt import REMAT_KINDS
 from nvfp4_jax.core.recipe import FOUR_OVER_SIX_MODES
 from nvfp4_jax.core.recipe import RESIDUALS
+from nvfp4_jax.parallel.mesh import AMAX_SCOPES
 from nvfp4_jax.parallel.mesh import PARTIAL_SUMS
 from train.config import MAX_SEED
 from train.config import MAX_STEPS
@@ -170,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
                  "partial results in float32 (rounded once, the default) "
                  "or in the output dtype (half the bytes for bf16, as "
                  "Megatron-style tensor parallelism)")
+  p.add_argument("--amax", metavar=_one_of(AMAX_SCOPES), default="global",
+                 help="on a mesh: the activations' and gradients' tensor "
+                 "amax over the whole batch (global, the default: the "
+                 "one-device run's quantization) or each token shard's "
+                 "(local: no collective over the batch axes, a "
+                 "data-parallel micro-batch's numerics)")
   p.add_argument("--data", metavar="PATH",
                  help="text file, directory of text files, or uint16 .bin "
                  "token file (default: the Python standard library's source)")
@@ -290,6 +297,7 @@ def make_configs(args, precisions: list[str]) -> list[TrainConfig]:
         ckpt_every=args.ckpt_every,
         diagnostics=not args.no_diagnostics, attention=args.attention,
         remat=args.remat, tp_partial_sums=args.tp_partial_sums,
+        amax=args.amax,
         **ablations[p]) for p in precisions]
   except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None

@@ -11,6 +11,7 @@ from models import PRESETS
 from models import MLP_KINDS
 from models.gpt import ATTENTION_KINDS
 from models.gpt import REMAT_KINDS
+from nvfp4_jax.parallel.mesh import AMAX_SCOPES
 from nvfp4_jax.parallel.mesh import PARTIAL_SUMS
 from nvfp4_jax.core.recipe import FOUR_OVER_SIX_MODES
 from nvfp4_jax.core.recipe import RESIDUALS
@@ -112,6 +113,9 @@ class TrainConfig:
     tp_partial_sums: on a mesh with a `model` axis, the dtype tensor
       parallelism sums partial results in: "float32" or "output"
       (`nvfp4_jax.MeshRules(partial_sums=...)`).
+    amax: on a mesh, the activations' and gradients' tensor amax: "global"
+      (the one-device run's quantization) or "local" (each token shard's,
+      as a data-parallel micro-batch; `nvfp4_jax.MeshRules(amax=...)`).
   """
 
   preset: str = "tiny"
@@ -146,6 +150,7 @@ class TrainConfig:
   remat: str = "none"
   residuals: str = "codes"
   tp_partial_sums: str = "float32"
+  amax: str = "global"
 
   def __post_init__(self):
     # Types first: "false" is a truthy string and True an int in Python.
@@ -228,7 +233,8 @@ class TrainConfig:
             f"train.sensitivity prints them).")
     for name, choices in (("attention", ATTENTION_KINDS),
                           ("remat", REMAT_KINDS), ("residuals", RESIDUALS),
-                          ("tp_partial_sums", PARTIAL_SUMS)):
+                          ("tp_partial_sums", PARTIAL_SUMS),
+                          ("amax", AMAX_SCOPES)):
       if getattr(self, name) not in choices:
         raise ValueError(f"unknown {name} {getattr(self, name)!r}; use one "
                          f"of {choices}.")

@@ -107,7 +107,7 @@ class Trainer:
         corpus.val, batch_size=cfg.micro_batch, seq_len=cfg.seq_len,
         num_batches=cfg.eval_batches * cfg.grad_accum)
     self.mesh_rules = (None if mesh is None else nvfp4_jax.MeshRules(
-        mesh=mesh, partial_sums=cfg.tp_partial_sums))
+        mesh=mesh, partial_sums=cfg.tp_partial_sums, amax=cfg.amax))
     self.fns = StepFunctions(cfg, self.model, self.rules, self.optimizer,
                              self.schedule, mesh_rules=self.mesh_rules)
     if self.mesh_rules is None:

@@ -118,6 +118,8 @@ def make_mesh(devices: Sequence[jax.Device] | None = None,
 
 # How tensor parallelism sums partial results (`LinearSharding.partial_sums`).
 PARTIAL_SUMS = ("float32", "output")
+# Where activations' and gradients' amaxes reduce (`LinearSharding.amax`).
+AMAX_SCOPES = ("global", "local")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LinearSharding:
@@ -144,6 +146,13 @@ class LinearSharding:
       unsharded GEMM within FP32 reordering) or "output" (each device's
       result rounded to the output dtype, then summed in it, as
       Megatron-style tensor parallelism does: half the bytes for bf16).
+    amax: the tensor amax of the activations X and gradients dY: "global"
+      (reduced over every axis that splits the tensor: the unsharded
+      layer's quantization, one small all-reduce per quantized tensor) or
+      "local" (reduced over `model` only: each token shard quantizes as a
+      data-parallel micro-batch would, with its own tensor scale, and no
+      collective waits on the token axes). Weights always use the global
+      amax (every device must hold the same weight).
   """
 
   mesh: Mesh
@@ -153,9 +162,15 @@ class LinearSharding:
   fsdp: str | None = None
   fsdp_dim: int | None = None
   partial_sums: str = "float32"
+  amax: str = "global"
 
   def __post_init__(self):
     object.__setattr__(self, "tokens", tuple(self.tokens))
+    if self.amax not in AMAX_SCOPES:
+      raise ValueError(
+          f"amax={self.amax!r}: use one of {AMAX_SCOPES} (\"global\": the "
+          "unsharded layer's tensor scales; \"local\": each token shard's "
+          "own, no collective over the token axes).")
     if self.fsdp_dim is None:
       object.__setattr__(self, "fsdp_dim", 1 if self.tensor == "row" else 0)
     if self.fsdp_dim not in (0, 1):
@@ -326,6 +341,9 @@ class MeshRules:
       `model`. Default: the GPT's projections.
     partial_sums: the dtype tensor parallelism sums partial results in,
       "float32" (default) or "output" (`LinearSharding.partial_sums`).
+    amax: "global" (default) or "local": the activations' and gradients'
+      tensor amax over every axis splitting them, or over `model` only
+      (`LinearSharding.amax`).
 
   Axes named here but absent from the mesh are dropped (a mesh of only
   `data` is plain data parallelism); every mesh axis must have a role.
@@ -338,12 +356,16 @@ class MeshRules:
   expert: str | None = EXPERT_AXIS
   tensor_parallel: tuple[tuple[str, str], ...] = GPT_TENSOR_PARALLEL
   partial_sums: str = "float32"
+  amax: str = "global"
 
   def __post_init__(self):
     if self.partial_sums not in PARTIAL_SUMS:
       raise ValueError(
           f"MeshRules(partial_sums={self.partial_sums!r}): use one of "
           f"{PARTIAL_SUMS}.")
+    if self.amax not in AMAX_SCOPES:
+      raise ValueError(
+          f"MeshRules(amax={self.amax!r}): use one of {AMAX_SCOPES}.")
     names = tuple(self.mesh.axis_names)
     object.__setattr__(self, "batch",
                        tuple(a for a in self.batch if a in names))
@@ -399,7 +421,8 @@ class MeshRules:
     style = self.style(path)
     return LinearSharding(mesh=self.mesh, tokens=self.batch, tensor=style,
                           model=self.model if style else None,
-                          fsdp=self.fsdp, partial_sums=self.partial_sums)
+                          fsdp=self.fsdp, partial_sums=self.partial_sums,
+                          amax=self.amax)
 
   def batch_spec(self, ndim: int, axis: int = 0) -> P:
     """The spec of a batch array whose `axis` indexes sequences."""

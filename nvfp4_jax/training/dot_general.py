@@ -212,8 +212,11 @@ class _Shard(_Whole):
 
   def __init__(self, s: LinearSharding):
     self.s = s
-    self.x_axes = spmd.spec_axes(s.x_spec)
-    self.y_axes = spmd.spec_axes(s.y_spec)
+    # The axes X's and dY's amaxes reduce over (`LinearSharding.amax`).
+    scope = ((lambda axes: tuple(a for a in axes if a not in s.tokens))
+             if s.amax == "local" else tuple)
+    self.x_axes = scope(spmd.spec_axes(s.x_spec))
+    self.y_axes = scope(spmd.spec_axes(s.y_spec))
     self.w_axes = spmd.spec_axes(s.kernel_spec)
     self.whole_w = spmd.num_shards(s.sizes, self.w_axes) == 1
     self.reduces_y = bool(s.k_axes)
