@@ -78,7 +78,8 @@ def overlap(text: str) -> dict[str, int]:
 
 
 def compile_step(preset, precision, batch, seq, mesh_sizes, target="h100",
-                 options=None, partial_sums="float32") -> str:
+                 options=None, partial_sums="float32",
+                 amax="global") -> str:
   """The scheduled HLO of the trainer's step on `mesh_sizes` of `target`."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -104,7 +105,8 @@ def compile_step(preset, precision, batch, seq, mesh_sizes, target="h100",
   with aot.compiling_for(target):
     devices = aot.topology_devices(target, n)
     mesh = nvfp4_jax.sharding.make_mesh(devices, **mesh_sizes)
-    mr = nvfp4_jax.MeshRules(mesh=mesh, partial_sums=partial_sums)
+    mr = nvfp4_jax.MeshRules(mesh=mesh, partial_sums=partial_sums,
+                             amax=amax)
     fns = StepFunctions(tc, GPT(mc), make_rules(tc, mc.num_layers), opt,
                         schedule, mesh_rules=mr)
     abstract = jax.eval_shape(fns.init_state)
@@ -167,6 +169,8 @@ def main(argv=None):
   p.add_argument("--xla-option", action="append", default=[],
                  help="name=value, repeatable")
   p.add_argument("--hlo", default="", help="also write the HLO here")
+  p.add_argument("--amax", default="global",
+                 help="MeshRules.amax: global or local")
   p.add_argument("--partial-sums", default="float32",
                  help="MeshRules.partial_sums: float32 or output")
   p.add_argument("--summary", action="store_true",
@@ -181,7 +185,7 @@ def main(argv=None):
       options[k] = int(options[k])
   t0 = time.perf_counter()
   text = compile_step(a.preset, a.precision, a.batch, a.seq, sizes, a.target,
-                      options, a.partial_sums)
+                      options, a.partial_sums, a.amax)
   if a.hlo:
     with open(a.hlo, "w") as f:
       f.write(text)
