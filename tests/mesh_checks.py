@@ -253,6 +253,24 @@ def _check_collectives(compiled, sh, k, n):
 _WHOLE = {}
 
 
+def _layer_fn(recipe, key, sharding):
+  """`(x, w, dy) -> (y, dx, dw)` of the NVFP4 layer on `sharding` (None:
+  unsharded)."""
+  def f(x, w, dy):
+    y, vjp = jax.vjp(lambda x, w: nv.dot_general(
+        x, w, DN, recipe=recipe, key=key, sharding=sharding), x, w)
+    return (y, *vjp(dy))
+  return f
+
+
+def _placed(m, sharding, x, w, dy):
+  """`x, w, dy` on mesh `m` as `sharding` lays them out (None: replicated)."""
+  specs = ((P(), P(), P()) if sharding is None else
+           (sharding.x_spec, sharding.kernel_spec, sharding.y_spec))
+  return [jax.device_put(a, NamedSharding(m, s))
+          for a, s in zip((x, w, dy), specs)]
+
+
 def check_dot_general(impl, names, residuals="codes"):
   m = mesh(data=2, fsdp=2, model=2)
   t, k, n = 128, 64, 96
@@ -263,16 +281,9 @@ def check_dot_general(impl, names, residuals="codes"):
   recipe = nv.Recipe.nvfp4(residuals=residuals)
 
   def compiled(sharding):
-    def f(x, w, dy):
-      y, vjp = jax.vjp(lambda x, w: nv.dot_general(
-          x, w, DN, recipe=recipe, key=key, sharding=sharding), x, w)
-      return (y, *vjp(dy))
-    specs = ((P(), P(), P()) if sharding is None else
-             (sharding.x_spec, sharding.kernel_spec, sharding.y_spec))
-    args = [jax.device_put(a, NamedSharding(m, s))
-            for a, s in zip((x, w, dy), specs)]
+    args = _placed(m, sharding, x, w, dy)
     with nv.default_implementation(impl):
-      c = jax.jit(f).lower(*args).compile()
+      c = jax.jit(_layer_fn(recipe, key, sharding)).lower(*args).compile()
     return c, c(*args)
 
   _, (y0, dx0, dw0) = compiled(None)
@@ -315,14 +326,8 @@ def check_partial_sums():
   recipe = nv.Recipe.nvfp4()
 
   def compiled(sharding):
-    def f(x, w, dy):
-      y, vjp = jax.vjp(lambda x, w: nv.dot_general(
-          x, w, DN, recipe=recipe, key=key, sharding=sharding), x, w)
-      return (y, *vjp(dy))
-    specs = ((P(), P(), P()) if sharding is None else
-             (sharding.x_spec, sharding.kernel_spec, sharding.y_spec))
-    args = [jax.device_put(a, NamedSharding(m, s))
-            for a, s in zip((x, w, dy), specs)]
+    f = _layer_fn(recipe, key, sharding)
+    args = _placed(m, sharding, x, w, dy)
     # The sums over `model` as the program asks for them (XLA:CPU then
     # promotes a bf16 all-reduce to FP32; NCCL sums bf16).
     sums = re.findall(r"(\w+)\[\d+,\d+\] = psum\[axes=\('model',\)",
@@ -369,23 +374,15 @@ def check_local_amax():
   key = jax.random.key(7)
   recipe = nv.Recipe.nvfp4()
 
-  def f(sharding):
-    def g(x, w, dy):
-      y, vjp = jax.vjp(lambda x, w: nv.dot_general(
-          x, w, DN, recipe=recipe, key=key, sharding=sharding), x, w)
-      return (y, *vjp(dy))
-    return g
-
   def run(sharding):
-    specs = (sharding.x_spec, sharding.kernel_spec, sharding.y_spec)
-    args = [jax.device_put(a, NamedSharding(m, s))
-            for a, s in zip((x, w, dy), specs)]
-    jaxpr = str(jax.make_jaxpr(f(sharding))(*args))
+    f, args = _layer_fn(recipe, key, sharding), _placed(m, sharding, x, w, dy)
+    jaxpr = str(jax.make_jaxpr(f)(*args))
     reduced = re.findall(r"pmax\[axes=\(([^)]*)\)", jaxpr)
-    return reduced, jax.jit(f(sharding))(*args)
+    return reduced, jax.jit(f)(*args)
 
   part = lambda a, i: a[i * 32:(i + 1) * 32]
-  shards = [jax.jit(f(None))(part(x, i), w, part(dy, i)) for i in range(4)]
+  shards = [jax.jit(_layer_fn(recipe, key, None))(part(x, i), w, part(dy, i))
+            for i in range(4)]
   want = np.concatenate([np.asarray(s[0]) for s in shards])
   # The row-parallel layer sums partial products across `model`: FP32
   # reordering within `gemm_bound` of each shard's own operands.
