@@ -190,8 +190,8 @@ class StepFunctions:
     # A select per element, fused into the update (as `optax.apply_if_finite`
     # does), not a `lax.cond`: XLA keeps a second copy of the whole state
     # for a `cond`'s branches (compiled for 4 H100s, a 4096 x 32 GPT's
-    # FSDP step: 48.4 -> 30.9 GiB a device) and reads its predicate on the
-    # host every step.
+    # FSDP step: 48.4 -> 30.9 GiB a device), and XLA:GPU's conditional
+    # thunk may wait on the host for its predicate every step.
     keep = lambda new, old: jnp.where(finite, new, old)
     params = jax.tree.map(keep, optax.apply_updates(state.params, updates),
                           state.params)

@@ -412,6 +412,15 @@ def _experts(xs, group_sizes, weights, keys, gemms, first_expert=0,
       aligned=aligned))
 
 
+def _local_experts(x, routing: Routing, top_k: int, weights, keys, gemms):
+  """Every expert here on `x`'s routed copies (the padded layout): `(y,
+  aux loss)`."""
+  lay = layout(routing, top_k)
+  out = _experts(dispatch(x, routing, top_k, lay), lay.group_sizes, weights,
+                 keys, gemms)
+  return combine(out, routing, top_k, lay), routing.aux_loss
+
+
 def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
                 capacity_factor: float | None):
   """The MoE layer on tokens `x [T, D]`: `(y [T, D], aux loss)`.
@@ -431,10 +440,11 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
   every device of its expert group, in token order) and sends the outputs
   back. An expert then sees exactly the copies it sees on one device, in
   the same order, so its quantization is one device's bit for bit (amax,
-  SR positions). `EXCHANGE` chooses how the copies move; the receiving
-  buffers hold every copy the peers could send (dropless: `n x T_local *
-  k` rows), and the passes over them (the padded layout and back) are that
-  long.
+  SR positions). `EXCHANGE` chooses how the copies move, and
+  `EXCHANGE_SLACK` how large the buffered exchange's buffers are when the
+  routing fits them (else every copy a peer could send: dropless, `n x
+  T_local * k` rows); the passes over the received rows (the padded layout
+  and back) are that long.
   """
   rules = current_rules()
   n = 1 if rules is None or rules.expert is None else rules.sizes[
@@ -442,10 +452,7 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
   if rules is None or (n == 1 and spmd.num_shards(rules.sizes,
                                                   rules.batch) == 1):
     routing = route(router_logits(x, router), top_k, capacity_factor)
-    lay = layout(routing, top_k)
-    out = _experts(dispatch(x, routing, top_k, lay), lay.group_sizes,
-                   weights, keys, gemms)
-    return combine(out, routing, top_k, lay), routing.aux_loss
+    return _local_experts(x, routing, top_k, weights, keys, gemms)
   num_experts = router.shape[1]
   if num_experts % n:
     raise ValueError(
@@ -462,10 +469,7 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
     routing = route(router_logits(x, router), top_k, capacity_factor,
                     token_axes=tokens)
     if n == 1:  # Batch axes only: each shard's tokens go to its own experts.
-      lay = layout(routing, top_k)
-      out = _experts(dispatch(x, routing, top_k, lay), lay.group_sizes,
-                     weights, keys, gemms)
-      return combine(out, routing, top_k, lay), routing.aux_loss
+      return _local_experts(x, routing, top_k, weights, keys, gemms)
     xs = dispatch(x, routing, top_k)
     rows = xs.shape[0]
     me = jax.lax.axis_index(rules.expert)
@@ -584,8 +588,9 @@ def _buffered_exchange(xs, group_sizes, n: int, local: int, cap: int, me,
   take = lambda a: jnp.take_along_axis(a, e, axis=1)
   dest = jnp.where(ok, first[e] + take(before) + j[None, :] - take(starts),
                    length).reshape(-1)              # Received row -> row.
-  xc = permute(recv, _inverse(dest, length), dest)
-  back = permute(experts(xc, sizes), dest, _inverse(dest, length))
+  row_of = _inverse(dest, length)                   # Row -> received row.
+  xc = permute(recv, row_of, dest)
+  back = permute(experts(xc, sizes), dest, row_of)
   ret = jax.lax.all_to_all(back.reshape(n, cap, -1), axis, 0, 0)
   return permute(ret.reshape(n * cap, -1), sent_at, dst)
 
@@ -593,9 +598,11 @@ def _buffered_exchange(xs, group_sizes, n: int, local: int, cap: int, me,
 # How expert parallelism exchanges the token copies between devices:
 # - "ragged": only the copies that exist (`jax.lax.ragged_all_to_all`),
 #   one slice per expert straight into the receiver's padded layout;
-# - "buffered": `jax.lax.all_to_all` of `[n, T_local * k]` rows per device
-#   (every copy a device could send each peer: twice the bytes that exist
-#   on two devices), then row gathers into the padded layout;
+# - "buffered": `jax.lax.all_to_all` of fixed-size buffers per peer
+#   (`EXCHANGE_SLACK` times an even share of the copies where the routing
+#   fits, else every copy a device could send each peer: then twice the
+#   bytes that exist on two devices), then row gathers into the padded
+#   layout;
 # - "auto": "buffered" on GPUs, "ragged" elsewhere (TPUs have the ragged
 #   collective; CPU devices build it from an all-gather).
 # Why not "ragged" on GPUs: on one host, jax 0.11.2's XLA runs the ragged

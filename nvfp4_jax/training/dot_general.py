@@ -184,6 +184,15 @@ class _Whole:
   x_axes = y_axes = w_axes = ()
   reduces_y = reduces_dx = False
   f32_sums = True
+
+  def y_dtype(self, out_dtype):
+    """The dtype Fprop's GEMM writes: FP32 where the shards' partial sums
+    add up in FP32 (one rounding after the sum, as the whole GEMM)."""
+    return jnp.float32 if self.reduces_y and self.f32_sums else out_dtype
+
+  def dx_dtype(self, out_dtype):
+    """The same for Dgrad's GEMM."""
+    return jnp.float32 if self.reduces_dx and self.f32_sums else out_dtype
   # Every device holds the whole weight (no axis splits it; the tokens may
   # be split): the weight's quantization needs no collective.
   whole_w = True
@@ -308,7 +317,7 @@ def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, plan: GemmPlan,
   # A sum across shards runs in FP32 and rounds once, as the whole GEMM
   # (unless `partial_sums="output"`: each shard's result rounded, summed in
   # the output dtype).
-  acc_dtype = jnp.float32 if ctx.reduces_y and ctx.f32_sums else out_dtype
+  acc_dtype = ctx.y_dtype(out_dtype)
   # Fprop's X is multiplied at once; Wgrad's q(rht(X^T)) is the residual
   # (codes: 4.5 bits per element; or its values, see `_saves_values`).
   qx, qxt = _named("nvfp4_quantize_x", lambda x, kr, kt: _pair(
@@ -479,13 +488,11 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, res, dy,
     # dX in x's dtype straight from the FP32 accumulator (one rounding, as
     # the cast after it): the GEMM's epilogue writes it, not an FP32 copy.
     # A sum across shards stays FP32 and rounds once after it.
-    f32 = ctx.reduces_dx and ctx.f32_sums
-    dx = _gemm("nvfp4_dgrad", jnp.float32 if f32 else x_dtype)(qdy, qw)
+    dx = _gemm("nvfp4_dgrad", ctx.dx_dtype(x_dtype))(qdy, qw)
   else:
-    acc_dtype = (jnp.float32 if ctx.reduces_dx and ctx.f32_sums
-                 else out_dtype)
     dx = _named("bf16_dgrad", lambda dy, w: _hp_matmul(
-        dy, w.T, acc_dtype, precision))(dy, ctx.gather_w(w, False))
+        dy, w.T, ctx.dx_dtype(out_dtype), precision))(
+            dy, ctx.gather_w(w, False))
   if wgrad_q:
     dw = _gemm("nvfp4_wgrad", jnp.float32)(x_saved, qdyt)
   else:
