@@ -193,6 +193,8 @@ def measure(model, tokens, routing, *, with_lax: bool, smoke: bool,
   tk = _tokamax() if not smoke else "not timed (--smoke)"
   if isinstance(tk, str):
     row["tokamax fwd"] = row["tokamax f+b"] = tk.split(" (")[0]
+    if "(" in tk:
+      print(f"  tokamax: {tk}", flush=True)
   else:
     def tk_fb(a, b, g, cot):
       y, vjp = jax.vjp(lambda a, b: tk(

@@ -7,6 +7,7 @@ Tests import it as a top-level module (pytest puts tests/ on `sys.path`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import nvfp4_jax as nf
+from nvfp4_jax.core import dispatch
 from nvfp4_jax.ops.quantize import reference as quantize_ref
 from nvfp4_jax.core.recipe import Operand
 
@@ -49,6 +51,24 @@ def assert_same(got: nf.NVFP4Array, want: nf.NVFP4Array, what=""):
 
 
 _CPU = jax.devices("cpu")[0]
+
+
+@contextlib.contextmanager
+def on_cpu():
+  """Within the block, programs run on the CPU and the dispatch picks the
+  CPU's implementations, whatever device this process has: for tests whose
+  claim is about XLA:CPU's arithmetic (a kernel's interpreted software twin,
+  two XLA:CPU programs equal bit for bit). On a GPU, XLA:GPU compiles FP32
+  division to `div.full.f32`, flushes subnormals and picks GEMM algorithms
+  per shape, none of which the twins model; the kernels themselves are
+  compared with `truth` on the GPU. Trace caches are cleared on entry and
+  exit (JAX caches by argument types, not by this block)."""
+  jax.clear_caches()
+  try:
+    with jax.default_device(_CPU), dispatch.target_device("cpu"):
+      yield
+  finally:
+    jax.clear_caches()
 
 
 def truth(fn, **kw):

@@ -15,7 +15,7 @@ from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.core import prng
 from nvfp4_jax.core import tile
 from nvfp4_jax.core.recipe import Operand
-from quantizer_checks import KEY, assert_same, heavy
+from quantizer_checks import KEY, assert_same, heavy, on_cpu
 
 B = nm.NVFP4_BLOCK
 
@@ -180,33 +180,34 @@ def test_word_path_error_terms_are_the_references():
   rounding threshold and its FP32 neighbours, the grid, saturation
   (|y| >= 8, Inf), NaN, subnormals and zeros, of both signs, under decoded
   scales 0, 2^-9, 1, 3, 448 and NaN."""
-  from pallas_kernels import common  # pylint: disable=g-import-not-at-top
-  base = np.array([.25, .75, 1.25, 1.75, 2.5, 3.5, 5., .5, 1., 1.5, 2., 3.,
-                   4., 6., 7.99, 8., 8.5, 100., 1e30, 3.4e38, np.inf,
-                   1e-39, 0., .1, .3, 5.5], np.float32)
-  near = np.concatenate([base, np.nextafter(base, np.float32(0)),
-                         np.nextafter(base, np.float32(np.inf))])
-  y = np.concatenate([near, -near, [np.nan, np.nan]]).astype(np.float32)
-  y = np.pad(y, (0, -len(y) % B), constant_values=1.0).reshape(-1, B)
-  rows = y.shape[0]
-  d = np.array([0., 2.0**-9, 1., 3., 448., np.nan], np.float32)
-  ys = np.repeat(y, len(d), axis=0)
-  ds = np.tile(d, rows)
-  @jax.jit
-  def terms(x, e, d):
-    yy = nm.ftz(x) * e[:, None]
-    want = tile.error_terms(yy, nm.e2m1_encode_nearest(yy), d)
-    got = jnp.stack([common.words_error_terms(
-        x[:, 0::2], x[:, 1::2], e, d, odd, True) for odd in (False, True)],
-                    -1).reshape(want.shape)
-    return got, want
+  with on_cpu():
+    from pallas_kernels import common  # pylint: disable=g-import-not-at-top
+    base = np.array([.25, .75, 1.25, 1.75, 2.5, 3.5, 5., .5, 1., 1.5, 2., 3.,
+                     4., 6., 7.99, 8., 8.5, 100., 1e30, 3.4e38, np.inf,
+                     1e-39, 0., .1, .3, 5.5], np.float32)
+    near = np.concatenate([base, np.nextafter(base, np.float32(0)),
+                           np.nextafter(base, np.float32(np.inf))])
+    y = np.concatenate([near, -near, [np.nan, np.nan]]).astype(np.float32)
+    y = np.pad(y, (0, -len(y) % B), constant_values=1.0).reshape(-1, B)
+    rows = y.shape[0]
+    d = np.array([0., 2.0**-9, 1., 3., 448., np.nan], np.float32)
+    ys = np.repeat(y, len(d), axis=0)
+    ds = np.tile(d, rows)
+    @jax.jit
+    def terms(x, e, d):
+      yy = nm.ftz(x) * e[:, None]
+      want = tile.error_terms(yy, nm.e2m1_encode_nearest(yy), d)
+      got = jnp.stack([common.words_error_terms(
+          x[:, 0::2], x[:, 1::2], e, d, odd, True) for odd in (False, True)],
+                      -1).reshape(want.shape)
+      return got, want
 
-  for enc in (1.0, 2.0):  # y = x * enc, exact for both.
-    got, want = map(np.asarray, terms(
-        jnp.asarray(ys / np.float32(enc)),
-        jnp.full(ds.shape, enc, jnp.float32), jnp.asarray(ds)))
-    finite = np.isfinite(want)
-    assert finite.sum() > want.size // 2 and (want[finite] > 0).any()
-    np.testing.assert_array_equal(np.isfinite(got), finite)
-    np.testing.assert_array_equal(got[finite].view(np.uint32),
-                                  want[finite].view(np.uint32))
+    for enc in (1.0, 2.0):  # y = x * enc, exact for both.
+      got, want = map(np.asarray, terms(
+          jnp.asarray(ys / np.float32(enc)),
+          jnp.full(ds.shape, enc, jnp.float32), jnp.asarray(ds)))
+      finite = np.isfinite(want)
+      assert finite.sum() > want.size // 2 and (want[finite] > 0).any()
+      np.testing.assert_array_equal(np.isfinite(got), finite)
+      np.testing.assert_array_equal(got[finite].view(np.uint32),
+                                    want[finite].view(np.uint32))

@@ -38,7 +38,8 @@ from nvfp4_jax.ops.quantize_pair import pallas_triton as pallas_pair
 from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pallas_rht
 from nvfp4_jax.core.recipe import Operand
 from quantizer_checks import (KEY, assert_same, bf16_bits, block_values, f32_bits,
-                              heavy, jit_ref, jit_xla, rht_input, truth)
+                              heavy, jit_ref, jit_xla, on_cpu, rht_input,
+                              truth)
 
 ON_GPU = jax.default_backend() == "gpu"
 # The word path's assembly has software twins only where the kernel is
@@ -839,53 +840,54 @@ def test_rht_columns_words_constants_are_the_kernels(four_over_six):
     of this one: XLA:CPU reads them as zero in `amax == 0` (S_enc 1),
     XLA:GPU and the kernel do not (2688 / amax overflows: both F32_MAX).
   """
-  amax = _amax_sweep()
-  run = lambda divide: jax.jit(lambda a: nm.nvfp4_scale_constants(
-      a, divide=divide, four_over_six=four_over_six))(amax)
-  twin = jax.jit(lambda a: common.words_scale_constants(
-      a, True, four_over_six))(amax)
-  for got, want in zip(run(nm.divide), twin):
-    assert _same_bits(got, want)
-  num = np.float32(nm.FOUR_OVER_SIX_NUMERATOR if four_over_six
-                   else nm.E4M3_MAX_X_E2M1_MAX)
-  f32_max = np.float32(nm.F32_MAX)
+  with on_cpu():
+    amax = _amax_sweep()
+    run = lambda divide: jax.jit(lambda a: nm.nvfp4_scale_constants(
+        a, divide=divide, four_over_six=four_over_six))(amax)
+    twin = jax.jit(lambda a: common.words_scale_constants(
+        a, True, four_over_six))(amax)
+    for got, want in zip(run(nm.divide), twin):
+      assert _same_bits(got, want)
+    num = np.float32(nm.FOUR_OVER_SIX_NUMERATOR if four_over_six
+                     else nm.E4M3_MAX_X_E2M1_MAX)
+    f32_max = np.float32(nm.F32_MAX)
 
-  def kernel_constants():
-    s = num / amax
-    s = np.where(s > f32_max, f32_max, s)
-    s = np.where((amax == 0) | (s == 0), np.float32(1), s)
-    return s * np.float32(1.0 / nm.E2M1_MAX), _ftz(np.float32(1) / s)
-  normal = ~((amax > 0) & (amax < np.float32(nm.F32_TINY)))
-  for got, want in zip(run(nm.div_rn), _ieee(kernel_constants)):
-    assert _same_bits(np.asarray(got)[normal], want[normal])
-  # The table, one row per tensor constant (entry k: E4M3 bits k).
-  inv = np.asarray(twin[1])[::7]
-  code = jnp.arange(256, dtype=jnp.uint8)
-  d = np.asarray(code.view(jnp.float8_e4m3fn).astype(jnp.float32))
+    def kernel_constants():
+      s = num / amax
+      s = np.where(s > f32_max, f32_max, s)
+      s = np.where((amax == 0) | (s == 0), np.float32(1), s)
+      return s * np.float32(1.0 / nm.E2M1_MAX), _ftz(np.float32(1) / s)
+    normal = ~((amax > 0) & (amax < np.float32(nm.F32_TINY)))
+    for got, want in zip(run(nm.div_rn), _ieee(kernel_constants)):
+      assert _same_bits(np.asarray(got)[normal], want[normal])
+    # The table, one row per tensor constant (entry k: E4M3 bits k).
+    inv = np.asarray(twin[1])[::7]
+    code = jnp.arange(256, dtype=jnp.uint8)
+    d = np.asarray(code.view(jnp.float8_e4m3fn).astype(jnp.float32))
 
-  def kernel_table():
-    e = np.float32(1) / _ftz(d[None, :] * inv[:, None])
-    return np.where(e > f32_max, f32_max, e)
-  table = jax.jit(jax.vmap(common.encode_scale_table))(inv)
-  assert np.isnan(np.asarray(table)[:, [0x7F, 0xFF]]).all()
-  # The interpreted kernel's own reciprocal path, per code (the codes of
-  # positive scales: its block amaxes are magnitudes).
-  _, enc = jax.jit(jax.vmap(lambda c: common.words_block_scales(
-      jnp.asarray(d), jnp.float32(1), c, True)))(inv)
-  positive = ~np.signbit(d) & ~np.isnan(d)
-  assert _same_bits(np.asarray(table)[:, positive],
-                    np.asarray(enc)[:, positive])
-  # The GPU: IEEE products, of which XLA:CPU flushes those whose exact
-  # value lies below 2^-126 and rounds up to it (left out here; the GPU's
-  # `mul.rn.f32` and XLA:GPU keep them, as NumPy).
-  exact = d[None, :].astype(np.float64) * inv[:, None]
-  edge = (np.abs(exact) < nm.F32_TINY) & (
-      np.abs(exact.astype(np.float32)) == np.float32(nm.F32_TINY))
-  want = _ieee(kernel_table)
-  gpu_branch = jax.jit(lambda c: nm.nvfp4_block_encode_scale(
-      jnp.asarray(d)[None, :], c[:, None], divide=nm.div_rn))(inv)
-  assert _same_bits(np.asarray(gpu_branch)[~edge], want[~edge])
-  assert _same_bits(np.asarray(table)[~edge], want[~edge])
+    def kernel_table():
+      e = np.float32(1) / _ftz(d[None, :] * inv[:, None])
+      return np.where(e > f32_max, f32_max, e)
+    table = jax.jit(jax.vmap(common.encode_scale_table))(inv)
+    assert np.isnan(np.asarray(table)[:, [0x7F, 0xFF]]).all()
+    # The interpreted kernel's own reciprocal path, per code (the codes of
+    # positive scales: its block amaxes are magnitudes).
+    _, enc = jax.jit(jax.vmap(lambda c: common.words_block_scales(
+        jnp.asarray(d), jnp.float32(1), c, True)))(inv)
+    positive = ~np.signbit(d) & ~np.isnan(d)
+    assert _same_bits(np.asarray(table)[:, positive],
+                      np.asarray(enc)[:, positive])
+    # The GPU: IEEE products, of which XLA:CPU flushes those whose exact
+    # value lies below 2^-126 and rounds up to it (left out here; the GPU's
+    # `mul.rn.f32` and XLA:GPU keep them, as NumPy).
+    exact = d[None, :].astype(np.float64) * inv[:, None]
+    edge = (np.abs(exact) < nm.F32_TINY) & (
+        np.abs(exact.astype(np.float32)) == np.float32(nm.F32_TINY))
+    want = _ieee(kernel_table)
+    gpu_branch = jax.jit(lambda c: nm.nvfp4_block_encode_scale(
+        jnp.asarray(d)[None, :], c[:, None], divide=nm.div_rn))(inv)
+    assert _same_bits(np.asarray(gpu_branch)[~edge], want[~edge])
+    assert _same_bits(np.asarray(table)[~edge], want[~edge])
 
 
 @pytest.mark.parametrize("expansion", [None, 1.5])
