@@ -281,3 +281,54 @@ def test_exchange_switch(monkeypatch):
   monkeypatch.setattr(moe, "EXCHANGE", "dense")
   with pytest.raises(ValueError, match="'dense'.*'buffered'"):
     moe.exchange_for("gpu")
+
+
+def _forward_cond_outputs(loss, d):
+  """The output shapes of the first `cond` in `jax.grad(loss)`'s jaxpr:
+  the forward pass's, with the residuals it hands the backward pass."""
+  jaxpr = jax.make_jaxpr(jax.grad(loss))(d).jaxpr
+  stack = [jaxpr]
+  while stack:
+    for eqn in stack.pop().eqns:
+      if eqn.primitive.name == "cond":
+        return [tuple(v.aval.shape) for v in eqn.outvars]
+      for v in eqn.params.values():
+        for j in v if isinstance(v, (tuple, list)) else (v,):
+          j = getattr(j, "jaxpr", j)  # A ClosedJaxpr's, or a Jaxpr.
+          if hasattr(j, "eqns"):
+            stack.append(j)
+  raise AssertionError("no cond")
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_cond_keeping_first_residuals(pred):
+  """`moe.cond_keeping_first_residuals` (the buffered exchange's fast-path
+  `cond`) gives `lax.cond`'s value and gradients bit for bit through either
+  branch (the second branch's by running its forward again in the backward
+  pass), and its forward `cond` hands the backward pass only the first
+  branch's residuals: none of the second branch's `[64, 48]` arrays. A
+  plain `lax.cond` returns them, zero-filled by the first branch (the
+  whole-buffer residuals the fast path wrote: BENCHMARKS.md, "Expert
+  parallelism")."""
+  rng = np.random.default_rng(0)
+  d = {"x": jnp.asarray(rng.standard_normal((64, 32)), jnp.float32),
+       "w": jnp.asarray(rng.standard_normal((32, 48)), jnp.float32)}
+  f = {"s": jnp.float32(0.5), "k": jnp.arange(3)}
+  first = lambda d, f: jnp.tanh(d["x"][:16] @ d["w"]) * f["s"]
+  second = lambda d, f: jnp.tanh(d["x"] @ d["w"])[16:32] * f["s"]
+  p = jnp.asarray(pred)
+
+  def ours(d):
+    return jnp.sum(jnp.sin(moe.cond_keeping_first_residuals(
+        p, first, second, d, f)))
+
+  def plain(d):
+    return jnp.sum(jnp.sin(jax.lax.cond(p, first, second, d, f)))
+
+  for got, want in zip(jax.jit(jax.value_and_grad(ours))(d),
+                       jax.jit(jax.value_and_grad(plain))(d)):
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(
+        np.asarray(a), np.asarray(b)), got, want)
+  assert (64, 48) in _forward_cond_outputs(plain, d)
+  assert (64, 48) not in _forward_cond_outputs(ours, d)
+  assert (16, 48) in _forward_cond_outputs(ours, d)  # The first's kept.

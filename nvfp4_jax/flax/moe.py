@@ -30,6 +30,7 @@ BF16 applies, and the late switch. `nvfp4_jax.report` lists them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -482,19 +483,26 @@ def moe_forward(x, router, weights, keys, gemms, *, top_k: int,
       out = _experts(xc, sizes, weights, keys, gemms, first_expert=me * local)
       out_xs = back(out)
     else:
-      run = lambda cap: _buffered_exchange(
-          xs, routing.group_sizes, n, local, cap, me, rules.expert,
-          lambda xc, sizes: _experts(xc, sizes, weights, keys, gemms,
-                                     first_expert=me * local))
+      def run(cap, diff, fixed):
+        return _buffered_exchange(
+            diff["xs"], fixed["group_sizes"], n, local, cap, fixed["me"],
+            rules.expert,
+            lambda xc, sizes: _experts(xc, sizes, diff["weights"],
+                                       fixed["keys"], gemms,
+                                       first_expert=fixed["me"] * local))
+      diff = {"xs": xs, "weights": weights}
+      fixed = {"group_sizes": routing.group_sizes, "me": me, "keys": keys}
       cap = exchange_capacity(rows, n)
       if cap < rows:
         # Every device takes the same branch: the largest count any
         # device sends any peer, over every token shard.
         sent = jnp.sum(routing.group_sizes.reshape(n, local), axis=1)
         fits = jax.lax.pmax(jnp.max(sent), tokens) <= cap
-        out_xs = jax.lax.cond(fits, lambda: run(cap), lambda: run(rows))
+        out_xs = cond_keeping_first_residuals(
+            fits, lambda d, f: run(cap, d, f), lambda d, f: run(rows, d, f),
+            diff, fixed)
       else:
-        out_xs = run(rows)
+        out_xs = run(rows, diff, fixed)
     return combine(out_xs, routing, top_k), routing.aux_loss
 
   tok = P(spmd.entry(tokens), None)
@@ -540,6 +548,78 @@ def _ragged_exchange(xs, group_sizes, n: int, local: int, length: int, me,
         from_each, jnp.take(starts, mine, axis=1).reshape(-1), counts[me],
         axis, platform)
   return xc, padded[me], back
+
+
+@functools.cache
+def _vjp_is_a_pytree() -> bool:
+  """Whether `jax.vjp`'s function flattens to its residual arrays (a
+  `tree_util.Partial`, so that it can leave a `jit`), which
+  `cond_keeping_first_residuals` relies on; else it is a plain `cond`."""
+  leaves = jax.tree.leaves(jax.vjp(jnp.sin, jnp.float32(1.0))[1])
+  return bool(leaves) and all(hasattr(x, "dtype") for x in leaves)
+
+
+def cond_keeping_first_residuals(pred, first, second, diff, fixed):
+  """`lax.cond(pred, first, second, diff, fixed)`, differentiable in
+  `diff`, whose forward pass keeps only `first`'s residuals: where
+  `second` runs (the rare branch), the backward pass runs its forward
+  again and differentiates that.
+
+  JAX differentiates a `cond` by returning every branch's residuals from
+  the forward `cond`, each branch filling the others' with zeros. For the
+  buffered exchange that meant the fast branch writing zeros for all the
+  whole-buffer branch's residuals (`moe-small`, two devices: six `[131136,
+  704]` bf16 arrays a layer, 0.86 GiB, 161 copies moving 11.2 GiB in the
+  compiled step against 0.02 GiB without the `cond`; BENCHMARKS.md,
+  "Expert parallelism"). Here the forward `cond` returns `first`'s
+  residuals from `first` and zeros of their shapes from `second`, and the
+  residuals that are `first`'s own inputs are not returned at all.
+
+  `fixed` (integer tables, PRNG keys) gets no cotangent. Both branches
+  compute the same function, so the results are a plain `cond`'s bit for
+  bit (`second`'s recomputed forward is deterministic: same inputs, same
+  keys).
+  """
+  if not _vjp_is_a_pytree():
+    return jax.lax.cond(pred, first, second, diff, fixed)
+  jax_leaves = lambda t: jax.tree.leaves(t)
+  cell = {}
+
+  def first_res(d, f):
+    out, vjp = jax.vjp(lambda d: first(d, f), d)
+    # `jax.vjp`'s function is a pytree (`tree_util.Partial`): its leaves
+    # are the residuals, its structure the pullback.
+    leaves, tree = jax.tree.flatten(vjp)
+    inputs = jax_leaves((d, f))
+    at = [next((i for i, x in enumerate(inputs) if x is leaf), None)
+          for leaf in leaves]
+    cell["tree"], cell["at"] = tree, at
+    return out, [leaf for leaf, i in zip(leaves, at) if i is None]
+
+  @jax.custom_vjp
+  def run(pred, d, f):
+    return jax.lax.cond(pred, first, second, d, f)
+
+  def fwd(pred, d, f):
+    shapes = jax.eval_shape(first_res, d, f)[1]
+
+    def second_res(d, f):
+      return second(d, f), [jnp.zeros(s.shape, s.dtype) for s in shapes]
+    out, kept = jax.lax.cond(pred, first_res, second_res, d, f)
+    return out, (pred, d, f, kept)
+
+  def bwd(res, ct):
+    pred, d, f, kept = res
+    tree, at = cell["tree"], cell["at"]
+    inputs = jax_leaves((d, f))
+    kept = iter(kept)
+    leaves = [next(kept) if i is None else inputs[i] for i in at]
+    pullback = lambda: tree.unflatten(leaves)(ct)[0]
+    again = lambda: jax.vjp(lambda d: second(d, f), d)[1](ct)[0]
+    return None, jax.lax.cond(pred, pullback, again), None
+
+  run.defvjp(fwd, bwd)
+  return run(pred, diff, fixed)
 
 
 def exchange_capacity(rows: int, n: int) -> int:
@@ -619,10 +699,12 @@ _EXCHANGES = ("auto", "ragged", "buffered")
 # The buffered exchange's fast path: each device sends each peer a buffer
 # of `EXCHANGE_SLACK` times an even share of its copies (`T_local k / n`),
 # and the experts run on `n` such buffers, when no device sends any peer
-# more (checked on every device: `lax.cond` on the largest count, one
+# more (checked on every device: a `cond` on the largest count, one
 # `pmax`); otherwise the whole-buffer exchange runs. Balanced routing
-# moves and computes on `slack / n` of the whole buffers. None: always
-# whole buffers (no `cond`).
+# moves and computes on `slack / n` of the whole buffers. The `cond`
+# keeps only the fast path's residuals (`cond_keeping_first_residuals`):
+# the whole-buffer branch runs its forward again in the backward pass.
+# None: always whole buffers (no `cond`).
 EXCHANGE_SLACK = 1.25
 
 
