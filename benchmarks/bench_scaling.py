@@ -47,7 +47,8 @@ import time
 
 from benchmarks import timing
 
-SHAPES = {"small": (64, 512), "base": (16, 1024), "tiny": (4, 64)}
+SHAPES = {"small": (64, 512), "base": (16, 1024), "tiny": (4, 64),
+          "moe-small": (64, 512)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,9 @@ class Config:
   variant: str = ""  # A name from `--variant`: its XLA flags are added.
   tp_partial_sums: str = "float32"  # `MeshRules.partial_sums`.
   amax: str = "global"  # `MeshRules.amax`.
+  # `nvfp4_jax.flax.moe.EXCHANGE_SLACK` ("" the library's default;
+  # "none": whole buffers, no fast path).
+  exchange_slack: str = ""
 
   @property
   def devices(self) -> int:
@@ -80,6 +84,8 @@ class Config:
       v += f" [sums={self.tp_partial_sums}]"
     if self.amax != "global":
       v += f" [amax={self.amax}]"
+    if self.exchange_slack:
+      v += f" [slack={self.exchange_slack}]"
     return f"{self.preset} {self.precision} {self.mesh or 'no mesh'}{v}"
 
 
@@ -97,6 +103,10 @@ def _child(cfg: Config, cache_dir: str) -> dict:
   from benchmarks import bench_step  # pylint: disable=g-import-not-at-top
   if cache_dir:
     _cache(cache_dir)
+  if cfg.exchange_slack:
+    from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
+    moe.EXCHANGE_SLACK = (None if cfg.exchange_slack == "none"
+                          else float(cfg.exchange_slack))
   t0 = time.perf_counter()
   trainer, state, batch = bench_step.build(bench_step.StepConfig(
       cfg.preset, cfg.precision, cfg.batch * cfg.devices, cfg.seq,
@@ -219,6 +229,11 @@ def configs(a) -> list[Config]:
   no_mesh = (a.no_mesh_baseline or "").split(",")
   out = []
   for preset in a.presets.split(","):
+    if preset not in shapes:
+      raise SystemExit(
+          f"--presets {preset}: no per-device shape for it; add "
+          f"--shapes {preset}=BATCHxSEQ (e.g. {preset}=64x512), or use one "
+          f"of {', '.join(shapes)}.")
     b, s = shapes[preset]
     for prec in a.precisions.split(","):
       for mesh in meshes:
@@ -238,6 +253,9 @@ def configs(a) -> list[Config]:
         if mesh not in ("", "data=1"):
           out += [dataclasses.replace(c, amax=t)
                   for t in a.amax.split(",") if t != "global"]
+        if "expert=" in mesh:
+          out += [dataclasses.replace(c, exchange_slack=t)
+                  for t in a.exchange_slack.split(",") if t]
   return out
 
 
@@ -308,6 +326,10 @@ def main(argv=None):
                  help="comma list: also time the meshes with the "
                  "activations' and gradients' amax per token shard "
                  "('global,local'; MeshRules.amax)")
+  p.add_argument("--exchange-slack", default="",
+                 help="comma list: also time the meshes with an expert axis "
+                 "with this moe.EXCHANGE_SLACK ('none': whole buffers, no "
+                 "fast path; e.g. 'none,1.5')")
   p.add_argument("--variants-only", action="store_true",
                  help="time the meshes only with the --variant flags "
                       "(the baselines still run without them)")
@@ -379,6 +401,7 @@ def main(argv=None):
       results[c].append(r)
       base_cfg = dataclasses.replace(c, mesh="data=1", variant="",
                                      tp_partial_sums="float32", amax="global",
+                                     exchange_slack="",
                                      profile=results_profile(cfgs, c))
       base = results.get(base_cfg, [None])[-1]
       print(f"  round {rnd + 1}: {_fmt_row(c, r, base)} "
@@ -392,6 +415,7 @@ def main(argv=None):
       continue
     base_cfg = dataclasses.replace(c, mesh="data=1", variant="",
                                    tp_partial_sums="float32", amax="global",
+                                   exchange_slack="",
                                    profile=results_profile(cfgs, c))
     base_runs = results.get(base_cfg, [])
     ms = statistics.median(r["ms"] for r in runs)

@@ -20,6 +20,15 @@ import types
 # starts a backend: the workers and the processes tests start inherit it.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+# On a machine of several GPUs, `NVFP4_TEST_GPUS=4 pytest -n 16 ...` gives
+# each xdist worker one GPU (worker i sees GPU i mod 4), so the workers do
+# not all share GPU 0; the tests that need two GPUs then skip (run them
+# in a process of their own). Set before JAX starts a backend.
+_gpus = os.environ.get("NVFP4_TEST_GPUS")
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _gpus and _worker.startswith("gw"):
+  os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_worker[2:]) % int(_gpus))
+
 
 def _cuda_plugin_installed() -> bool:
   import importlib.util  # pylint: disable=g-import-not-at-top

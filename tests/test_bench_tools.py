@@ -364,3 +364,51 @@ def test_bench_scaling_baseline_rounds_and_variants(monkeypatch, capsys):
   assert float(table["small bf16 data=2"][7]) == pytest.approx(0.8)
   assert float(table["small bf16 fsdp=2 [v]"][7]) == pytest.approx(
       10 / 16, rel=1e-2)
+
+
+def test_bench_scaling_exchange_slack(monkeypatch):
+  """`--exchange-slack`: an expert-parallel mesh also runs with each listed
+  `moe.EXCHANGE_SLACK` (none on meshes without an expert axis), and the
+  child process sets it before building the step."""
+  from benchmarks import bench_scaling
+  from nvfp4_jax.flax import moe
+  labels = []
+
+  def fake_run(cmd, env=None, **_):
+    cfg = bench_scaling.Config(**json.loads(cmd[-1])["cfg"])
+    out = {"compile_s": 1.0, "device": "x", "jax": "x"}
+    if cfg.compile_only:
+      labels.append(cfg.label)
+    else:
+      out.update(ms=1.0, ms_sync=1.0)
+    return types.SimpleNamespace(returncode=0, stdout=json.dumps(out),
+                                 stderr="")
+
+  monkeypatch.setattr(subprocess, "run", fake_run)
+  bench_scaling.main(["--presets", "moe-small", "--precisions", "bf16",
+                      "--shapes", "moe-small=2x8",
+                      "--meshes", "data=2 expert=2",
+                      "--exchange-slack", "none,1.5", "--jobs", "1",
+                      "--cache-dir", "/nonexistent"])
+  assert labels == ["moe-small bf16 data=1", "moe-small bf16 data=2",
+                    "moe-small bf16 expert=2",
+                    "moe-small bf16 expert=2 [slack=none]",
+                    "moe-small bf16 expert=2 [slack=1.5]"]
+  seen = []
+  monkeypatch.setattr(moe, "EXCHANGE_SLACK", moe.EXCHANGE_SLACK)
+
+  class Stop(Exception):
+    pass
+
+  def build(_):
+    seen.append(moe.EXCHANGE_SLACK)
+    raise Stop
+  from benchmarks import bench_step
+  monkeypatch.setattr(bench_step, "build", build)
+  for slack in ("none", "1.5"):
+    with pytest.raises(Stop):
+      bench_scaling._child(bench_scaling.Config(
+          "moe-tiny", "bf16", 1, 8, "expert=2", exchange_slack=slack), "")
+  assert seen == [None, 1.5]
+  with pytest.raises(SystemExit, match="--shapes moe-tiny=BATCHxSEQ"):
+    bench_scaling.main(["--presets", "moe-tiny", "--meshes", "expert=2"])
