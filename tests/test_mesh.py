@@ -246,6 +246,62 @@ def _free_port() -> int:
     return sock.getsockname()[1]
 
 
+def test_cli_two_processes_train_like_one_and_resume_on_one(tmp_path):
+  """The fast tier's multi-host check (CI runs it; the slow tier's test
+  below runs 8 steps on `data=2,fsdp=2,model=2`): `python -m train
+  --distributed` as two processes of 4 CPU devices (a local coordinator,
+  gloo) on `data=4,fsdp=2` trains its 2 steps like one process on the same
+  8-device mesh, and the step-1 checkpoint the two processes wrote (each
+  its own FSDP shards) resumes in one process on one device.
+
+  Bounds as in the slow test: step 1 within `2u((N-1) + D F) * loss` (the
+  same program; gloo's cross-device sums may run in another order), step 2
+  within 1%; the resumed step 2 within the step-1 bound of the two
+  processes' step 2 (it starts from their saved state, bit for bit).
+  """
+  mesh = ("--mesh", "data=4,fsdp=2", "--steps", "2", "--ckpt-every", "1",
+          "--eval-every", "2")
+  port = _free_port()
+  procs = {"one": _train_cli(tmp_path / "one", *mesh, devices=8)}
+  for i in range(2):
+    procs[f"two{i}"] = _train_cli(
+        tmp_path / "two", *mesh, "--distributed", "--coordinator",
+        f"localhost:{port}", "--num-processes", "2", "--process-id", str(i),
+        devices=4)
+  outs = {}
+  for name, proc in procs.items():
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, (name, out[-3000:])
+    outs[name] = out
+  for name in ("two0", "two1"):
+    assert "8 devices, mesh data=4 x fsdp=2" in outs[name], outs[name][-2000:]
+  from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
+  run = lambda name: tmp_path / name / "tiny-nvfp4"
+  losses = {name: [r["loss"] for r in read_metrics(run(name) /
+                                                     "metrics.jsonl")
+                   if r["kind"] == "train"] for name in ("one", "two")}
+  assert len(losses["one"]) == len(losses["two"]) == 2, losses
+  u = 2.0 ** -24
+  n, depth, width = 8 * 32, 2 * (6 * 6 + 3), 704
+  bound = 2 * u * ((n - 1) + depth * width)
+  one, two = losses["one"], losses["two"]
+  assert abs(two[0] - one[0]) <= bound * one[0], (two[0], one[0])
+  assert abs(two[1] - one[1]) <= 0.01 * one[1], (two[1], one[1])
+
+  import shutil  # pylint: disable=g-import-not-at-top
+  assert sorted(p.name for p in (run("two") / "checkpoints").iterdir()) == [
+      "1", "2"]
+  shutil.rmtree(run("two") / "checkpoints" / "2")
+  proc = _train_cli(tmp_path / "two", "--steps", "2", "--ckpt-every", "1",
+                    "--eval-every", "2", "--resume")
+  out, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 0, out[-3000:]
+  resumed = [r["loss"] for r in read_metrics(run("two") / "metrics.jsonl")
+             if r["kind"] == "train"]
+  assert resumed[:1] == two[:1] and len(resumed) == 2, resumed
+  assert abs(resumed[1] - two[1]) <= bound * two[1], (resumed[1], two[1])
+
+
 @pytest.mark.slow  # Three CLI runs (one of two processes): ~3 minutes.
 def test_cli_two_processes_match_one_and_resume_on_one_device(tmp_path):
   """`python -m train --distributed` as two processes of 4 CPU devices each
