@@ -246,69 +246,17 @@ def _free_port() -> int:
     return sock.getsockname()[1]
 
 
-def test_cli_two_processes_train_like_one_and_resume_on_one(tmp_path):
-  """The fast tier's multi-host check (CI runs it; the slow tier's test
-  below runs 8 steps on `data=2,fsdp=2,model=2`): `python -m train
-  --distributed` as two processes of 4 CPU devices (a local coordinator,
-  gloo) on `data=4,fsdp=2` trains its 2 steps like one process on the same
-  8-device mesh, and the step-1 checkpoint the two processes wrote (each
-  its own FSDP shards) resumes in one process on one device.
-
-  Bounds as in the slow test: step 1 within `2u((N-1) + D F) * loss` (the
-  same program; gloo's cross-device sums may run in another order), step 2
-  within 1%; the resumed step 2 within the step-1 bound of the two
-  processes' step 2 (it starts from their saved state, bit for bit).
-  """
-  mesh = ("--mesh", "data=4,fsdp=2", "--steps", "2", "--ckpt-every", "1",
-          "--eval-every", "2")
-  port = _free_port()
-  procs = {"one": _train_cli(tmp_path / "one", *mesh, devices=8)}
-  for i in range(2):
-    procs[f"two{i}"] = _train_cli(
-        tmp_path / "two", *mesh, "--distributed", "--coordinator",
-        f"localhost:{port}", "--num-processes", "2", "--process-id", str(i),
-        devices=4)
-  outs = {}
-  for name, proc in procs.items():
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, (name, out[-3000:])
-    outs[name] = out
-  for name in ("two0", "two1"):
-    assert "8 devices, mesh data=4 x fsdp=2" in outs[name], outs[name][-2000:]
-  from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
-  run = lambda name: tmp_path / name / "tiny-nvfp4"
-  losses = {name: [r["loss"] for r in read_metrics(run(name) /
-                                                     "metrics.jsonl")
-                   if r["kind"] == "train"] for name in ("one", "two")}
-  assert len(losses["one"]) == len(losses["two"]) == 2, losses
-  u = 2.0 ** -24
-  n, depth, width = 8 * 32, 2 * (6 * 6 + 3), 704
-  bound = 2 * u * ((n - 1) + depth * width)
-  one, two = losses["one"], losses["two"]
-  assert abs(two[0] - one[0]) <= bound * one[0], (two[0], one[0])
-  assert abs(two[1] - one[1]) <= 0.01 * one[1], (two[1], one[1])
-
-  import shutil  # pylint: disable=g-import-not-at-top
-  assert sorted(p.name for p in (run("two") / "checkpoints").iterdir()) == [
-      "1", "2"]
-  shutil.rmtree(run("two") / "checkpoints" / "2")
-  proc = _train_cli(tmp_path / "two", "--steps", "2", "--ckpt-every", "1",
-                    "--eval-every", "2", "--resume")
-  out, _ = proc.communicate(timeout=600)
-  assert proc.returncode == 0, out[-3000:]
-  resumed = [r["loss"] for r in read_metrics(run("two") / "metrics.jsonl")
-             if r["kind"] == "train"]
-  assert resumed[:1] == two[:1] and len(resumed) == 2, resumed
-  assert abs(resumed[1] - two[1]) <= bound * two[1], (resumed[1], two[1])
-
-
-@pytest.mark.slow  # Three CLI runs (one of two processes): ~3 minutes.
-def test_cli_two_processes_match_one_and_resume_on_one_device(tmp_path):
+@pytest.mark.parametrize("mesh, steps, every", [
+    ("data=4,fsdp=2", 2, 1),  # The default tier (CI): ~50 s on 2 cores.
+    pytest.param("data=2,fsdp=2,model=2", 8, 4,  # ~3 minutes.
+                 marks=pytest.mark.slow)])
+def test_cli_two_processes_match_one_and_resume_on_one_device(
+    tmp_path, mesh, steps, every):
   """`python -m train --distributed` as two processes of 4 CPU devices each
   (one host standing for two: `jax.distributed.initialize` with a local
   coordinator; CPU collectives over gloo, jax's default) trains like one
   process with the same 8-device mesh, and a checkpoint the two processes
-  wrote resumes in one process on one device.
+  wrote (each its own shards) resumes in one process on one device.
 
   Bounds as in `test_cli_mesh_run_matches_one_device`: the same program
   whose cross-device sums (gloo's against the in-process ones) may run in
@@ -317,13 +265,13 @@ def test_cli_two_processes_match_one_and_resume_on_one_device(tmp_path):
   processes saved, bit for bit (orbax, resharded onto one device): its
   loss is within the same derived bound of the two processes' step.
   """
-  mesh = ("--mesh", "data=2,fsdp=2,model=2", "--steps", "8",
-          "--ckpt-every", "4", "--eval-every", "4")
+  flags = ("--mesh", mesh, "--steps", str(steps), "--ckpt-every",
+           str(every), "--eval-every", str(every))
   port = _free_port()
-  procs = {"one": _train_cli(tmp_path / "one", *mesh, devices=8)}
+  procs = {"one": _train_cli(tmp_path / "one", *flags, devices=8)}
   for i in range(2):
     procs[f"two{i}"] = _train_cli(
-        tmp_path / "two", *mesh, "--distributed", "--coordinator",
+        tmp_path / "two", *flags, "--distributed", "--coordinator",
         f"localhost:{port}", "--num-processes", "2", "--process-id", str(i),
         devices=4)
   outs = {}
@@ -332,13 +280,13 @@ def test_cli_two_processes_match_one_and_resume_on_one_device(tmp_path):
     assert proc.returncode == 0, (name, out[-3000:])
     outs[name] = out
   for name in ("two0", "two1"):
-    assert "8 devices, mesh data=2 x fsdp=2 x model=2" in outs[name]
+    assert f"8 devices, mesh {mesh.replace(',', ' x ')}" in outs[name]
   from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
   run = lambda name: tmp_path / name / "tiny-nvfp4"
   losses = {name: [r["loss"] for r in read_metrics(run(name) /
                                                      "metrics.jsonl")
                    if r["kind"] == "train"] for name in ("one", "two")}
-  assert len(losses["one"]) == len(losses["two"]) == 8
+  assert len(losses["one"]) == len(losses["two"]) == steps
   u = 2.0 ** -24
   n, depth, width = 8 * 32, 2 * (6 * 6 + 3), 704
   bound = 2 * u * ((n - 1) + depth * width)
@@ -349,20 +297,22 @@ def test_cli_two_processes_match_one_and_resume_on_one_device(tmp_path):
         " ".join(f"{r:.1e}" for r in rel))
   assert max(rel) <= 0.01, rel
 
-  # Resume the two processes' step-4 checkpoint on one device.
+  # Resume the two processes' checkpoint of step `every` on one device.
   import shutil  # pylint: disable=g-import-not-at-top
-  assert sorted(p.name for p in (run("two") / "checkpoints").iterdir()) == [
-      "4", "8"]
-  shutil.rmtree(run("two") / "checkpoints" / "8")
-  proc = _train_cli(tmp_path / "two", "--steps", "8", "--ckpt-every", "4",
-                    "--eval-every", "4", "--resume")
+  saved = sorted(int(p.name) for p in (run("two") / "checkpoints").iterdir())
+  assert saved == list(range(every, steps + 1, every)), saved
+  for later in saved[1:]:
+    shutil.rmtree(run("two") / "checkpoints" / str(later))
+  proc = _train_cli(tmp_path / "two", "--steps", str(steps), "--ckpt-every",
+                    str(every), "--eval-every", str(every), "--resume")
   out, _ = proc.communicate(timeout=900)
   assert proc.returncode == 0, out[-3000:]
   resumed = [r["loss"] for r in read_metrics(run("two") / "metrics.jsonl")
              if r["kind"] == "train"]
-  assert resumed[:4] == two[:4] and len(resumed) == 8, resumed
-  assert abs(resumed[4] - two[4]) <= bound * two[4], (resumed[4], two[4])
-  rel = [abs(a - b) / b for a, b in zip(resumed[4:], two[4:])]
-  print("resumed on one device vs two processes, steps 5-8:",
-        " ".join(f"{r:.1e}" for r in rel))
+  assert resumed[:every] == two[:every] and len(resumed) == steps, resumed
+  assert abs(resumed[every] - two[every]) <= bound * two[every], (
+      resumed[every], two[every])
+  rel = [abs(a - b) / b for a, b in zip(resumed[every:], two[every:])]
+  print(f"resumed on one device vs two processes, steps {every + 1}-"
+        f"{steps}:", " ".join(f"{r:.1e}" for r in rel))
   assert max(rel) <= 0.01, rel
