@@ -31,6 +31,16 @@ from nvfp4_jax.tools import aot
 from quantizer_checks import on_cpu
 
 
+def _step_operands(m, k, n, e):
+  """Heavy-tailed `x [m, k]`, expert weights `w [e, k, n]` and `dy [m, n]`
+  (seed 0) for `_step`."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_t(3, (m, k)), jnp.float32)
+  w = jnp.asarray(rng.standard_t(3, (e, k, n)) * .1, jnp.float32)
+  dy = jnp.asarray(rng.standard_t(3, (m, n)), jnp.float32)
+  return x, w, dy
+
+
 def _step(recipe, gs):
   @jax.jit
   def f(x, w, dy):
@@ -64,12 +74,8 @@ def test_codes_path_equals_the_values_path(recipe, monkeypatch):
   H100); the GPU's kernels are compared with the reference in
   `test_ragged_kernels.py`."""
   with on_cpu():
-    rng = np.random.default_rng(0)
-    m, k, n = 120, 64, 96
     gs = jnp.array([37, 0, 2, 37, 0, 2, 37], jnp.int32)
-    x = jnp.asarray(rng.standard_t(3, (m, k)), jnp.float32)
-    w = jnp.asarray(rng.standard_t(3, (7, k, n)) * .1, jnp.float32)
-    dy = jnp.asarray(rng.standard_t(3, (m, n)), jnp.float32)
+    x, w, dy = _step_operands(120, 64, 96, len(gs))
     want = _step(recipe, gs)(x, w, dy)
     calls = []
     for op in (rg.RAGGED_CODES_MATMUL, rg.RAGGED_CODES_MATMUL_T):
@@ -584,12 +590,9 @@ def test_op_on_the_codes_path_within_the_summation_bound_on_gpu(monkeypatch):
       monkeypatch.setitem(op.implementations, "triton",
                           functools.partial(fn, native=False))
     monkeypatch.setitem(op.implementations, "xla", unreachable)
-  rng = np.random.default_rng(0)
-  m, k, n = 1000, 256, 384
   gs = jnp.array([300, 0, 3, 400, 0, 2, 200], jnp.int32)
-  x = jnp.asarray(rng.standard_t(3, (m, k)), jnp.float32)
-  w = jnp.asarray(rng.standard_t(3, (7, k, n)) * .1, jnp.float32)
-  dy = jnp.asarray(rng.standard_t(3, (m, n)), jnp.float32)
+  m, k, n = 1000, 256, 384
+  x, w, dy = _step_operands(m, k, n, len(gs))
   recipe = nv.Recipe.nvfp4()
   jax.clear_caches()
   with nv.default_implementation("xla"):  # The values path's reference.
