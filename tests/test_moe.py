@@ -226,11 +226,15 @@ def test_padded_dispatch_feeds_the_op_aligned_groups_with_the_same_bits():
 @pytest.mark.skipif(len(jax.devices()) < 2 or jax.default_backend() != "gpu",
                     reason="needs two GPUs (CPU devices run both exchanges: "
                     "tests/test_mesh.py)")
-@pytest.mark.parametrize("exchange", ["auto", "ragged"])
-def test_expert_parallel_on_two_gpus_equals_one(exchange, monkeypatch):
+@pytest.mark.parametrize("exchange, slack", [
+    ("auto", None), ("auto", 1.25), ("auto", 0.01), ("ragged", None)])
+def test_expert_parallel_on_two_gpus_equals_one(exchange, slack,
+                                                monkeypatch):
   """Expert parallelism over two GPUs (`expert=2`, four experts each), with
   the GPUs' default exchange (`moe.EXCHANGE` "auto": whole buffers through
-  `all_to_all`) and with `jax.lax.ragged_all_to_all` ("ragged"): the
+  `all_to_all`; with `EXCHANGE_SLACK` 1.25 its fast path for this balanced
+  routing, 0.01 the `cond`'s whole-buffer branch) and with
+  `jax.lax.ragged_all_to_all` ("ragged"): the
   BF16 layer's output and gradients equal one GPU's within FP32 bounds. A
   misplaced row would be off by O(1). The bounds, as
   `mesh_checks.check_moe_expert_parallel` derives them: the router's
@@ -255,8 +259,10 @@ def test_expert_parallel_on_two_gpus_equals_one(exchange, monkeypatch):
     with nv.mesh_rules(rules):
       return grad(p, x)
   monkeypatch.setattr(moe, "EXCHANGE", exchange)
+  monkeypatch.setattr(moe, "EXCHANGE_SLACK", slack)
   jaxpr = str(jax.make_jaxpr(sharded)(params, x))
   assert ("ragged_all_to_all" in jaxpr) == (exchange == "ragged")
+  assert ("cond[" in jaxpr) == (slack is not None)
   (_, y2), g2 = jax.jit(sharded)(params, x)
   xs, r = np.asarray(x).reshape(t, d), np.asarray(params["router"])
   dz = 2 * d * U * float((np.abs(xs) @ np.abs(r)).max())

@@ -696,16 +696,21 @@ def _buffered_exchange(xs, group_sizes, n: int, local: int, cap: int, me,
 # left the same kernel. Set "ragged" where XLA's collective is fast.
 EXCHANGE = "auto"
 _EXCHANGES = ("auto", "ragged", "buffered")
-# The buffered exchange's fast path: each device sends each peer a buffer
-# of `EXCHANGE_SLACK` times an even share of its copies (`T_local k / n`),
+# The buffered exchange's fast path, opt-in: with a number (1.25: a
+# quarter above an even share), each device sends each peer a buffer of
+# `EXCHANGE_SLACK` times an even share of its copies (`T_local k / n`),
 # and the experts run on `n` such buffers, when no device sends any peer
 # more (checked on every device: a `cond` on the largest count, one
 # `pmax`); otherwise the whole-buffer exchange runs. Balanced routing
 # moves and computes on `slack / n` of the whole buffers. The `cond`
 # keeps only the fast path's residuals (`cond_keeping_first_residuals`):
 # the whole-buffer branch runs its forward again in the backward pass.
-# None: always whole buffers (no `cond`).
-EXCHANGE_SLACK = 1.25
+# None (the default): always whole buffers, no `cond`. Why not on by
+# default: XLA:GPU runs each conditional by blocking the host on its
+# predicate (two a MoE layer and step), and the one timed run of the fast
+# path (before its residuals were fixed) was slower than whole buffers
+# (BENCHMARKS.md, "Expert parallelism").
+EXCHANGE_SLACK = None
 
 
 def exchange_for(platform: str) -> str:
