@@ -709,7 +709,9 @@ _EXCHANGES = ("auto", "ragged", "buffered")
 # default: XLA:GPU runs each conditional by blocking the host on its
 # predicate (two a MoE layer and step), and the one timed run of the fast
 # path (before its residuals were fixed) was slower than whole buffers
-# (BENCHMARKS.md, "Expert parallelism").
+# (BENCHMARKS.md, "Expert parallelism"). `EXCHANGE` and `EXCHANGE_SLACK`
+# are read while tracing: set them before a step is first traced (JAX
+# reuses its traces; `jax.clear_caches()` after a change).
 EXCHANGE_SLACK = None
 
 
