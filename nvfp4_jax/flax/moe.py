@@ -582,15 +582,14 @@ def cond_keeping_first_residuals(pred, first, second, diff, fixed):
   """
   if not _vjp_is_a_pytree():
     return jax.lax.cond(pred, first, second, diff, fixed)
-  jax_leaves = lambda t: jax.tree.leaves(t)
-  cell = {}
+  cell = {}  # The pullback's structure, from tracing `first_res`.
 
   def first_res(d, f):
     out, vjp = jax.vjp(lambda d: first(d, f), d)
     # `jax.vjp`'s function is a pytree (`tree_util.Partial`): its leaves
     # are the residuals, its structure the pullback.
     leaves, tree = jax.tree.flatten(vjp)
-    inputs = jax_leaves((d, f))
+    inputs = jax.tree.leaves((d, f))
     at = [next((i for i, x in enumerate(inputs) if x is leaf), None)
           for leaf in leaves]
     cell["tree"], cell["at"] = tree, at
@@ -611,7 +610,7 @@ def cond_keeping_first_residuals(pred, first, second, diff, fixed):
   def bwd(res, ct):
     pred, d, f, kept = res
     tree, at = cell["tree"], cell["at"]
-    inputs = jax_leaves((d, f))
+    inputs = jax.tree.leaves((d, f))
     kept = iter(kept)
     leaves = [next(kept) if i is None else inputs[i] for i in at]
     pullback = lambda: tree.unflatten(leaves)(ct)[0]
