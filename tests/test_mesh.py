@@ -247,8 +247,8 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("mesh, steps, every", [
-    ("data=4,fsdp=2", 2, 1),  # The default tier (CI): ~50 s on 2 cores.
-    pytest.param("data=2,fsdp=2,model=2", 8, 4,  # ~3 minutes.
+    ("data=4,fsdp=2", 2, 1),  # The default tier (CI): 48 s alone on 2 cores.
+    pytest.param("data=2,fsdp=2,model=2", 8, 4,  # 49 s alone.
                  marks=pytest.mark.slow)])
 def test_cli_two_processes_match_one_and_resume_on_one_device(
     tmp_path, mesh, steps, every):
