@@ -586,8 +586,10 @@ def cond_keeping_first_residuals(pred, first, second, diff, fixed):
 
   def first_res(d, f):
     out, vjp = jax.vjp(lambda d: first(d, f), d)
-    # `jax.vjp`'s function is a pytree (`tree_util.Partial`): its leaves
-    # are the residuals, its structure the pullback.
+    # `jax.vjp`'s function is a pytree (`tree_util.Partial`), so that it
+    # can pass from a custom VJP's forward pass to its backward pass (as
+    # JAX's own comment on it says): its leaves are the residuals, its
+    # structure the pullback.
     leaves, tree = jax.tree.flatten(vjp)
     inputs = jax.tree.leaves((d, f))
     at = [next((i for i, x in enumerate(inputs) if x is leaf), None)
