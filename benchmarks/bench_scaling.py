@@ -247,16 +247,29 @@ def configs(a) -> list[Config]:
           out.append(c)
         if mesh not in ("", "data=1"):
           out += [dataclasses.replace(c, variant=v) for v in variants(a)]
-        if "model=" in mesh:
-          out += [dataclasses.replace(c, tp_partial_sums=t)
-                  for t in a.tp_partial_sums.split(",") if t != "float32"]
-        if mesh not in ("", "data=1"):
-          out += [dataclasses.replace(c, amax=t)
-                  for t in a.amax.split(",") if t != "global"]
-        if "expert=" in mesh:
-          out += [dataclasses.replace(c, exchange_slack=t)
-                  for t in a.exchange_slack.split(",") if t]
+        for field, applies in KNOBS:
+          if mesh not in ("", "data=1") and applies(mesh):
+            default = Config.__dataclass_fields__[field].default
+            out += [dataclasses.replace(c, **{field: t})
+                    for t in getattr(a, field).split(",")
+                    if t and t != default]
   return out
+
+
+# The library settings a mesh configuration is also timed with (the
+# `Config` field, which is also the option's name; its default is the
+# untagged row), and the meshes each applies to.
+KNOBS = (("tp_partial_sums", lambda mesh: "model=" in mesh),
+         ("amax", lambda mesh: True),
+         ("exchange_slack", lambda mesh: "expert=" in mesh))
+
+
+def baseline(c: Config, cfgs: list[Config]) -> Config:
+  """The one-device configuration `c`'s scaling is measured against: a
+  `data=1` mesh, no variant, every knob at its default."""
+  return dataclasses.replace(
+      c, mesh="data=1", variant="", profile=results_profile(cfgs, c),
+      **{f: Config.__dataclass_fields__[f].default for f, _ in KNOBS})
 
 
 def variants(a) -> dict[str, str]:
@@ -399,11 +412,7 @@ def main(argv=None):
         continue
       took[c] = time.perf_counter() - t0
       results[c].append(r)
-      base_cfg = dataclasses.replace(c, mesh="data=1", variant="",
-                                     tp_partial_sums="float32", amax="global",
-                                     exchange_slack="",
-                                     profile=results_profile(cfgs, c))
-      base = results.get(base_cfg, [None])[-1]
+      base = results.get(baseline(c, cfgs), [None])[-1]
       print(f"  round {rnd + 1}: {_fmt_row(c, r, base)} "
             f"[{took[c]:.0f} s]", flush=True)
       for name, ms in r.get("top_kernels", ()):
@@ -413,11 +422,7 @@ def main(argv=None):
     runs = results.get(c)
     if not runs:
       continue
-    base_cfg = dataclasses.replace(c, mesh="data=1", variant="",
-                                   tp_partial_sums="float32", amax="global",
-                                   exchange_slack="",
-                                   profile=results_profile(cfgs, c))
-    base_runs = results.get(base_cfg, [])
+    base_runs = results.get(baseline(c, cfgs), [])
     ms = statistics.median(r["ms"] for r in runs)
     base_ms = (statistics.median(r["ms"] for r in base_runs)
                if base_runs else float("nan"))

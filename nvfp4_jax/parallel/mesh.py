@@ -120,6 +120,25 @@ def make_mesh(devices: Sequence[jax.Device] | None = None,
 PARTIAL_SUMS = ("float32", "output")
 # Where activations' and gradients' amaxes reduce (`LinearSharding.amax`).
 AMAX_SCOPES = ("global", "local")
+_CHOICES = {
+    "partial_sums": (PARTIAL_SUMS, "\"float32\": sums in FP32, rounded once; "
+                     "\"output\": in the output dtype, half the bytes for "
+                     "bf16"),
+    "amax": (AMAX_SCOPES, "\"global\": the unsharded layer's tensor "
+             "scales; \"local\": each token shard's own, no collective over "
+             "the token axes"),
+}
+
+
+def _check_choices(owner) -> None:
+  """Raises a ValueError naming the value and the choices where `owner`'s
+  `partial_sums` or `amax` is not one of them."""
+  for name, (choices, meaning) in _CHOICES.items():
+    value = getattr(owner, name)
+    if value not in choices:
+      raise ValueError(f"{type(owner).__name__}({name}={value!r}): use one "
+                       f"of {choices} ({meaning}).")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LinearSharding:
@@ -166,21 +185,12 @@ class LinearSharding:
 
   def __post_init__(self):
     object.__setattr__(self, "tokens", tuple(self.tokens))
-    if self.amax not in AMAX_SCOPES:
-      raise ValueError(
-          f"amax={self.amax!r}: use one of {AMAX_SCOPES} (\"global\": the "
-          "unsharded layer's tensor scales; \"local\": each token shard's "
-          "own, no collective over the token axes).")
+    _check_choices(self)
     if self.fsdp_dim is None:
       object.__setattr__(self, "fsdp_dim", 1 if self.tensor == "row" else 0)
     if self.fsdp_dim not in (0, 1):
       raise ValueError(f"LinearSharding.fsdp_dim must be 0 (in) or 1 (out), "
                        f"got {self.fsdp_dim!r}.")
-    if self.partial_sums not in PARTIAL_SUMS:
-      raise ValueError(
-          f"partial_sums={self.partial_sums!r}: use one of {PARTIAL_SUMS} "
-          "(\"float32\": sums in FP32, rounded once; \"output\": in the "
-          "output dtype, half the bytes for bf16).")
     names = set(self.mesh.axis_names)
     for a in self.tokens + tuple(x for x in (self.model, self.fsdp) if x):
       if a not in names:
@@ -359,13 +369,7 @@ class MeshRules:
   amax: str = "global"
 
   def __post_init__(self):
-    if self.partial_sums not in PARTIAL_SUMS:
-      raise ValueError(
-          f"MeshRules(partial_sums={self.partial_sums!r}): use one of "
-          f"{PARTIAL_SUMS}.")
-    if self.amax not in AMAX_SCOPES:
-      raise ValueError(
-          f"MeshRules(amax={self.amax!r}): use one of {AMAX_SCOPES}.")
+    _check_choices(self)
     names = tuple(self.mesh.axis_names)
     object.__setattr__(self, "batch",
                        tuple(a for a in self.batch if a in names))
