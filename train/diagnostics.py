@@ -73,10 +73,10 @@ def with_diagnostics(apply_fn: Callable[..., Any]) -> Callable[..., Any]:
       tensors[("x", path)] = x.reshape(-1, x.shape[-1])
       tensors[("w", path)] = _get(params, path)["kernel"].T
     # One quantization per distinct shape, looped over the layers with
-    # `lax.map`, keeps the compile small and the memory to one layer's
-    # temporaries (a vmap held every layer's at once: 23.9 GiB a GPU for GPT
-    # base's evaluation at 16 x 1024 tokens, which ran a 4-GPU run out of
-    # memory; 5.1 GiB with the loop).
+    # `lax.map`, keeps the compile small and the memory to the stacked
+    # inputs plus one layer's temporaries (a vmap held every layer's at
+    # once: 23.9 GiB a GPU for GPT base's evaluation at 16 x 1024 tokens,
+    # which ran a 4-GPU run out of memory; 5.1 GiB with the loop).
     groups: dict[tuple, list] = {}
     for (kind, path), t in tensors.items():
       groups.setdefault((kind, t.shape, t.dtype), []).append(path)
