@@ -72,3 +72,31 @@ def test_stop_after_starts_no_further_run(tmp_path, capsys, monkeypatch):
   assert not started
   out = capsys.readouterr().out
   assert "--stop-after 0 s reached; 16 run(s) left (bf16-s0," in out
+
+
+def test_results_cover_earlier_runs_in_out(tmp_path, monkeypatch):
+  """A study split into `--only` calls (one run a device session) reports
+  every run found in `--out`: the BF16 run of an earlier call is in the
+  table and the NVFP4 run gets its gap to it."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  def metrics(label, precision, val):
+    d = tmp_path / label / f"tiny-{precision}"
+    d.mkdir(parents=True)
+    recs = [{"kind": "train", "step": s, "loss": 1.0, "tokens": 128 * s,
+             "time": float(s)} for s in (1, 2, 3)]
+    recs.append({"kind": "eval", "step": 3, "val_loss": val})
+    (d / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in recs))
+
+  metrics("bf16-s0", "bf16", 2.0)  # The earlier call's run.
+  monkeypatch.setattr(
+      study.subprocess, "run",
+      lambda cmd, **_: (metrics("nvfp4-s0", "nvfp4", 2.05),
+                        study.subprocess.CompletedProcess(cmd, 0))[1])
+  assert study.main(["--preset", "tiny", "--steps", "3", "--seeds", "0",
+                     "--out", str(tmp_path), "--only", "nvfp4-s0"]) == 0
+  text = (tmp_path / "results.md").read_text()
+  assert "| bf16-s0 | 2.0000 | +0.00% ± 0.00% |" in text
+  assert "| nvfp4-s0 | 2.0500 | +2.50% ± 0.00% |" in text
+  assert "nvfp4-no-sr-s0" not in text  # Runs with no records stay out.

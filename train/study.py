@@ -11,8 +11,9 @@ schedule) one after another on one device (or one `--mesh`), each as `python -m 
 own process. A killed study picks up where it stopped: finished runs (a final
 evaluation in their metrics) are not redone, and an interrupted run continues
 from its last checkpoint (`--resume`). Then it writes `results.md` (final
-validation loss per run, the gap to BF16 with the seed spread, tokens, step
-time, the exact commands) and the loss curves (`curves.png`, with a log-scale
+validation loss per run, every run of the study found in `--out` included,
+the gap to BF16 with the seed spread, tokens, step time, the exact
+commands) and the loss curves (`curves.png`, with a log-scale
 panel of the tail so small gaps are visible) into `--out`.
 """
 
@@ -246,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--dry-run", action="store_true")
   args = p.parse_args(argv)
   runs = commands(args.study, args)
+  every = runs
   if args.only:
     keep = set(args.only.split(","))
     unknown = keep - {label for label, _, _ in runs}
@@ -283,7 +285,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(f"{PROG}: {label} exited with {rc}; run the study again to "
             f"resume it", file=sys.stderr)
       return rc
-  table, records = summarize(runs, args.steps)
+  # The report covers the runs just made and every other run of the study
+  # already in `--out` (one `--only` call a run, e.g. one a device session,
+  # still gives one table with the gap to BF16).
+  ran = {label for label, _, _ in runs}
+  table, records = summarize(
+      [r for r in every if r[0] in ran or _records(r[1])], args.steps)
   curves = plot(records, out / "curves.png",
                 f"{args.study} study: {args.preset}, {args.steps} steps")
   (out / "results.md").write_text(
