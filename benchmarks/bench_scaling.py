@@ -65,6 +65,7 @@ class Config:
   variant: str = ""  # A name from `--variant`: its XLA flags are added.
   tp_partial_sums: str = "float32"  # `MeshRules.partial_sums`.
   amax: str = "global"  # `MeshRules.amax`.
+  wgrad_schedule: str = "layer"  # `MeshRules.wgrad_schedule`.
   # `nvfp4_jax.flax.moe.EXCHANGE_SLACK` ("" the library's default;
   # "none": whole buffers, no fast path).
   exchange_slack: str = ""
@@ -84,6 +85,8 @@ class Config:
       v += f" [sums={self.tp_partial_sums}]"
     if self.amax != "global":
       v += f" [amax={self.amax}]"
+    if self.wgrad_schedule != "layer":
+      v += f" [wgrad={self.wgrad_schedule}]"
     if self.exchange_slack:
       v += f" [slack={self.exchange_slack}]"
     return f"{self.preset} {self.precision} {self.mesh or 'no mesh'}{v}"
@@ -110,7 +113,8 @@ def _child(cfg: Config, cache_dir: str) -> dict:
   t0 = time.perf_counter()
   trainer, state, batch = bench_step.build(bench_step.StepConfig(
       cfg.preset, cfg.precision, cfg.batch * cfg.devices, cfg.seq,
-      mesh=cfg.mesh, tp_partial_sums=cfg.tp_partial_sums, amax=cfg.amax))
+      mesh=cfg.mesh, tp_partial_sums=cfg.tp_partial_sums, amax=cfg.amax,
+      wgrad_schedule=cfg.wgrad_schedule))
   if trainer.mesh_rules is None:  # The batch on the device, as on a mesh.
     batch = jax.device_put(batch, jax.devices()[0])
   compiled = trainer.train_step.lower(state, batch).compile()
@@ -261,6 +265,7 @@ def configs(a) -> list[Config]:
 # untagged row), and the meshes each applies to.
 KNOBS = (("tp_partial_sums", lambda mesh: "model=" in mesh),
          ("amax", lambda mesh: True),
+         ("wgrad_schedule", lambda mesh: "fsdp=" in mesh),
          ("exchange_slack", lambda mesh: "expert=" in mesh))
 
 
@@ -339,6 +344,10 @@ def main(argv=None):
                  help="comma list: also time the meshes with the "
                  "activations' and gradients' amax per token shard "
                  "('global,local'; MeshRules.amax)")
+  p.add_argument("--wgrad-schedule", default="layer",
+                 help="comma list: also time the meshes with an fsdp axis "
+                 "with the weight gradients where XLA's scheduler puts them "
+                 "('layer,xla'; MeshRules.wgrad_schedule)")
   p.add_argument("--exchange-slack", default="",
                  help="comma list: also time the meshes with an expert axis "
                  "with this moe.EXCHANGE_SLACK ('none': whole buffers, no "

@@ -50,6 +50,7 @@ class StepConfig:
   residuals: str = "codes"  # `Recipe.residuals` of the NVFP4 layers.
   tp_partial_sums: str = "float32"  # `MeshRules.partial_sums`.
   amax: str = "global"  # `MeshRules.amax`.
+  wgrad_schedule: str = "layer"  # `MeshRules.wgrad_schedule`.
 
   @property
   def mesh_sizes(self) -> dict[str, int]:
@@ -91,7 +92,8 @@ def build(cfg: StepConfig):
   tc = TrainConfig(preset=cfg.preset, precision=cfg.precision,
                    steps=1000, batch_size=cfg.batch, seq_len=cfg.seq,
                    diagnostics=False, residuals=cfg.residuals,
-                   tp_partial_sums=cfg.tp_partial_sums, amax=cfg.amax)
+                   tp_partial_sums=cfg.tp_partial_sums, amax=cfg.amax,
+                   wgrad_schedule=cfg.wgrad_schedule)
   mc = model_config(tc, 256).replace(attention=cfg.attention,
                                      remat=cfg.remat)
   mesh = (sharding.make_mesh(jax.devices()[:cfg.devices], **cfg.mesh_sizes)

@@ -404,6 +404,53 @@ def check_local_amax():
           f"reductions {len(glob)} -> {len(local)}")
 
 
+def check_wgrad_schedule():
+  """`LinearSharding(wgrad_schedule=...)` under FSDP: "layer" (the
+  default) ties each layer's weight gradient to its input gradient with an
+  optimization barrier, for NVFP4 (the custom VJP) and for a GEMM the
+  recipe keeps in BF16 (XLA's own VJP of the plain product); "xla" leaves
+  both to XLA's scheduler. The barrier changes only the order: y, dX and dW
+  are bit for bit those of "xla". Without `fsdp` there is no barrier."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  m = mesh(data=2, fsdp=2, model=2)
+  t, k, n = 128, 64, 96
+  x = jnp.asarray(make_heavy_tailed((t, k), seed=1))
+  w = jnp.asarray(make_heavy_tailed((k, n), seed=2)) * 0.01
+  dy = jnp.asarray(make_heavy_tailed((t, n), seed=3))
+  key = jax.random.key(7)
+  shardings = _linear_shardings(m)
+
+  def barriers(f, args):
+    """The optimization barriers of `f`'s jaxpr, as `(shapes)` of their
+    outputs."""
+    out = []
+    for line in str(jax.make_jaxpr(f)(*args)).splitlines():
+      if "optimization_barrier" in line:
+        out.append(tuple(re.findall(r"\[([\d,]+)\]", line.split("=")[0])))
+    return out
+
+  for rname, recipe in (("nvfp4", nv.Recipe.nvfp4()),
+                        ("bf16", nv.Recipe.bf16())):
+    for name in ("fsdp", "row+fsdp", "data"):
+      got = {}
+      for schedule in ("layer", "xla"):
+        sh = dataclasses.replace(shardings[name], wgrad_schedule=schedule)
+        f, args = _layer_fn(recipe, key, sh), _placed(m, sh, x, w, dy)
+        got[schedule] = (barriers(f, args), jax.jit(f)(*args))
+      # dX `[t, k]` and dW `[k, n]` pass one barrier together (the
+      # quantizers have barriers of their own).
+      pair = (f"{t},{k}", f"{k},{n}")
+      tied = got["layer"][0].count(pair)
+      assert tied == (name != "data"), (rname, name, got["layer"][0])
+      assert pair not in got["xla"][0], (rname, name, got["xla"][0])
+      for what, a, b in zip(("y", "dx", "dw"), got["layer"][1],
+                            got["xla"][1]):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), (rname, name,
+                                                              what)
+      print(f"  {rname} {name}: dX and dW tied {tied}x with \"layer\", not "
+            f"with \"xla\"; y, dX, dW equal")
+
+
 def check_dot_general_xla():
   check_dot_general("xla", ("data", "fsdp", "column+fsdp", "row+fsdp"))
 

@@ -316,6 +316,9 @@ RULES = {
     "MeshRules amax in an unknown scope": (
         lambda: nv.MeshRules(mesh=_mesh(), amax="per_device"),
         ValueError, ["amax='per_device'", "('global', 'local')"]),
+    "MeshRules weight gradients on an unknown schedule": (
+        lambda: nv.MeshRules(mesh=_mesh(), wgrad_schedule="late"),
+        ValueError, ["wgrad_schedule='late'", "('layer', 'xla')"]),
     "MeshRules.shardings naming an axis the mesh lacks": (
         lambda: nv.MeshRules(mesh=_mesh()).shardings({"w": P("tensor")}),
         ValueError, ["P('tensor',)", "'tensor'", "('data', 'fsdp', 'model')"]),

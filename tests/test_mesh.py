@@ -49,8 +49,9 @@ def test_sharded_dot_general_reference():
   tier runs every layout, Explicit and auto, and README's example)."""
   out = run_checks("dot_general_xla", "dot_general_values", "user_mesh_quick",
                    "auto_kernels_quick", "auto_moe_quick", "auto_gather_rows",
-                   "partial_sums", "local_amax")
+                   "partial_sums", "local_amax", "wgrad_schedule")
   assert "3.97x fewer" in out  # FSDP weights travel as 4-bit codes.
+  assert out.count('tied 1x with "layer"') == 4  # NVFP4 and BF16, 2 FSDP.
   # With residuals saved as values, too.
   assert out.split("[dot_general_values]")[1].split(
       "[user_mesh_quick]")[0].count("3.97x fewer") == 2

@@ -135,6 +135,7 @@ def test_bad_flag_values_name_flag_value_and_fix(flag, value, fix):
     (["--precision", "bf16", "--no-sr"], ["--no-sr", "bf16", "nvfp4"]),
     (["--tp-partial-sums", "bf16"], ["tp_partial_sums", "'bf16'", "'output'"]),
     (["--amax", "shard"], ["amax", "'shard'", "'local'"]),
+    (["--wgrad-schedule", "late"], ["wgrad_schedule", "'late'", "'xla'"]),
     (["--compare", "bf16,bf16"], ["--compare", "'bf16,bf16'", "e.g."]),
     (["--coordinator", "h:1234"], ["--coordinator h:1234", "--distributed"]),
     (["--process-id", "1"], ["--process-id 1", "without --distributed"]),

@@ -67,6 +67,11 @@ def test_resume_refuses_other_settings_and_missing_checkpoints(tmp_path):
   again = Trainer(cfg, corpus, MODEL).run(tmp_path / "run", resume=True,
                                           progress=False)
   assert [r["step"] for r in select(again.records, "train")] == [1, 2]
+  # The weight gradients' schedule under FSDP changes no number: a run
+  # resumes with the other one.
+  again = Trainer(cfg.replace(wgrad_schedule="xla"), corpus, MODEL).run(
+      tmp_path / "run", resume=True, progress=False)
+  assert [r["step"] for r in select(again.records, "train")] == [1, 2]
   # A checkpoint of an older version, which lacked a field added since
   # (`residuals`), resumes where the field keeps its default.
   meta = tmp_path / "run" / "checkpoints" / "2" / "config" / "metadata"

@@ -32,6 +32,7 @@ from nvfp4_jax.core.recipe import FOUR_OVER_SIX_MODES
 from nvfp4_jax.core.recipe import RESIDUALS
 from nvfp4_jax.parallel.mesh import AMAX_SCOPES
 from nvfp4_jax.parallel.mesh import PARTIAL_SUMS
+from nvfp4_jax.parallel.mesh import WGRAD_SCHEDULES
 from train.config import MAX_SEED
 from train.config import MAX_STEPS
 from train.config import ABLATIONS
@@ -177,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
                  "one-device run's quantization) or each token shard's "
                  "(local: no collective over the batch axes, a "
                  "data-parallel micro-batch's numerics)")
+  p.add_argument("--wgrad-schedule", metavar=_one_of(WGRAD_SCHEDULES),
+                 default="layer",
+                 help="with an fsdp mesh axis: compute each layer's weight "
+                 "gradient with its input gradient (layer, the default: "
+                 "activations freed layer by layer) or where XLA's "
+                 "scheduler puts it (xla)")
   p.add_argument("--data", metavar="PATH",
                  help="text file, directory of text files, or uint16 .bin "
                  "token file (default: the Python standard library's source)")
@@ -297,7 +304,7 @@ def make_configs(args, precisions: list[str]) -> list[TrainConfig]:
         ckpt_every=args.ckpt_every,
         diagnostics=not args.no_diagnostics, attention=args.attention,
         remat=args.remat, tp_partial_sums=args.tp_partial_sums,
-        amax=args.amax,
+        amax=args.amax, wgrad_schedule=args.wgrad_schedule,
         **ablations[p]) for p in precisions]
   except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None

@@ -13,6 +13,7 @@ from models.gpt import ATTENTION_KINDS
 from models.gpt import REMAT_KINDS
 from nvfp4_jax.parallel.mesh import AMAX_SCOPES
 from nvfp4_jax.parallel.mesh import PARTIAL_SUMS
+from nvfp4_jax.parallel.mesh import WGRAD_SCHEDULES
 from nvfp4_jax.core.recipe import FOUR_OVER_SIX_MODES
 from nvfp4_jax.core.recipe import RESIDUALS
 from nvfp4_jax.core.recipe import check_field
@@ -116,6 +117,10 @@ class TrainConfig:
     amax: on a mesh, the activations' and gradients' tensor amax: "global"
       (the one-device run's quantization) or "local" (each token shard's,
       as a data-parallel micro-batch; `nvfp4_jax.MeshRules(amax=...)`).
+    wgrad_schedule: with an `fsdp` mesh axis, when each layer's weight
+      gradient is computed: "layer" (with its input gradient) or "xla"
+      (where XLA's scheduler puts it;
+      `nvfp4_jax.MeshRules(wgrad_schedule=...)`).
   """
 
   preset: str = "tiny"
@@ -151,6 +156,7 @@ class TrainConfig:
   residuals: str = "codes"
   tp_partial_sums: str = "float32"
   amax: str = "global"
+  wgrad_schedule: str = "layer"
 
   def __post_init__(self):
     # Types first: "false" is a truthy string and True an int in Python.
@@ -234,7 +240,8 @@ class TrainConfig:
     for name, choices in (("attention", ATTENTION_KINDS),
                           ("remat", REMAT_KINDS), ("residuals", RESIDUALS),
                           ("tp_partial_sums", PARTIAL_SUMS),
-                          ("amax", AMAX_SCOPES)):
+                          ("amax", AMAX_SCOPES),
+                          ("wgrad_schedule", WGRAD_SCHEDULES)):
       if getattr(self, name) not in choices:
         raise ValueError(f"unknown {name} {getattr(self, name)!r}; use one "
                          f"of {choices}.")

@@ -107,7 +107,8 @@ class Trainer:
         corpus.val, batch_size=cfg.micro_batch, seq_len=cfg.seq_len,
         num_batches=cfg.eval_batches * cfg.grad_accum)
     self.mesh_rules = (None if mesh is None else nvfp4_jax.MeshRules(
-        mesh=mesh, partial_sums=cfg.tp_partial_sums, amax=cfg.amax))
+        mesh=mesh, partial_sums=cfg.tp_partial_sums, amax=cfg.amax,
+        wgrad_schedule=cfg.wgrad_schedule))
     self.fns = StepFunctions(cfg, self.model, self.rules, self.optimizer,
                              self.schedule, mesh_rules=self.mesh_rules)
     if self.mesh_rules is None:
@@ -305,7 +306,9 @@ class Trainer:
         self.abstract_state(), config=config,
         config_defaults={"train": _field_defaults(self.cfg),
                          "model": _field_defaults(self.model_cfg)},
-        ignore=("model.fused_layout",),
+        # The fused layout is converted below; the weight gradients' schedule
+        # under FSDP changes the order of work, not the numbers.
+        ignore=("model.fused_layout", "train.wgrad_schedule"),
         on_skip=lambda path, reason: skipped.append((path, reason)))
     for path, reason in skipped:
       print(f"warning: --resume: skipped the damaged checkpoint {path} "

@@ -120,6 +120,9 @@ def make_mesh(devices: Sequence[jax.Device] | None = None,
 PARTIAL_SUMS = ("float32", "output")
 # Where activations' and gradients' amaxes reduce (`LinearSharding.amax`).
 AMAX_SCOPES = ("global", "local")
+# When a layer's weight gradient is computed under FSDP
+# (`LinearSharding.wgrad_schedule`).
+WGRAD_SCHEDULES = ("layer", "xla")
 _CHOICES = {
     "partial_sums": (PARTIAL_SUMS, "\"float32\": sums in FP32, rounded once; "
                      "\"output\": in the output dtype, half the bytes for "
@@ -127,12 +130,15 @@ _CHOICES = {
     "amax": (AMAX_SCOPES, "\"global\": the unsharded layer's tensor "
              "scales; \"local\": each token shard's own, no collective over "
              "the token axes"),
+    "wgrad_schedule": (WGRAD_SCHEDULES, "\"layer\": each layer's weight "
+                       "gradient with its input gradient; \"xla\": where "
+                       "XLA's scheduler puts it"),
 }
 
 
 def _check_choices(owner) -> None:
   """Raises a ValueError naming the value and the choices where `owner`'s
-  `partial_sums` or `amax` is not one of them."""
+  `partial_sums`, `amax` or `wgrad_schedule` is not one of them."""
   for name, (choices, meaning) in _CHOICES.items():
     value = getattr(owner, name)
     if value not in choices:
@@ -172,6 +178,14 @@ class LinearSharding:
       data-parallel micro-batch would, with its own tensor scale, and no
       collective waits on the token axes). Weights always use the global
       amax (every device must hold the same weight).
+    wgrad_schedule: under `fsdp`, when the weight gradient (and so its
+      reduce-scatter) is computed: "layer" (ties it to the layer's input
+      gradient with an optimization barrier, so the backward pass cannot go
+      on to the layers below before it) or "xla" (left to XLA's scheduler,
+      which on deep models can defer every layer's weight-gradient GEMM
+      past the whole backward pass and hold every layer's activations and
+      activation gradients until then: 16.6 GiB more per device for a 40-
+      layer 12.5B GPT on 4 GPUs, BENCHMARKS.md). No effect without `fsdp`.
   """
 
   mesh: Mesh
@@ -182,6 +196,7 @@ class LinearSharding:
   fsdp_dim: int | None = None
   partial_sums: str = "float32"
   amax: str = "global"
+  wgrad_schedule: str = "layer"
 
   def __post_init__(self):
     object.__setattr__(self, "tokens", tuple(self.tokens))
@@ -354,6 +369,9 @@ class MeshRules:
     amax: "global" (default) or "local": the activations' and gradients'
       tensor amax over every axis splitting them, or over `model` only
       (`LinearSharding.amax`).
+    wgrad_schedule: "layer" (default) or "xla": under `fsdp`, each layer's
+      weight gradient computed with its input gradient, or where XLA's
+      scheduler puts it (`LinearSharding.wgrad_schedule`).
 
   Axes named here but absent from the mesh are dropped (a mesh of only
   `data` is plain data parallelism); every mesh axis must have a role.
@@ -367,6 +385,7 @@ class MeshRules:
   tensor_parallel: tuple[tuple[str, str], ...] = GPT_TENSOR_PARALLEL
   partial_sums: str = "float32"
   amax: str = "global"
+  wgrad_schedule: str = "layer"
 
   def __post_init__(self):
     _check_choices(self)
@@ -426,7 +445,7 @@ class MeshRules:
     return LinearSharding(mesh=self.mesh, tokens=self.batch, tensor=style,
                           model=self.model if style else None,
                           fsdp=self.fsdp, partial_sums=self.partial_sums,
-                          amax=self.amax)
+                          amax=self.amax, wgrad_schedule=self.wgrad_schedule)
 
   def batch_spec(self, ndim: int, axis: int = 0) -> P:
     """The spec of a batch array whose `axis` indexes sequences."""

@@ -458,7 +458,18 @@ def _linear_bwd(recipe: Recipe, precision, out_dtype, x_dtype, name, plan,
           mesh=shard.mesh,
           in_specs=(_residual_specs(shard, recipe), shard.y_spec),
           out_specs=(shard.x_spec, shard.kernel_spec))(res, dy)
+    dx, dw = _ordered_wgrad(dx, dw, shard)
   return dx.astype(x_dtype), dw.astype(w.dtype), None
+
+
+def _ordered_wgrad(dx, dw, shard: LinearSharding | None):
+  """`(dx, dw)`, tied by an optimization barrier under FSDP with
+  `wgrad_schedule="layer"`: the layers below cannot start their backward
+  pass before this layer's weight gradient exists, so its GEMM (and its
+  reduce-scatter, issued right after it) runs in this layer's turn."""
+  if shard is None or shard.fsdp is None or shard.wgrad_schedule != "layer":
+    return dx, dw
+  return jax.lax.optimization_barrier((dx, dw))
 
 
 def _backward(recipe: Recipe, precision, out_dtype, x_dtype, res, dy,
@@ -616,6 +627,10 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
   if not recipe.quantized or lhs.size == 0 or rhs.size == 0:
     # Exactly XLA's product of the operands as given (with no elements
     # there is nothing to quantize: an empty result, or zeros for K = 0).
+    if (_gathers_weight(lhs, rhs, lb or rb, shard)
+        and shard.wgrad_schedule == "layer" and out_sharding is None):
+      return _hp_fsdp_dot(lhs, rhs, (tuple(lc), tuple(rc)), precision,
+                          preferred_element_type, shard)
     rhs = _gathered_weight(lhs, rhs, rc, lb or rb, shard)
     return jax.lax.dot_general(lhs, rhs, ((lc, rc), (lb, rb)),
                                precision=precision,
@@ -680,17 +695,57 @@ def _gathered_weight(lhs, rhs, rc, batched, shard: LinearSharding | None):
   weight-sized bytes. A no-op without an `fsdp` axis, for weights of
   other ranks, inside a `shard_map` and under Explicit axes (there the
   types say where the operands live)."""
-  if (shard is None or shard.fsdp is None or batched or rhs.ndim != 2
-      or explicit_mesh(lhs, rhs) is not None):
-    return rhs
-  abstract = jax.sharding.get_abstract_mesh()
-  if not abstract.empty and abstract.manual_axes:
+  if not _gathers_weight(lhs, rhs, batched, shard):
     return rhs
   spec = shard.used_kernel_spec
   if tuple(rc) == (1,):  # The weight stored `[out, in]`.
     spec = P(spec[1], spec[0])
   return jax.lax.with_sharding_constraint(
       rhs, NamedSharding(shard.mesh, spec))
+
+
+def _gathers_weight(lhs, rhs, batched, shard: LinearSharding | None) -> bool:
+  """Whether `_gathered_weight` gathers `rhs` (a 2-D weight of a layer
+  with an `fsdp` axis, in auto mode, outside a `shard_map`)."""
+  if (shard is None or shard.fsdp is None or batched or rhs.ndim != 2
+      or explicit_mesh(lhs, rhs) is not None):
+    return False
+  abstract = jax.sharding.get_abstract_mesh()
+  return abstract.empty or not abstract.manual_axes
+
+
+def _hp_product(lhs, rhs, dims, precision, preferred_element_type, shard):
+  lc, rc = dims
+  rhs = _gathered_weight(lhs, rhs, rc, False, shard)
+  return jax.lax.dot_general(lhs, rhs, ((lc, rc), ((), ())),
+                             precision=precision,
+                             preferred_element_type=preferred_element_type)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _hp_fsdp_dot(lhs, rhs, dims, precision, preferred_element_type, shard):
+  """A high-precision layer's product under FSDP whose backward pass is
+  XLA's own (the VJP of the same product), with the weight gradient tied
+  to the input gradient (`_ordered_wgrad`): bit-identical to autodiff of
+  the plain product, scheduled layer by layer."""
+  return _hp_product(lhs, rhs, dims, precision, preferred_element_type,
+                     shard)
+
+
+def _hp_fsdp_dot_fwd(lhs, rhs, dims, precision, preferred_element_type,
+                     shard):
+  return _hp_product(lhs, rhs, dims, precision, preferred_element_type,
+                     shard), (lhs, rhs)
+
+
+def _hp_fsdp_dot_bwd(dims, precision, preferred_element_type, shard, res,
+                     dy):
+  _, vjp = jax.vjp(lambda a, b: _hp_product(
+      a, b, dims, precision, preferred_element_type, shard), *res)
+  return _ordered_wgrad(*vjp(dy), shard)
+
+
+_hp_fsdp_dot.defvjp(_hp_fsdp_dot_fwd, _hp_fsdp_dot_bwd)
 
 
 def apply_out_sharding(y: jax.Array, out_sharding) -> jax.Array:
