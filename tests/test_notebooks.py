@@ -5,6 +5,7 @@ to shrink their training runs to a few steps, and the repository on the
 kernel's PYTHONPATH (the package need not be installed).
 """
 
+import json
 import os
 import pathlib
 import subprocess
@@ -33,6 +34,9 @@ def test_the_four_notebooks_exist():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_committed_without_outputs_and_opens_with_colab_install(path,
                                                                monkeypatch):
+  # Every cell has its id in the file (nbformat 4.5; reading fills in
+  # missing ones with a warning that will become an error).
+  assert all("id" in c for c in json.loads(path.read_text())["cells"])
   nb = nbformat.read(path, as_version=4)
   nbformat.validate(nb)
   for cell in _code_cells(nb):
