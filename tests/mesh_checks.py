@@ -271,13 +271,18 @@ def _placed(m, sharding, x, w, dy):
           for a, s in zip((x, w, dy), specs)]
 
 
-def check_dot_general(impl, names, residuals="codes"):
+def _layer_case():
+  """The sharded-layer checks' mesh, sizes, operands and key."""
   m = mesh(data=2, fsdp=2, model=2)
   t, k, n = 128, 64, 96
   x = jnp.asarray(make_heavy_tailed((t, k), seed=1))
   w = jnp.asarray(make_heavy_tailed((k, n), seed=2)) * 0.01
   dy = jnp.asarray(make_heavy_tailed((t, n), seed=3))
-  key = jax.random.key(7)
+  return m, (t, k, n), (x, w, dy), jax.random.key(7)
+
+
+def check_dot_general(impl, names, residuals="codes"):
+  m, (t, k, n), (x, w, dy), key = _layer_case()
   recipe = nv.Recipe.nvfp4(residuals=residuals)
 
   def compiled(sharding):
@@ -412,12 +417,7 @@ def check_wgrad_schedule():
   both to XLA's scheduler. The barrier changes only the order: y, dX and dW
   are bit for bit those of "xla". Without `fsdp` there is no barrier."""
   import dataclasses  # pylint: disable=g-import-not-at-top
-  m = mesh(data=2, fsdp=2, model=2)
-  t, k, n = 128, 64, 96
-  x = jnp.asarray(make_heavy_tailed((t, k), seed=1))
-  w = jnp.asarray(make_heavy_tailed((k, n), seed=2)) * 0.01
-  dy = jnp.asarray(make_heavy_tailed((t, n), seed=3))
-  key = jax.random.key(7)
+  m, (t, k, n), (x, w, dy), key = _layer_case()
   shardings = _linear_shardings(m)
 
   def barriers(f, args):
