@@ -54,7 +54,7 @@ from nvfp4_jax.core.recipe import check_field
 
 MLP_KINDS = ("swiglu", "relu2")
 ATTENTION_KINDS = ("fused", "reference")
-REMAT_KINDS = ("none", "quantized")
+REMAT_KINDS = ("none", "quantized", "full")
 FUSED_LAYOUTS = ("interleaved", "concatenated")
 # Gate and up columns alternate in blocks this wide under the "interleaved"
 # layout: one NVFP4 16x16 weight tile (and 1x16 block) wide, so the layout
@@ -95,7 +95,10 @@ class GPTConfig:
     remat: "none" (autodiff saves what it needs) or "quantized": each block
       is rematerialized and saves only the quantized residuals of its NVFP4
       layers (`nvfp4_jax.remat_policy`), recomputing the rest in the
-      backward pass. Layers kept in high precision save nothing.
+      backward pass. Layers kept in high precision save nothing. "full":
+      each block saves only its input and recomputes everything, the NVFP4
+      layers' quantization included (the same values: the rounding keys
+      are inputs), for the least memory at the most recomputation.
     num_experts: 0 for the dense MLP; else every block's MLP is a mixture
       of `num_experts` SwiGLU experts of hidden width `d_ff`
       (`nvfp4_jax.flax.moe.NVFP4MoE`, named `block_{i}/moe`, its expert
@@ -509,6 +512,8 @@ class GPT(nn.Module):
     block = Block
     if cfg.remat == "quantized":
       block = nn.remat(Block, policy=nvfp4_jax.remat_policy())
+    elif cfg.remat == "full":
+      block = nn.remat(Block, policy=jax.checkpoint_policies.nothing_saveable)
     for i in range(cfg.num_layers):
       x = block(cfg, name=f"block_{i}")(x)
     x = _norm(cfg, "final_norm")(x)

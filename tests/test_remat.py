@@ -1,4 +1,5 @@
-"""`GPTConfig(remat="quantized")`: blocks save only the quantized residuals."""
+"""`GPTConfig(remat="quantized")`: blocks save only the quantized residuals;
+`remat="full"`: only their inputs."""
 
 import contextlib
 import io
@@ -53,7 +54,7 @@ def _bytes(res):
   return sum(_BYTES[d] * int(np.prod(s)) for d, s, _ in res)
 
 
-def _same_grads(rules):
+def _same_grads(rules, remat="quantized"):
   # FP32 model: recomputation changes XLA's fusions, and with bf16
   # activations XLA:CPU may keep a fused intermediate in FP32 in one program
   # and round it in the other; in FP32 both compute the same bits. On a GPU
@@ -62,7 +63,7 @@ def _same_grads(rules):
   if jax.default_backend() != "cpu":
     return
   loss0, params = _setup("none", rules, "float32")
-  loss1, _ = _setup("quantized", rules, "float32")
+  loss1, _ = _setup(remat, rules, "float32")
   g0 = jax.jit(jax.grad(loss0))(params)
   g1 = jax.jit(jax.grad(loss1))(params)
   for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
@@ -99,3 +100,19 @@ def test_quantized_remat_saves_nothing_for_high_precision_layers():
   res = _residuals(loss, params)
   assert not [r for r in res if "nvfp4_residual" in r[2]]
   _same_grads(nv.PrecisionRules.high_precision())
+
+
+def test_full_remat_keeps_gradients_and_saves_only_block_inputs():
+  """`remat="full"`: NVFP4 blocks recompute their quantization too (the
+  same values: the rounding keys are inputs), so the gradients are the
+  unrematerialized ones bit for bit and a block keeps only its input, less
+  than the `quantized` policy's FP4 residuals."""
+  rules = nv.PrecisionRules()  # Every projection NVFP4.
+  _same_grads(rules, "full")
+  full = _residuals(*_setup("full", rules))
+  quant = _residuals(*_setup("quantized", rules))
+  assert not [r for r in full if "nvfp4_residual" in r[2]]
+  blocks = [r for r in full if "Block" in r[2]]
+  assert blocks and all(d == "bf16" and s == (*_BATCH, 128)
+                        for d, s, _ in blocks), blocks
+  assert _bytes(full) < _bytes(quant), (_bytes(full), _bytes(quant))

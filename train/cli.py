@@ -165,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "reference: explicit FP32 scores")
   p.add_argument("--remat", metavar=_one_of(REMAT_KINDS), default="none",
                  help="quantized: blocks keep only the FP4 residuals of "
-                 "their NVFP4 layers and recompute the rest (less memory)")
+                 "their NVFP4 layers and recompute the rest (less memory); "
+                 "full: blocks keep only their inputs and recompute "
+                 "everything, quantization included (least memory)")
   p.add_argument("--tp-partial-sums", metavar=_one_of(PARTIAL_SUMS),
                  default="float32",
                  help="with a model mesh axis: sum tensor parallelism's "

@@ -106,8 +106,9 @@ class TrainConfig:
       projection quantized: the rules `python -m train.sensitivity` suggests.
     attention: "fused" (`jax.nn.dot_product_attention`, cuDNN on GPU) or
       "reference" (explicit FP32 scores).
-    remat: "none" or "quantized" (blocks save only the quantized residuals of
-      their NVFP4 layers and recompute the rest; `nvfp4_jax.remat_policy`).
+    remat: "none", "quantized" (blocks save only the quantized residuals of
+      their NVFP4 layers and recompute the rest; `nvfp4_jax.remat_policy`)
+      or "full" (blocks save only their inputs and recompute everything).
     residuals: "codes" or "values": how NVFP4 layers save the operands their
       backward pass multiplies (`nvfp4_jax.Recipe`: values skip the
       dequantize pass where the GEMM is emulated, at bf16's memory).
