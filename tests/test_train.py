@@ -477,10 +477,10 @@ def test_a_later_process_writes_no_run_files(tmp_path, monkeypatch):
 def test_diagnostics_quantize_one_layer_at_a_time():
   """The diagnostics loop over a shape's layers (`lax.map`): outside the loop
   no array of the stacked inputs' size is computed on, so the memory is the
-  stacked inputs plus one layer's temporaries. A vmap held every layer's at once: 23.9 GiB a GPU for
-  GPT base's evaluation at 16 x 1024 tokens (bf16, compiled for 4 H100s),
-  which ran a 4-GPU run out of memory at its first evaluation; with the
-  loop, 5.1 GiB.
+  stacked inputs plus one layer's temporaries. A vmap held every layer's at
+  once: 23.9 GiB a GPU for GPT base's evaluation at 16 x 1024 tokens (bf16,
+  compiled for 4 H100s), which ran a 4-GPU run out of memory at its first
+  evaluation; with the loop, 5.1 GiB.
   """
   trainer = Trainer(config(), small_corpus(), MODEL)
   params = trainer.init_state().params
