@@ -79,7 +79,7 @@ def overlap(text: str) -> dict[str, int]:
 
 def compile_step(preset, precision, batch, seq, mesh_sizes, target="h100",
                  options=None, partial_sums="float32",
-                 amax="global") -> str:
+                 amax="global", wgrad_sums="float32") -> str:
   """The scheduled HLO of the trainer's step on `mesh_sizes` of `target`."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -106,7 +106,7 @@ def compile_step(preset, precision, batch, seq, mesh_sizes, target="h100",
     devices = aot.topology_devices(target, n)
     mesh = nvfp4_jax.sharding.make_mesh(devices, **mesh_sizes)
     mr = nvfp4_jax.MeshRules(mesh=mesh, partial_sums=partial_sums,
-                             amax=amax)
+                             amax=amax, wgrad_sums=wgrad_sums)
     fns = StepFunctions(tc, GPT(mc), make_rules(tc, mc.num_layers), opt,
                         schedule, mesh_rules=mr)
     abstract = jax.eval_shape(fns.init_state)
@@ -173,6 +173,8 @@ def main(argv=None):
                  help="MeshRules.amax: global or local")
   p.add_argument("--partial-sums", default="float32",
                  help="MeshRules.partial_sums: float32 or output")
+  p.add_argument("--wgrad-sums", default="float32",
+                 help="MeshRules.wgrad_sums: float32 or bfloat16")
   p.add_argument("--summary", action="store_true",
                  help="only the totals by kind")
   a = p.parse_args(argv)
@@ -185,7 +187,7 @@ def main(argv=None):
       options[k] = int(options[k])
   t0 = time.perf_counter()
   text = compile_step(a.preset, a.precision, a.batch, a.seq, sizes, a.target,
-                      options, a.partial_sums, a.amax)
+                      options, a.partial_sums, a.amax, a.wgrad_sums)
   if a.hlo:
     with open(a.hlo, "w") as f:
       f.write(text)

@@ -424,11 +424,14 @@ class MeshConfig:
   mesh: str
   ladder: tuple[str, ...]
   attention: str = "fused"
+  wgrad_sums: str = "float32"  # `MeshRules.wgrad_sums`.
 
   @property
   def label(self) -> str:
+    sums = ("" if self.wgrad_sums == "float32"
+            else f" wgrad_sums={self.wgrad_sums}")
     return (f"{self.precision} remat={self.remat} {self.mesh} "
-            f"{self.batch}x{self.seq}")
+            f"{self.batch}x{self.seq}{sums}")
 
 
 def next_rung(peaks: dict[str, float], ladder, limit: float,
@@ -532,7 +535,8 @@ def _model_trainer(c: MeshConfig, rung: str):
                        vocab_size=256, source="random")
   tc = TrainConfig(preset="large", precision=c.precision, steps=1000,
                    batch_size=batch, seq_len=c.seq, diagnostics=False,
-                   eval_batches=1, attention=c.attention, remat=c.remat)
+                   eval_batches=1, attention=c.attention, remat=c.remat,
+                   wgrad_sums=c.wgrad_sums)
   mc = model_config(tc, 256).replace(**shape_fields(*parse_rung(rung)))
   return Trainer(tc, corpus, mc, mesh=mesh), batch
 
@@ -662,7 +666,9 @@ def model_rows(configs, states) -> list[dict]:
     lo, hi = (bracket(peaks, c.ladder, limit) if rungs else
               (-1, len(c.ladder)))
     searched = bool(rungs) and next_rung(peaks, c.ladder, limit) is None
-    row = {"precision": c.precision, "remat": c.remat, "mesh": c.mesh,
+    prec = c.precision + ("" if c.wgrad_sums == "float32"
+                          else f" (wgrad sums {c.wgrad_sums})")
+    row = {"precision": prec, "remat": c.remat, "mesh": c.mesh,
            "per_device": f"{c.batch}x{c.seq}",
            "limit_gib": _g(st.get("limit")),
            "compiles": len(rungs),
@@ -741,8 +747,12 @@ def model_main(a) -> list[dict]:
   sizes = parse_mesh(a.mesh)
   shards = math.prod(sizes.get(k, 1) for k in ("fsdp", "model"))
   mesh = ",".join(f"{k}={v}" for k, v in sizes.items())
-  configs = [MeshConfig(p, r, a.seq, a.batch, mesh, ladder, a.attention)
-             for r in a.remat.split(",") for p in a.precisions.split(",")]
+  # The weight gradients' sums change only quantized layers: BF16 is
+  # searched once.
+  configs = [MeshConfig(p, r, a.seq, a.batch, mesh, ladder, a.attention, s)
+             for r in a.remat.split(",") for p in a.precisions.split(",")
+             for s in a.wgrad_sums.split(",")
+             if p != "bf16" or s == "float32"]
   os.makedirs(a.state_dir, exist_ok=True)
   files = {c.label: os.path.join(a.state_dir, "model_" + _slug(c.label)
                                  + ".json") for c in configs}
@@ -913,6 +923,10 @@ def main(argv=None):
                  help="model search on 8 CPU devices: a tiny ladder, "
                  f"{SMOKE['mesh']}, a {SMOKE['limit_gib']} GiB limit")
   p.add_argument("--attention", default="fused")
+  p.add_argument("--wgrad-sums", default="float32",
+                 help="model search: comma list of MeshRules.wgrad_sums to "
+                 "search NVFP4 with ('float32,bfloat16': also with its "
+                 "weight gradients summed in bf16)")
   p.add_argument("--limit-gib", type=float, default=None,
                  help="memory budget instead of the device's allocator limit")
   p.add_argument("--compiles", type=int, default=8,

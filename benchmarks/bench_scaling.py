@@ -66,6 +66,7 @@ class Config:
   tp_partial_sums: str = "float32"  # `MeshRules.partial_sums`.
   amax: str = "global"  # `MeshRules.amax`.
   wgrad_schedule: str = "layer"  # `MeshRules.wgrad_schedule`.
+  wgrad_sums: str = "float32"  # `MeshRules.wgrad_sums`.
   # `nvfp4_jax.flax.moe.EXCHANGE_SLACK` ("" the library's default;
   # "none": whole buffers, no fast path).
   exchange_slack: str = ""
@@ -87,6 +88,8 @@ class Config:
       v += f" [amax={self.amax}]"
     if self.wgrad_schedule != "layer":
       v += f" [wgrad={self.wgrad_schedule}]"
+    if self.wgrad_sums != "float32":
+      v += f" [wgrad sums={self.wgrad_sums}]"
     if self.exchange_slack:
       v += f" [slack={self.exchange_slack}]"
     return f"{self.preset} {self.precision} {self.mesh or 'no mesh'}{v}"
@@ -114,7 +117,7 @@ def _child(cfg: Config, cache_dir: str) -> dict:
   trainer, state, batch = bench_step.build(bench_step.StepConfig(
       cfg.preset, cfg.precision, cfg.batch * cfg.devices, cfg.seq,
       mesh=cfg.mesh, tp_partial_sums=cfg.tp_partial_sums, amax=cfg.amax,
-      wgrad_schedule=cfg.wgrad_schedule))
+      wgrad_schedule=cfg.wgrad_schedule, wgrad_sums=cfg.wgrad_sums))
   if trainer.mesh_rules is None:  # The batch on the device, as on a mesh.
     batch = jax.device_put(batch, jax.devices()[0])
   compiled = trainer.train_step.lower(state, batch).compile()
@@ -252,7 +255,7 @@ def configs(a) -> list[Config]:
         if mesh not in ("", "data=1"):
           out += [dataclasses.replace(c, variant=v) for v in variants(a)]
         for field, applies in KNOBS:
-          if mesh not in ("", "data=1") and applies(mesh):
+          if mesh not in ("", "data=1") and applies(c):
             default = Config.__dataclass_fields__[field].default
             out += [dataclasses.replace(c, **{field: t})
                     for t in getattr(a, field).split(",")
@@ -262,11 +265,13 @@ def configs(a) -> list[Config]:
 
 # The library settings a mesh configuration is also timed with (the
 # `Config` field, which is also the option's name; its default is the
-# untagged row), and the meshes each applies to.
-KNOBS = (("tp_partial_sums", lambda mesh: "model=" in mesh),
-         ("amax", lambda mesh: True),
-         ("wgrad_schedule", lambda mesh: "fsdp=" in mesh),
-         ("exchange_slack", lambda mesh: "expert=" in mesh))
+# untagged row), and the configurations (meshes, precisions) each applies to.
+KNOBS = (("tp_partial_sums", lambda c: "model=" in c.mesh),
+         ("amax", lambda c: True),
+         ("wgrad_schedule", lambda c: "fsdp=" in c.mesh),
+         ("wgrad_sums", lambda c: c.precision != "bf16" and (
+             "data=" in c.mesh or "fsdp=" in c.mesh)),
+         ("exchange_slack", lambda c: "expert=" in c.mesh))
 
 
 def baseline(c: Config, cfgs: list[Config]) -> Config:
@@ -348,6 +353,10 @@ def main(argv=None):
                  help="comma list: also time the meshes with an fsdp axis "
                  "with the weight gradients where XLA's scheduler puts them "
                  "('layer,xla'; MeshRules.wgrad_schedule)")
+  p.add_argument("--wgrad-sums", default="float32",
+                 help="comma list: also time the meshes with a data or fsdp "
+                 "axis with the NVFP4 weight gradients summed in bf16 "
+                 "('float32,bfloat16'; MeshRules.wgrad_sums)")
   p.add_argument("--exchange-slack", default="",
                  help="comma list: also time the meshes with an expert axis "
                  "with this moe.EXCHANGE_SLACK ('none': whole buffers, no "

@@ -51,6 +51,7 @@ class StepConfig:
   tp_partial_sums: str = "float32"  # `MeshRules.partial_sums`.
   amax: str = "global"  # `MeshRules.amax`.
   wgrad_schedule: str = "layer"  # `MeshRules.wgrad_schedule`.
+  wgrad_sums: str = "float32"  # `MeshRules.wgrad_sums`.
 
   @property
   def mesh_sizes(self) -> dict[str, int]:
@@ -93,7 +94,8 @@ def build(cfg: StepConfig):
                    steps=1000, batch_size=cfg.batch, seq_len=cfg.seq,
                    diagnostics=False, residuals=cfg.residuals,
                    tp_partial_sums=cfg.tp_partial_sums, amax=cfg.amax,
-                   wgrad_schedule=cfg.wgrad_schedule)
+                   wgrad_schedule=cfg.wgrad_schedule,
+                   wgrad_sums=cfg.wgrad_sums)
   mc = model_config(tc, 256).replace(attention=cfg.attention,
                                      remat=cfg.remat)
   mesh = (sharding.make_mesh(jax.devices()[:cfg.devices], **cfg.mesh_sizes)

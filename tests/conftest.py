@@ -100,6 +100,19 @@ def pytest_configure(config):
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+# The modules whose tests each run a process or several of their own (mesh
+# checks on 8 CPU devices, multi-process CLI runs: 10-85 s each on 2 cores).
+# They go first: under `pytest -n 2` each worker then starts on one while
+# the other works beside it, instead of one worker running the last of them
+# alone at the end of the session.
+_FIRST = ("tests/test_mesh.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  items.sort(key=lambda item: not item.nodeid.startswith(_FIRST))
+
+
 def pytest_unconfigure(config):
   path = config.stash.get(_CACHE_DIR, None)
   if path is not None:

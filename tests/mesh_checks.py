@@ -451,6 +451,59 @@ def check_wgrad_schedule():
             f"with \"xla\"; y, dX, dW equal")
 
 
+def check_wgrad_sums():
+  """`LinearSharding(wgrad_sums="bfloat16")`: the weight gradient's sums
+  over the token shards (the reduce-scatter over `fsdp`, the all-reduce
+  over `data`) carry bf16, half the bytes ("float32", the default, carries
+  FP32), and dW stays within the derived bound of the unsharded layer's.
+  The bound: S = 4 token shards; each shard's FP32 Wgrad result is rounded
+  to bf16 once (`u = 2^-8` of its magnitude) and the S - 1 additions
+  between them round again, each within `u` of the running sum: S roundings
+  of at most `u * (|A| @ |B|)` (to first order; `(1 + u)^S` covers the
+  rest), `|A|`, `|B|` the Wgrad GEMM's dequantized operands, plus the FP32
+  reordering bound (`gemm_bound`). y and dX do not change."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  m, (t, k, n), (x, w, dy), key = _layer_case()
+  recipe = nv.Recipe.nvfp4()
+
+  def run(sharding):
+    f, args = _layer_fn(recipe, key, sharding), _placed(m, sharding, x, w, dy)
+    # The weight gradient's sums as the program asks for them (XLA:CPU
+    # promotes a bf16 all-reduce to FP32; NCCL sums bf16).
+    sums = re.findall(r"(\w+)\[[\d,]+\] = (psum|reduce_scatter)\[",
+                      str(jax.make_jaxpr(f)(*args)))
+    return sorted(set(sums)), jax.jit(f)(*args)
+
+  _, (y0, dx0, dw0) = run(None)
+  _, qxt, _, qdyt, _ = _operands(recipe, x, w, dy, key)
+  da, db = _DEQUANTIZE(qxt, qdyt)
+  magnitude = (np.abs(np.asarray(da, np.float64))
+               @ np.abs(np.asarray(db, np.float64)).T)
+  shards, u = 4, 2.0**-8
+  bound = (shards * u * (1 + u)**shards * magnitude
+           + gemm_bound(qxt, qdyt, t))
+  shardings = _linear_shardings(m)
+  # The row-parallel layer with FSDP has every sum: dW's reduce-scatter
+  # over `fsdp` and all-reduce over `data`, and Y's all-reduce over `model`.
+  for name, kinds in (("row+fsdp", {"psum", "reduce_scatter"}),):
+    got = {}
+    for sums in ("float32", "bfloat16"):
+      sh = dataclasses.replace(shardings[name], wgrad_sums=sums)
+      got[sums] = run(sh)
+    dtype = {"float32": "f32", "bfloat16": "bf16"}
+    for sums, (reduces, (y, dx, dw)) in got.items():
+      # Y's sum over `model` stays FP32 (`partial_sums`'s default).
+      wanted = {(dtype[sums], kind) for kind in kinds}
+      assert wanted <= set(reduces), (name, sums, reduces)
+      if sums == "bfloat16":
+        assert ("f32", "reduce_scatter") not in reduces, (name, reduces)
+      check_within(dw, dw0, bound if sums == "bfloat16" else
+                   gemm_bound(qxt, qdyt, t), f"wgrad sums {sums} {name} dw")
+    for what, a, b in zip(("y", "dx"), got["float32"][1], got["bfloat16"][1]):
+      assert np.array_equal(np.asarray(a), np.asarray(b)), (name, what)
+    print(f"  wgrad sums on {name}: {sorted(kinds)} f32, then bf16")
+
+
 def check_dot_general_xla():
   check_dot_general("xla", ("data", "fsdp", "column+fsdp", "row+fsdp"))
 

@@ -319,6 +319,9 @@ RULES = {
     "MeshRules weight gradients on an unknown schedule": (
         lambda: nv.MeshRules(mesh=_mesh(), wgrad_schedule="late"),
         ValueError, ["wgrad_schedule='late'", "('layer', 'xla')"]),
+    "MeshRules weight gradients summed in an unknown dtype": (
+        lambda: nv.MeshRules(mesh=_mesh(), wgrad_sums="fp16"),
+        ValueError, ["wgrad_sums='fp16'", "('float32', 'bfloat16')"]),
     "MeshRules.shardings naming an axis the mesh lacks": (
         lambda: nv.MeshRules(mesh=_mesh()).shardings({"w": P("tensor")}),
         ValueError, ["P('tensor',)", "'tensor'", "('data', 'fsdp', 'model')"]),

@@ -366,6 +366,33 @@ def test_bench_scaling_baseline_rounds_and_variants(monkeypatch, capsys):
       10 / 16, rel=1e-2)
 
 
+def test_bench_scaling_wgrad_sums_only_where_they_change_the_program(
+    monkeypatch):
+  """`--wgrad-sums float32,bfloat16` adds a bf16-sums row only to NVFP4 on
+  meshes that sum weight gradients over tokens (`data`, `fsdp`): BF16's
+  layers and a `model`-only mesh compile the same program either way."""
+  from benchmarks import bench_scaling
+  labels = []
+
+  def fake_run(cmd, env=None, **_):
+    del env
+    cfg = bench_scaling.Config(**json.loads(cmd[-1])["cfg"])
+    if cfg.compile_only:
+      labels.append(cfg.label)
+    out = {"compile_s": 1.0, "device": "x", "jax": "x", "ms": 1.0,
+           "ms_sync": 1.0}
+    return types.SimpleNamespace(returncode=0, stdout=json.dumps(out),
+                                 stderr="")
+
+  monkeypatch.setattr(subprocess, "run", fake_run)
+  bench_scaling.main(["--presets", "small", "--precisions", "bf16,nvfp4",
+                      "--meshes", "data=2 model=2",
+                      "--wgrad-sums", "float32,bfloat16", "--jobs", "1",
+                      "--cache-dir", "/nonexistent"])
+  assert [x for x in labels if "sums" in x] == [
+      "small nvfp4 data=2 [wgrad sums=bfloat16]"], labels
+
+
 def test_bench_scaling_exchange_slack(monkeypatch):
   """`--exchange-slack`: an expert-parallel mesh also runs with each listed
   `moe.EXCHANGE_SLACK` (none on meshes without an expert axis), and the

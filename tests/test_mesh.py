@@ -49,7 +49,8 @@ def test_sharded_dot_general_reference():
   tier runs every layout, Explicit and auto, and README's example)."""
   out = run_checks("dot_general_xla", "dot_general_values", "user_mesh_quick",
                    "auto_kernels_quick", "auto_moe_quick", "auto_gather_rows",
-                   "partial_sums", "local_amax", "wgrad_schedule")
+                   "partial_sums", "local_amax", "wgrad_schedule",
+                   "wgrad_sums")
   assert "3.97x fewer" in out  # FSDP weights travel as 4-bit codes.
   assert out.count('tied 1x with "layer"') == 4  # NVFP4 and BF16, 2 FSDP.
   # With residuals saved as values, too.
@@ -62,6 +63,8 @@ def test_sharded_dot_general_reference():
   assert "auto ragged_dot (SR, RHT) on batch x fsdp: equal" in out
   # Tensor parallelism's partial sums in bf16 on request (half the bytes).
   assert "partial sums on column+fsdp: all-reduces f32, then bf16" in out
+  # The weight gradients summed in bf16 on request (half the bytes).
+  assert "wgrad sums on row+fsdp: ['psum', 'reduce_scatter'] f32, then bf16" in out
   # Each token shard's own amax on request (no collective on the batch).
   assert "local amax on data: the per-shard layer's y; amax reductions 4 -> 0" in out
   # The MoE layer's row gathers per shard of their index.

@@ -136,6 +136,7 @@ def test_bad_flag_values_name_flag_value_and_fix(flag, value, fix):
     (["--tp-partial-sums", "bf16"], ["tp_partial_sums", "'bf16'", "'output'"]),
     (["--amax", "shard"], ["amax", "'shard'", "'local'"]),
     (["--wgrad-schedule", "late"], ["wgrad_schedule", "'late'", "'xla'"]),
+    (["--wgrad-sums", "bf16"], ["wgrad_sums", "'bf16'", "'bfloat16'"]),
     (["--compare", "bf16,bf16"], ["--compare", "'bf16,bf16'", "e.g."]),
     (["--coordinator", "h:1234"], ["--coordinator h:1234", "--distributed"]),
     (["--process-id", "1"], ["--process-id 1", "without --distributed"]),

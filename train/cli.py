@@ -33,6 +33,7 @@ from nvfp4_jax.core.recipe import RESIDUALS
 from nvfp4_jax.parallel.mesh import AMAX_SCOPES
 from nvfp4_jax.parallel.mesh import PARTIAL_SUMS
 from nvfp4_jax.parallel.mesh import WGRAD_SCHEDULES
+from nvfp4_jax.parallel.mesh import WGRAD_SUMS
 from train.config import MAX_SEED
 from train.config import MAX_STEPS
 from train.config import ABLATIONS
@@ -186,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
                  "gradient with its input gradient (layer, the default: "
                  "activations freed layer by layer) or where XLA's "
                  "scheduler puts it (xla)")
+  p.add_argument("--wgrad-sums", metavar=_one_of(WGRAD_SUMS),
+                 default="float32",
+                 help="on a mesh that splits the batch: sum the NVFP4 "
+                 "layers' weight gradients across devices in FP32 (float32, "
+                 "the default: the one-device run's gradients) or in bf16 "
+                 "(bfloat16: half the bytes, one more rounding)")
   p.add_argument("--data", metavar="PATH",
                  help="text file, directory of text files, or uint16 .bin "
                  "token file (default: the Python standard library's source)")
@@ -307,6 +314,7 @@ def make_configs(args, precisions: list[str]) -> list[TrainConfig]:
         diagnostics=not args.no_diagnostics, attention=args.attention,
         remat=args.remat, tp_partial_sums=args.tp_partial_sums,
         amax=args.amax, wgrad_schedule=args.wgrad_schedule,
+        wgrad_sums=args.wgrad_sums,
         **ablations[p]) for p in precisions]
   except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None

@@ -14,6 +14,7 @@ from models.gpt import REMAT_KINDS
 from nvfp4_jax.parallel.mesh import AMAX_SCOPES
 from nvfp4_jax.parallel.mesh import PARTIAL_SUMS
 from nvfp4_jax.parallel.mesh import WGRAD_SCHEDULES
+from nvfp4_jax.parallel.mesh import WGRAD_SUMS
 from nvfp4_jax.core.recipe import FOUR_OVER_SIX_MODES
 from nvfp4_jax.core.recipe import RESIDUALS
 from nvfp4_jax.core.recipe import check_field
@@ -122,6 +123,10 @@ class TrainConfig:
       gradient is computed: "layer" (with its input gradient) or "xla"
       (where XLA's scheduler puts it;
       `nvfp4_jax.MeshRules(wgrad_schedule=...)`).
+    wgrad_sums: on a mesh that splits the batch, the dtype the NVFP4
+      layers' weight gradients are summed in across devices: "float32"
+      (the one-device run's gradients, rounded once) or "bfloat16" (half
+      the bytes; `nvfp4_jax.MeshRules(wgrad_sums=...)`).
   """
 
   preset: str = "tiny"
@@ -158,6 +163,7 @@ class TrainConfig:
   tp_partial_sums: str = "float32"
   amax: str = "global"
   wgrad_schedule: str = "layer"
+  wgrad_sums: str = "float32"
 
   def __post_init__(self):
     # Types first: "false" is a truthy string and True an int in Python.
@@ -242,7 +248,8 @@ class TrainConfig:
                           ("remat", REMAT_KINDS), ("residuals", RESIDUALS),
                           ("tp_partial_sums", PARTIAL_SUMS),
                           ("amax", AMAX_SCOPES),
-                          ("wgrad_schedule", WGRAD_SCHEDULES)):
+                          ("wgrad_schedule", WGRAD_SCHEDULES),
+                          ("wgrad_sums", WGRAD_SUMS)):
       if getattr(self, name) not in choices:
         raise ValueError(f"unknown {name} {getattr(self, name)!r}; use one "
                          f"of {choices}.")

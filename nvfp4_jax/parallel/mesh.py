@@ -123,6 +123,9 @@ AMAX_SCOPES = ("global", "local")
 # When a layer's weight gradient is computed under FSDP
 # (`LinearSharding.wgrad_schedule`).
 WGRAD_SCHEDULES = ("layer", "xla")
+# The dtype quantized layers' weight gradients are summed in across the token
+# shards (`LinearSharding.wgrad_sums`).
+WGRAD_SUMS = ("float32", "bfloat16")
 _CHOICES = {
     "partial_sums": (PARTIAL_SUMS, "\"float32\": sums in FP32, rounded once; "
                      "\"output\": in the output dtype, half the bytes for "
@@ -133,12 +136,16 @@ _CHOICES = {
     "wgrad_schedule": (WGRAD_SCHEDULES, "\"layer\": each layer's weight "
                        "gradient with its input gradient; \"xla\": where "
                        "XLA's scheduler puts it"),
+    "wgrad_sums": (WGRAD_SUMS, "\"float32\": the weight gradients summed "
+                   "in FP32, rounded once; \"bfloat16\": each shard's "
+                   "rounded to bf16 and summed in bf16, half the bytes"),
 }
 
 
 def _check_choices(owner) -> None:
   """Raises a ValueError naming the value and the choices where `owner`'s
-  `partial_sums`, `amax` or `wgrad_schedule` is not one of them."""
+  `partial_sums`, `amax`, `wgrad_schedule` or `wgrad_sums` is not one of
+  them."""
   for name, (choices, meaning) in _CHOICES.items():
     value = getattr(owner, name)
     if value not in choices:
@@ -186,6 +193,18 @@ class LinearSharding:
       past the whole backward pass and hold every layer's activations and
       activation gradients until then: 16.6 GiB more per device for a 40-
       layer 12.5B GPT on 4 GPUs, BENCHMARKS.md). No effect without `fsdp`.
+    wgrad_sums: the dtype a quantized layer's weight gradient (the
+      library's custom VJP, whatever format its Wgrad GEMM) is summed in
+      across the token shards (the reduce-scatter over `fsdp`, the
+      all-reduce over the other token axes): "float32" (each device's FP32
+      Wgrad result, rounded once after the sum: the unsharded GEMM within
+      FP32 reordering) or "bfloat16" (each device's result rounded to bf16
+      by the GEMM, then summed in bf16, as the gradients of layers kept in
+      BF16 are: half the bytes on the wire, and under FSDP bf16 gradient
+      shards held until the optimizer update instead of FP32 ones). The
+      gradient reaches the master weight in its dtype either way. No effect
+      where no axis splits the tokens, or on layers the recipe keeps in
+      high precision (XLA sums those in their own dtype).
   """
 
   mesh: Mesh
@@ -197,6 +216,7 @@ class LinearSharding:
   partial_sums: str = "float32"
   amax: str = "global"
   wgrad_schedule: str = "layer"
+  wgrad_sums: str = "float32"
 
   def __post_init__(self):
     object.__setattr__(self, "tokens", tuple(self.tokens))
@@ -372,6 +392,9 @@ class MeshRules:
     wgrad_schedule: "layer" (default) or "xla": under `fsdp`, each layer's
       weight gradient computed with its input gradient, or where XLA's
       scheduler puts it (`LinearSharding.wgrad_schedule`).
+    wgrad_sums: "float32" (default) or "bfloat16": the dtype quantized
+      layers' weight gradients are summed in across the token shards
+      (`LinearSharding.wgrad_sums`).
 
   Axes named here but absent from the mesh are dropped (a mesh of only
   `data` is plain data parallelism); every mesh axis must have a role.
@@ -386,6 +409,7 @@ class MeshRules:
   partial_sums: str = "float32"
   amax: str = "global"
   wgrad_schedule: str = "layer"
+  wgrad_sums: str = "float32"
 
   def __post_init__(self):
     _check_choices(self)
@@ -445,7 +469,8 @@ class MeshRules:
     return LinearSharding(mesh=self.mesh, tokens=self.batch, tensor=style,
                           model=self.model if style else None,
                           fsdp=self.fsdp, partial_sums=self.partial_sums,
-                          amax=self.amax, wgrad_schedule=self.wgrad_schedule)
+                          amax=self.amax, wgrad_schedule=self.wgrad_schedule,
+                          wgrad_sums=self.wgrad_sums)
 
   def batch_spec(self, ndim: int, axis: int = 0) -> P:
     """The spec of a batch array whose `axis` indexes sequences."""

@@ -193,6 +193,10 @@ class _Whole:
   def dx_dtype(self, out_dtype):
     """The same for Dgrad's GEMM."""
     return jnp.float32 if self.reduces_dx and self.f32_sums else out_dtype
+
+  # The dtype Wgrad's GEMM writes: FP32, unless the weight gradient is
+  # summed across token shards in bf16 (`LinearSharding.wgrad_sums`).
+  dw_dtype = jnp.float32
   # Every device holds the whole weight (no axis splits it; the tokens may
   # be split): the weight's quantization needs no collective.
   whole_w = True
@@ -231,6 +235,10 @@ class _Shard(_Whole):
     self.reduces_y = bool(s.k_axes)
     self.reduces_dx = bool(s.n_axes)
     self.f32_sums = s.partial_sums == "float32"
+    if (s.wgrad_sums == "bfloat16"
+        and spmd.num_shards(s.sizes, s.tokens) > 1):
+      # Each shard's gradient rounded once, by the GEMM's epilogue.
+      self.dw_dtype = jnp.bfloat16
 
   def place_x(self, x):
     return spmd.placement(self.s.x_spec, x.shape)
@@ -255,7 +263,8 @@ class _Shard(_Whole):
 
   def sum_dw(self, dw):
     """Sums the weight gradient over the token shards: reduce-scatter into
-    the stored shard across `fsdp`, all-reduce across the other axes."""
+    the stored shard across `fsdp`, all-reduce across the other axes (in
+    `dw`'s dtype: `dw_dtype`)."""
     s = self.s
     if s.fsdp is not None:
       dw = jax.lax.psum_scatter(dw, s.fsdp, scatter_dimension=s.fsdp_dim,
@@ -505,10 +514,10 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, res, dy,
         dy, w.T, ctx.dx_dtype(out_dtype), precision))(
             dy, ctx.gather_w(w, False))
   if wgrad_q:
-    dw = _gemm("nvfp4_wgrad", jnp.float32)(x_saved, qdyt)
+    dw = _gemm("nvfp4_wgrad", ctx.dw_dtype)(x_saved, qdyt)
   else:
     dw = _named("bf16_wgrad", lambda x, dy: _hp_matmul(
-        x.T, dy, jnp.float32, precision))(x_saved, dy)
+        x.T, dy, jnp.float32, precision).astype(ctx.dw_dtype))(x_saved, dy)
   return ctx.sum_dx(dx), ctx.sum_dw(dw)
 
 
