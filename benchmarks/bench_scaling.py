@@ -265,8 +265,10 @@ def configs(a) -> list[Config]:
 
 # The library settings a mesh configuration is also timed with (the
 # `Config` field, which is also the option's name; its default is the
-# untagged row), and the configurations (meshes, precisions) each applies to.
-KNOBS = (("tp_partial_sums", lambda c: "model=" in c.mesh),
+# untagged row), and the configurations (meshes, precisions) each applies to:
+# the sums' dtypes change only quantized layers.
+KNOBS = (("tp_partial_sums", lambda c: c.precision != "bf16"
+          and "model=" in c.mesh),
          ("amax", lambda c: True),
          ("wgrad_schedule", lambda c: "fsdp=" in c.mesh),
          ("wgrad_sums", lambda c: c.precision != "bf16" and (
