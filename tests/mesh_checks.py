@@ -449,6 +449,16 @@ def check_wgrad_schedule():
                                                               what)
       print(f"  {rname} {name}: dX and dW tied {tied}x with \"layer\", not "
             f"with \"xla\"; y, dX, dW equal")
+  # `make_mesh(data=8)` carries an `fsdp` axis of size 1: no FSDP there,
+  # so no barrier (it would keep each data-parallel all-reduce from
+  # overlapping more than its own layer's work).
+  plain = shd.LinearSharding(mesh=mesh(data=8), tokens=("data", "fsdp"),
+                             fsdp="fsdp")
+  for recipe in (nv.Recipe.nvfp4(), nv.Recipe.bf16()):
+    f, args = _layer_fn(recipe, key, plain), _placed(plain.mesh, plain, x, w,
+                                                     dy)
+    assert (f"{t},{k}", f"{k},{n}") not in barriers(f, args), recipe.tag
+  print("  fsdp of size 1: not tied")
 
 
 def check_wgrad_sums():

@@ -53,6 +53,7 @@ def test_sharded_dot_general_reference():
                    "wgrad_sums")
   assert "3.97x fewer" in out  # FSDP weights travel as 4-bit codes.
   assert out.count('tied 1x with "layer"') == 4  # NVFP4 and BF16, 2 FSDP.
+  assert "fsdp of size 1: not tied" in out
   # With residuals saved as values, too.
   assert out.split("[dot_general_values]")[1].split(
       "[user_mesh_quick]")[0].count("3.97x fewer") == 2

@@ -476,9 +476,17 @@ def _ordered_wgrad(dx, dw, shard: LinearSharding | None):
   `wgrad_schedule="layer"`: the layers below cannot start their backward
   pass before this layer's weight gradient exists, so its GEMM (and its
   reduce-scatter, issued right after it) runs in this layer's turn."""
-  if shard is None or shard.fsdp is None or shard.wgrad_schedule != "layer":
+  if not _splits_fsdp(shard) or shard.wgrad_schedule != "layer":
     return dx, dw
   return jax.lax.optimization_barrier((dx, dw))
+
+
+def _splits_fsdp(shard: LinearSharding | None) -> bool:
+  """Whether `shard` has an `fsdp` axis of more than one device (a mesh
+  from `make_mesh(data=n)` carries `fsdp` of size 1: nothing to gather or
+  reduce-scatter, so no FSDP ordering either)."""
+  return (shard is not None and shard.fsdp is not None
+          and shard.sizes[shard.fsdp] > 1)
 
 
 def _backward(recipe: Recipe, precision, out_dtype, x_dtype, res, dy,
@@ -716,7 +724,7 @@ def _gathered_weight(lhs, rhs, rc, batched, shard: LinearSharding | None):
 def _gathers_weight(lhs, rhs, batched, shard: LinearSharding | None) -> bool:
   """Whether `_gathered_weight` gathers `rhs` (a 2-D weight of a layer
   with an `fsdp` axis, in auto mode, outside a `shard_map`)."""
-  if (shard is None or shard.fsdp is None or batched or rhs.ndim != 2
+  if (not _splits_fsdp(shard) or batched or rhs.ndim != 2
       or explicit_mesh(lhs, rhs) is not None):
     return False
   abstract = jax.sharding.get_abstract_mesh()
