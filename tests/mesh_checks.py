@@ -412,22 +412,35 @@ def check_local_amax():
 def check_wgrad_schedule():
   """`LinearSharding(wgrad_schedule=...)` under FSDP: "layer" (the
   default) ties each layer's weight gradient to its input gradient with an
-  optimization barrier, for NVFP4 (the custom VJP) and for a GEMM the
-  recipe keeps in BF16 (XLA's own VJP of the plain product); "xla" leaves
-  both to XLA's scheduler. The barrier changes only the order: y, dX and dW
-  are bit for bit those of "xla". Without `fsdp` there is no barrier."""
+  optimization barrier, for NVFP4 (inside the custom VJP's `shard_map`:
+  each device's dX with its reduce-scattered dW shard, before dW's
+  all-reduce over `data`, which stays free to overlap the layers below)
+  and for a GEMM the recipe keeps in BF16 (XLA's own VJP of the plain
+  product: the whole dX and dW); "xla" leaves both to XLA's scheduler. The
+  barrier changes only the order: y, dX and dW are bit for bit those of
+  "xla". Without `fsdp` there is no barrier."""
   import dataclasses  # pylint: disable=g-import-not-at-top
   m, (t, k, n), (x, w, dy), key = _layer_case()
   shardings = _linear_shardings(m)
 
   def barriers(f, args):
     """The optimization barriers of `f`'s jaxpr, as `(shapes)` of their
-    outputs."""
-    out = []
+    outputs, and the variables psum'd over `data`, by the barrier output
+    they are (None: not one)."""
+    out, names, summed = [], {}, []
     for line in str(jax.make_jaxpr(f)(*args)).splitlines():
+      lhs = line.split("=")[0]
       if "optimization_barrier" in line:
-        out.append(tuple(re.findall(r"\[([\d,]+)\]", line.split("=")[0])))
-    return out
+        shapes = tuple(re.findall(r"\[([\d,]+)\]", lhs))
+        out.append(shapes)
+        for var, shape in zip(re.findall(r"(\w+):", lhs), shapes):
+          names[var] = shape
+      elif "psum[axes=('data',)" in line:
+        summed += [names.get(v) for v in line.split("]")[-1].split()]
+    return out, summed
+
+  def local(a, spec):
+    return ",".join(map(str, NamedSharding(m, spec).shard_shape(a.shape)))
 
   for rname, recipe in (("nvfp4", nv.Recipe.nvfp4()),
                         ("bf16", nv.Recipe.bf16())):
@@ -437,12 +450,20 @@ def check_wgrad_schedule():
         sh = dataclasses.replace(shardings[name], wgrad_schedule=schedule)
         f, args = _layer_fn(recipe, key, sh), _placed(m, sh, x, w, dy)
         got[schedule] = (barriers(f, args), jax.jit(f)(*args))
-      # dX `[t, k]` and dW `[k, n]` pass one barrier together (the
-      # quantizers have barriers of their own).
-      pair = (f"{t},{k}", f"{k},{n}")
-      tied = got["layer"][0].count(pair)
-      assert tied == (name != "data"), (rname, name, got["layer"][0])
-      assert pair not in got["xla"][0], (rname, name, got["xla"][0])
+      # dX and dW pass one barrier together (the quantizers have barriers
+      # of their own): NVFP4's per device, dW reduce-scattered over
+      # `fsdp` (its stored shard, before the sum over `data`); BF16's
+      # whole.
+      sh = shardings[name]
+      pair = ((local(x, sh.x_spec), local(w, sh.kernel_spec))
+              if rname == "nvfp4" else (f"{t},{k}", f"{k},{n}"))
+      (found, summed), _ = got["layer"]
+      tied = found.count(pair)
+      assert tied == (name != "data"), (rname, name, pair, found)
+      assert pair not in got["xla"][0][0], (rname, name, got["xla"][0])
+      if rname == "nvfp4" and tied:
+        # dW's all-reduce over `data` takes the barrier's output.
+        assert pair[1] in summed, (name, summed)
       for what, a, b in zip(("y", "dx", "dw"), got["layer"][1],
                             got["xla"][1]):
         assert np.array_equal(np.asarray(a), np.asarray(b)), (rname, name,
@@ -457,7 +478,10 @@ def check_wgrad_schedule():
   for recipe in (nv.Recipe.nvfp4(), nv.Recipe.bf16()):
     f, args = _layer_fn(recipe, key, plain), _placed(plain.mesh, plain, x, w,
                                                      dy)
-    assert (f"{t},{k}", f"{k},{n}") not in barriers(f, args), recipe.tag
+    found, _ = barriers(f, args)
+    # Neither BF16's whole pair nor NVFP4's per-device one (8 token shards).
+    for pair in ((f"{t},{k}", f"{k},{n}"), (f"{t // 8},{k}", f"{k},{n}")):
+      assert pair not in found, (recipe.tag, found)
   print("  fsdp of size 1: not tied")
 
 

@@ -192,8 +192,11 @@ class LinearSharding:
       which on deep models can defer every layer's weight-gradient GEMM
       past the whole backward pass and hold every layer's activations and
       activation gradients until then: 16.6 GiB more per device for a 40-
-      layer 12.5B GPT on 4 GPUs, BENCHMARKS.md). No effect without `fsdp`
-      or where it has one device (`make_mesh(data=n)` carries `fsdp=1`).
+      layer 12.5B GPT on 4 GPUs, BENCHMARKS.md). In quantized layers the
+      barrier holds the reduce-scattered shard, and the all-reduce over the
+      other token axes (`data` of a `data x fsdp` mesh) follows it, free
+      to overlap the layers below. No effect without `fsdp` or where it
+      has one device (`make_mesh(data=n)` carries `fsdp=1`).
     wgrad_sums: the dtype a quantized layer's weight gradient (the
       library's custom VJP, whatever format its Wgrad GEMM) is summed in
       across the token shards (the reduce-scatter over `fsdp`, the

@@ -213,7 +213,10 @@ class _Whole:
   def sum_y(self, y):
     return y
 
-  sum_dx = sum_dw = sum_y
+  sum_dx = sum_y
+
+  def sum_dw(self, dx, dw):
+    return dx, dw
 
 
 _WHOLE = _Whole()
@@ -261,16 +264,26 @@ class _Shard(_Whole):
   def sum_dx(self, dx):  # Column-parallel: partial sums over `out`.
     return jax.lax.psum(dx, self.s.n_axes) if self.s.n_axes else dx
 
-  def sum_dw(self, dw):
-    """Sums the weight gradient over the token shards: reduce-scatter into
-    the stored shard across `fsdp`, all-reduce across the other axes (in
-    `dw`'s dtype: `dw_dtype`)."""
+  def sum_dw(self, dx, dw):
+    """`(dx, dw)` with the weight gradient summed over the token shards:
+    reduce-scattered into the stored shard across `fsdp`, all-reduced
+    across the other axes (in `dw`'s dtype: `dw_dtype`).
+
+    Under FSDP with `wgrad_schedule="layer"` the reduce-scattered shard is
+    tied to `dx` by an optimization barrier: the layers below cannot start
+    their backward pass before it exists, so this layer's Wgrad GEMM and
+    reduce-scatter run in its turn and its activations are freed there.
+    The all-reduce over the other token axes (`data`) comes after the
+    barrier, free to overlap the layers below: its operand is already the
+    small shard, so holding it costs what the sharded gradient does."""
     s = self.s
     if s.fsdp is not None:
       dw = jax.lax.psum_scatter(dw, s.fsdp, scatter_dimension=s.fsdp_dim,
                                 tiled=True)
+      if _splits_fsdp(s) and s.wgrad_schedule == "layer":
+        dx, dw = jax.lax.optimization_barrier((dx, dw))
     rest = tuple(a for a in s.tokens if a != s.fsdp)
-    return jax.lax.psum(dw, rest) if rest else dw
+    return dx, (jax.lax.psum(dw, rest) if rest else dw)
 
 
 
@@ -467,15 +480,16 @@ def _linear_bwd(recipe: Recipe, precision, out_dtype, x_dtype, name, plan,
           mesh=shard.mesh,
           in_specs=(_residual_specs(shard, recipe), shard.y_spec),
           out_specs=(shard.x_spec, shard.kernel_spec))(res, dy)
-    dx, dw = _ordered_wgrad(dx, dw, shard)
   return dx.astype(x_dtype), dw.astype(w.dtype), None
 
 
 def _ordered_wgrad(dx, dw, shard: LinearSharding | None):
-  """`(dx, dw)`, tied by an optimization barrier under FSDP with
-  `wgrad_schedule="layer"`: the layers below cannot start their backward
-  pass before this layer's weight gradient exists, so its GEMM (and its
-  reduce-scatter, issued right after it) runs in this layer's turn."""
+  """`(dx, dw)` of a high-precision layer's product, tied by an
+  optimization barrier under FSDP with `wgrad_schedule="layer"`: the
+  layers below cannot start their backward pass before this layer's
+  weight gradient exists, so its GEMM (and its reduce-scatter, issued
+  right after it) runs in this layer's turn. (The quantized layers tie
+  the reduce-scattered shard inside their `shard_map`: `_Shard.sum_dw`.)"""
   if not _splits_fsdp(shard) or shard.wgrad_schedule != "layer":
     return dx, dw
   return jax.lax.optimization_barrier((dx, dw))
@@ -526,7 +540,7 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, res, dy,
   else:
     dw = _named("bf16_wgrad", lambda x, dy: _hp_matmul(
         x.T, dy, jnp.float32, precision).astype(ctx.dw_dtype))(x_saved, dy)
-  return ctx.sum_dx(dx), ctx.sum_dw(dw)
+  return ctx.sum_dw(ctx.sum_dx(dx), dw)
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
