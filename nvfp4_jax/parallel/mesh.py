@@ -397,8 +397,10 @@ class MeshRules:
       weight gradient computed with its input gradient, or where XLA's
       scheduler puts it (`LinearSharding.wgrad_schedule`).
     wgrad_sums: "float32" (default) or "bfloat16": the dtype quantized
-      layers' weight gradients are summed in across the token shards
-      (`LinearSharding.wgrad_sums`).
+      linear layers' weight gradients are summed in across the token shards
+      (`LinearSharding.wgrad_sums`; the stacked experts of mixture-of-
+      experts layers are summed by XLA in their gradient's dtype, FP32
+      for FP32 weights).
 
   Axes named here but absent from the mesh are dropped (a mesh of only
   `data` is plain data parallelism); every mesh axis must have a role.
