@@ -536,6 +536,18 @@ def check_wgrad_sums():
     for what, a, b in zip(("y", "dx"), got["float32"][1], got["bfloat16"][1]):
       assert np.array_equal(np.asarray(a), np.asarray(b)), (name, what)
     print(f"  wgrad sums on {name}: {sorted(kinds)} f32, then bf16")
+  # Through the trainer (`TrainConfig.wgrad_sums`, `--wgrad-sums`): the GPT
+  # step's quantized layers reduce-scatter their gradients in that dtype.
+  for sums, dtype in (("float32", "f32"), ("bfloat16", "bf16")):
+    tr = _trainer(GPT_MESHES["fsdp"], train=dict(wgrad_sums=sums))
+    st = jax.eval_shape(tr.fns.init_state)
+    batch = jax.ShapeDtypeStruct((1, tr.cfg.micro_batch,
+                                  tr.cfg.seq_len + 1), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(tr.fns.loss_and_grads)(
+        st.params, batch, jax.ShapeDtypeStruct((), jnp.int32)))
+    found = set(re.findall(r"(\w+)\[[\d,]+\] = reduce_scatter\[", jaxpr))
+    assert found == {dtype}, (sums, found)
+  print("  trainer: --wgrad-sums reaches the GPT's layers")
 
 
 def check_dot_general_xla():
@@ -1670,7 +1682,7 @@ GPT_MESHES = {"dp": dict(data=8), "fsdp": dict(data=2, fsdp=4),
               "mixed": dict(data=2, fsdp=2, model=2)}
 
 
-def _trainer(mesh_sizes, gpt_rules=GPT_RULES, **gpt):
+def _trainer(mesh_sizes, gpt_rules=GPT_RULES, train=None, **gpt):
   import train.loop as loop  # pylint: disable=g-import-not-at-top
   from models import preset  # pylint: disable=g-import-not-at-top
   from tiny_training import small_corpus  # pylint: disable=g-import-not-at-top
@@ -1679,7 +1691,8 @@ def _trainer(mesh_sizes, gpt_rules=GPT_RULES, **gpt):
       (p, nv.Recipe.from_name(r)) for p, r in gpt_rules))
   cfg = TrainConfig(preset="tiny", precision="nvfp4", steps=8, batch_size=8,
                     seq_len=16, lr=3e-3, warmup_steps=1, eval_every=8,
-                    ckpt_every=8, eval_batches=1, diagnostics=False)
+                    ckpt_every=8, eval_batches=1, diagnostics=False,
+                    **(train or {}))
   real = loop.make_rules
   loop.make_rules = lambda cfg, n: rules
   try:

@@ -66,6 +66,7 @@ def test_sharded_dot_general_reference():
   assert "partial sums on column+fsdp: all-reduces f32, then bf16" in out
   # The weight gradients summed in bf16 on request (half the bytes).
   assert "wgrad sums on row+fsdp: ['psum', 'reduce_scatter'] f32, then bf16" in out
+  assert "trainer: --wgrad-sums reaches the GPT's layers" in out
   # Each token shard's own amax on request (no collective on the batch).
   assert "local amax on data: the per-shard layer's y; amax reductions 4 -> 0" in out
   # The MoE layer's row gathers per shard of their index.
