@@ -255,6 +255,19 @@ class LinearSharding:
     return dict(self.mesh.shape)
 
   @property
+  def fsdp_splits(self) -> bool:
+    """Whether `fsdp` splits the weight over more than one device (a mesh
+    from `make_mesh(data=n)` carries `fsdp` of size 1: nothing to gather or
+    reduce-scatter, so no FSDP ordering either)."""
+    return self.fsdp is not None and self.sizes[self.fsdp] > 1
+
+  @property
+  def ties_wgrad(self) -> bool:
+    """Whether the weight gradient is tied to the input gradient
+    (`wgrad_schedule="layer"` where `fsdp` splits the weight)."""
+    return self.fsdp_splits and self.wgrad_schedule == "layer"
+
+  @property
   def k_axes(self) -> tuple[str, ...]:
     """Axes splitting `in` (K) of X and of the weight in use."""
     return (self.model,) if self.tensor == "row" else ()

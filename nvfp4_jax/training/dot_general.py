@@ -280,7 +280,7 @@ class _Shard(_Whole):
     if s.fsdp is not None:
       dw = jax.lax.psum_scatter(dw, s.fsdp, scatter_dimension=s.fsdp_dim,
                                 tiled=True)
-      if _splits_fsdp(s) and s.wgrad_schedule == "layer":
+      if s.ties_wgrad:
         dx, dw = jax.lax.optimization_barrier((dx, dw))
     rest = tuple(a for a in s.tokens if a != s.fsdp)
     return dx, (jax.lax.psum(dw, rest) if rest else dw)
@@ -490,17 +490,9 @@ def _ordered_wgrad(dx, dw, shard: LinearSharding | None):
   weight gradient exists, so its GEMM (and its reduce-scatter, issued
   right after it) runs in this layer's turn. (The quantized layers tie
   the reduce-scattered shard inside their `shard_map`: `_Shard.sum_dw`.)"""
-  if not _splits_fsdp(shard) or shard.wgrad_schedule != "layer":
+  if shard is None or not shard.ties_wgrad:
     return dx, dw
   return jax.lax.optimization_barrier((dx, dw))
-
-
-def _splits_fsdp(shard: LinearSharding | None) -> bool:
-  """Whether `shard` has an `fsdp` axis of more than one device (a mesh
-  from `make_mesh(data=n)` carries `fsdp` of size 1: nothing to gather or
-  reduce-scatter, so no FSDP ordering either)."""
-  return (shard is not None and shard.fsdp is not None
-          and shard.sizes[shard.fsdp] > 1)
 
 
 def _backward(recipe: Recipe, precision, out_dtype, x_dtype, res, dy,
@@ -658,8 +650,8 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
   if not recipe.quantized or lhs.size == 0 or rhs.size == 0:
     # Exactly XLA's product of the operands as given (with no elements
     # there is nothing to quantize: an empty result, or zeros for K = 0).
-    if (_gathers_weight(lhs, rhs, lb or rb, shard)
-        and shard.wgrad_schedule == "layer" and out_sharding is None):
+    if (_gathers_weight(lhs, rhs, lb or rb, shard) and shard.ties_wgrad
+        and out_sharding is None):
       return _hp_fsdp_dot(lhs, rhs, (tuple(lc), tuple(rc)), precision,
                           preferred_element_type, shard)
     rhs = _gathered_weight(lhs, rhs, rc, lb or rb, shard)
@@ -723,9 +715,9 @@ def _gathered_weight(lhs, rhs, rc, batched, shard: LinearSharding | None):
   reduce-scatter. Gathering the weight itself (what the quantized path does
   explicitly) makes the gradient's cotangent replicated over `fsdp`, so it
   is reduced where the parameters' sharding asks: a reduce-scatter of
-  weight-sized bytes. A no-op without an `fsdp` axis, for weights of
-  other ranks, inside a `shard_map` and under Explicit axes (there the
-  types say where the operands live)."""
+  weight-sized bytes. A no-op without an `fsdp` axis of several devices,
+  for weights of other ranks, inside a `shard_map` and under Explicit axes
+  (there the types say where the operands live)."""
   if not _gathers_weight(lhs, rhs, batched, shard):
     return rhs
   spec = shard.used_kernel_spec
@@ -737,8 +729,8 @@ def _gathered_weight(lhs, rhs, rc, batched, shard: LinearSharding | None):
 
 def _gathers_weight(lhs, rhs, batched, shard: LinearSharding | None) -> bool:
   """Whether `_gathered_weight` gathers `rhs` (a 2-D weight of a layer
-  with an `fsdp` axis, in auto mode, outside a `shard_map`)."""
-  if (not _splits_fsdp(shard) or batched or rhs.ndim != 2
+  whose `fsdp` axis splits it, in auto mode, outside a `shard_map`)."""
+  if (shard is None or not shard.fsdp_splits or batched or rhs.ndim != 2
       or explicit_mesh(lhs, rhs) is not None):
     return False
   abstract = jax.sharding.get_abstract_mesh()
