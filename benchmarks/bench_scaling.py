@@ -12,16 +12,30 @@ baseline is the trainer's own sharded step on a mesh of one device
 device-resident batch as on the meshes); `--no-mesh-baseline` also times
 the step jitted without a mesh (what `bench_step` took as one GPU).
 
-Every configuration runs in its own process. First all of them compile at
-once (`--jobs` processes) into a persistent compilation cache; then each is
-timed alone in a fresh process that loads its executable from the cache
-(`compile_s` shows the hit), round after round (the order reversed every
-other round, so no configuration always runs first) while the next round
-fits in `--budget-s`. Each process runs `--warmup` steps, then `--steps`
-steps back to back with one wait at the end (`ms`, the training loop's
-throughput) and `--steps` steps waiting on each (`ms_sync`). A row prints
-as each process finishes; the table at the end has the median over rounds
-and the spread of the per-round values.
+Every configuration runs in its own process. In the first round,
+`--jobs` processes compile at once (into a persistent compilation cache)
+and then hold their executables: when all of them have compiled, each is
+timed alone, in the process that compiled it, and exits; then the next
+`--jobs` compile. Nothing runs on the GPUs while XLA compiles, so its
+autotuning (timed GEMM candidates) is not disturbed, and no process pays
+for loading an executable (an NVFP4 GPT base step takes ~40 s to load from
+the cache on an H100, ~115 s to compile). Later rounds, while the next
+round fits in `--budget-s`, time each configuration in a fresh process that
+loads its executable from the cache (`compile_s` shows the load), the order
+reversed every other round so that no configuration always runs first.
+Each waiting process keeps its train state on its GPUs. Each process runs
+`--warmup` steps, then `--steps` steps back to back with one wait at the
+end (`ms`, the training loop's throughput) and `--steps` steps waiting on
+each (`ms_sync`). A row prints as each process finishes; the table at the
+end has the median over rounds and the spread of the per-round values.
+
+Other processes on the GPUs while this runs skew both the timings and
+XLA's autotuning, whose choices the cache directory keeps (its
+`xla_gpu_per_fusion_autotune_cache_dir`): a GPT base NVFP4 step compiled
+beside another job ran at 89 ms instead of 51, one GEMM fusion taking 39
+ms of it. The run warns when `nvidia-smi` lists other processes; give
+`--cache-dir` a new directory after such a run (the default is a new
+temporary directory).
 
 `--profile` traces a few more steps (first round only) and splits the
 first GPU's time per step: `nccl_ms` (NCCL kernels), `exposed_ms` (NCCL running while no other
@@ -43,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from benchmarks import timing
@@ -61,7 +76,6 @@ class Config:
   warmup: int = 3
   steps: int = 20
   profile: int = 0  # Steps to trace (0: none).
-  compile_only: bool = False
   variant: str = ""  # A name from `--variant`: its XLA flags are added.
   tp_partial_sums: str = "float32"  # `MeshRules.partial_sums`.
   amax: str = "global"  # `MeshRules.amax`.
@@ -102,8 +116,15 @@ def _cache(cache_dir: str) -> None:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _child(cfg: Config, cache_dir: str) -> dict:
-  """Compiles (or loads) and times `cfg` in this process."""
+# Prefixes the lines a child process reports on (its stdout may carry
+# other output).
+MARK = "@bench_scaling "
+
+
+def _child(cfg: Config, cache_dir: str, hold: bool = False) -> dict | None:
+  """Compiles (or loads) and times `cfg` in this process. With `hold`, it
+  reports the compile (a `MARK` line) and waits for a line on stdin: `go`
+  times the step, anything else (or end of input) returns None."""
   import jax  # pylint: disable=g-import-not-at-top
 
   from benchmarks import bench_step  # pylint: disable=g-import-not-at-top
@@ -124,8 +145,10 @@ def _child(cfg: Config, cache_dir: str) -> dict:
   compile_s = time.perf_counter() - t0
   out = {"compile_s": compile_s, "device": jax.devices()[0].device_kind,
          "jax": jax.__version__}
-  if cfg.compile_only:
-    return out
+  if hold:
+    print(MARK + json.dumps(out), flush=True)
+    if sys.stdin.readline().strip() != "go":
+      return None
   for _ in range(cfg.warmup):
     state, m = compiled(state, batch)
   jax.block_until_ready(m)
@@ -207,23 +230,115 @@ def busy_and_span(intervals):
 CHILD_TIMEOUT_S = 600.0
 
 
-def _run(cfg: Config, cache_dir: str, env: dict,
-         variants: dict | None = None) -> dict:
-  payload = json.dumps({"cfg": dataclasses.asdict(cfg), "cache": cache_dir})
+def _env(cfg: Config, env: dict, variants: dict | None) -> dict:
   if cfg.variant:
     env = dict(env, XLA_FLAGS=(env.get("XLA_FLAGS", "") + " "
                                + (variants or {})[cfg.variant]).strip())
+  return env
+
+
+def _cmd(cfg: Config, cache_dir: str, hold: bool = False) -> list[str]:
+  payload = {"cfg": dataclasses.asdict(cfg), "cache": cache_dir}
+  if hold:
+    payload["hold"] = True
+  return [sys.executable, "-m", "benchmarks.bench_scaling", "--child",
+          json.dumps(payload)]
+
+
+def _report(stdout: str) -> dict | None:
+  """The last `MARK` line of a child's output, parsed."""
+  for line in reversed(stdout.splitlines()):
+    if line.startswith(MARK):
+      return json.loads(line[len(MARK):])
+  return None
+
+
+def _run(cfg: Config, cache_dir: str, env: dict,
+         variants: dict | None = None) -> dict:
+  """Times `cfg` in a fresh process (its executable from the cache)."""
   try:
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_scaling", "--child", payload],
-        capture_output=True, text=True, check=False, env=env,
-        timeout=CHILD_TIMEOUT_S)
+    out = subprocess.run(_cmd(cfg, cache_dir), capture_output=True,
+                         text=True, check=False, env=_env(cfg, env, variants),
+                         timeout=CHILD_TIMEOUT_S)
   except subprocess.TimeoutExpired as e:
     raise RuntimeError(f"{cfg.label} did not finish in {CHILD_TIMEOUT_S} s "
                        "(a hang?)") from e
-  if out.returncode:
+  r = _report(out.stdout)
+  if out.returncode or r is None:
     raise RuntimeError(f"{cfg.label} failed:\n{out.stderr[-3000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])
+  return r
+
+
+class _Held:
+  """A process that compiles `cfg`, reports it, and holds the executable
+  until `run` times it (in this same process: no load from the cache) or
+  `stop` ends it."""
+
+  def __init__(self, cfg: Config, cache_dir: str, env: dict,
+               variants: dict | None = None):
+    self.cfg = cfg
+    self._err = tempfile.TemporaryFile(mode="w+")
+    self.proc = subprocess.Popen(
+        _cmd(cfg, cache_dir, hold=True), stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=self._err, text=True,
+        env=_env(cfg, env, variants))
+
+  def _next(self, what: str) -> dict:
+    """The child's next report; the child is killed after
+    `CHILD_TIMEOUT_S`."""
+    timer = threading.Timer(CHILD_TIMEOUT_S, self.proc.kill)
+    timer.start()
+    try:
+      for line in self.proc.stdout:
+        if line.startswith(MARK):
+          return json.loads(line[len(MARK):])
+    finally:
+      timer.cancel()
+    rc = self.proc.wait()
+    self._err.seek(0)
+    err = self._err.read()[-3000:]
+    self._err.close()
+    if rc == -9:
+      raise RuntimeError(f"{self.cfg.label} did not {what} in "
+                         f"{CHILD_TIMEOUT_S} s (a hang?)")
+    raise RuntimeError(f"{self.cfg.label} failed:\n{err}")
+
+  def compiled(self) -> dict:
+    return self._next("compile")
+
+  def run(self) -> dict:
+    self.proc.stdin.write("go\n")
+    self.proc.stdin.flush()
+    out = self._next("run")
+    self.proc.stdin.close()
+    self.proc.wait()
+    self._err.close()
+    return out
+
+  def stop(self) -> None:
+    if self.proc.poll() is None:
+      try:
+        self.proc.stdin.close()  # End of input: the child returns.
+        self.proc.wait(timeout=60)
+      except (OSError, subprocess.TimeoutExpired):
+        self.proc.kill()
+        self.proc.wait()
+    self._err.close()
+
+
+def _gpu_processes() -> list[str]:
+  """The processes `nvidia-smi` lists on the GPUs (none without it)."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  if not shutil.which("nvidia-smi"):
+    return []
+  try:
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
+         "--format=csv,noheader"], capture_output=True, text=True,
+        timeout=60, check=False)
+  except (OSError, subprocess.TimeoutExpired):
+    return []
+  return [l.strip() for l in out.stdout.splitlines() if l.strip()]
 
 
 def configs(a) -> list[Config]:
@@ -377,7 +492,9 @@ def main(argv=None):
   a = p.parse_args(argv)
   if a.child:
     d = json.loads(a.child)
-    print(json.dumps(_child(Config(**d["cfg"]), d["cache"])))
+    out = _child(Config(**d["cfg"]), d["cache"], hold=d.get("hold", False))
+    if out is not None:
+      print(MARK + json.dumps(out), flush=True)
     return
   global CHILD_TIMEOUT_S
   CHILD_TIMEOUT_S = a.child_timeout_s
@@ -397,46 +514,86 @@ def main(argv=None):
   cache_dir = a.cache_dir or tempfile.mkdtemp(prefix="jax-cache-")
   cfgs = configs(a)
   jobs = a.jobs or max(1, (os.cpu_count() or 4) // 4)
+  busy = _gpu_processes()
+  if busy:
+    print("WARNING: other processes are on the GPUs (" + "; ".join(busy)
+          + "): the timings and XLA's autotuning (kept in --cache-dir) will "
+          "be skewed; run alone, with a new --cache-dir.", flush=True)
   print(f"{len(cfgs)} configurations; compiling {jobs} at a time into "
         f"{cache_dir}", flush=True)
-  compile_s = {}
-  with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-    futs = {pool.submit(_run, dataclasses.replace(c, compile_only=True),
-                        cache_dir, env, variants(a)): c for c in cfgs}
-    for f in concurrent.futures.as_completed(futs):
-      c = futs[f]
-      try:
-        compile_s[c] = f.result()["compile_s"]
-        print(f"  compiled {c.label} in {compile_s[c]:.0f} s", flush=True)
-      except RuntimeError as e:
-        print(f"  {e}", flush=True)
-  print(f"compile phase: {time.perf_counter() - start:.0f} s", flush=True)
-  cfgs = [c for c in cfgs if c in compile_s]
   results = collections.defaultdict(list)
   took = {}
-  for rnd in range(a.rounds):
-    order = cfgs if rnd % 2 == 0 else cfgs[::-1]
+  timed = []  # The configurations that compiled, in order.
+
+  def record(c: Config, rnd: int, r: dict, t0: float) -> None:
+    took[c] = time.perf_counter() - t0
+    results[c].append(r)
+    base = results.get(baseline(c, cfgs), [None])[-1]
+    print(f"  round {rnd + 1}: {_fmt_row(c, r, base)} "
+          f"[{took[c]:.0f} s]", flush=True)
+    for name, ms in r.get("top_kernels", ()):
+      print(f"      {ms:8.3f} ms  {name}", flush=True)
+
+  def out_of_budget(c: Config, rnd: int) -> bool:
+    left = a.budget_s - (time.perf_counter() - start)
+    if took.get(c, 0.0) * 1.2 + 5 > left:
+      print(f"  skipped {c.label} (round {rnd + 1}): {left:.0f} s left",
+            flush=True)
+      return True
+    return False
+
+  # Round 1: `jobs` processes compile at once, then each is timed alone in
+  # the process that compiled it (the breakdown is traced in this round).
+  for i in range(0, len(cfgs), jobs):
+    batch = cfgs[i:i + jobs]
+    t_batch = time.perf_counter()
+    held, procs = {}, {}
+    try:
+      with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+        for c in batch:
+          procs[c] = _Held(c, cache_dir, env, variants(a))
+        futs = {pool.submit(h.compiled): c for c, h in procs.items()}
+        for f in concurrent.futures.as_completed(futs):
+          c = futs[f]
+          try:
+            r = f.result()
+            held[c] = procs[c]
+            print(f"  compiled {c.label} in {r['compile_s']:.0f} s",
+                  flush=True)
+          except RuntimeError as e:
+            print(f"  {e}", flush=True)
+      print(f"compile phase: {time.perf_counter() - t_batch:.0f} s",
+            flush=True)
+      for c in batch:
+        if c not in held:
+          continue
+        timed.append(c)
+        h = held[c]
+        if a.rounds < 1 or out_of_budget(c, 0):
+          h.stop()
+          continue
+        t0 = time.perf_counter()
+        try:
+          record(c, 0, h.run(), t0)
+        except RuntimeError as e:
+          print(f"  {e}", flush=True)
+    finally:  # Ends the processes not timed (or still compiling).
+      for h in procs.values():
+        h.stop()
+  cfgs_timed = [c for c in cfgs if c in set(timed)]
+  for rnd in range(1, a.rounds):
+    order = cfgs_timed if rnd % 2 == 0 else cfgs_timed[::-1]
     for c in order:
-      left = a.budget_s - (time.perf_counter() - start)
-      if took.get(c, 0.0) * 1.2 + 5 > left:
-        print(f"  skipped {c.label} (round {rnd + 1}): {left:.0f} s left",
-              flush=True)
+      if out_of_budget(c, rnd):
         continue
       t0 = time.perf_counter()
       try:
-        # The breakdown is traced in the first round only.
-        r = _run(c if rnd == 0 else dataclasses.replace(c, profile=0),
-                 cache_dir, env, variants(a))
+        r = _run(dataclasses.replace(c, profile=0), cache_dir, env,
+                 variants(a))
       except RuntimeError as e:
         print(f"  {e}", flush=True)
         continue
-      took[c] = time.perf_counter() - t0
-      results[c].append(r)
-      base = results.get(baseline(c, cfgs), [None])[-1]
-      print(f"  round {rnd + 1}: {_fmt_row(c, r, base)} "
-            f"[{took[c]:.0f} s]", flush=True)
-      for name, ms in r.get("top_kernels", ()):
-        print(f"      {ms:8.3f} ms  {name}", flush=True)
+      record(c, rnd, r, t0)
   rows = []
   for c in cfgs:
     runs = results.get(c)

@@ -322,48 +322,165 @@ def test_sass_report_cases_lower_to_the_kernels_they_name():
           "nvfp4_rht_amax_columns"} <= names
 
 
+def _fake_children(monkeypatch, timing):
+  """bench_scaling's child processes, faked: the held ones of round 1
+  (`subprocess.Popen`: report a compile, then wait for `go` on stdin) and
+  the fresh ones of later rounds (`subprocess.run`). `timing(cfg, flags)`
+  is the `ms`/`ms_sync` a child reports. Returns the events in order:
+  ("compile", cfg), ("held", cfg) (timed where it compiled) and ("fresh",
+  cfg), each with the child's XLA_FLAGS."""
+  from benchmarks import bench_scaling
+  events = []
+
+  def parse(cmd, env):
+    cfg = bench_scaling.Config(**json.loads(cmd[-1])["cfg"])
+    return cfg, (env or {}).get("XLA_FLAGS", "")
+
+  head = {"compile_s": 1.0, "device": "NVIDIA H100", "jax": "x"}
+
+  class Popen:
+
+    def __init__(self, cmd, env=None, **_):
+      self.cfg, self.flags = parse(cmd, env)
+      assert json.loads(cmd[-1])["hold"]
+      events.append(("compile", self.cfg, self.flags))
+      self.go, self.returncode = False, None
+      child = self
+
+      class Stdin:
+
+        def write(self, line):
+          child.go = line.strip() == "go"
+
+        def flush(self):
+          pass
+
+        def close(self):
+          pass
+
+      self.stdin = Stdin()
+      self.stdout = self._lines()
+
+    def _lines(self):
+      yield bench_scaling.MARK + json.dumps(head) + "\n"
+      if self.go:
+        events.append(("held", self.cfg, self.flags))
+        yield bench_scaling.MARK + json.dumps(
+            {**head, **timing(self.cfg, self.flags)}) + "\n"
+
+    def poll(self):
+      return self.returncode
+
+    def wait(self, timeout=None):
+      del timeout
+      self.returncode = 0
+      return 0
+
+    def kill(self):
+      self.returncode = -9
+
+  def run(cmd, env=None, **_):
+    cfg, flags = parse(cmd, env)
+    events.append(("fresh", cfg, flags))
+    out = {**head, "compile_s": 0.5, **timing(cfg, flags)}
+    return types.SimpleNamespace(
+        returncode=0, stdout="log line\n" + bench_scaling.MARK
+        + json.dumps(out), stderr="")
+
+  monkeypatch.setattr(subprocess, "Popen", Popen)
+  monkeypatch.setattr(subprocess, "run", run)
+  monkeypatch.setattr(bench_scaling, "_gpu_processes", list)
+  return events
+
+
 def test_bench_scaling_baseline_rounds_and_variants(monkeypatch, capsys):
-  """bench_scaling: every configuration is compiled first (compile-only
-  children), then timed; the one-device baseline is a mesh of one device
+  """bench_scaling: round 1 compiles `--jobs` configurations at once and
+  times each in the process that compiled it, nothing timed while any
+  compiles; later rounds run fresh processes (loading from the cache),
+  the order reversed; the one-device baseline is a mesh of one device
   (`data=1`); a `--variant` adds its XLA flags to the mesh configurations
-  only; rounds alternate the order; scaling is per-device tokens/s over the
-  baseline's (weak scaling: the same per-device batch)."""
+  only; scaling is per-device tokens/s over the baseline's (weak scaling:
+  the same per-device batch)."""
   from benchmarks import bench_scaling
   ms = {"data=1": 10.0, "data=2": 12.5, "fsdp=2": 20.0}
-  calls = []
-
-  def fake_run(cmd, env=None, **_):
-    d = json.loads(cmd[-1])
-    cfg = bench_scaling.Config(**d["cfg"])
-    calls.append((cfg, env.get("XLA_FLAGS", "")))
-    out = {"compile_s": 1.0, "device": "NVIDIA H100", "jax": "x"}
-    if not cfg.compile_only:
-      out.update(ms=ms[cfg.mesh] * (0.8 if cfg.variant else 1.0),
-                 ms_sync=ms[cfg.mesh])
-    return types.SimpleNamespace(returncode=0, stdout=json.dumps(out),
-                                 stderr="")
-
-  monkeypatch.setattr(subprocess, "run", fake_run)
+  events = _fake_children(monkeypatch, lambda c, f: {
+      "ms": ms[c.mesh] * (0.8 if c.variant else 1.0), "ms_sync": 1.0})
   bench_scaling.main(["--presets", "small", "--precisions", "bf16",
                       "--meshes", "data=2 fsdp=2", "--rounds", "2",
-                      "--variant", "v=--xla_x=1", "--jobs", "1",
+                      "--variant", "v=--xla_x=1", "--jobs", "2",
                       "--cache-dir", "/nonexistent"])
-  compiles = [c for c, _ in calls if c.compile_only]
-  timed = [(c, f) for c, f in calls if not c.compile_only]
-  assert [c.label for c in compiles] == [
-      "small bf16 data=1", "small bf16 data=2", "small bf16 data=2 [v]",
-      "small bf16 fsdp=2", "small bf16 fsdp=2 [v]"]
-  assert len(timed) == 10  # Two rounds of five.
-  assert [c.label for c, _ in timed[5:]] == [c.label for c, _ in
-                                             timed[:5]][::-1]
-  assert all(("--xla_x=1" in f) == bool(c.variant) for c, f in timed)
+  d1, d2, d2v, f2, f2v = ("small bf16 data=1", "small bf16 data=2",
+                          "small bf16 data=2 [v]", "small bf16 fsdp=2",
+                          "small bf16 fsdp=2 [v]")
+  assert [(e, c.label) for e, c, _ in events] == [
+      ("compile", d1), ("compile", d2), ("held", d1), ("held", d2),
+      ("compile", d2v), ("compile", f2), ("held", d2v), ("held", f2),
+      ("compile", f2v), ("held", f2v),
+      ("fresh", f2v), ("fresh", f2), ("fresh", d2v), ("fresh", d2),
+      ("fresh", d1)]
+  assert all(("--xla_x=1" in f) == bool(c.variant) for _, c, f in events)
+  # The breakdown is traced in round 1 only.
+  assert all(c.profile == 0 for e, c, _ in events if e == "fresh")
   out = capsys.readouterr().out
   table = {line.split("|")[1].strip(): line.split("|")
            for line in out.splitlines() if line.startswith("| small")}
   # scaling = baseline ms / ms (the same tokens per device).
-  assert float(table["small bf16 data=2"][7]) == pytest.approx(0.8)
-  assert float(table["small bf16 fsdp=2 [v]"][7]) == pytest.approx(
-      10 / 16, rel=1e-2)
+  assert float(table[d2][7]) == pytest.approx(0.8)
+  assert float(table[f2v][7]) == pytest.approx(10 / 16, rel=1e-2)
+  assert table[d2][5].strip() == "2"  # Rounds.
+
+
+def test_bench_scaling_stops_held_processes_and_warns_of_busy_gpus(
+    monkeypatch, capsys):
+  """`--rounds 0` compiles and times nothing (each held process is told to
+  stop); a budget that runs out skips the rest of round 1; other processes
+  on the GPUs (they skew timings and autotuning) draw a warning."""
+  from benchmarks import bench_scaling
+  events = _fake_children(monkeypatch, lambda c, f: {"ms": 1.0,
+                                                     "ms_sync": 1.0})
+  monkeypatch.setattr(bench_scaling, "_gpu_processes",
+                      lambda: ["123, python, 900 MiB"])
+  bench_scaling.main(["--presets", "small", "--precisions", "bf16",
+                      "--meshes", "data=2", "--rounds", "0", "--jobs", "2",
+                      "--cache-dir", "/nonexistent"])
+  assert [e for e, _, _ in events] == ["compile", "compile"]
+  out = capsys.readouterr().out
+  assert "WARNING: other processes are on the GPUs (123, python" in out
+  events.clear()
+  bench_scaling.main(["--presets", "small", "--precisions", "bf16",
+                      "--meshes", "data=2", "--jobs", "2", "--budget-s",
+                      "0", "--cache-dir", "/nonexistent"])
+  assert [e for e, _, _ in events] == ["compile", "compile"]
+  assert "skipped small bf16 data=1 (round 1)" in capsys.readouterr().out
+
+
+def test_bench_scaling_held_child_protocol(monkeypatch, capsys):
+  """A held child reports its compile on a `MARK` line, then times only
+  on `go` (end of input: it returns without timing)."""
+  import io  # pylint: disable=g-import-not-at-top
+  from benchmarks import bench_scaling
+  compiled = types.SimpleNamespace(calls=0)
+
+  def step(state, batch):
+    del batch
+    compiled.calls += 1
+    return state, jax.numpy.zeros(())
+
+  trainer = types.SimpleNamespace(
+      mesh_rules=object(), train_step=types.SimpleNamespace(
+          lower=lambda s, b: types.SimpleNamespace(compile=lambda: step)))
+  monkeypatch.setattr(bench_step, "build", lambda _: (trainer, 0, 0))
+  cfg = bench_scaling.Config("tiny", "bf16", 1, 8, "data=1", warmup=1,
+                             steps=2)
+  monkeypatch.setattr("sys.stdin", io.StringIO(""))
+  assert bench_scaling._child(cfg, "", hold=True) is None
+  assert compiled.calls == 0
+  line = capsys.readouterr().out.strip()
+  assert line.startswith(bench_scaling.MARK)
+  assert json.loads(line[len(bench_scaling.MARK):])["compile_s"] >= 0
+  monkeypatch.setattr("sys.stdin", io.StringIO("go\n"))
+  out = bench_scaling._child(cfg, "", hold=True)
+  assert compiled.calls == 1 + 2 + 2 and out["ms"] > 0
 
 
 def test_bench_scaling_wgrad_sums_only_where_they_change_the_program(
@@ -372,23 +489,13 @@ def test_bench_scaling_wgrad_sums_only_where_they_change_the_program(
   meshes that sum weight gradients over tokens (`data`, `fsdp`): BF16's
   layers and a `model`-only mesh compile the same program either way."""
   from benchmarks import bench_scaling
-  labels = []
-
-  def fake_run(cmd, env=None, **_):
-    del env
-    cfg = bench_scaling.Config(**json.loads(cmd[-1])["cfg"])
-    if cfg.compile_only:
-      labels.append(cfg.label)
-    out = {"compile_s": 1.0, "device": "x", "jax": "x", "ms": 1.0,
-           "ms_sync": 1.0}
-    return types.SimpleNamespace(returncode=0, stdout=json.dumps(out),
-                                 stderr="")
-
-  monkeypatch.setattr(subprocess, "run", fake_run)
+  events = _fake_children(monkeypatch, lambda c, f: {"ms": 1.0,
+                                                     "ms_sync": 1.0})
   bench_scaling.main(["--presets", "small", "--precisions", "bf16,nvfp4",
                       "--meshes", "data=2 model=2",
                       "--wgrad-sums", "float32,bfloat16", "--jobs", "1",
-                      "--cache-dir", "/nonexistent"])
+                      "--rounds", "1", "--cache-dir", "/nonexistent"])
+  labels = [c.label for e, c, _ in events if e == "compile"]
   assert [x for x in labels if "sums" in x] == [
       "small nvfp4 data=2 [wgrad sums=bfloat16]"], labels
 
@@ -399,24 +506,14 @@ def test_bench_scaling_exchange_slack(monkeypatch):
   child process sets it before building the step."""
   from benchmarks import bench_scaling
   from nvfp4_jax.flax import moe
-  labels = []
-
-  def fake_run(cmd, env=None, **_):
-    cfg = bench_scaling.Config(**json.loads(cmd[-1])["cfg"])
-    out = {"compile_s": 1.0, "device": "x", "jax": "x"}
-    if cfg.compile_only:
-      labels.append(cfg.label)
-    else:
-      out.update(ms=1.0, ms_sync=1.0)
-    return types.SimpleNamespace(returncode=0, stdout=json.dumps(out),
-                                 stderr="")
-
-  monkeypatch.setattr(subprocess, "run", fake_run)
+  events = _fake_children(monkeypatch, lambda c, f: {"ms": 1.0,
+                                                     "ms_sync": 1.0})
   bench_scaling.main(["--presets", "moe-small", "--precisions", "bf16",
                       "--shapes", "moe-small=2x8",
                       "--meshes", "data=2 expert=2",
                       "--exchange-slack", "none,1.5", "--jobs", "1",
-                      "--cache-dir", "/nonexistent"])
+                      "--rounds", "1", "--cache-dir", "/nonexistent"])
+  labels = [c.label for e, c, _ in events if e == "compile"]
   assert labels == ["moe-small bf16 data=1", "moe-small bf16 data=2",
                     "moe-small bf16 expert=2",
                     "moe-small bf16 expert=2 [slack=none]",
