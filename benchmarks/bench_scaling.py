@@ -29,6 +29,12 @@ end (`ms`, the training loop's throughput) and `--steps` steps waiting on
 each (`ms_sync`). A row prints as each process finishes; the table at the
 end has the median over rounds and the spread of the per-round values.
 
+XLA autotunes each GEMM fusion while it compiles, timing candidates on
+the GPU beside whatever else runs there (the other compiles of the
+batch), so two programs with the same GEMMs can run different kernels;
+`--baselines-first` compiles the one-device baselines alone first, and the
+meshes' compiles read their choices from the cache directory.
+
 Other processes on the GPUs while this runs skew both the timings and
 XLA's autotuning, whose choices the cache directory keeps (its
 `xla_gpu_per_fusion_autotune_cache_dir`): a GPT base NVFP4 step compiled
@@ -481,6 +487,11 @@ def main(argv=None):
   p.add_argument("--variants-only", action="store_true",
                  help="time the meshes only with the --variant flags "
                       "(the baselines still run without them)")
+  p.add_argument("--baselines-first", action="store_true",
+                 help="compile and time the one-device baselines before "
+                 "the meshes compile, so the meshes reuse the baselines' "
+                 "GEMM autotuning (kept in --cache-dir) instead of drawing "
+                 "their own")
   p.add_argument("--child-timeout-s", type=float, default=600,
                  help="stop a process that runs longer (a hang)")
   p.add_argument("--variant", action="append", default=[],
@@ -544,8 +555,7 @@ def main(argv=None):
 
   # Round 1: `jobs` processes compile at once, then each is timed alone in
   # the process that compiled it (the breakdown is traced in this round).
-  for i in range(0, len(cfgs), jobs):
-    batch = cfgs[i:i + jobs]
+  for batch in batches(cfgs, jobs, a.baselines_first):
     t_batch = time.perf_counter()
     held, procs = {}, {}
     try:
@@ -624,6 +634,23 @@ def main(argv=None):
   if any("nccl_ms" in r for r in rows):
     cols += ("nccl_ms", "exposed_ms", "compute_ms", "idle_ms")
   print(timing.table(rows, cols), flush=True)
+
+
+def batches(cfgs: list[Config], jobs: int,
+            baselines_first: bool = False) -> list[list[Config]]:
+  """Round 1's batches: `jobs` configurations compile side by side, then
+  each is timed. With `baselines_first`, the one-device baselines compile
+  (and run) alone first, so that the per-fusion autotuning they write to
+  the cache directory is what the meshes' compiles of the same GEMMs read:
+  where the per-device shapes agree, every configuration runs the
+  baseline's GEMM kernels, and the scaling compares programs, not two
+  draws of XLA's autotuner."""
+  first = []
+  if baselines_first:
+    first = [c for c in cfgs if c == baseline(c, cfgs)]
+    cfgs = [c for c in cfgs if c not in first]
+  out = [first] if first else []
+  return out + [cfgs[i:i + jobs] for i in range(0, len(cfgs), jobs)]
 
 
 def results_profile(cfgs: list[Config], c: Config) -> int:

@@ -454,6 +454,28 @@ def test_bench_scaling_stops_held_processes_and_warns_of_busy_gpus(
   assert "skipped small bf16 data=1 (round 1)" in capsys.readouterr().out
 
 
+def test_bench_scaling_baselines_first(monkeypatch):
+  """`--baselines-first`: the one-device baselines compile and run alone
+  before any mesh compiles (the meshes then read the baselines' GEMM
+  autotuning from the cache directory); without it the first batch mixes
+  them."""
+  from benchmarks import bench_scaling
+  events = _fake_children(monkeypatch, lambda c, f: {"ms": 1.0,
+                                                     "ms_sync": 1.0})
+  argv = ["--presets", "small", "--precisions", "bf16,nvfp4", "--meshes",
+          "data=2", "--jobs", "4", "--rounds", "1", "--cache-dir",
+          "/nonexistent"]
+  bench_scaling.main(argv + ["--baselines-first"])
+  assert [(e, c.precision, c.mesh) for e, c, _ in events] == [
+      ("compile", "bf16", "data=1"), ("compile", "nvfp4", "data=1"),
+      ("held", "bf16", "data=1"), ("held", "nvfp4", "data=1"),
+      ("compile", "bf16", "data=2"), ("compile", "nvfp4", "data=2"),
+      ("held", "bf16", "data=2"), ("held", "nvfp4", "data=2")]
+  events.clear()
+  bench_scaling.main(argv)
+  assert [e for e, _, _ in events] == ["compile"] * 4 + ["held"] * 4
+
+
 def test_bench_scaling_held_child_protocol(monkeypatch, capsys):
   """A held child reports its compile on a `MARK` line, then times only
   on `go` (end of input: it returns without timing)."""
