@@ -328,6 +328,35 @@ def test_data_parallel_layer_quantizes_its_whole_weight_in_place():
   assert not ops._weight_kernel_layout_native(recipe, plan, fsdp)
 
 
+def test_fsdp_splits_a_row_parallel_kernel_along_in_without_tensor_parallelism():
+  """FSDP splits the kernel's `in` (its major dimension) unless tensor
+  parallelism takes it: a row-parallel layer (`attn/out`, `mlp/down`) on a
+  `model` axis of one device is split like any other, so its gradient's
+  reduce-scatter writes shards in the parameters' layout (split along
+  `out`, XLA transposed the FP32 master weights and moments for each
+  update: BENCHMARKS.md, "The largest model on 4 GPUs"); with `model` of
+  two devices `out` is split, `fsdp` beside `model`."""
+  from jax.sharding import AbstractMesh
+  from jax.sharding import PartitionSpec as P
+  fsdp = AbstractMesh((1, 4, 1), ("data", "fsdp", "model"))
+  tp = AbstractMesh((1, 2, 2), ("data", "fsdp", "model"))
+  # The axes splitting each kernel dimension (a size-1 `model` axis may
+  # stand beside `fsdp`: it splits nothing).
+  split = lambda spec: tuple(
+      tuple(a for a in ((e,) if isinstance(e, str) else e or ())
+            if fsdp.shape[a] > 1) for e in spec)
+  for path in ("blocks_0/attn/out", "blocks_0/mlp/down", "blocks_0/mlp/up"):
+    s = nv.MeshRules(mesh=fsdp).linear(path)
+    assert s.fsdp_dim == 0 and split(s.kernel_spec) == (("fsdp",), ()), path
+    assert split(nv.MeshRules(mesh=fsdp).param_spec(
+        path + "/kernel", (64, 32))) == (("fsdp",), ()), path
+  row = nv.MeshRules(mesh=tp).linear("blocks_0/mlp/down")
+  assert row.tensor == "row" and row.model_splits_in
+  assert (row.fsdp_dim, row.kernel_spec) == (1, P("model", "fsdp"))
+  col = nv.MeshRules(mesh=tp).linear("blocks_0/mlp/up")
+  assert (col.fsdp_dim, col.kernel_spec) == (0, P("fsdp", "model"))
+
+
 def test_dense_general_and_einsum_via_dot_general_cls():
   x = heavy(jax.random.key(0), (2, 16, 4, 16))
   dg = nn.DenseGeneral((3, 16), axis=(-2, -1),
