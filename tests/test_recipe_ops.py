@@ -12,7 +12,6 @@ import pytest
 from flax import nnx
 
 import nvfp4_jax as nv
-from nvfp4_jax.core import numerics as nm
 
 T, K, N = 32, 64, 48
 
