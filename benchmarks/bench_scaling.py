@@ -556,6 +556,11 @@ def main(argv=None):
   # Round 1: `jobs` processes compile at once, then each is timed alone in
   # the process that compiled it (the breakdown is traced in this round).
   for batch in batches(cfgs, jobs, a.baselines_first):
+    left = a.budget_s - (time.perf_counter() - start)
+    if left < 5:
+      print(f"  skipped compiling {', '.join(c.label for c in batch)}: "
+            f"{left:.0f} s left", flush=True)
+      continue
     t_batch = time.perf_counter()
     held, procs = {}, {}
     try:

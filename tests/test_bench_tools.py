@@ -433,8 +433,9 @@ def test_bench_scaling_baseline_rounds_and_variants(monkeypatch, capsys):
 def test_bench_scaling_stops_held_processes_and_warns_of_busy_gpus(
     monkeypatch, capsys):
   """`--rounds 0` compiles and times nothing (each held process is told to
-  stop); a budget that runs out skips the rest of round 1; other processes
-  on the GPUs (they skew timings and autotuning) draw a warning."""
+  stop); a budget that runs out skips the rest of round 1's timings and
+  compiles no further batch; other processes on the GPUs (they skew
+  timings and autotuning) draw a warning."""
   from benchmarks import bench_scaling
   events = _fake_children(monkeypatch, lambda c, f: {"ms": 1.0,
                                                      "ms_sync": 1.0})
@@ -446,12 +447,20 @@ def test_bench_scaling_stops_held_processes_and_warns_of_busy_gpus(
   assert [e for e, _, _ in events] == ["compile", "compile"]
   out = capsys.readouterr().out
   assert "WARNING: other processes are on the GPUs (123, python" in out
+  # The budget runs out while the first batch compiles: its timings are
+  # skipped, and the next batch does not compile.
   events.clear()
+  clock = iter(range(0, 1000, 10))
+  monkeypatch.setattr(bench_scaling.time, "perf_counter",
+                      lambda: float(next(clock)))
   bench_scaling.main(["--presets", "small", "--precisions", "bf16",
-                      "--meshes", "data=2", "--jobs", "2", "--budget-s",
-                      "0", "--cache-dir", "/nonexistent"])
-  assert [e for e, _, _ in events] == ["compile", "compile"]
-  assert "skipped small bf16 data=1 (round 1)" in capsys.readouterr().out
+                      "--meshes", "data=2 fsdp=2", "--jobs", "2",
+                      "--budget-s", "15", "--cache-dir", "/nonexistent"])
+  assert [(e, c.mesh) for e, c, _ in events] == [("compile", "data=1"),
+                                                 ("compile", "data=2")]
+  out = capsys.readouterr().out
+  assert "skipped small bf16 data=1 (round 1)" in out
+  assert "skipped compiling small bf16 fsdp=2" in out
 
 
 def test_bench_scaling_baselines_first(monkeypatch):
