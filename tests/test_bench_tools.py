@@ -432,8 +432,8 @@ def test_bench_scaling_baseline_rounds_and_variants(monkeypatch, capsys):
 
 def test_bench_scaling_stops_held_processes_and_warns_of_busy_gpus(
     monkeypatch, capsys):
-  """`--rounds 0` compiles and times nothing (each held process is told to
-  stop); a budget that runs out skips the rest of round 1's timings and
+  """`--rounds 0` only compiles: each held process is then told to
+  stop. A budget that runs out skips the rest of round 1's timings and
   compiles no further batch; other processes on the GPUs (they skew
   timings and autotuning) draw a warning."""
   from benchmarks import bench_scaling
