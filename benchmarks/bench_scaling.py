@@ -595,7 +595,8 @@ def main(argv=None):
     finally:  # Ends the processes not timed (or still compiling).
       for h in procs.values():
         h.stop()
-  cfgs_timed = [c for c in cfgs if c in set(timed)]
+  done = set(timed)
+  cfgs_timed = [c for c in cfgs if c in done]
   for rnd in range(1, a.rounds):
     order = cfgs_timed if rnd % 2 == 0 else cfgs_timed[::-1]
     for c in order:

@@ -279,7 +279,7 @@ class LinearSharding:
     """Whether tensor parallelism splits the kernel's `in` (a row-parallel
     layer on a `model` axis of more than one device)."""
     return (self.tensor == "row" and self.model is not None
-            and self.mesh.shape[self.model] > 1)
+            and self.sizes[self.model] > 1)
 
   @property
   def k_axes(self) -> tuple[str, ...]:
