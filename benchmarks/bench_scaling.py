@@ -87,16 +87,22 @@ class Config:
   amax: str = "global"  # `MeshRules.amax`.
   wgrad_schedule: str = "layer"  # `MeshRules.wgrad_schedule`.
   wgrad_sums: str = "float32"  # `MeshRules.wgrad_sums`.
+  sequence_parallel: bool = False  # `MeshRules.sequence_parallel`.
   # `nvfp4_jax.flax.moe.EXCHANGE_SLACK` ("" the library's default;
   # "none": whole buffers, no fast path).
   exchange_slack: str = ""
 
   @property
+  def mesh_sizes(self) -> dict[str, int]:
+    """`mesh` as `{axis: size}` ({} without a mesh)."""
+    return {k: int(v) for k, v in (kv.split("=") for kv in
+                                    self.mesh.split(",") if kv)}
+
+  @property
   def devices(self) -> int:
     n = 1
-    for kv in self.mesh.split(","):
-      if kv:
-        n *= int(kv.split("=")[1])
+    for v in self.mesh_sizes.values():
+      n *= v
     return n
 
   @property
@@ -110,6 +116,8 @@ class Config:
       v += f" [wgrad={self.wgrad_schedule}]"
     if self.wgrad_sums != "float32":
       v += f" [wgrad sums={self.wgrad_sums}]"
+    if self.sequence_parallel:
+      v += " [sequence parallel]"
     if self.exchange_slack:
       v += f" [slack={self.exchange_slack}]"
     return f"{self.preset} {self.precision} {self.mesh or 'no mesh'}{v}"
@@ -144,7 +152,8 @@ def _child(cfg: Config, cache_dir: str, hold: bool = False) -> dict | None:
   trainer, state, batch = bench_step.build(bench_step.StepConfig(
       cfg.preset, cfg.precision, cfg.batch * cfg.devices, cfg.seq,
       mesh=cfg.mesh, tp_partial_sums=cfg.tp_partial_sums, amax=cfg.amax,
-      wgrad_schedule=cfg.wgrad_schedule, wgrad_sums=cfg.wgrad_sums))
+      wgrad_schedule=cfg.wgrad_schedule, wgrad_sums=cfg.wgrad_sums,
+      sequence_parallel=cfg.sequence_parallel))
   if trainer.mesh_rules is None:  # The batch on the device, as on a mesh.
     batch = jax.device_put(batch, jax.devices()[0])
   compiled = trainer.train_step.lower(state, batch).compile()
@@ -355,6 +364,7 @@ def configs(a) -> list[Config]:
     shapes[name] = (int(b), int(s))
   meshes = ["data=1", ""] + [m for m in a.meshes.split() if m]
   no_mesh = (a.no_mesh_baseline or "").split(",")
+  knobs = {field: knob_values(a, field) for field, _ in KNOBS}
   out = []
   for preset in a.presets.split(","):
     if preset not in shapes:
@@ -379,22 +389,42 @@ def configs(a) -> list[Config]:
           if mesh not in ("", "data=1") and applies(c):
             default = Config.__dataclass_fields__[field].default
             out += [dataclasses.replace(c, **{field: t})
-                    for t in getattr(a, field).split(",")
-                    if t and t != default]
+                    for t in knobs[field] if t != default]
   return out
 
 
 # The library settings a mesh configuration is also timed with (the
 # `Config` field, which is also the option's name; its default is the
 # untagged row), and the configurations (meshes, precisions) each applies to:
-# the sums' dtypes change only quantized layers.
+# the sums' dtypes change only quantized layers, and sequence parallelism
+# needs a `model` axis of more than one device (in either precision).
 KNOBS = (("tp_partial_sums", lambda c: c.precision != "bf16"
           and "model=" in c.mesh),
          ("amax", lambda c: True),
          ("wgrad_schedule", lambda c: "fsdp=" in c.mesh),
          ("wgrad_sums", lambda c: c.precision != "bf16" and (
              "data=" in c.mesh or "fsdp=" in c.mesh)),
+         ("sequence_parallel",
+          lambda c: c.mesh_sizes.get("model", 1) > 1),
          ("exchange_slack", lambda c: "expert=" in c.mesh))
+
+# A boolean knob's option lists these words.
+ON_OFF = {"off": False, "on": True}
+
+
+def knob_values(a, field: str) -> list:
+  """The values the knob `field`'s option lists, typed as its `Config`
+  field (a boolean's `off`/`on` as False/True)."""
+  text = getattr(a, field)
+  items = [t for t in text.split(",") if t]
+  if Config.__dataclass_fields__[field].type != "bool":
+    return items
+  bad = [t for t in items if t not in ON_OFF]
+  if bad:
+    raise SystemExit(
+        f"--{field.replace('_', '-')} {text!r}: {bad[0]!r} is neither off "
+        f"nor on; give a comma list of off,on (e.g. 'off,on').")
+  return [ON_OFF[t] for t in items]
 
 
 def baseline(c: Config, cfgs: list[Config]) -> Config:
@@ -480,6 +510,10 @@ def main(argv=None):
                  help="comma list: also time the meshes with a data or fsdp "
                  "axis with the NVFP4 weight gradients summed in bf16 "
                  "('float32,bfloat16'; MeshRules.wgrad_sums)")
+  p.add_argument("--sequence-parallel", default="off",
+                 help="comma list: also time the meshes with a model axis "
+                 "of more than one device with sequence parallelism "
+                 "('off,on'; MeshRules.sequence_parallel)")
   p.add_argument("--exchange-slack", default="",
                  help="comma list: also time the meshes with an expert axis "
                  "with this moe.EXCHANGE_SLACK ('none': whole buffers, no "

@@ -52,6 +52,7 @@ class StepConfig:
   amax: str = "global"  # `MeshRules.amax`.
   wgrad_schedule: str = "layer"  # `MeshRules.wgrad_schedule`.
   wgrad_sums: str = "float32"  # `MeshRules.wgrad_sums`.
+  sequence_parallel: bool = False  # `MeshRules.sequence_parallel`.
 
   @property
   def mesh_sizes(self) -> dict[str, int]:
@@ -69,8 +70,9 @@ class StepConfig:
     if self.residuals != "codes":
       extra += f" residuals={self.residuals}"
     where = f" {self.mesh}" if self.mesh else ""
+    seq = " [seq]" if self.sequence_parallel else ""
     return (f"{self.preset} {self.precision} {self.batch}x{self.seq} "
-            f"{self.attention}{extra}{where}")
+            f"{self.attention}{extra}{where}{seq}")
 
 
 def build(cfg: StepConfig):
@@ -95,7 +97,8 @@ def build(cfg: StepConfig):
                    diagnostics=False, residuals=cfg.residuals,
                    tp_partial_sums=cfg.tp_partial_sums, amax=cfg.amax,
                    wgrad_schedule=cfg.wgrad_schedule,
-                   wgrad_sums=cfg.wgrad_sums)
+                   wgrad_sums=cfg.wgrad_sums,
+                   sequence_parallel=cfg.sequence_parallel)
   mc = model_config(tc, 256).replace(attention=cfg.attention,
                                      remat=cfg.remat)
   mesh = (sharding.make_mesh(jax.devices()[:cfg.devices], **cfg.mesh_sizes)

@@ -470,6 +470,14 @@ class FeedForward(nn.Module):
     return _dense(cfg, cfg.d_model, "down", out_std)(h.astype(cfg.jnp_dtype))
 
 
+def _token_split(x: jax.Array) -> jax.Array:
+  """The residual stream `x: [batch, seq, d_model]` as `mesh_rules` split
+  activations between layers (`MeshRules.token_split`: under sequence
+  parallelism, over the batch axes and `model`); `x` itself otherwise."""
+  rules = nvfp4_jax.sharding.current_rules()
+  return x if rules is None else rules.token_split(x)
+
+
 class Block(nn.Module):
   """One pre-norm transformer block."""
 
@@ -478,6 +486,7 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     dt = self.cfg.jnp_dtype
+    x = _token_split(x)
     x = x + Attention(self.cfg, name="attn")(
         _norm(self.cfg, "attn_norm")(x).astype(dt))
     h = _norm(self.cfg, "mlp_norm")(x).astype(dt)
@@ -509,6 +518,7 @@ class GPT(nn.Module):
     x = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.jnp_dtype,
               param_dtype=cfg.jnp_dtype,
               embedding_init=nn.initializers.normal(1.0), name="embed")(tokens)
+    x = _token_split(x)
     block = Block
     if cfg.remat == "quantized":
       block = nn.remat(Block, policy=nvfp4_jax.remat_policy())

@@ -485,6 +485,51 @@ def check_wgrad_schedule():
   print("  fsdp of size 1: not tied")
 
 
+def check_sequence_parallel():
+  """`LinearSharding(sequence=True)` (sequence parallelism over `model`) on
+  the column- and row-parallel layers with FSDP: Y, dX and dW equal the
+  same layer without it bit for bit, on heavy-tailed operands with the
+  paper's recipe (stochastic rounding of dY, RHT on the Wgrad operands):
+  quantizing a token shard with the tensor's amax at its own place gives
+  the whole tensor's codes, and a two-shard reduce-scatter adds what the
+  all-reduce adds. (The layer without it is checked against one device
+  within the derived bound: `check_dot_general`.) Compiled, the
+  activations' all-reduces over `model` become reduce-scatters of the same
+  bytes, and the gathered activations are quantized bytes (uint8)."""
+  import collections  # pylint: disable=g-import-not-at-top
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  m, _, (x, w, dy), key = _layer_case()
+  recipe = nv.Recipe.nvfp4()
+
+  def run(sh):
+    args = _placed(m, sh, x, w, dy)
+    c = jax.jit(_layer_fn(recipe, key, sh)).lower(*args).compile()
+    cs = [cl for cl in shd.collectives(c) if not cl.trivial]
+    # Collectives over `model` (groups of 2 in this 2x2x2 mesh) moving
+    # activations (more than the amaxes' few bytes).
+    big = sorted(f"{cl.op} {'/'.join(sorted(set(cl.dtypes)))}" for cl in cs
+                 if cl.result_bytes > 64)
+    return big, c(*args)
+
+  for name in ("column+fsdp", "row+fsdp"):
+    sh = _linear_shardings(m)[name]
+    seq = dataclasses.replace(sh, sequence=True)
+    assert seq.x_spec != sh.x_spec or seq.y_spec != sh.y_spec
+    before, want = run(sh)
+    after, got = run(seq)
+    for what, a, b in zip(("y", "dx", "dw"), got, want):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                    err_msg=f"{name} {what}")
+    # One all-reduce over `model` (Y's or dX's) became a reduce-scatter;
+    # X or dY (codes and scale bytes of both operands) is gathered as bytes.
+    nb, na = collections.Counter(before), collections.Counter(after)
+    assert (na["all-reduce f32"], na["reduce-scatter f32"]) == (
+        nb["all-reduce f32"] - 1, nb["reduce-scatter f32"] + 1), (before, after)
+    assert na["all-gather u8"] == nb["all-gather u8"] + 4, (before, after)
+    assert sum(na.values()) == sum(nb.values()) + 4, (before, after)
+    print(f"  sequence parallel {name}: y, dx, dw equal; {before} -> {after}")
+
+
 def check_wgrad_sums():
   """`LinearSharding(wgrad_sums="bfloat16")`: the weight gradient's sums
   over the token shards (the reduce-scatter over `fsdp`, the all-reduce
@@ -1890,7 +1935,8 @@ def _check_weights_gathered(name, compiled, params):
         f"all of whole parameters; no all-to-all")
 
 
-def check_gpt_step(names=("dp", "mixed"), resume=True, gpt_rules=GPT_RULES):
+def check_gpt_step(names=("dp", "mixed"), resume=True, gpt_rules=GPT_RULES,
+                   train=None):
   """One train step from the same state and batch on meshes `names` (here
   the data-parallel one and the mixed one, which splits along all three
   axes; `check_gpt_step_fsdp_tp` runs the pure FSDP and tensor-parallel
@@ -1947,7 +1993,7 @@ def check_gpt_step(names=("dp", "mixed"), resume=True, gpt_rules=GPT_RULES):
   for name in names:
     sizes = GPT_MESHES[name]
     t0 = time.perf_counter()
-    tr = _trainer(sizes, gpt_rules)
+    tr = _trainer(sizes, gpt_rules, train=train)
     if name == "mixed":
       st = tr.init_state()
       for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(state)):
@@ -1965,7 +2011,12 @@ def check_gpt_step(names=("dp", "mixed"), resume=True, gpt_rules=GPT_RULES):
     _check_step_collectives(name, fn)
     reshards = _block_reshards(fn, st.params)
     assert not reshards, (name, reshards[:4])
-    if gpt_rules is GPT_HIGH_PRECISION:
+    if (train or {}).get("sequence_parallel"):
+      # Activations are gathered and scattered over `model` by design; XLA
+      # exchanges nothing else.
+      moved = {c.op for c in shd.collectives(fn) if not c.trivial}
+      assert not moved & {"all-to-all", "collective-permute"}, (name, moved)
+    elif gpt_rules is GPT_HIGH_PRECISION:
       _check_weights_gathered(name, fn, st.params)
   if not resume:
     return
@@ -2066,6 +2117,50 @@ def check_gpt_step_high_precision_fsdp():
 def check_gpt_step_fsdp_tp():
   """`check_gpt_step` on the pure FSDP and tensor-parallel meshes."""
   check_gpt_step(("fsdp", "tp"), resume=False)
+
+
+def check_gpt_step_sequence_parallel():
+  """`check_gpt_step` on the tensor-parallel and mixed meshes with sequence
+  parallelism (`TrainConfig(sequence_parallel=True)`): within the same
+  derived bound of one device. The compiled step reduce-scatters the
+  row-parallel outputs and column-parallel input gradients over `model`
+  instead of all-reducing them, and runs the norms on token shards: the
+  RMSNorm's square-sum over features reads `[tokens / (data x model),
+  d_model]` per device (`_norm_rows`)."""
+  check_gpt_step(("tp", "mixed"), resume=False,
+                 train={"sequence_parallel": True})
+  # Every projection in high precision: XLA partitions the layers from the
+  # sharding constraints (`dot_general._sequence_constraint`).
+  check_gpt_step(("tp",), resume=False, gpt_rules=GPT_HIGH_PRECISION,
+                 train={"sequence_parallel": True})
+  sizes = GPT_MESHES["tp"]
+  rows = {}
+  for seq in (False, True):
+    tr = _trainer(sizes, train={"sequence_parallel": seq})
+    st = tr.init_state()
+    batch = tr.batcher.batch(0).reshape(1, tr.cfg.micro_batch, -1)
+    fn = jax.jit(tr.fns.loss_and_grads).lower(
+        st.params, tr.put_batch(batch), st.step).compile()
+    rows[seq] = _norm_rows(fn, batch.shape[-1] - 1)
+  per_device = 8 // sizes["data"]  # The trainer's batch of 8 sequences.
+  assert rows == {False: per_device, True: per_device // sizes["model"]}, rows
+  print(f"  tp: RMSNorm on {rows[False]} sequences per device, "
+        f"{rows[True]} with sequence parallelism")
+
+
+def _norm_rows(compiled, seq: int) -> int:
+  """The sequences per device a compiled GPT step's first RMSNorm
+  (`block_0/attn_norm`) computes on: the leading dimension of its 3-D FP32
+  values `[batch, seq, d_model]` per device."""
+  rows = set()
+  for line in compiled.as_text().splitlines():
+    name = re.search(r'op_name="([^"]*)"', line)
+    shape = re.search(r"= f32\[(\d+),(\d+),(\d+)\]", line)
+    if (name and shape and "block_0/attn_norm" in name.group(1)
+        and int(shape.group(2)) == seq):
+      rows.add(int(shape.group(1)))
+  assert len(rows) == 1, rows
+  return rows.pop()
 
 
 def check_moe_expert_parallel(expert_only: bool = False,

@@ -227,6 +227,10 @@ CONFIGS = {
     "TrainConfig sr an int": (
         lambda: TrainConfig(sr=0), TypeError,
         ["TrainConfig.sr", "0 (int)", "sr=True"]),
+    "TrainConfig sequence_parallel a string": (
+        lambda: TrainConfig(sequence_parallel="on"), TypeError,
+        ["TrainConfig.sequence_parallel", "'on' (str)",
+         "sequence_parallel=False"]),
     "TrainConfig lr a string": (
         lambda: TrainConfig(lr="3e-3"), TypeError,
         ["TrainConfig.lr", "'3e-3'", "lr=0.003"]),

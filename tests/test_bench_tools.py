@@ -531,6 +531,60 @@ def test_bench_scaling_wgrad_sums_only_where_they_change_the_program(
       "small nvfp4 data=2 [wgrad sums=bfloat16]"], labels
 
 
+def test_bench_scaling_sequence_parallel_only_on_model_meshes(monkeypatch):
+  """`--sequence-parallel off,on` adds a sequence-parallel row, in both
+  precisions, only to meshes with a `model` axis of more than one device
+  (elsewhere it changes nothing), passes it to the step, and refuses
+  words other than off/on."""
+  from benchmarks import bench_scaling
+  events = _fake_children(monkeypatch, lambda c, f: {"ms": 1.0,
+                                                     "ms_sync": 1.0})
+  bench_scaling.main(["--presets", "small", "--precisions", "bf16,nvfp4",
+                      "--meshes", "data=2 model=2 data=2,model=1",
+                      "--sequence-parallel", "off,on", "--jobs", "1",
+                      "--rounds", "1", "--cache-dir", "/nonexistent"])
+  labels = [c.label for e, c, _ in events if e == "compile"]
+  assert [x for x in labels if "sequence" in x] == [
+      "small bf16 model=2 [sequence parallel]",
+      "small nvfp4 model=2 [sequence parallel]"], labels
+  seen = []
+
+  class Stop(Exception):
+    pass
+
+  def build(cfg):
+    seen.append(cfg)
+    raise Stop
+  monkeypatch.setattr(bench_step, "build", build)
+  with pytest.raises(Stop):
+    bench_scaling._child(bench_scaling.Config(
+        "tiny", "nvfp4", 1, 8, "model=2", sequence_parallel=True), "")
+  assert seen[0].sequence_parallel is True
+  assert seen[0].label.endswith(" model=2 [seq]")
+  assert not bench_step.StepConfig("tiny", "bf16", 1, 8).label.endswith(
+      "[seq]")
+  with pytest.raises(SystemExit, match="--sequence-parallel 'off,yes': "
+                     "'yes' is neither off nor on"):
+    bench_scaling.main(["--presets", "small", "--meshes", "model=2",
+                        "--sequence-parallel", "off,yes"])
+
+
+def test_aot_collectives_passes_sequence_parallel(monkeypatch):
+  """`aot_collectives --sequence-parallel` reaches `compile_step` (off
+  without the flag); nothing compiles here."""
+  from benchmarks import aot_collectives
+  seen = []
+
+  def compile_step(*args):
+    seen.append(args[-1])
+    return ""
+  monkeypatch.setattr(aot_collectives, "compile_step", compile_step)
+  monkeypatch.setattr(aot_collectives, "report", lambda text, verbose: "")
+  aot_collectives.main(["--mesh", "model=2"])
+  aot_collectives.main(["--mesh", "model=2", "--sequence-parallel"])
+  assert seen == [False, True]
+
+
 def test_bench_scaling_exchange_slack(monkeypatch):
   """`--exchange-slack`: an expert-parallel mesh also runs with each listed
   `moe.EXCHANGE_SLACK` (none on meshes without an expert axis), and the

@@ -95,3 +95,23 @@ def test_compare_prints_table_and_one_plot_then_resumes(tmp_path, capsys):
   assert cli.main(argv + ["--resume"]) == 0
   again = capsys.readouterr().out
   assert table.group(0) in again
+
+
+def test_sequence_parallel_reaches_the_trainers_mesh_rules(monkeypatch):
+  """`--sequence-parallel` reaches `TrainConfig.sequence_parallel` and the
+  trainer's `MeshRules` (off without the flag)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax import parallel  # pylint: disable=g-import-not-at-top
+  from tiny_training import small_corpus  # pylint: disable=g-import-not-at-top
+  from train.loop import Trainer  # pylint: disable=g-import-not-at-top
+  # The mesh rules are what is checked: no step is traced or compiled.
+  monkeypatch.setattr(Trainer, "_shard", lambda self, mr: None)
+  mesh = parallel.make_mesh(jax.devices()[:1], data=1)
+  parser = cli.build_parser()
+  for flags, want in (([], False), (["--sequence-parallel"], True)):
+    args = parser.parse_args(["--compare", "bf16,nvfp4", "--batch-size", "2",
+                              "--seq-len", "16", *flags])
+    cfgs = cli.make_configs(args, ["bf16", "nvfp4"])
+    assert [c.sequence_parallel for c in cfgs] == [want, want]
+    trainer = Trainer(cfgs[1], small_corpus(), mesh=mesh)
+    assert trainer.mesh_rules.sequence_parallel is want

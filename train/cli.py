@@ -175,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
                  "partial results in float32 (rounded once, the default) "
                  "or in the output dtype (half the bytes for bf16, as "
                  "Megatron-style tensor parallelism)")
+  p.add_argument("--sequence-parallel", action="store_true",
+                 help="with a model mesh axis of more than one device: "
+                 "sequence parallelism, the activations between the "
+                 "tensor-parallel layers split over model too (their norms "
+                 "and residual adds on a token shard; the same result)")
   p.add_argument("--amax", metavar=_one_of(AMAX_SCOPES), default="global",
                  help="on a mesh: the activations' and gradients' tensor "
                  "amax over the whole batch (global, the default: the "
@@ -313,6 +318,7 @@ def make_configs(args, precisions: list[str]) -> list[TrainConfig]:
         ckpt_every=args.ckpt_every,
         diagnostics=not args.no_diagnostics, attention=args.attention,
         remat=args.remat, tp_partial_sums=args.tp_partial_sums,
+        sequence_parallel=args.sequence_parallel,
         amax=args.amax, wgrad_schedule=args.wgrad_schedule,
         wgrad_sums=args.wgrad_sums,
         **ablations[p]) for p in precisions]

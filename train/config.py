@@ -116,6 +116,11 @@ class TrainConfig:
     tp_partial_sums: on a mesh with a `model` axis, the dtype tensor
       parallelism sums partial results in: "float32" or "output"
       (`nvfp4_jax.MeshRules(partial_sums=...)`).
+    sequence_parallel: on a mesh with a `model` axis of more than one
+      device, sequence parallelism
+      (`nvfp4_jax.MeshRules(sequence_parallel=True)`): the activations
+      between the tensor-parallel layers split over `model` too; the same
+      result.
     amax: on a mesh, the activations' and gradients' tensor amax: "global"
       (the one-device run's quantization) or "local" (each token shard's,
       as a data-parallel micro-batch; `nvfp4_jax.MeshRules(amax=...)`).
@@ -161,6 +166,7 @@ class TrainConfig:
   remat: str = "none"
   residuals: str = "codes"
   tp_partial_sums: str = "float32"
+  sequence_parallel: bool = False
   amax: str = "global"
   wgrad_schedule: str = "layer"
   wgrad_sums: str = "float32"

@@ -33,6 +33,7 @@ from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.core import prng
 from nvfp4_jax.core.arrays import MXArray
 from nvfp4_jax.core.arrays import NVFP4Array
+from nvfp4_jax.core.arrays import NVFP4Values
 
 
 def entry_axes(entry: Any) -> tuple[str, ...]:
@@ -198,6 +199,8 @@ def all_gather(q: Any, axis_name: str | None, axis: int) -> Any:
   if isinstance(q, MXArray):
     return dataclasses.replace(q, data=gather(q.data),
                                scales=gather(q.scales))
+  if isinstance(q, NVFP4Values):
+    return dataclasses.replace(q, values=gather(q.values))
   return gather(q)
 
 

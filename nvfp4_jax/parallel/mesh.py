@@ -216,6 +216,19 @@ class LinearSharding:
       gradient reaches the master weight in its dtype either way. No effect
       where no axis splits the tokens, or on layers the recipe keeps in
       high precision (XLA sums those in their own dtype).
+    sequence: sequence parallelism (Megatron's, with TransformerEngine's
+      quantized gathers) for a column- or row-parallel layer: outside the
+      layer the tokens are split over `model` too (after `tokens`), so the
+      norms and residual adds between layers run on a token shard. A
+      column-parallel layer quantizes its token shard (amax over every
+      axis splitting it) and all-gathers the quantized bytes over `model`
+      before its GEMMs (its Wgrad operand in the backward pass), and
+      reduce-scatters dX; a row-parallel layer reduce-scatters Y and
+      all-gathers the quantized dY. The same bytes as the all-reduces it
+      replaces for the sums, a quarter of them for the gathered operands,
+      and the same result as without it: quantizing a token shard with the
+      tensor's amax gives the tensor's blocks. (A layer that `model` does
+      not split takes `model` among its `tokens` instead: `MeshRules`.)
   """
 
   mesh: Mesh
@@ -228,9 +241,17 @@ class LinearSharding:
   amax: str = "global"
   wgrad_schedule: str = "layer"
   wgrad_sums: str = "float32"
+  sequence: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "tokens", tuple(self.tokens))
+    if not isinstance(self.sequence, bool):
+      raise TypeError(f"LinearSharding(sequence={self.sequence!r}): use True "
+                      f"or False.")
+    if self.sequence and self.tensor is None:
+      raise ValueError(
+          "LinearSharding(sequence=True) needs tensor= and model=: a layer "
+          "that `model` does not split takes it among its `tokens` instead.")
     _check_choices(self)
     if self.fsdp_dim is None:
       object.__setattr__(self, "fsdp_dim", 1 if self.model_splits_in else 0)
@@ -282,6 +303,24 @@ class LinearSharding:
             and self.sizes[self.model] > 1)
 
   @property
+  def seq_tokens(self) -> tuple[str, ...]:
+    """The axes splitting the tokens outside the layer: `tokens`, and
+    `model` after them under sequence parallelism."""
+    return self.tokens + ((self.model,) if self.sequence else ())
+
+  @property
+  def gathers_x(self) -> bool:
+    """Whether the layer gathers its quantized input over `model` (a
+    column-parallel layer under sequence parallelism)."""
+    return self.sequence and self.tensor == "column"
+
+  @property
+  def scatters_y(self) -> bool:
+    """Whether the layer reduce-scatters its output over `model` (a
+    row-parallel layer under sequence parallelism)."""
+    return self.sequence and self.tensor == "row"
+
+  @property
   def k_axes(self) -> tuple[str, ...]:
     """Axes splitting `in` (K) of X and of the weight in use."""
     return (self.model,) if self.tensor == "row" else ()
@@ -307,7 +346,9 @@ class LinearSharding:
 
   @property
   def x_spec(self) -> P:
-    return P(spmd.entry(self.tokens), spmd.entry(self.k_axes))
+    """X's spec outside the layer."""
+    tokens = self.seq_tokens if self.gathers_x else self.tokens
+    return P(spmd.entry(tokens), spmd.entry(self.k_axes))
 
   def check(self, recipe: Recipe, tokens: int, k: int, n: int,
             name: str = "") -> None:
@@ -351,7 +392,9 @@ class LinearSharding:
 
   @property
   def y_spec(self) -> P:
-    return P(spmd.entry(self.tokens), spmd.entry(self.n_axes))
+    """Y's (and dY's) spec outside the layer."""
+    tokens = self.seq_tokens if self.scatters_y else self.tokens
+    return P(spmd.entry(tokens), spmd.entry(self.n_axes))
 
 
 def linear_sharding_for(mesh, x_spec: P, kernel_spec: P) -> LinearSharding:
@@ -428,6 +471,15 @@ class MeshRules:
       (`LinearSharding.wgrad_sums`; the stacked experts of mixture-of-
       experts layers are summed by XLA in their gradient's dtype, FP32
       for FP32 weights).
+    sequence_parallel: False (default) or True: sequence parallelism over
+      `model` (`LinearSharding.sequence`). Between the tensor-parallel
+      layers the activations are split over the batch axes and `model`
+      (`token_split`), so each device runs the norms, residual adds and
+      the layers `model` does not split on its own tokens instead of all
+      of them; the column-parallel layers gather their quantized inputs
+      and the row-parallel ones reduce-scatter their outputs in place of
+      the all-reduces. The same result as without it. No effect without a
+      `model` axis of more than one device.
 
   Axes named here but absent from the mesh are dropped (a mesh of only
   `data` is plain data parallelism); every mesh axis must have a role.
@@ -443,9 +495,13 @@ class MeshRules:
   amax: str = "global"
   wgrad_schedule: str = "layer"
   wgrad_sums: str = "float32"
+  sequence_parallel: bool = False
 
   def __post_init__(self):
     _check_choices(self)
+    if not isinstance(self.sequence_parallel, bool):
+      raise TypeError(f"MeshRules(sequence_parallel="
+                      f"{self.sequence_parallel!r}): use True or False.")
     names = tuple(self.mesh.axis_names)
     object.__setattr__(self, "batch",
                        tuple(a for a in self.batch if a in names))
@@ -496,14 +552,52 @@ class MeshRules:
         return style
     return None
 
+  @property
+  def sequence(self) -> bool:
+    """Whether sequence parallelism is on: `sequence_parallel` with a
+    `model` axis of more than one device."""
+    return (self.sequence_parallel and self.model is not None
+            and self.sizes[self.model] > 1)
+
+  @property
+  def token_axes(self) -> tuple[str, ...]:
+    """The axes splitting the activations between layers: `batch`, and
+    `model` after them under sequence parallelism."""
+    return self.batch + ((self.model,) if self.sequence else ())
+
   def linear(self, path: str) -> LinearSharding:
     """The `LinearSharding` of the linear layer at `path`."""
     style = self.style(path)
-    return LinearSharding(mesh=self.mesh, tokens=self.batch, tensor=style,
+    return LinearSharding(mesh=self.mesh,
+                          tokens=self.batch if style else self.token_axes,
+                          tensor=style,
                           model=self.model if style else None,
                           fsdp=self.fsdp, partial_sums=self.partial_sums,
                           amax=self.amax, wgrad_schedule=self.wgrad_schedule,
-                          wgrad_sums=self.wgrad_sums)
+                          wgrad_sums=self.wgrad_sums,
+                          sequence=bool(style) and self.sequence)
+
+  def token_split(self, x: jax.Array, axis: int = 0) -> jax.Array:
+    """`x` (an activation whose `axis` indexes sequences) split over
+    `token_axes` along `axis`, by a sharding constraint: under sequence
+    parallelism, the activations between layers. `x` itself without
+    sequence parallelism, where `token_axes` do not divide the axis, under
+    Explicit mesh axes (the types say where arrays live) and inside a
+    `shard_map`. Call it while tracing."""
+    if not self.sequence or x.shape[axis] % spmd.num_shards(
+        self.sizes, self.token_axes):
+      return x
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if (mesh is not None and not mesh.empty
+        and jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)):
+      return x
+    abstract = jax.sharding.get_abstract_mesh()
+    if not abstract.empty and abstract.manual_axes:
+      return x
+    spec = [None] * x.ndim
+    spec[axis] = spmd.entry(self.token_axes)
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(self.mesh, P(*spec)))
 
   def batch_spec(self, ndim: int, axis: int = 0) -> P:
     """The spec of a batch array whose `axis` indexes sequences."""

@@ -183,6 +183,9 @@ class _Whole:
 
   x_axes = y_axes = w_axes = ()
   reduces_y = reduces_dx = False
+  # Sequence parallelism: X gathered (column-parallel), dY gathered and Y
+  # reduce-scattered (row-parallel), over `model`.
+  gathers_x = scatters_y = False
   f32_sums = True
 
   def y_dtype(self, out_dtype):
@@ -209,6 +212,12 @@ class _Whole:
   def gather_w(self, q, transposed: bool):
     del transposed
     return q
+
+  def gather_x(self, q, axis: int):
+    del axis
+    return q
+
+  gather_dy = gather_x
 
   def sum_y(self, y):
     return y
@@ -237,6 +246,7 @@ class _Shard(_Whole):
     self.whole_w = spmd.num_shards(s.sizes, self.w_axes) == 1
     self.reduces_y = bool(s.k_axes)
     self.reduces_dx = bool(s.n_axes)
+    self.gathers_x, self.scatters_y = s.gathers_x, s.scatters_y
     self.f32_sums = s.partial_sums == "float32"
     if (s.wgrad_sums == "bfloat16"
         and spmd.num_shards(s.sizes, s.tokens) > 1):
@@ -258,10 +268,33 @@ class _Shard(_Whole):
     axis = 1 - self.s.fsdp_dim if transposed else self.s.fsdp_dim
     return spmd.all_gather(q, self.s.fsdp, axis)
 
-  def sum_y(self, y):  # Row-parallel: partial sums over `in`.
+  def gather_x(self, q, axis: int):
+    """X (quantized or not) over all tokens from this device's token shard
+    (a column-parallel layer under sequence parallelism; `axis`: the tokens'
+    dimension of `q`)."""
+    if q is None or not self.s.gathers_x:  # None: an operand in BF16.
+      return q
+    return spmd.all_gather(q, self.s.model, axis)
+
+  def gather_dy(self, q, axis: int):
+    """dY the same way (a row-parallel layer under sequence parallelism)."""
+    if q is None or not self.s.scatters_y:
+      return q
+    return spmd.all_gather(q, self.s.model, axis)
+
+  def sum_y(self, y):
+    """Row-parallel: Y's partial sums over `in`, all-reduced or (sequence
+    parallelism) reduce-scattered into token shards."""
+    if self.s.scatters_y:
+      return jax.lax.psum_scatter(y, self.s.model, scatter_dimension=0,
+                                  tiled=True)
     return jax.lax.psum(y, self.s.k_axes) if self.s.k_axes else y
 
-  def sum_dx(self, dx):  # Column-parallel: partial sums over `out`.
+  def sum_dx(self, dx):
+    """Column-parallel: dX's partial sums over `out`, the same way."""
+    if self.s.gathers_x:
+      return jax.lax.psum_scatter(dx, self.s.model, scatter_dimension=0,
+                                  tiled=True)
     return jax.lax.psum(dx, self.s.n_axes) if self.s.n_axes else dx
 
   def sum_dw(self, dx, dw):
@@ -344,9 +377,13 @@ def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, plan: GemmPlan,
   # (codes: 4.5 bits per element; or its values, see `_saves_values`).
   qx, qxt = _named("nvfp4_quantize_x", lambda x, kr, kt: _pair(
       x, recipe.fprop_x, recipe.wgrad_x, recipe, kr, kt, ctx.place_x(x),
-      ctx.x_axes, values=(_as_values(recipe.fprop_x, plan),
+      ctx.x_axes, values=(_as_values(recipe.fprop_x, plan)
+                          and not ctx.gathers_x,
                           _saves_values(recipe.wgrad_x, plan))))(
           x, keys["fprop_x"], keys["wgrad_x"])
+  # Under sequence parallelism the token shard was quantized with the
+  # tensor's amax; the quantized bytes of all tokens are gathered.
+  qx = ctx.gather_x(qx, 0)
   vw = None
   if _weight_in_kernel_layout(recipe, plan, ctx):
     # One pass over the kernel: the Dgrad operand's codes (saved) and the
@@ -373,7 +410,7 @@ def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, plan: GemmPlan,
   else:
     y = _named("bf16_fprop", functools.partial(
         _hp_matmul, dtype=acc_dtype, precision=precision))(
-            x, ctx.gather_w(w, False))
+            ctx.gather_x(x, 0), ctx.gather_w(w, False))
     qw = None
   y = ctx.sum_y(y).astype(out_dtype)
   # Dgrad's weight: with identical 16x16 settings it is Fprop's quantized W
@@ -420,7 +457,7 @@ def _weight_in_kernel_layout(recipe: Recipe, plan: GemmPlan,
   parallelism holds it whole).
   """
   w = recipe.fprop_w
-  return (ctx.whole_w and _as_values(w, plan)
+  return (ctx.whole_w and not ctx.gathers_x and _as_values(w, plan)
           and _as_values(recipe.fprop_x, plan)
           and w.block_2d and w.rounding == "nearest" and not w.four_over_six
           and recipe.dgrad_w == w)
@@ -504,9 +541,20 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, res, dy,
   # Both operands of dY are multiplied at once.
   qdy, qdyt = _named("nvfp4_quantize_dy", lambda dy, kr, kt: _pair(
       dy, recipe.dgrad_dy, recipe.wgrad_dy, recipe, kr, kt, ctx.place_y(dy),
-      ctx.y_axes, values=(_as_values(recipe.dgrad_dy, plan),
-                          _as_values(recipe.wgrad_dy, plan))))(
+      ctx.y_axes, values=(_as_values(recipe.dgrad_dy, plan)
+                          and not ctx.scatters_y,
+                          _as_values(recipe.wgrad_dy, plan)
+                          and not ctx.scatters_y)))(
                               dy, keys["dgrad_dy"], keys["wgrad_dy"])
+  # Under sequence parallelism (row-parallel) dY's token shard was quantized
+  # with the tensor's amax; its operands over all tokens are gathered, as
+  # X's residual is for a column-parallel layer.
+  qdy, qdyt = ctx.gather_dy(qdy, 0), ctx.gather_dy(qdyt, 1)
+  if wgrad_q:
+    x_saved = ctx.gather_x(x_saved, 1)  # q(rht(X^T)): tokens last.
+  else:
+    x_saved = ctx.gather_x(x_saved, 0)
+  dy = ctx.gather_dy(dy, 0)  # Where a GEMM takes dY in high precision.
 
   if dgrad_q:
     if (_weight_in_kernel_layout(recipe, plan, ctx)
@@ -650,15 +698,32 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
   if not recipe.quantized or lhs.size == 0 or rhs.size == 0:
     # Exactly XLA's product of the operands as given (with no elements
     # there is nothing to quantize: an empty result, or zeros for K = 0).
+    sequence = _sequence_parallel(lhs, rhs, lb or rb, shard)
+    if sequence and shard.gathers_x:
+      # Split, then gathered: XLA gathers X in its own dtype (left to
+      # itself it gathered the norm's FP32 output before the cast, twice
+      # the bytes), and in the backward pass it reduce-scatters dX.
+      lhs = _sequence_constraint(lhs, shard, shard.seq_tokens, lc)
+      lhs = _sequence_constraint(lhs, shard, shard.tokens, lc)
     if (_gathers_weight(lhs, rhs, lb or rb, shard) and shard.ties_wgrad
         and out_sharding is None):
-      return _hp_fsdp_dot(lhs, rhs, (tuple(lc), tuple(rc)), precision,
-                          preferred_element_type, shard)
-    rhs = _gathered_weight(lhs, rhs, rc, lb or rb, shard)
-    return jax.lax.dot_general(lhs, rhs, ((lc, rc), (lb, rb)),
-                               precision=precision,
-                               preferred_element_type=preferred_element_type,
-                               out_sharding=out_sharding)
+      y = _hp_fsdp_dot(lhs, rhs, (tuple(lc), tuple(rc)), precision,
+                       preferred_element_type, shard)
+    else:
+      rhs = _gathered_weight(lhs, rhs, rc, lb or rb, shard)
+      y = jax.lax.dot_general(lhs, rhs, ((lc, rc), (lb, rb)),
+                              precision=precision,
+                              preferred_element_type=preferred_element_type,
+                              out_sharding=out_sharding)
+    if sequence and shard.scatters_y:
+      # Summed over all tokens, then split: the backward pass then gathers
+      # dY over `model` before the Dgrad GEMM (the transposes run in
+      # reverse), which leaves dX split by features as attention and the
+      # MLP hold it; in the forward pass XLA fuses the all-reduce and the
+      # slice into a reduce-scatter.
+      y = _sequence_constraint(y, shard, shard.tokens, ())
+      y = _sequence_constraint(y, shard, shard.seq_tokens, ())
+    return y
   if lb or rb:
     raise NotImplementedError(
         f"{prefix}nvfp4_jax.dot_general quantizes linear-layer GEMMs; batched "
@@ -725,6 +790,36 @@ def _gathered_weight(lhs, rhs, rc, batched, shard: LinearSharding | None):
     spec = P(spec[1], spec[0])
   return jax.lax.with_sharding_constraint(
       rhs, NamedSharding(shard.mesh, spec))
+
+
+def _sequence_parallel(lhs, rhs, batched, shard: LinearSharding | None
+                       ) -> bool:
+  """Whether a high-precision layer's product runs under sequence
+  parallelism (`LinearSharding.sequence`, in auto mode, outside a
+  `shard_map`): XLA partitions it, and `_sequence_constraint` says where
+  its activations live."""
+  if (shard is None or not shard.sequence or batched or rhs.ndim != 2
+      or explicit_mesh(lhs, rhs) is not None):
+    return False
+  abstract = jax.sharding.get_abstract_mesh()
+  return abstract.empty or not abstract.manual_axes
+
+
+def _sequence_constraint(a, shard: LinearSharding, axes, contracting
+                         ) -> jax.Array:
+  """An activation of a high-precision layer under sequence parallelism,
+  split over `axes` along its first free (token) dimension and whole along
+  the others, by a sharding constraint: a column-parallel layer's X over
+  its `tokens` (XLA all-gathers it over `model`), a row-parallel layer's Y
+  over `seq_tokens` (XLA reduce-scatters the partial sums). `a` itself
+  where the axes do not divide that dimension."""
+  free = [d for d in range(a.ndim) if d not in contracting]
+  if not free or a.shape[free[0]] % spmd.num_shards(shard.sizes, axes):
+    return a
+  spec = [None] * a.ndim
+  spec[free[0]] = spmd.entry(axes)
+  return jax.lax.with_sharding_constraint(a, NamedSharding(shard.mesh,
+                                                           P(*spec)))
 
 
 def _gathers_weight(lhs, rhs, batched, shard: LinearSharding | None) -> bool:
