@@ -80,7 +80,7 @@ def overlap(text: str) -> dict[str, int]:
 def compile_step(preset, precision, batch, seq, mesh_sizes, target="h100",
                  options=None, partial_sums="float32",
                  amax="global", wgrad_sums="float32",
-                 sequence_parallel=False) -> str:
+                 sequence_parallel=False, collective_matmul=False) -> str:
   """The scheduled HLO of the trainer's step on `mesh_sizes` of `target`."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -108,7 +108,8 @@ def compile_step(preset, precision, batch, seq, mesh_sizes, target="h100",
     mesh = nvfp4_jax.sharding.make_mesh(devices, **mesh_sizes)
     mr = nvfp4_jax.MeshRules(mesh=mesh, partial_sums=partial_sums,
                              amax=amax, wgrad_sums=wgrad_sums,
-                             sequence_parallel=sequence_parallel)
+                             sequence_parallel=sequence_parallel,
+                             collective_matmul=collective_matmul)
     fns = StepFunctions(tc, GPT(mc), make_rules(tc, mc.num_layers), opt,
                         schedule, mesh_rules=mr)
     abstract = jax.eval_shape(fns.init_state)
@@ -180,6 +181,8 @@ def main(argv=None):
   p.add_argument("--sequence-parallel", action="store_true",
                  help="MeshRules.sequence_parallel: the activations between "
                  "the tensor-parallel layers split over model too")
+  p.add_argument("--collective-matmul", action="store_true",
+                 help="MeshRules.collective_matmul (with --sequence-parallel)")
   p.add_argument("--summary", action="store_true",
                  help="only the totals by kind")
   a = p.parse_args(argv)
@@ -193,7 +196,7 @@ def main(argv=None):
   t0 = time.perf_counter()
   text = compile_step(a.preset, a.precision, a.batch, a.seq, sizes, a.target,
                       options, a.partial_sums, a.amax, a.wgrad_sums,
-                      a.sequence_parallel)
+                      a.sequence_parallel, a.collective_matmul)
   if a.hlo:
     with open(a.hlo, "w") as f:
       f.write(text)

@@ -87,7 +87,9 @@ class Config:
   amax: str = "global"  # `MeshRules.amax`.
   wgrad_schedule: str = "layer"  # `MeshRules.wgrad_schedule`.
   wgrad_sums: str = "float32"  # `MeshRules.wgrad_sums`.
-  sequence_parallel: bool = False  # `MeshRules.sequence_parallel`.
+  # `MeshRules.sequence_parallel` and `collective_matmul`: "off", "on" or
+  # "ring" (both).
+  sequence_parallel: str = "off"
   # `nvfp4_jax.flax.moe.EXCHANGE_SLACK` ("" the library's default;
   # "none": whole buffers, no fast path).
   exchange_slack: str = ""
@@ -116,8 +118,9 @@ class Config:
       v += f" [wgrad={self.wgrad_schedule}]"
     if self.wgrad_sums != "float32":
       v += f" [wgrad sums={self.wgrad_sums}]"
-    if self.sequence_parallel:
-      v += " [sequence parallel]"
+    if self.sequence_parallel != "off":
+      v += {"on": " [sequence parallel]",
+            "ring": " [sequence parallel, ring]"}[self.sequence_parallel]
     if self.exchange_slack:
       v += f" [slack={self.exchange_slack}]"
     return f"{self.preset} {self.precision} {self.mesh or 'no mesh'}{v}"
@@ -153,7 +156,8 @@ def _child(cfg: Config, cache_dir: str, hold: bool = False) -> dict | None:
       cfg.preset, cfg.precision, cfg.batch * cfg.devices, cfg.seq,
       mesh=cfg.mesh, tp_partial_sums=cfg.tp_partial_sums, amax=cfg.amax,
       wgrad_schedule=cfg.wgrad_schedule, wgrad_sums=cfg.wgrad_sums,
-      sequence_parallel=cfg.sequence_parallel))
+      sequence_parallel=cfg.sequence_parallel != "off",
+      collective_matmul=cfg.sequence_parallel == "ring"))
   if trainer.mesh_rules is None:  # The batch on the device, as on a mesh.
     batch = jax.device_put(batch, jax.devices()[0])
   compiled = trainer.train_step.lower(state, batch).compile()
@@ -408,23 +412,22 @@ KNOBS = (("tp_partial_sums", lambda c: c.precision != "bf16"
           lambda c: c.mesh_sizes.get("model", 1) > 1),
          ("exchange_slack", lambda c: "expert=" in c.mesh))
 
-# A boolean knob's option lists these words.
-ON_OFF = {"off": False, "on": True}
+# The words a knob's option may list, where they are a closed set.
+KNOB_CHOICES = {"sequence_parallel": ("off", "on", "ring")}
 
 
-def knob_values(a, field: str) -> list:
-  """The values the knob `field`'s option lists, typed as its `Config`
-  field (a boolean's `off`/`on` as False/True)."""
+def knob_values(a, field: str) -> list[str]:
+  """The values the knob `field`'s option lists (checked against
+  `KNOB_CHOICES`)."""
   text = getattr(a, field)
   items = [t for t in text.split(",") if t]
-  if Config.__dataclass_fields__[field].type != "bool":
-    return items
-  bad = [t for t in items if t not in ON_OFF]
+  choices = KNOB_CHOICES.get(field)
+  bad = [t for t in items if choices and t not in choices]
   if bad:
     raise SystemExit(
-        f"--{field.replace('_', '-')} {text!r}: {bad[0]!r} is neither off "
-        f"nor on; give a comma list of off,on (e.g. 'off,on').")
-  return [ON_OFF[t] for t in items]
+        f"--{field.replace('_', '-')} {text!r}: {bad[0]!r} is not one of "
+        f"{','.join(choices)}; give a comma list of them (e.g. 'off,on').")
+  return items
 
 
 def baseline(c: Config, cfgs: list[Config]) -> Config:
@@ -512,8 +515,10 @@ def main(argv=None):
                  "('float32,bfloat16'; MeshRules.wgrad_sums)")
   p.add_argument("--sequence-parallel", default="off",
                  help="comma list: also time the meshes with a model axis "
-                 "of more than one device with sequence parallelism "
-                 "('off,on'; MeshRules.sequence_parallel)")
+                 "of more than one device with sequence parallelism (on), "
+                 "and with its collective matmul as well (ring) "
+                 "('off,on,ring'; MeshRules.sequence_parallel, "
+                 "collective_matmul)")
   p.add_argument("--exchange-slack", default="",
                  help="comma list: also time the meshes with an expert axis "
                  "with this moe.EXCHANGE_SLACK ('none': whole buffers, no "

@@ -53,6 +53,7 @@ class StepConfig:
   wgrad_schedule: str = "layer"  # `MeshRules.wgrad_schedule`.
   wgrad_sums: str = "float32"  # `MeshRules.wgrad_sums`.
   sequence_parallel: bool = False  # `MeshRules.sequence_parallel`.
+  collective_matmul: bool = False  # `MeshRules.collective_matmul`.
 
   @property
   def mesh_sizes(self) -> dict[str, int]:
@@ -70,7 +71,8 @@ class StepConfig:
     if self.residuals != "codes":
       extra += f" residuals={self.residuals}"
     where = f" {self.mesh}" if self.mesh else ""
-    seq = " [seq]" if self.sequence_parallel else ""
+    seq = (" [seq ring]" if self.collective_matmul else
+           " [seq]" if self.sequence_parallel else "")
     return (f"{self.preset} {self.precision} {self.batch}x{self.seq} "
             f"{self.attention}{extra}{where}{seq}")
 
@@ -98,7 +100,8 @@ def build(cfg: StepConfig):
                    tp_partial_sums=cfg.tp_partial_sums, amax=cfg.amax,
                    wgrad_schedule=cfg.wgrad_schedule,
                    wgrad_sums=cfg.wgrad_sums,
-                   sequence_parallel=cfg.sequence_parallel)
+                   sequence_parallel=cfg.sequence_parallel,
+                   collective_matmul=cfg.collective_matmul)
   mc = model_config(tc, 256).replace(attention=cfg.attention,
                                      remat=cfg.remat)
   mesh = (sharding.make_mesh(jax.devices()[:cfg.devices], **cfg.mesh_sizes)

@@ -528,6 +528,57 @@ def check_sequence_parallel():
     assert na["all-gather u8"] == nb["all-gather u8"] + 4, (before, after)
     assert sum(na.values()) == sum(nb.values()) + 4, (before, after)
     print(f"  sequence parallel {name}: y, dx, dw equal; {before} -> {after}")
+    # The collective matmul: the same numbers (two devices on `model`: each
+    # ring sum adds two partials, as the reduce-scatter does), and the
+    # activations' gather and reduce-scatter over `model` become
+    # collective-permutes: of X's or dY's Fprop or Dgrad operand (codes and
+    # scale bytes; the Wgrad operand is still all-gathered, off the critical
+    # path) and of the partial sums.
+    ring, got = run(dataclasses.replace(seq, collective_matmul=True))
+    for what, a, b in zip(("y", "dx", "dw"), got, want):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                    err_msg=f"{name} ring {what}")
+    nr = collections.Counter(ring)
+    assert nr["reduce-scatter f32"] == nb["reduce-scatter f32"], ring
+    assert nr["all-gather u8"] < na["all-gather u8"], ring
+    assert nr["collective-permute u8"] >= 1, ring
+    assert nr["collective-permute f32"] == 1, ring
+    print(f"  collective matmul {name}: y, dx, dw equal; {ring}")
+
+
+def check_collective_matmul_four():
+  """The collective matmul's rings over a `model` axis of four devices
+  (`data=2, model=4`), against sequence parallelism's plain gathers and
+  reduce-scatters: the gathered products (a column-parallel layer's Y, a
+  row-parallel one's dX) and every weight gradient bit for bit, the ring
+  sums (a row-parallel Y, a column-parallel dX) within the FP32 reordering
+  bound of four partial sums (`gemm_bound` of the whole product covers
+  any order of its terms)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  m = mesh(data=2, model=4)
+  t, k, n = 128, 64, 128
+  x = jnp.asarray(make_heavy_tailed((t, k), seed=1))
+  w = jnp.asarray(make_heavy_tailed((k, n), seed=2)) * 0.01
+  dy = jnp.asarray(make_heavy_tailed((t, n), seed=3))
+  key = jax.random.key(7)
+  recipe = nv.Recipe.nvfp4()
+  qx, _, qdy, _, qw = _operands(recipe, x, w, dy, key)
+  for style in ("column", "row"):
+    seq = shd.LinearSharding(mesh=m, tokens=("data",), tensor=style,
+                             model="model", sequence=True)
+    outs = []
+    for sh in (seq, dataclasses.replace(seq, collective_matmul=True)):
+      args = _placed(m, sh, x, w, dy)
+      outs.append(jax.jit(_layer_fn(recipe, key, sh))(*args))
+    (y0, dx0, dw0), (y, dx, dw) = outs
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw0))
+    if style == "column":
+      np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+      check_within(dx, dx0, gemm_bound(qdy, qw.T, n), "column ring dx")
+    else:
+      np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx0))
+      check_within(y, y0, gemm_bound(qx, qw, k), "row ring y")
+    print(f"  collective matmul {style} on model=4: as sequence parallelism")
 
 
 def check_wgrad_sums():
@@ -1865,7 +1916,9 @@ def _check_step_collectives(name, compiled):
   recipe keeps in BF16: no activation is gathered, and no weight travels
   in high precision for a quantized GEMM; the other
   collectives there are amax maxima (uint32) and FP32 sums (row-parallel
-  outputs, column-parallel input gradients, weight gradients). Outside
+  outputs, column-parallel input gradients, weight gradients), and with
+  the collective matmul the rings' collective-permutes of quantized
+  operands and FP32 partial sums. Outside
   them XLA partitions the high-precision parts itself: it gathers the
   head's weight, and the embedding's lookup and scatter over a
   vocabulary-split table move token ids and the (small) output gradient.
@@ -1874,10 +1927,15 @@ def _check_step_collectives(name, compiled):
   cs = [c for c in shd.collectives(compiled) if not c.trivial]
   inside = [c for c in cs if "nvfp4_layer[" in c.line]
   for c in inside:
+    tag = re.search(r"nvfp4_layer\[[^|]*\|([^\]]*)\]", c.line).group(1)
     if c.op == "all-gather":
       # Only a GEMM the recipe keeps in BF16 gathers its weight unquantized.
-      tag = re.search(r"nvfp4_layer\[[^|]*\|([^\]]*)\]", c.line).group(1)
       assert set(c.dtypes) == {"u8"} or "=bf16" in tag, (name, c.line)
+    elif c.op == "collective-permute":
+      # The collective matmul's rings: quantized operands (u8) and FP32
+      # partial sums (a GEMM kept in BF16: its own dtype).
+      assert set(c.dtypes) <= {"u8", "f32"} or "=bf16" in tag, (name,
+                                                                 c.line)
     else:
       assert c.op in ("all-reduce", "reduce-scatter"), (name, c.line)
       assert set(c.dtypes) <= {"u32", "f32"}, (name, c.line)
@@ -1909,6 +1967,8 @@ def _block_reshards(compiled, params):
     name = name.group(1) if name else ""
     if c.trivial or not re.search(r"/(attn|mlp)/", name):
       continue
+    if c.op == "collective-permute" and "nvfp4_layer[" in name:
+      continue  # A collective matmul's ring (`_check_step_collectives`).
     if c.op in ("all-to-all", "collective-permute"):
       out.append(f"{c.op} {c.dtypes} {name}")
     elif (c.op == "all-gather" and "nvfp4_layer[" not in name
@@ -2012,9 +2072,12 @@ def check_gpt_step(names=("dp", "mixed"), resume=True, gpt_rules=GPT_RULES,
     reshards = _block_reshards(fn, st.params)
     assert not reshards, (name, reshards[:4])
     if (train or {}).get("sequence_parallel"):
-      # Activations are gathered and scattered over `model` by design; XLA
+      # Activations are gathered and scattered over `model` by design (by
+      # the collective matmul's rings inside the NVFP4 layers); XLA
       # exchanges nothing else.
-      moved = {c.op for c in shd.collectives(fn) if not c.trivial}
+      moved = {c.op for c in shd.collectives(fn) if not c.trivial
+               and not (c.op == "collective-permute"
+                        and "nvfp4_layer[" in c.line)}
       assert not moved & {"all-to-all", "collective-permute"}, (name, moved)
     elif gpt_rules is GPT_HIGH_PRECISION:
       _check_weights_gathered(name, fn, st.params)
@@ -2121,8 +2184,9 @@ def check_gpt_step_fsdp_tp():
 
 def check_gpt_step_sequence_parallel():
   """`check_gpt_step` on the tensor-parallel and mixed meshes with sequence
-  parallelism (`TrainConfig(sequence_parallel=True)`): within the same
-  derived bound of one device. The compiled step reduce-scatters the
+  parallelism (`TrainConfig(sequence_parallel=True)`; on the mixed mesh
+  also with `collective_matmul=True`): within the same derived bound of
+  one device. The compiled step reduce-scatters the
   row-parallel outputs and column-parallel input gradients over `model`
   instead of all-reducing them, and runs the norms on token shards: the
   RMSNorm's square-sum over features reads `[tokens / (data x model),
@@ -2133,6 +2197,9 @@ def check_gpt_step_sequence_parallel():
   # sharding constraints (`dot_general._sequence_constraint`).
   check_gpt_step(("tp",), resume=False, gpt_rules=GPT_HIGH_PRECISION,
                  train={"sequence_parallel": True})
+  # With the collective matmul's rings in the quantized layers.
+  check_gpt_step(("mixed",), resume=False,
+                 train={"sequence_parallel": True, "collective_matmul": True})
   sizes = GPT_MESHES["tp"]
   rows = {}
   for seq in (False, True):

@@ -231,6 +231,10 @@ CONFIGS = {
         lambda: TrainConfig(sequence_parallel="on"), TypeError,
         ["TrainConfig.sequence_parallel", "'on' (str)",
          "sequence_parallel=False"]),
+    "TrainConfig collective_matmul without sequence_parallel": (
+        lambda: TrainConfig(collective_matmul=True), ValueError,
+        ["collective_matmul=True needs sequence_parallel=True",
+         "--sequence-parallel --collective-matmul"]),
     "TrainConfig lr a string": (
         lambda: TrainConfig(lr="3e-3"), TypeError,
         ["TrainConfig.lr", "'3e-3'", "lr=0.003"]),
@@ -317,6 +321,13 @@ RULES = {
     "MeshRules partial sums in an unknown dtype": (
         lambda: nv.MeshRules(mesh=_mesh(), partial_sums="bf16"),
         ValueError, ["partial_sums='bf16'", "('float32', 'output')"]),
+    "MeshRules collective_matmul without sequence_parallel": (
+        lambda: nv.MeshRules(mesh=_mesh(), collective_matmul=True),
+        ValueError, ["MeshRules(collective_matmul=True) needs "
+                     "sequence_parallel=True"]),
+    "MeshRules sequence_parallel a string": (
+        lambda: nv.MeshRules(mesh=_mesh(), sequence_parallel="yes"),
+        TypeError, ["MeshRules(sequence_parallel='yes')", "True or False"]),
     "MeshRules amax in an unknown scope": (
         lambda: nv.MeshRules(mesh=_mesh(), amax="per_device"),
         ValueError, ["amax='per_device'", "('global', 'local')"]),

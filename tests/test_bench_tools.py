@@ -532,21 +532,23 @@ def test_bench_scaling_wgrad_sums_only_where_they_change_the_program(
 
 
 def test_bench_scaling_sequence_parallel_only_on_model_meshes(monkeypatch):
-  """`--sequence-parallel off,on` adds a sequence-parallel row, in both
-  precisions, only to meshes with a `model` axis of more than one device
-  (elsewhere it changes nothing), passes it to the step, and refuses
-  words other than off/on."""
+  """`--sequence-parallel off,on,ring` adds a sequence-parallel row and one
+  with its collective matmul, in both precisions, only to meshes with a
+  `model` axis of more than one device (elsewhere it changes nothing),
+  passes them to the step, and refuses other words."""
   from benchmarks import bench_scaling
   events = _fake_children(monkeypatch, lambda c, f: {"ms": 1.0,
                                                      "ms_sync": 1.0})
   bench_scaling.main(["--presets", "small", "--precisions", "bf16,nvfp4",
                       "--meshes", "data=2 model=2 data=2,model=1",
-                      "--sequence-parallel", "off,on", "--jobs", "1",
+                      "--sequence-parallel", "off,on,ring", "--jobs", "1",
                       "--rounds", "1", "--cache-dir", "/nonexistent"])
   labels = [c.label for e, c, _ in events if e == "compile"]
   assert [x for x in labels if "sequence" in x] == [
       "small bf16 model=2 [sequence parallel]",
-      "small nvfp4 model=2 [sequence parallel]"], labels
+      "small bf16 model=2 [sequence parallel, ring]",
+      "small nvfp4 model=2 [sequence parallel]",
+      "small nvfp4 model=2 [sequence parallel, ring]"], labels
   seen = []
 
   class Stop(Exception):
@@ -556,33 +558,38 @@ def test_bench_scaling_sequence_parallel_only_on_model_meshes(monkeypatch):
     seen.append(cfg)
     raise Stop
   monkeypatch.setattr(bench_step, "build", build)
-  with pytest.raises(Stop):
-    bench_scaling._child(bench_scaling.Config(
-        "tiny", "nvfp4", 1, 8, "model=2", sequence_parallel=True), "")
-  assert seen[0].sequence_parallel is True
+  for value in ("on", "ring"):
+    with pytest.raises(Stop):
+      bench_scaling._child(bench_scaling.Config(
+          "tiny", "nvfp4", 1, 8, "model=2", sequence_parallel=value), "")
+  assert [(c.sequence_parallel, c.collective_matmul) for c in seen] == [
+      (True, False), (True, True)]
   assert seen[0].label.endswith(" model=2 [seq]")
+  assert seen[1].label.endswith(" model=2 [seq ring]")
   assert not bench_step.StepConfig("tiny", "bf16", 1, 8).label.endswith(
       "[seq]")
   with pytest.raises(SystemExit, match="--sequence-parallel 'off,yes': "
-                     "'yes' is neither off nor on"):
+                     "'yes' is not one of off,on,ring"):
     bench_scaling.main(["--presets", "small", "--meshes", "model=2",
                         "--sequence-parallel", "off,yes"])
 
 
 def test_aot_collectives_passes_sequence_parallel(monkeypatch):
-  """`aot_collectives --sequence-parallel` reaches `compile_step` (off
-  without the flag); nothing compiles here."""
+  """`aot_collectives --sequence-parallel [--collective-matmul]` reaches
+  `compile_step` (off without the flags); nothing compiles here."""
   from benchmarks import aot_collectives
   seen = []
 
   def compile_step(*args):
-    seen.append(args[-1])
+    seen.append(args[-2:])
     return ""
   monkeypatch.setattr(aot_collectives, "compile_step", compile_step)
   monkeypatch.setattr(aot_collectives, "report", lambda text, verbose: "")
   aot_collectives.main(["--mesh", "model=2"])
   aot_collectives.main(["--mesh", "model=2", "--sequence-parallel"])
-  assert seen == [False, True]
+  aot_collectives.main(["--mesh", "model=2", "--sequence-parallel",
+                        "--collective-matmul"])
+  assert seen == [(False, False), (True, False), (True, True)]
 
 
 def test_bench_scaling_exchange_slack(monkeypatch):

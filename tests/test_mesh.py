@@ -50,7 +50,8 @@ def test_sharded_dot_general_reference():
   out = run_checks("dot_general_xla", "dot_general_values", "user_mesh_quick",
                    "auto_kernels_quick", "auto_moe_quick", "auto_gather_rows",
                    "partial_sums", "local_amax", "wgrad_schedule",
-                   "wgrad_sums", "sequence_parallel")
+                   "wgrad_sums", "sequence_parallel",
+                   "collective_matmul_four")
   assert "3.97x fewer" in out  # FSDP weights travel as 4-bit codes.
   assert out.count('tied 1x with "layer"') == 4  # NVFP4 and BF16, 2 FSDP.
   assert "fsdp of size 1: not tied" in out
@@ -70,9 +71,13 @@ def test_sharded_dot_general_reference():
   # Each token shard's own amax on request (no collective on the batch).
   assert "local amax on data: the per-shard layer's y; amax reductions 4 -> 0" in out
   # Sequence parallelism: the same layer, reduce-scatters in place of
-  # all-reduces, activations gathered as quantized bytes.
+  # all-reduces, activations gathered as quantized bytes; with the
+  # collective matmul, rings of collective-permutes (also on model=4).
   for name in ("column+fsdp", "row+fsdp"):
     assert f"sequence parallel {name}: y, dx, dw equal" in out
+    assert f"collective matmul {name}: y, dx, dw equal" in out
+  for style in ("column", "row"):
+    assert f"collective matmul {style} on model=4: as sequence" in out
   # The MoE layer's row gathers per shard of their index.
   assert "auto gather_rows on batch=8: equal, split as the index" in out
 
@@ -165,7 +170,9 @@ def test_gpt_step_on_fsdp_and_tensor_parallel_meshes():
 @pytest.mark.slow  # ~30 s on 2 cores.
 def test_gpt_step_with_sequence_parallelism():
   """`TrainConfig(sequence_parallel=True)` on `data=4, model=2` and the
-  mixed mesh: equal to one device within the derived bound, nothing
+  mixed mesh (there also with the collective matmul, and on `data=4,
+  model=2` with every projection in high precision): equal to one device
+  within the derived bound, nothing
   resharded inside attention or the MLP, and the norms on token shards
   (half the sequences per device of the same mesh without it)."""
   out = run_checks("gpt_step_sequence_parallel")

@@ -98,8 +98,9 @@ def test_compare_prints_table_and_one_plot_then_resumes(tmp_path, capsys):
 
 
 def test_sequence_parallel_reaches_the_trainers_mesh_rules(monkeypatch):
-  """`--sequence-parallel` reaches `TrainConfig.sequence_parallel` and the
-  trainer's `MeshRules` (off without the flag)."""
+  """`--sequence-parallel` and `--collective-matmul` reach `TrainConfig`
+  and the trainer's `MeshRules` (off without the flags); the collective
+  matmul alone is refused, naming both flags."""
   import jax  # pylint: disable=g-import-not-at-top
   from nvfp4_jax import parallel  # pylint: disable=g-import-not-at-top
   from tiny_training import small_corpus  # pylint: disable=g-import-not-at-top
@@ -108,10 +109,18 @@ def test_sequence_parallel_reaches_the_trainers_mesh_rules(monkeypatch):
   monkeypatch.setattr(Trainer, "_shard", lambda self, mr: None)
   mesh = parallel.make_mesh(jax.devices()[:1], data=1)
   parser = cli.build_parser()
-  for flags, want in (([], False), (["--sequence-parallel"], True)):
+  for flags, want in (([], (False, False)),
+                      (["--sequence-parallel"], (True, False)),
+                      (["--sequence-parallel", "--collective-matmul"],
+                       (True, True))):
     args = parser.parse_args(["--compare", "bf16,nvfp4", "--batch-size", "2",
                               "--seq-len", "16", *flags])
     cfgs = cli.make_configs(args, ["bf16", "nvfp4"])
-    assert [c.sequence_parallel for c in cfgs] == [want, want]
-    trainer = Trainer(cfgs[1], small_corpus(), mesh=mesh)
-    assert trainer.mesh_rules.sequence_parallel is want
+    assert [(c.sequence_parallel, c.collective_matmul) for c in cfgs] == [
+        want, want]
+    rules = Trainer(cfgs[1], small_corpus(), mesh=mesh).mesh_rules
+    assert (rules.sequence_parallel, rules.collective_matmul) == want
+  args = parser.parse_args(["--batch-size", "2", "--collective-matmul"])
+  with pytest.raises(cli.UsageError, match="--sequence-parallel "
+                     "--collective-matmul"):
+    cli.make_configs(args, ["nvfp4"])

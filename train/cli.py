@@ -180,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "sequence parallelism, the activations between the "
                  "tensor-parallel layers split over model too (their norms "
                  "and residual adds on a token shard; the same result)")
+  p.add_argument("--collective-matmul", action="store_true",
+                 help="with --sequence-parallel: the quantized layers' "
+                 "gathers and reduce-scatters over model as rings beside "
+                 "their GEMMs, so the transfers can hide behind them")
   p.add_argument("--amax", metavar=_one_of(AMAX_SCOPES), default="global",
                  help="on a mesh: the activations' and gradients' tensor "
                  "amax over the whole batch (global, the default: the "
@@ -319,6 +323,7 @@ def make_configs(args, precisions: list[str]) -> list[TrainConfig]:
         diagnostics=not args.no_diagnostics, attention=args.attention,
         remat=args.remat, tp_partial_sums=args.tp_partial_sums,
         sequence_parallel=args.sequence_parallel,
+        collective_matmul=args.collective_matmul,
         amax=args.amax, wgrad_schedule=args.wgrad_schedule,
         wgrad_sums=args.wgrad_sums,
         **ablations[p]) for p in precisions]

@@ -121,6 +121,9 @@ class TrainConfig:
       (`nvfp4_jax.MeshRules(sequence_parallel=True)`): the activations
       between the tensor-parallel layers split over `model` too; the same
       result.
+    collective_matmul: with `sequence_parallel`, the quantized layers'
+      gathers and reduce-scatters over `model` as rings beside their GEMMs
+      (`nvfp4_jax.MeshRules(collective_matmul=True)`).
     amax: on a mesh, the activations' and gradients' tensor amax: "global"
       (the one-device run's quantization) or "local" (each token shard's,
       as a data-parallel micro-batch; `nvfp4_jax.MeshRules(amax=...)`).
@@ -167,6 +170,7 @@ class TrainConfig:
   residuals: str = "codes"
   tp_partial_sums: str = "float32"
   sequence_parallel: bool = False
+  collective_matmul: bool = False
   amax: str = "global"
   wgrad_schedule: str = "layer"
   wgrad_sums: str = "float32"
@@ -192,6 +196,11 @@ class TrainConfig:
           f"batch_size={self.batch_size} is not divisible by grad_accum="
           f"{self.grad_accum}; each micro-batch must hold the same number of "
           f"sequences.")
+    if self.collective_matmul and not self.sequence_parallel:
+      raise ValueError(
+          "collective_matmul=True needs sequence_parallel=True (the rings "
+          "run over the token shards it makes): pass both "
+          "(--sequence-parallel --collective-matmul).")
     if self.steps > MAX_STEPS:
       raise ValueError(f"steps={self.steps} exceeds {MAX_STEPS}, the range of "
                        f"the int32 step counter; train fewer steps.")

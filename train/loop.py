@@ -109,7 +109,8 @@ class Trainer:
     self.mesh_rules = (None if mesh is None else nvfp4_jax.MeshRules(
         mesh=mesh, partial_sums=cfg.tp_partial_sums, amax=cfg.amax,
         wgrad_schedule=cfg.wgrad_schedule, wgrad_sums=cfg.wgrad_sums,
-        sequence_parallel=cfg.sequence_parallel))
+        sequence_parallel=cfg.sequence_parallel,
+        collective_matmul=cfg.collective_matmul))
     self.fns = StepFunctions(cfg, self.model, self.rules, self.optimizer,
                              self.schedule, mesh_rules=self.mesh_rules)
     if self.mesh_rules is None:

@@ -204,6 +204,41 @@ def all_gather(q: Any, axis_name: str | None, axis: int) -> Any:
   return gather(q)
 
 
+def _map_bytes(fn: Callable, q: Any) -> Any:
+  """`fn` applied to each token-major array of a quantized (or plain)
+  activation `q` (codes, per-row scales, block values; not the amax, the
+  whole tensor's already), one-byte floats as their bytes (XLA:CPU widens
+  a float8 collective to f16)."""
+  def one(a):
+    if a.dtype.itemsize == 1 and jnp.issubdtype(a.dtype, jnp.floating):
+      return jax.lax.bitcast_convert_type(
+          fn(jax.lax.bitcast_convert_type(a, jnp.uint8)), a.dtype)
+    return fn(a)
+  if isinstance(q, NVFP4Array):
+    if q.block_2d:
+      raise ValueError("a 16x16-tiled operand (a weight) is not split by "
+                       "tokens")
+    return dataclasses.replace(q, codes=one(q.codes), scales=one(q.scales))
+  if isinstance(q, MXArray):
+    return dataclasses.replace(q, data=one(q.data), scales=one(q.scales))
+  if isinstance(q, NVFP4Values):
+    return dataclasses.replace(q, values=one(q.values))
+  return one(q)
+
+
+def ppermute(q: Any, axis_name: str, perm) -> Any:
+  """`jax.lax.ppermute` of a quantized (or plain) activation's bytes over
+  `axis_name`, inside `shard_map`."""
+  return _map_bytes(lambda a: jax.lax.ppermute(a, axis_name, perm), q)
+
+
+def slice_rows(q: Any, start, size: int) -> Any:
+  """Rows `[start, start + size)` (`start` may be traced) of a quantized
+  (or plain) activation whose rows are tokens."""
+  return _map_bytes(
+      lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, axis=0), q)
+
+
 def _is_spec(s) -> bool:
   return isinstance(s, P)
 

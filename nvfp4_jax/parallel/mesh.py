@@ -229,6 +229,14 @@ class LinearSharding:
       and the same result as without it: quantizing a token shard with the
       tensor's amax gives the tensor's blocks. (A layer that `model` does
       not split takes `model` among its `tokens` instead: `MeshRules`.)
+    collective_matmul: under `sequence`, each gather and reduce-scatter
+      over `model` runs as a ring beside the GEMM, in `model`-size chunks
+      of the tokens: each step multiplies the chunk at hand while the next
+      one travels (`jax.lax.ppermute`), so the transfer can hide behind the
+      GEMM instead of preceding or following it (the collective matmul of
+      Megatron and TransformerEngine). The same bytes; the same result bit
+      for bit with two devices on `model` (with more, the partial sums add
+      in ring order: FP32 reordering).
   """
 
   mesh: Mesh
@@ -242,12 +250,17 @@ class LinearSharding:
   wgrad_schedule: str = "layer"
   wgrad_sums: str = "float32"
   sequence: bool = False
+  collective_matmul: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "tokens", tuple(self.tokens))
-    if not isinstance(self.sequence, bool):
-      raise TypeError(f"LinearSharding(sequence={self.sequence!r}): use True "
-                      f"or False.")
+    for flag in ("sequence", "collective_matmul"):
+      if not isinstance(getattr(self, flag), bool):
+        raise TypeError(f"LinearSharding({flag}={getattr(self, flag)!r}): "
+                        f"use True or False.")
+    if self.collective_matmul and not self.sequence:
+      raise ValueError("LinearSharding(collective_matmul=True) needs "
+                       "sequence=True: the ring runs over token chunks.")
     if self.sequence and self.tensor is None:
       raise ValueError(
           "LinearSharding(sequence=True) needs tensor= and model=: a layer "
@@ -480,6 +493,10 @@ class MeshRules:
       and the row-parallel ones reduce-scatter their outputs in place of
       the all-reduces. The same result as without it. No effect without a
       `model` axis of more than one device.
+    collective_matmul: False (default) or True: under sequence parallelism,
+      the quantized layers' gathers and reduce-scatters over `model` run as
+      rings beside their GEMMs (`LinearSharding.collective_matmul`).
+      Needs `sequence_parallel=True`.
 
   Axes named here but absent from the mesh are dropped (a mesh of only
   `data` is plain data parallelism); every mesh axis must have a role.
@@ -496,12 +513,18 @@ class MeshRules:
   wgrad_schedule: str = "layer"
   wgrad_sums: str = "float32"
   sequence_parallel: bool = False
+  collective_matmul: bool = False
 
   def __post_init__(self):
     _check_choices(self)
-    if not isinstance(self.sequence_parallel, bool):
-      raise TypeError(f"MeshRules(sequence_parallel="
-                      f"{self.sequence_parallel!r}): use True or False.")
+    for flag in ("sequence_parallel", "collective_matmul"):
+      if not isinstance(getattr(self, flag), bool):
+        raise TypeError(f"MeshRules({flag}={getattr(self, flag)!r}): use "
+                        f"True or False.")
+    if self.collective_matmul and not self.sequence_parallel:
+      raise ValueError("MeshRules(collective_matmul=True) needs "
+                       "sequence_parallel=True (the rings run over the "
+                       "token shards sequence parallelism makes).")
     names = tuple(self.mesh.axis_names)
     object.__setattr__(self, "batch",
                        tuple(a for a in self.batch if a in names))
@@ -575,7 +598,9 @@ class MeshRules:
                           fsdp=self.fsdp, partial_sums=self.partial_sums,
                           amax=self.amax, wgrad_schedule=self.wgrad_schedule,
                           wgrad_sums=self.wgrad_sums,
-                          sequence=bool(style) and self.sequence)
+                          sequence=bool(style) and self.sequence,
+                          collective_matmul=(bool(style) and self.sequence
+                                             and self.collective_matmul))
 
   def token_split(self, x: jax.Array, axis: int = 0) -> jax.Array:
     """`x` (an activation whose `axis` indexes sequences) split over

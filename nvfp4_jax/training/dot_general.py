@@ -224,6 +224,13 @@ class _Whole:
 
   sum_dx = sum_y
 
+  def fprop_product(self, mm, a):
+    """Fprop's product `mm(a)` (`a`: X or its quantized operand, rows are
+    tokens), gathered and summed across shards as the layer is split."""
+    return mm(a)
+
+  dgrad_product = fprop_product  # The same for Dgrad's `mm(dY)`.
+
   def sum_dw(self, dx, dw):
     return dx, dw
 
@@ -296,6 +303,55 @@ class _Shard(_Whole):
       return jax.lax.psum_scatter(dx, self.s.model, scatter_dimension=0,
                                   tiled=True)
     return jax.lax.psum(dx, self.s.n_axes) if self.s.n_axes else dx
+
+  def fprop_product(self, mm, a):
+    if self.s.gathers_x:  # Column-parallel X, split by tokens over `model`.
+      return (self._ring_gather(mm, a) if self.s.collective_matmul
+              else mm(self.gather_x(a, 0)))
+    if self.s.scatters_y and self.s.collective_matmul:
+      return self._ring_scatter(mm, a)
+    return self.sum_y(mm(a))
+
+  def dgrad_product(self, mm, a):
+    if self.s.scatters_y:  # Row-parallel dY, split by tokens over `model`.
+      return (self._ring_gather(mm, a) if self.s.collective_matmul
+              else mm(self.gather_dy(a, 0)))
+    if self.s.gathers_x and self.s.collective_matmul:
+      return self._ring_scatter(mm, a)
+    return self.sum_dx(mm(a))
+
+  def _ring_gather(self, mm, a):
+    """`mm` of all tokens' rows of `a` (this device holds its own shard
+    over `model`), in shard order: each step multiplies the chunk at hand
+    while the next travels one device on."""
+    axis, n = self.s.model, self.s.sizes[self.s.model]
+    me = jax.lax.axis_index(axis)
+    outs, chunk = [], a
+    for i in range(n):
+      nxt = (spmd.ppermute(chunk, axis, [(j, (j + 1) % n) for j in range(n)])
+             if i < n - 1 else None)
+      outs.append(mm(chunk))  # The rows of shard (me - i) mod n.
+      chunk = nxt
+    order = (me - jnp.arange(n)) % n
+    y = jnp.stack(outs)[order]
+    return y.reshape(n * y.shape[1], *y.shape[2:])
+
+  def _ring_scatter(self, mm, a):
+    """This device's token shard of `mm(a)` summed over `model` (a
+    reduce-scatter along the rows): at step `i` each device adds its
+    partial product for the chunk of shard `(me + i + 1) mod n` to the sum
+    it received, and sends it one device back; the last step's chunk is
+    its own."""
+    axis, n = self.s.model, self.s.sizes[self.s.model]
+    me = jax.lax.axis_index(axis)
+    rows = a.shape[0] // n
+    acc = None
+    for i in range(n):
+      part = mm(spmd.slice_rows(a, ((me + i + 1) % n) * rows, rows))
+      acc = part if acc is None else acc + part
+      if i < n - 1:
+        acc = jax.lax.ppermute(acc, axis, [(j, (j - 1) % n) for j in range(n)])
+    return acc
 
   def sum_dw(self, dx, dw):
     """`(dx, dw)` with the weight gradient summed over the token shards:
@@ -381,9 +437,6 @@ def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, plan: GemmPlan,
                           and not ctx.gathers_x,
                           _saves_values(recipe.wgrad_x, plan))))(
           x, keys["fprop_x"], keys["wgrad_x"])
-  # Under sequence parallelism the token shard was quantized with the
-  # tensor's amax; the quantized bytes of all tokens are gathered.
-  qx = ctx.gather_x(qx, 0)
   vw = None
   if _weight_in_kernel_layout(recipe, plan, ctx):
     # One pass over the kernel: the Dgrad operand's codes (saved) and the
@@ -392,27 +445,33 @@ def _fprop(x, w, key, recipe: Recipe, precision, out_dtype, plan: GemmPlan,
         w, block_2d=True))(w)
     # `qw_vals`: the weight's values in the kernel layout with its amax
     # (alpha needs the amax only; the codes stay out of this region).
-    y = _named("nvfp4_fprop", lambda qx, qw_vals: block_values_matmul(
-        qx.values, qw_vals.values, gemm_alpha(qx, qw_vals),
-        out_dtype=acc_dtype, vb_kn=True))(qx, NVFP4Values(vw, qw.amax))
+    wop = NVFP4Values(vw, qw.amax)
+    mm = lambda qx: _named("nvfp4_fprop", lambda qx, qw_vals: (
+        block_values_matmul(qx.values, qw_vals.values,
+                            gemm_alpha(qx, qw_vals), out_dtype=acc_dtype,
+                            vb_kn=True)))(qx, wop)
   elif _weight_kernel_layout_native(recipe, plan, ctx):
     # `q(kernel)`, Dgrad's operand (saved); Fprop multiplies its transpose.
     qw = _named("nvfp4_quantize_w", lambda w, k: quantize_operand(
         w, recipe.fprop_w, k))(w, keys["fprop_w"])
-    y = _gemm("nvfp4_fprop", acc_dtype)(qx, qw.T)
+    wop = qw.T
+    mm = lambda qx: _gemm("nvfp4_fprop", acc_dtype)(qx, wop)
   elif recipe.fprop_x.quantized:
     # The stored weight shard is quantized (amax across its shards) and the
     # quantized bytes are gathered.
     qw = _named("nvfp4_quantize_w", lambda w, k: quantize_operand(
         w.T, recipe.fprop_w, k, placement=_t(ctx.place_w(w)),
         amax_axes=ctx.w_axes))(w, keys["fprop_w"])
-    y = _gemm("nvfp4_fprop", acc_dtype)(qx, ctx.gather_w(qw, True))
+    wop = ctx.gather_w(qw, True)
+    mm = lambda qx: _gemm("nvfp4_fprop", acc_dtype)(qx, wop)
   else:
-    y = _named("bf16_fprop", functools.partial(
-        _hp_matmul, dtype=acc_dtype, precision=precision))(
-            ctx.gather_x(x, 0), ctx.gather_w(w, False))
-    qw = None
-  y = ctx.sum_y(y).astype(out_dtype)
+    qw, qx, wop = None, x, ctx.gather_w(w, False)
+    mm = lambda x: _named("bf16_fprop", functools.partial(
+        _hp_matmul, dtype=acc_dtype, precision=precision))(x, wop)
+  # Under sequence parallelism a column-parallel layer's X is this device's
+  # token shard (quantized with the tensor's amax): its rows over all
+  # tokens are gathered; a row-parallel layer's Y is reduce-scattered.
+  y = ctx.fprop_product(mm, qx).astype(out_dtype)
   # Dgrad's weight: with identical 16x16 settings it is Fprop's quantized W
   # (transposed, unless quantized in the kernel layout already: exactly what
   # quantizing the kernel along `out` gives); otherwise it is quantized in
@@ -546,15 +605,14 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, res, dy,
                           _as_values(recipe.wgrad_dy, plan)
                           and not ctx.scatters_y)))(
                               dy, keys["dgrad_dy"], keys["wgrad_dy"])
-  # Under sequence parallelism (row-parallel) dY's token shard was quantized
-  # with the tensor's amax; its operands over all tokens are gathered, as
-  # X's residual is for a column-parallel layer.
-  qdy, qdyt = ctx.gather_dy(qdy, 0), ctx.gather_dy(qdyt, 1)
-  if wgrad_q:
-    x_saved = ctx.gather_x(x_saved, 1)  # q(rht(X^T)): tokens last.
+  # Under sequence parallelism dY's token shard (row-parallel, quantized
+  # with the tensor's amax) and X's saved token shard (column-parallel) are
+  # gathered over all tokens for Wgrad; Dgrad gathers dY or reduce-scatters
+  # dX in `ctx.dgrad_product`.
+  if wgrad_q:  # q(rht(X^T)) and q(rht(dY^T)): tokens last.
+    x_saved, qdyt = ctx.gather_x(x_saved, 1), ctx.gather_dy(qdyt, 1)
   else:
-    x_saved = ctx.gather_x(x_saved, 0)
-  dy = ctx.gather_dy(dy, 0)  # Where a GEMM takes dY in high precision.
+    x_saved, dy_w = ctx.gather_x(x_saved, 0), ctx.gather_dy(dy, 0)
 
   if dgrad_q:
     if (_weight_in_kernel_layout(recipe, plan, ctx)
@@ -570,17 +628,18 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, res, dy,
     # dX in x's dtype straight from the FP32 accumulator (one rounding, as
     # the cast after it): the GEMM's epilogue writes it, not an FP32 copy.
     # A sum across shards stays FP32 and rounds once after it.
-    dx = _gemm("nvfp4_dgrad", ctx.dx_dtype(x_dtype))(qdy, qw)
+    dx = ctx.dgrad_product(
+        lambda qdy: _gemm("nvfp4_dgrad", ctx.dx_dtype(x_dtype))(qdy, qw), qdy)
   else:
-    dx = _named("bf16_dgrad", lambda dy, w: _hp_matmul(
-        dy, w.T, ctx.dx_dtype(out_dtype), precision))(
-            dy, ctx.gather_w(w, False))
+    wd = ctx.gather_w(w, False)
+    dx = ctx.dgrad_product(lambda dy: _named("bf16_dgrad", lambda dy, w: (
+        _hp_matmul(dy, w.T, ctx.dx_dtype(out_dtype), precision)))(dy, wd), dy)
   if wgrad_q:
     dw = _gemm("nvfp4_wgrad", ctx.dw_dtype)(x_saved, qdyt)
   else:
     dw = _named("bf16_wgrad", lambda x, dy: _hp_matmul(
-        x.T, dy, jnp.float32, precision).astype(ctx.dw_dtype))(x_saved, dy)
-  return ctx.sum_dw(ctx.sum_dx(dx), dw)
+        x.T, dy, jnp.float32, precision).astype(ctx.dw_dtype))(x_saved, dy_w)
+  return ctx.sum_dw(dx, dw)
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
