@@ -389,12 +389,31 @@ def configs(a) -> list[Config]:
           out.append(c)
         if mesh not in ("", "data=1"):
           out += [dataclasses.replace(c, variant=v) for v in variants(a)]
+        if mesh in ("", "data=1"):
+          continue
+        if a.knob_product:
+          out += knob_product(c, knobs)[1:]
+          continue
         for field, applies in KNOBS:
-          if mesh not in ("", "data=1") and applies(c):
+          if applies(c):
             default = Config.__dataclass_fields__[field].default
             out += [dataclasses.replace(c, **{field: t})
                     for t in knobs[field] if t != default]
   return out
+
+
+def knob_product(c: Config, knobs: dict[str, list[str]]) -> list[Config]:
+  """`c` with every combination of the knobs' listed values that apply to
+  it (`--knob-product`), `c` itself first."""
+  combos = [c]
+  for field, applies in KNOBS:
+    if not applies(c):
+      continue
+    default = Config.__dataclass_fields__[field].default
+    values = [t for t in knobs[field] if t != default]
+    combos += [dataclasses.replace(x, **{field: t})
+               for x in combos for t in values]
+  return combos
 
 
 # The library settings a mesh configuration is also timed with (the
@@ -519,6 +538,10 @@ def main(argv=None):
                  "and with its collective matmul as well (ring) "
                  "('off,on,ring'; MeshRules.sequence_parallel, "
                  "collective_matmul)")
+  p.add_argument("--knob-product", action="store_true",
+                 help="time every combination of the knobs' listed values "
+                 "(e.g. --sequence-parallel off,on with --tp-partial-sums "
+                 "float32,output: four rows), not each knob alone")
   p.add_argument("--exchange-slack", default="",
                  help="comma list: also time the meshes with an expert axis "
                  "with this moe.EXCHANGE_SLACK ('none': whole buffers, no "

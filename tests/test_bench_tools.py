@@ -574,6 +574,33 @@ def test_bench_scaling_sequence_parallel_only_on_model_meshes(monkeypatch):
                         "--sequence-parallel", "off,yes"])
 
 
+def test_bench_scaling_knob_product(monkeypatch):
+  """`--knob-product` times every combination of the knobs' values that
+  apply (the partial sums' dtype only to NVFP4), each knob alone without
+  it."""
+  from benchmarks import bench_scaling
+  argv = ["--presets", "small", "--precisions", "bf16,nvfp4", "--meshes",
+          "model=2", "--sequence-parallel", "off,on,ring",
+          "--tp-partial-sums", "float32,output", "--jobs", "1", "--rounds",
+          "0", "--cache-dir", "/nonexistent"]
+
+  def labels(extra):
+    events = _fake_children(monkeypatch, lambda c, f: {"ms": 1.0,
+                                                       "ms_sync": 1.0})
+    bench_scaling.main(argv + extra)
+    return [c.label for e, c, _ in events
+            if e == "compile" and "model=2" in c.label]
+  assert labels(["--knob-product"]) == [
+      "small bf16 model=2", "small bf16 model=2 [sequence parallel]",
+      "small bf16 model=2 [sequence parallel, ring]",
+      "small nvfp4 model=2", "small nvfp4 model=2 [sums=output]",
+      "small nvfp4 model=2 [sequence parallel]",
+      "small nvfp4 model=2 [sequence parallel, ring]",
+      "small nvfp4 model=2 [sums=output] [sequence parallel]",
+      "small nvfp4 model=2 [sums=output] [sequence parallel, ring]"]
+  assert len(labels([])) == 7  # Each knob alone: 3 BF16, 4 NVFP4 rows.
+
+
 def test_aot_collectives_passes_sequence_parallel(monkeypatch):
   """`aot_collectives --sequence-parallel [--collective-matmul]` reaches
   `compile_step` (off without the flags); nothing compiles here."""
