@@ -234,9 +234,11 @@ class LinearSharding:
       of the tokens: each step multiplies the chunk at hand while the next
       one travels (`jax.lax.ppermute`), so the transfer can hide behind the
       GEMM instead of preceding or following it (the collective matmul of
-      Megatron and TransformerEngine). The same bytes; the same result bit
-      for bit with two devices on `model` (with more, the partial sums add
-      in ring order: FP32 reordering).
+      Megatron and TransformerEngine). The same bytes and quantized
+      operands; Y and dX within FP32 reordering of the layer without it (a
+      GEMM of a chunk's rows may sum K in another order than the whole
+      GEMM, and with more than two devices the partial sums add in ring
+      order), dW bit for bit.
   """
 
   mesh: Mesh
