@@ -823,6 +823,11 @@ def _same_bits(a, b) -> bool:
               and (a.view(np.uint32) == b.view(np.uint32))[~nan].all())
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="a claim about XLA:CPU's arithmetic (pinned to the CPU), which "
+    "the CPU suite checks; on the GPU machines it took 150-230 s (0.3-0.5 s "
+    "with jax 0.11.2 on a CPU-only machine)")
 @pytest.mark.parametrize("four_over_six", [False, True])
 def test_rht_columns_words_constants_are_the_kernels(four_over_six):
   """The columns word path's tensor constant `S_enc / 6` and encode-scale
