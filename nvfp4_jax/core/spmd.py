@@ -179,36 +179,21 @@ def all_gather(q: Any, axis_name: str | None, axis: int) -> Any:
   """
   if axis_name is None:
     return q
-
-  def gather(a):
-    # One-byte floats (E4M3, E8M0 scales) travel as their bytes: XLA:CPU
-    # widens a float8 all-gather to f16.
-    if a.dtype.itemsize == 1 and jnp.issubdtype(a.dtype, jnp.floating):
-      raw = jax.lax.bitcast_convert_type(a, jnp.uint8)
-      return jax.lax.bitcast_convert_type(
-          jax.lax.all_gather(raw, axis_name, axis=axis, tiled=True), a.dtype)
-    return jax.lax.all_gather(a, axis_name, axis=axis, tiled=True)
-  if isinstance(q, NVFP4Array):
-    if q.block_2d:
-      b = nm.NVFP4_BLOCK
-      tiles = gather(q.scales[..., ::b, :])
-      scales = jnp.repeat(tiles, b, axis=-2)
-    else:
-      scales = gather(q.scales)
-    return dataclasses.replace(q, codes=gather(q.codes), scales=scales)
-  if isinstance(q, MXArray):
-    return dataclasses.replace(q, data=gather(q.data),
-                               scales=gather(q.scales))
-  if isinstance(q, NVFP4Values):
-    return dataclasses.replace(q, values=gather(q.values))
-  return gather(q)
+  gather = lambda a: jax.lax.all_gather(a, axis_name, axis=axis, tiled=True)
+  if isinstance(q, NVFP4Array) and q.block_2d:
+    b = nm.NVFP4_BLOCK
+    tiles = _map_bytes(gather, q.scales[..., ::b, :])
+    return dataclasses.replace(q, codes=gather(q.codes),
+                               scales=jnp.repeat(tiles, b, axis=-2))
+  return _map_bytes(gather, q)
 
 
 def _map_bytes(fn: Callable, q: Any) -> Any:
-  """`fn` applied to each token-major array of a quantized (or plain)
-  activation `q` (codes, per-row scales, block values; not the amax, the
-  whole tensor's already), one-byte floats as their bytes (XLA:CPU widens
-  a float8 collective to f16)."""
+  """`fn` applied to each array of a quantized (or plain) operand `q`
+  (codes, per-row scales, block values; not the amax, the whole tensor's
+  already), one-byte floats as their bytes (XLA:CPU widens a float8
+  collective to f16). A 16x16-tiled operand's scales repeat along its
+  rows: callers that split or move rows handle them (`all_gather`)."""
   def one(a):
     if a.dtype.itemsize == 1 and jnp.issubdtype(a.dtype, jnp.floating):
       return jax.lax.bitcast_convert_type(

@@ -225,8 +225,8 @@ class LinearSharding:
       before its GEMMs (its Wgrad operand in the backward pass), and
       reduce-scatters dX; a row-parallel layer reduce-scatters Y and
       all-gathers the quantized dY. The same bytes as the all-reduces it
-      replaces for the sums, a quarter of them for the gathered operands,
-      and the same result as without it: quantizing a token shard with the
+      replaces for the sums, 4.5 bits an element for the gathered operands
+      (16 for a bf16 activation), and the same result as without it: quantizing a token shard with the
       tensor's amax gives the tensor's blocks. (A layer that `model` does
       not split takes `model` among its `tokens` instead: `MeshRules`.)
     collective_matmul: under `sequence`, each gather and reduce-scatter

@@ -279,46 +279,52 @@ class _Shard(_Whole):
     """X (quantized or not) over all tokens from this device's token shard
     (a column-parallel layer under sequence parallelism; `axis`: the tokens'
     dimension of `q`)."""
-    if q is None or not self.s.gathers_x:  # None: an operand in BF16.
-      return q
-    return spmd.all_gather(q, self.s.model, axis)
+    return self._gather_tokens(q, axis, self.gathers_x)
 
   def gather_dy(self, q, axis: int):
     """dY the same way (a row-parallel layer under sequence parallelism)."""
-    if q is None or not self.s.scatters_y:
+    return self._gather_tokens(q, axis, self.scatters_y)
+
+  def _gather_tokens(self, q, axis: int, split: bool):
+    if q is None or not split:  # None: an operand in BF16.
       return q
     return spmd.all_gather(q, self.s.model, axis)
 
   def sum_y(self, y):
     """Row-parallel: Y's partial sums over `in`, all-reduced or (sequence
     parallelism) reduce-scattered into token shards."""
-    if self.s.scatters_y:
-      return jax.lax.psum_scatter(y, self.s.model, scatter_dimension=0,
-                                  tiled=True)
-    return jax.lax.psum(y, self.s.k_axes) if self.s.k_axes else y
+    return self._sum(y, self.s.k_axes, self.scatters_y)
 
   def sum_dx(self, dx):
     """Column-parallel: dX's partial sums over `out`, the same way."""
-    if self.s.gathers_x:
-      return jax.lax.psum_scatter(dx, self.s.model, scatter_dimension=0,
+    return self._sum(dx, self.s.n_axes, self.gathers_x)
+
+  def _sum(self, a, axes, scatter: bool):
+    if scatter:
+      return jax.lax.psum_scatter(a, self.s.model, scatter_dimension=0,
                                   tiled=True)
-    return jax.lax.psum(dx, self.s.n_axes) if self.s.n_axes else dx
+    return jax.lax.psum(a, axes) if axes else a
 
   def fprop_product(self, mm, a):
-    if self.s.gathers_x:  # Column-parallel X, split by tokens over `model`.
-      return (self._ring_gather(mm, a) if self.s.collective_matmul
-              else mm(self.gather_x(a, 0)))
-    if self.s.scatters_y and self.s.collective_matmul:
-      return self._ring_scatter(mm, a)
-    return self.sum_y(mm(a))
+    # Column-parallel: X split by tokens over `model`; row-parallel: Y's
+    # partial sums leave split by tokens.
+    return self._product(mm, a, self.gathers_x, self.scatters_y, self.sum_y)
 
   def dgrad_product(self, mm, a):
-    if self.s.scatters_y:  # Row-parallel dY, split by tokens over `model`.
-      return (self._ring_gather(mm, a) if self.s.collective_matmul
-              else mm(self.gather_dy(a, 0)))
-    if self.s.gathers_x and self.s.collective_matmul:
+    # Row-parallel: dY split by tokens; column-parallel: dX's sums split.
+    return self._product(mm, a, self.scatters_y, self.gathers_x, self.sum_dx)
+
+  def _product(self, mm, a, a_split: bool, out_split: bool, total):
+    """`mm(a)` with `a`'s rows gathered over `model` (`a_split`), or its
+    partial sums reduce-scattered over `model` (`out_split`), by rings
+    beside the GEMM under `collective_matmul`; otherwise `total(mm(a))`."""
+    ring = self.s.collective_matmul
+    if a_split:
+      return (self._ring_gather(mm, a) if ring
+              else mm(self._gather_tokens(a, 0, True)))
+    if out_split and ring:
       return self._ring_scatter(mm, a)
-    return self.sum_dx(mm(a))
+    return total(mm(a))
 
   def _ring_gather(self, mm, a):
     """`mm` of all tokens' rows of `a` (this device holds its own shard
@@ -857,11 +863,8 @@ def _sequence_parallel(lhs, rhs, batched, shard: LinearSharding | None
   parallelism (`LinearSharding.sequence`, in auto mode, outside a
   `shard_map`): XLA partitions it, and `_sequence_constraint` says where
   its activations live."""
-  if (shard is None or not shard.sequence or batched or rhs.ndim != 2
-      or explicit_mesh(lhs, rhs) is not None):
-    return False
-  abstract = jax.sharding.get_abstract_mesh()
-  return abstract.empty or not abstract.manual_axes
+  return (shard is not None and shard.sequence
+          and _xla_partitions(lhs, rhs, batched))
 
 
 def _sequence_constraint(a, shard: LinearSharding, axes, contracting
@@ -884,8 +887,15 @@ def _sequence_constraint(a, shard: LinearSharding, axes, contracting
 def _gathers_weight(lhs, rhs, batched, shard: LinearSharding | None) -> bool:
   """Whether `_gathered_weight` gathers `rhs` (a 2-D weight of a layer
   whose `fsdp` axis splits it, in auto mode, outside a `shard_map`)."""
-  if (shard is None or not shard.fsdp_splits or batched or rhs.ndim != 2
-      or explicit_mesh(lhs, rhs) is not None):
+  return (shard is not None and shard.fsdp_splits
+          and _xla_partitions(lhs, rhs, batched))
+
+
+def _xla_partitions(lhs, rhs, batched) -> bool:
+  """Whether XLA's partitioner places a high-precision layer's 2-D product
+  from sharding constraints: auto mode (no Explicit axes) outside a
+  `shard_map`."""
+  if batched or rhs.ndim != 2 or explicit_mesh(lhs, rhs) is not None:
     return False
   abstract = jax.sharding.get_abstract_mesh()
   return abstract.empty or not abstract.manual_axes
