@@ -355,14 +355,19 @@ def test_cli_two_processes_match_one_and_resume_on_one_device(
 @pytest.mark.parametrize("style", ["column", "row"])
 def test_sequence_parallel_on_two_gpus_equals_tensor_parallel(style):
   """Sequence parallelism over two GPUs (`model=2`), with the library's GPU
-  kernels: Y, dX and dW equal the tensor-parallel layer's without it bit for
-  bit (the same quantized bytes, two-term sums), as
-  `mesh_checks.check_sequence_parallel` shows on CPU devices. With the
-  collective matmul's rings dW is still bit for bit; Y and dX come from
-  GEMMs of half the rows, whose K sums may run in another order: within
-  `2 (K + 3) u (|A| @ |B|)` (`mesh_checks.gemm_bound`: two FP32 sums of the
-  same K exact products in any order, `|A|`, `|B|` the dequantized
-  operands)."""
+  kernels, against the tensor-parallel layer without it. The GEMMs see the
+  same quantized bytes (`mesh_checks.check_sequence_parallel` shows the
+  layers bit for bit on CPU devices), but on the GPU XLA picks each
+  program's GEMM kernel for its own operand layout, and a gathered operand
+  may get another kernel whose K sums run in another order (on an H100,
+  jax 0.11.2: 420 of 262144 column-parallel Y entries differed by one ulp).
+  So Y and dX, with and without the collective matmul's rings (GEMMs of half
+  the rows), are held to `2 (K + 3) u (|A| @ |B|)` (`mesh_checks.gemm_bound`:
+  two FP32 sums of the same K exact products in any order, `|A|`, `|B|` the
+  dequantized operands), and so is dW (K = the tokens; its operands the
+  Wgrad quantizers' Hadamard-rotated ones): a second run of the same test
+  saw dW differ too, as XLA's GEMM autotuning, which times candidate
+  kernels, picks again in every program."""
   import dataclasses  # pylint: disable=g-import-not-at-top
   import nvfp4_jax as nv  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
@@ -391,23 +396,27 @@ def test_sequence_parallel_on_two_gpus_equals_tensor_parallel(style):
   def magnitudes():
     # The whole layer's GEMM operands, dequantized: |X| |W| and |dY| |W^T|.
     keys = recipe.operand_keys(key)
-    qx, _ = nv.quantize_pair(x, recipe.fprop_x, recipe.wgrad_x,
-                             key_row=keys["fprop_x"], key_t=keys["wgrad_x"])
-    qdy, _ = nv.quantize_pair(dy, recipe.dgrad_dy, recipe.wgrad_dy,
-                              key_row=keys["dgrad_dy"], key_t=keys["wgrad_dy"])
+    qx, qxt = nv.quantize_pair(x, recipe.fprop_x, recipe.wgrad_x,
+                               key_row=keys["fprop_x"],
+                               key_t=keys["wgrad_x"])
+    qdy, qdyt = nv.quantize_pair(dy, recipe.dgrad_dy, recipe.wgrad_dy,
+                                 key_row=keys["dgrad_dy"],
+                                 key_t=keys["wgrad_dy"])
     vw = jnp.abs(nv.dequantize(nv.quantize(w.T, block_2d=True)))
     hi = jax.lax.Precision.HIGHEST
+    # dW from the Wgrad operands (Hadamard-rotated along the tokens).
     return (jnp.dot(jnp.abs(nv.dequantize(qx)), vw.T, precision=hi),
-            jnp.dot(jnp.abs(nv.dequantize(qdy)), vw, precision=hi))
+            jnp.dot(jnp.abs(nv.dequantize(qdy)), vw, precision=hi),
+            jnp.dot(jnp.abs(nv.dequantize(qxt)),
+                    jnp.abs(nv.dequantize(qdyt)).T, precision=hi))
   u = 2.0**-24
   bounds = [2 * (depth + 3) * u * np.asarray(mag, np.float64)
-            for depth, mag in zip((k, n), magnitudes())]
+            for depth, mag in zip((k, n, t), magnitudes())]
   want = run(tp)
   seq = dataclasses.replace(tp, sequence=True)
-  for what, a, b in zip(("y", "dx", "dw"), run(seq), want):
-    np.testing.assert_array_equal(a, b, err_msg=f"{style} {what}")
-  got = run(dataclasses.replace(seq, collective_matmul=True))
-  np.testing.assert_array_equal(got[2], want[2], err_msg=f"{style} ring dw")
-  for what, a, b, bound in zip(("y", "dx"), got, want, bounds):
-    assert np.all(np.abs(a - b) <= bound), (style, what,
-                                            float(np.max(np.abs(a - b) - bound)))
+  for name, sh in (("sequence parallel", seq),
+                   ("ring", dataclasses.replace(seq, collective_matmul=True))):
+    got = run(sh)
+    for what, a, b, bound in zip(("y", "dx", "dw"), got, want, bounds):
+      assert np.all(np.abs(a - b) <= bound), (
+          style, name, what, float(np.max(np.abs(a - b) - bound)))
