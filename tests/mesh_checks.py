@@ -2380,17 +2380,29 @@ def check_moe_expert_parallel_dense():
     to two experts, so no device sends all its copies to one peer: the
     fast path runs (`data=2 x expert=4` too, unless all 32 copies of a
     device pick one device's two experts).
-  - The default (None): whole buffers, no `cond`, on every mesh.
+  The default (None: whole buffers, no `cond`, on every mesh) is
+  `check_moe_expert_parallel_dense_default`.
   """
+  rows = 16 * 2          # `check_moe_expert_parallel`: t / 8 tokens, top-2.
+  _buffered_exchange((0.01, 8 * (rows - 1) / rows))
+
+
+def check_moe_expert_parallel_dense_default():
+  """`check_moe_expert_parallel` with the buffered exchange at its default
+  `EXCHANGE_SLACK` (None): whole buffers, no `cond`, on every mesh."""
+  _buffered_exchange((None,))
+
+
+def _buffered_exchange(slacks):
   from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
   default = moe.EXCHANGE_SLACK
+  assert default is None, default
   moe.EXCHANGE = "buffered"
-  rows = 16 * 2          # `check_moe_expert_parallel`: t / 8 tokens, top-2.
   try:
-    for slack in (0.01, 8 * (rows - 1) / rows, default):
+    for slack in slacks:
       moe.EXCHANGE_SLACK = slack
       print(f"slack {slack}")
-      check_moe_expert_parallel(expert_only=slack is not default,
+      check_moe_expert_parallel(expert_only=slack is not None,
                                 explicit=False)
   finally:
     moe.EXCHANGE, moe.EXCHANGE_SLACK = "auto", default

@@ -47,25 +47,38 @@ def test_sharded_quantizers_equal_whole_tensor_and_split_blocks_raise():
 
 
 def test_sharded_dot_general_reference():
-  """Also under a mesh the library did not make: sharding in types on
-  FSDP with tensor parallelism (`mesh_checks.check_user_mesh`; the slow
-  tier runs every layout, Explicit and auto, and README's example)."""
-  out = run_checks("dot_general_xla", "dot_general_values", "user_mesh_quick",
-                   "auto_kernels_quick", "auto_moe_quick", "auto_gather_rows",
-                   "partial_sums", "local_amax", "wgrad_schedule",
-                   "wgrad_sums", "sequence_parallel",
-                   "collective_matmul_four")
+  """The layer under `MeshRules`' layouts with its defaults, and under a mesh
+  the library did not make: sharding in types on FSDP with tensor
+  parallelism (`mesh_checks.check_user_mesh`; the slow tier runs every
+  layout, Explicit and auto, and README's example), auto mode with the
+  kernels per shard. The opt-in knobs are checked in the slow tier
+  (`test_opt_in_mesh_knobs`)."""
+  out = run_checks("dot_general_xla", "user_mesh_quick", "auto_kernels_quick",
+                   "auto_moe_quick", "auto_gather_rows", "wgrad_schedule")
   assert "3.97x fewer" in out  # FSDP weights travel as 4-bit codes.
   assert out.count('tied 1x with "layer"') == 4  # NVFP4 and BF16, 2 FSDP.
   assert "fsdp of size 1: not tied" in out
-  # With residuals saved as values, too.
-  assert out.split("[dot_general_values]")[1].split(
-      "[user_mesh_quick]")[0].count("3.97x fewer") == 2
   assert "explicit row+fsdp" in out
   # Auto mode with the Pallas kernels: per shard (custom_partitioning).
   assert "auto pair kernel (SR, RHT) on batch x fsdp: equal" in out
   # The grouped (MoE) quantizers per shard too.
   assert "auto ragged_dot (SR, RHT) on batch x fsdp: equal" in out
+  # The MoE layer's row gathers per shard of their index.
+  assert "auto gather_rows on batch=8: equal, split as the index" in out
+
+
+# The fast tier checks the defaults; these knobs are off unless asked for
+# (the CPU suite's time budget).
+@pytest.mark.slow  # ~30 s on 2 cores.
+def test_opt_in_mesh_knobs():
+  """Residuals saved as values, tensor parallelism's partial sums in bf16,
+  each token shard's own amax, the weight gradients summed in bf16,
+  sequence parallelism and its collective matmul (`model=2` and `model=4`)."""
+  out = run_checks("dot_general_values", "partial_sums", "local_amax",
+                   "wgrad_sums", "sequence_parallel", "collective_matmul_four")
+  # With residuals saved as values, FSDP's weights still travel as codes.
+  assert out.split("[dot_general_values]")[1].split(
+      "[partial_sums]")[0].count("3.97x fewer") == 2
   # Tensor parallelism's partial sums in bf16 on request (half the bytes).
   assert "partial sums on column+fsdp: all-reduces f32, then bf16" in out
   # The weight gradients summed in bf16 on request (half the bytes).
@@ -81,8 +94,6 @@ def test_sharded_dot_general_reference():
     assert f"collective matmul {name}: dw equal, y and dx within" in out
   for style in ("column", "row"):
     assert f"collective matmul {style} on model=4: as sequence" in out
-  # The MoE layer's row gathers per shard of their index.
-  assert "auto gather_rows on batch=8: equal, split as the index" in out
 
 
 def test_sharded_dot_general_pallas():
@@ -266,9 +277,17 @@ def test_moe_expert_parallel_dense_exchange_equals_one_device():
   """The buffered exchange (`all_to_all`, `moe.EXCHANGE = "buffered"`,
   what GPUs run by default) gives the same results through both branches
   of its fast-path `cond` (whole buffers, and `EXCHANGE_SLACK` times an
-  even share)."""
+  even share), on `expert=8`."""
   out = run_checks("moe_expert_parallel_dense")
-  assert sum(line.startswith("moe {") for line in out.splitlines()) == 7
+  assert sum(line.startswith("moe {") for line in out.splitlines()) == 4
+
+
+@pytest.mark.slow  # ~15 s on 2 cores; the fast tier runs both branches.
+def test_moe_expert_parallel_dense_exchange_default_on_every_mesh():
+  """The buffered exchange at its default `EXCHANGE_SLACK` (whole buffers,
+  no `cond`) on `expert=8`, `data=2 x expert=4` and `data=8`."""
+  out = run_checks("moe_expert_parallel_dense_default")
+  assert sum(line.startswith("moe {") for line in out.splitlines()) == 3
 
 def _free_port() -> int:
   import socket  # pylint: disable=g-import-not-at-top
@@ -277,12 +296,18 @@ def _free_port() -> int:
     return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("mesh, steps, every", [
-    ("data=4,fsdp=2", 2, 1),  # The default tier (CI): 48 s alone on 2 cores.
-    pytest.param("data=2,fsdp=2,model=2", 8, 4,  # 49 s alone.
-                 marks=pytest.mark.slow)])
+# The default tier (CI) trains in BF16: the same processes, mesh, batches,
+# collectives over processes (the gradients' sums) and checkpoints, at half
+# an NVFP4 run's compile time in each of the four processes (35 s alone on
+# 2 cores). The slow tier trains NVFP4 with the paper's rules on a mesh with
+# `model`: the quantized layers' collectives over processes too (the
+# amaxes' maxima, the codes' gathers).
+@pytest.mark.parametrize("mesh, steps, every, precision", [
+    pytest.param("data=4,fsdp=2", 2, 1, "bf16", id="data=4,fsdp=2"),
+    pytest.param("data=2,fsdp=2,model=2", 8, 4, "nvfp4",  # 49 s alone.
+                 marks=pytest.mark.slow, id="data=2,fsdp=2,model=2")])
 def test_cli_two_processes_match_one_and_resume_on_one_device(
-    tmp_path, mesh, steps, every):
+    tmp_path, mesh, steps, every, precision):
   """`python -m train --distributed` as two processes of 4 CPU devices each
   (one host standing for two: `jax.distributed.initialize` with a local
   coordinator; CPU collectives over gloo, jax's default) trains like one
@@ -298,6 +323,7 @@ def test_cli_two_processes_match_one_and_resume_on_one_device(
   """
   flags = ("--mesh", mesh, "--steps", str(steps), "--ckpt-every",
            str(every), "--eval-every", str(every))
+  flags += ("--precision", precision)
   port = _free_port()
   procs = {"one": _train_cli(tmp_path / "one", *flags, devices=8)}
   for i in range(2):
@@ -312,8 +338,10 @@ def test_cli_two_processes_match_one_and_resume_on_one_device(
     outs[name] = out
   for name in ("two0", "two1"):
     assert f"8 devices, mesh {mesh.replace(',', ' x ')}" in outs[name]
+  if precision == "nvfp4":  # 3 GEMMs of each of 12 quantized projections.
+    assert "NVFP4: 36 GEMMs quantized" in outs["two0"], outs["two0"]
   from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
-  run = lambda name: tmp_path / name / "tiny-nvfp4"
+  run = lambda name: tmp_path / name / f"tiny-{precision}"
   losses = {name: [r["loss"] for r in read_metrics(run(name) /
                                                      "metrics.jsonl")
                    if r["kind"] == "train"] for name in ("one", "two")}
@@ -335,7 +363,8 @@ def test_cli_two_processes_match_one_and_resume_on_one_device(
   for later in saved[1:]:
     shutil.rmtree(run("two") / "checkpoints" / str(later))
   proc = _train_cli(tmp_path / "two", "--steps", str(steps), "--ckpt-every",
-                    str(every), "--eval-every", str(every), "--resume")
+                    str(every), "--eval-every", str(every), "--precision",
+                    precision, "--resume")
   out, _ = proc.communicate(timeout=900)
   assert proc.returncode == 0, out[-3000:]
   resumed = [r["loss"] for r in read_metrics(run("two") / "metrics.jsonl")

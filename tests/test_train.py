@@ -104,6 +104,22 @@ def test_train_step_quantizes_per_rules_and_switches_without_recompiling():
   assert gemms["switch"] == 0 and switched["switch"] >= 4
 
 
+def test_diagnostics_flag_layers_by_the_late_switch():
+  """The diagnostics flag layers by what their forward GEMM runs at that
+  step (quantized before the switch, not from it on)."""
+  rules = Trainer(config(late_switch_step=4), small_corpus(), MODEL).rules
+  stats = {"block_2/mlp/up": {}, "block_0/mlp/up": {}}
+  assert report.diag_record(rules, stats, 3) == {
+      "block_2/mlp/up": {"quantized": True},
+      "block_0/mlp/up": {"quantized": False}}
+  assert not report.diag_record(rules, stats, 4)["block_2/mlp/up"]["quantized"]
+
+
+# The fast tier has the switch's mechanism (test_rules: the recipes before
+# and after, one compilation) and its wiring into the trainer (above: a
+# `cond` in each quantized layer); this is the two together, in the slow
+# tier (the suite's time budget: three trainers compiled).
+@pytest.mark.slow
 def test_late_switch_moves_quantized_layers_to_bf16_from_its_step():
   corpus = small_corpus()
   trainers = {name: Trainer(config(**kw), corpus, MODEL) for name, kw in (
@@ -127,13 +143,6 @@ def test_late_switch_moves_quantized_layers_to_bf16_from_its_step():
   at = lambda name, step: dist(grads["switched"][step], grads[name][step])
   assert at("nvfp4", 3) < at("bf16", 3)
   assert at("bf16", 4) < at("nvfp4", 4)
-  # The diagnostics flag layers by what their forward GEMM runs at that step.
-  rules = trainers["switched"].rules
-  stats = {"block_2/mlp/up": {}, "block_0/mlp/up": {}}
-  assert report.diag_record(rules, stats, 3) == {
-      "block_2/mlp/up": {"quantized": True},
-      "block_0/mlp/up": {"quantized": False}}
-  assert not report.diag_record(rules, stats, 4)["block_2/mlp/up"]["quantized"]
 
 
 def test_non_finite_step_is_skipped_counted_and_not_applied():
