@@ -9,6 +9,7 @@ input is widened exactly, so the codes depend only on the values.
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,22 @@ def quantize_reference(x: jax.Array, *, block_2d: bool = False,
 
   Trusts its arguments (`quantize` validates them). With `with_values` it
   also returns the exact bf16 block values (see `quantize_with_values`).
+
+  It runs as a `jax.jit` of its own: JAX traces it once per shape and
+  setting, and a model's many layers of the same shapes reuse that trace
+  (a GPT's train step traces dozens of quantizers; XLA inlines the calls, so
+  the compiled program and its bits are those of the quantizer written out
+  in place).
   """
+  return _quantize(x, key, amax, placement, block_2d=block_2d,
+                   rounding=rounding, with_values=with_values,
+                   four_over_six=four_over_six)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "block_2d", "rounding", "with_values", "four_over_six"))
+def _quantize(x, key, amax, placement, *, block_2d, rounding, with_values,
+              four_over_six):
   # The barrier keeps XLA:GPU from fusing a producer's rounding to `x.dtype`
   # (e.g. the RHT's FP32->bf16) with the widening below and eliding both
   # ("excess precision"): the quantizer must see the rounded values.
