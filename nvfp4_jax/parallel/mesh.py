@@ -153,6 +153,16 @@ def _check_choices(owner) -> None:
                        f"of {choices} ({meaning}).")
 
 
+def _check_flags(owner, *names: str) -> None:
+  """Raises a TypeError naming the value where one of `owner`'s fields
+  `names` is not a bool."""
+  for name in names:
+    value = getattr(owner, name)
+    if not isinstance(value, bool):
+      raise TypeError(f"{type(owner).__name__}({name}={value!r}): use True "
+                      f"or False.")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LinearSharding:
   """How one linear layer `Y = X @ kernel` (`X: [tokens, in]`, `kernel:
@@ -256,10 +266,7 @@ class LinearSharding:
 
   def __post_init__(self):
     object.__setattr__(self, "tokens", tuple(self.tokens))
-    for flag in ("sequence", "collective_matmul"):
-      if not isinstance(getattr(self, flag), bool):
-        raise TypeError(f"LinearSharding({flag}={getattr(self, flag)!r}): "
-                        f"use True or False.")
+    _check_flags(self, "sequence", "collective_matmul")
     if self.collective_matmul and not self.sequence:
       raise ValueError("LinearSharding(collective_matmul=True) needs "
                        "sequence=True: the ring runs over token chunks.")
@@ -519,10 +526,7 @@ class MeshRules:
 
   def __post_init__(self):
     _check_choices(self)
-    for flag in ("sequence_parallel", "collective_matmul"):
-      if not isinstance(getattr(self, flag), bool):
-        raise TypeError(f"MeshRules({flag}={getattr(self, flag)!r}): use "
-                        f"True or False.")
+    _check_flags(self, "sequence_parallel", "collective_matmul")
     if self.collective_matmul and not self.sequence_parallel:
       raise ValueError("MeshRules(collective_matmul=True) needs "
                        "sequence_parallel=True (the rings run over the "
