@@ -625,3 +625,22 @@ def test_pytree_roundtrip(heavy_tailed):
   # block_2d is static: it is part of the tree structure.
   q1 = quantize_jit(jnp.zeros((16, 32)))
   assert jax.tree.structure(q1) != treedef
+
+
+def test_reference_quantizer_is_traced_once_per_shape_and_setting():
+  """The reference quantizer is a `jax.jit` of its own: a model's
+  quantizers of one shape and setting share one trace (the same jaxpr
+  object in each call), another shape or setting gets its own."""
+  x = jnp.ones((32, 64), jnp.float32)
+
+  def f(a, b, c):
+    return (nf.quantize(a, implementation="xla").codes,
+            nf.quantize(b, implementation="xla").codes,
+            nf.quantize(c, block_2d=True, implementation="xla").codes)
+
+  jaxpr = jax.make_jaxpr(f)(x, x + 1, x + 2).jaxpr
+  calls = [e.params["jaxpr"] for e in jaxpr.eqns
+           if e.primitive.name in ("pjit", "jit")
+           and e.params.get("name") == "_quantize"]
+  assert len(calls) == 3, jaxpr
+  assert calls[0] is calls[1] and calls[2] is not calls[0]
