@@ -533,10 +533,12 @@ def _model_trainer(c: MeshConfig, rung: str):
   corpus = data.Corpus(train=rng.integers(0, 256, tokens).astype(np.uint8),
                        val=rng.integers(0, 256, tokens).astype(np.uint8),
                        vocab_size=256, source="random")
-  tc = TrainConfig(preset="large", precision=c.precision, steps=1000,
-                   batch_size=batch, seq_len=c.seq, diagnostics=False,
-                   eval_batches=1, attention=c.attention, remat=c.remat,
-                   wgrad_sums=c.wgrad_sums)
+  # The `large` preset's optimizer settings (peak learning rate 3e-4,
+  # warmup over 5% of the steps) at every rung, one micro-batch a step.
+  tc = TrainConfig.for_preset(
+      "large", precision=c.precision, steps=1000, batch_size=batch,
+      grad_accum=1, seq_len=c.seq, diagnostics=False, eval_batches=1,
+      attention=c.attention, remat=c.remat, wgrad_sums=c.wgrad_sums)
   mc = model_config(tc, 256).replace(**shape_fields(*parse_rung(rung)))
   return Trainer(tc, corpus, mc, mesh=mesh), batch
 
