@@ -67,6 +67,10 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
 class TrainConfig:
   """Everything that determines a run's numbers (saved with its checkpoints).
 
+  The fields' defaults are the `tiny` preset's training settings whatever
+  `preset` says; `TrainConfig.for_preset(name, **overrides)` starts from
+  preset `name`'s (`PRESET_TRAINING`: steps, batch, learning rate).
+
   Attributes:
     preset: model size, a key of `models.PRESETS`.
     precision: "bf16" (every projection in high precision), "nvfp4" (the
