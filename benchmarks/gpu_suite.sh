@@ -6,7 +6,8 @@
 #
 #   bash benchmarks/gpu_suite.sh [GPUS] [LIMIT_S]     # default 4 GPUs, 430 s
 #
-# Logs go to $OUT (default ./gpu_suite_logs). On a machine without network
+# Logs go to $OUT (default ./gpu_suite_logs); the exit status is 1 if either
+# run failed or ran past the limit. On a machine without network
 # access, put the jax-triton wheel in .whl/ (GPU_NOTES: `pip download
 # --no-deps jax-triton==0.3.1`); it is installed into /tmp/site.
 set -u
@@ -15,6 +16,7 @@ GPUS=${1:-4}
 LIMIT=${2:-430}
 OUT=${OUT:-gpu_suite_logs}
 mkdir -p "$OUT"
+rm -f "$OUT/gpu_fast.log" "$OUT/two_gpus.log"  # Not an earlier run's.
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
   export PYTHONPATH=/tmp/site:$PWD
@@ -42,6 +44,10 @@ elif [ "$GPUS" -eq 2 ]; then
 else
   wait
 fi
+status=0
 for f in two_gpus gpu_fast; do
-  [ -f "$OUT/$f.log" ] && { echo "== $f"; tail -40 "$OUT/$f.log"; }
+  [ -f "$OUT/$f.log" ] || continue
+  echo "== $f"; tail -40 "$OUT/$f.log"
+  grep -q "^rc=0 " "$OUT/$f.log" || status=1  # A failure, or the limit.
 done
+exit $status

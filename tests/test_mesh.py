@@ -289,6 +289,7 @@ def test_moe_expert_parallel_dense_exchange_default_on_every_mesh():
   out = run_checks("moe_expert_parallel_dense_default")
   assert sum(line.startswith("moe {") for line in out.splitlines()) == 3
 
+
 def _free_port() -> int:
   import socket  # pylint: disable=g-import-not-at-top
   with socket.socket() as sock:

@@ -236,8 +236,9 @@ class LinearSharding:
       reduce-scatters dX; a row-parallel layer reduce-scatters Y and
       all-gathers the quantized dY. The same bytes as the all-reduces it
       replaces for the sums, 4.5 bits an element for the gathered operands
-      (16 for a bf16 activation), and the same result as without it: quantizing a token shard with the
-      tensor's amax gives the tensor's blocks. (A layer that `model` does
+      (16 for a bf16 activation), and the same result as without it:
+      quantizing a token shard with the tensor's amax gives the tensor's
+      blocks. (A layer that `model` does
       not split takes `model` among its `tokens` instead: `MeshRules`.)
     collective_matmul: under `sequence`, each gather and reduce-scatter
       over `model` runs as a ring beside the GEMM, in `model`-size chunks
