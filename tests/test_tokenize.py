@@ -215,6 +215,25 @@ def test_eos_comes_from_the_config_the_special_tokens_or_the_flag(tmp_path):
   assert meta["eos_id"] == 7
 
 
+def test_post_processor_special_tokens_are_kept_and_eos_not_doubled(tmp_path):
+  """A post-processor's BOS (Llama's) stays at each document's start; one
+  that appends EOS (T5's) gets no second EOS."""
+  from tokenizers import Tokenizer, models, pre_tokenizers, processors
+  vocab = {"<s>": 0, "</s>": 1, "[UNK]": 2, "a": 3, "b": 4}
+  for template, want in (("<s> $A", [0, 3, 4, 1, 0, 4, 1]),
+                         ("$A </s>", [3, 4, 1, 4, 1])):
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(
+        single=template, special_tokens=[("<s>", 0), ("</s>", 1)])
+    path = tmp_path / "tok.json"
+    tok.save(str(path))
+    tokenize.tokenize_files(path, tmp_path / "t.npy", [write_jsonl(
+        tmp_path / "d.jsonl", ["a b", "b"])])
+    np.testing.assert_array_equal(np.load(tmp_path / "t.npy"), want)
+
+
 def test_old_uint16_bin_still_reads(tmp_path):
   tokens = np.random.default_rng(0).integers(0, 50_000, 5000, dtype=np.uint16)
   data.write_bin(tmp_path / "old.bin", tokens)
@@ -289,6 +308,7 @@ def test_module_command_line(tmp_path):
     ("jsonl without the field", ["d.jsonl:2: no field 'text'",
                                  "['body', 'id']", "--text-field"]),
     ("jsonl not JSON", ["bad.jsonl:1: not a JSON line"]),
+    ("jsonl text not a string", ["num.jsonl:1: field 'text' holds a value of type int"]),
     ("output not .npy", ["a token file is a .npy file; name it t.npy"]),
 ])
 def test_bad_inputs_give_one_clear_line(tmp_path, capsys, case, fragments):
@@ -300,6 +320,7 @@ def test_bad_inputs_give_one_clear_line(tmp_path, capsys, case, fragments):
   (tmp_path / "junk.json").write_text("{}")
   (tmp_path / "x.csv").write_text("a,b")
   (tmp_path / "bad.jsonl").write_text("{not json\n")
+  (tmp_path / "num.jsonl").write_text('{"text": 3}\n')
   tok, out, inputs = tok_dir, tmp_path / "t.npy", [good]
   if case == "missing tokenizer":
     tok = tmp_path / "missing"
@@ -313,6 +334,8 @@ def test_bad_inputs_give_one_clear_line(tmp_path, capsys, case, fragments):
     inputs = [tmp_path / "gone.txt"]
   elif case == "jsonl not JSON":
     inputs = [tmp_path / "bad.jsonl"]
+  elif case == "jsonl text not a string":
+    inputs = [tmp_path / "num.jsonl"]
   elif case == "output not .npy":
     out = tmp_path / "t.bin"
   assert tokenize.main(["tokenize", "--tokenizer", str(tok), str(out),

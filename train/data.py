@@ -34,9 +34,10 @@ same `--data` path (on a shared filesystem, or an identical copy on each
 host), memory-maps it whole and computes the same global batch of step `s`,
 `Batcher.batch(s)` (nothing here depends on the process index). The trainer
 then hands each of its devices its rows of that batch (`Trainer.put_batch`:
-the rows of the batch axis split over the mesh's `data` x `fsdp` axes), so
-every process reads the windows of the whole global batch from its file
-and keeps its devices' rows; validation batches likewise. Each process also
+the sequences split over the mesh's batch axes `data`, `fsdp` and, for MoE,
+`expert`; devices along `model` get the same rows), so every process reads
+the windows of the whole global batch from its file and keeps its devices'
+rows; validation batches likewise. Each process also
 scans the whole token file once for its largest id (`Corpus.max_id`).
 """
 
