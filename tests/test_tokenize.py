@@ -308,7 +308,8 @@ def test_module_command_line(tmp_path):
     ("jsonl without the field", ["d.jsonl:2: no field 'text'",
                                  "['body', 'id']", "--text-field"]),
     ("jsonl not JSON", ["bad.jsonl:1: not a JSON line"]),
-    ("jsonl text not a string", ["num.jsonl:1: field 'text' holds a value of type int"]),
+    ("jsonl text not a string",
+     ["num.jsonl:1: field 'text' holds a value of type int"]),
     ("output not .npy", ["a token file is a .npy file; name it t.npy"]),
 ])
 def test_bad_inputs_give_one_clear_line(tmp_path, capsys, case, fragments):

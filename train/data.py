@@ -14,31 +14,33 @@ Four sources, all without downloads:
 - a memory-mapped `.bin`, raw little-endian uint16 token ids without a
   header (see `write_bin`), its vocabulary its largest id + 1.
 
-Text files and directories are tokenized as bytes (vocabulary 256). Documents are packed into one
-stream, each followed by `EOS` (byte 0, which does not occur in text); training
-sequences are consecutive, non-overlapping windows of that stream, so a
-sequence may hold the end of one file and the start of the next.
+Text files and directories are tokenized as bytes (vocabulary 256). Documents
+are packed into one stream, each followed by `EOS` (byte 0, which does not
+occur in text); training sequences are consecutive, non-overlapping windows of
+that stream, so a sequence may hold the end of one file and the start of the
+next.
 
 The split is by file: a file goes to validation when the CRC32 of its path
 relative to the corpus root falls in the lowest `val_fraction` of the range, a
 rule that depends only on the file's name (adding files elsewhere does not move
-it). A single file, a `.bin`, or a directory whose files all land on one side
-is split by position instead: the last `val_fraction` of the stream.
+it). A single file, a token file (`.npy`, `.bin`), or a directory whose files
+all land on one side is split by position instead: the last `val_fraction` of
+the stream.
 
 Shuffling: `Batcher.batch(step)` is a pure function of `(seed, step)` — epoch
 `e` visits the windows in the order `default_rng([seed, e]).permutation` —
 which is what makes resumed runs bit-identical without saving a data state.
 
 Several processes (`python -m train --distributed`): every process loads the
-same `--data` path (on a shared filesystem, or an identical copy on each
-host), memory-maps it whole and computes the same global batch of step `s`,
+same `--data` path (on a shared filesystem, or an identical copy on each host),
+memory-maps it whole and computes the same global batch of step `s`,
 `Batcher.batch(s)` (nothing here depends on the process index). The trainer
-then hands each of its devices its rows of that batch (`Trainer.put_batch`:
-the sequences split over the mesh's batch axes `data`, `fsdp` and, for MoE,
-`expert`; devices along `model` get the same rows), so every process reads
-the windows of the whole global batch from its file and keeps its devices'
-rows; validation batches likewise. Each process also
-scans the whole token file once for its largest id (`Corpus.max_id`).
+then hands each of its devices its rows of that batch (`Trainer.put_batch`: the
+sequences split over the mesh's batch axes `data`, `fsdp` and, for MoE,
+`expert`; devices along `model` get the same rows), so every process reads the
+windows of the whole global batch from its file and keeps its devices' rows;
+validation batches likewise. Each process also scans the whole token file once
+for its largest id (`Corpus.max_id`).
 """
 
 from __future__ import annotations
@@ -133,7 +135,6 @@ class Corpus:
           f"with the model's tokenizer, or give a model with vocab_size > "
           f"{top}.")
 
-
   def run_tokenizer(self, configured: str | None) -> str | None:
     """The tokenizer a run on this corpus records (`TrainConfig.tokenizer`).
 
@@ -149,7 +150,8 @@ class Corpus:
     """
     if configured is None or self.tokenizer_sha256 is None:
       return configured or self.tokenizer
-    from train.tokenize import tokenizer_sha256  # pylint: disable=g-import-not-at-top
+    # pylint: disable-next=g-import-not-at-top
+    from train.tokenize import tokenizer_sha256
     try:
       digest = tokenizer_sha256(configured)
     except OSError as e:

@@ -160,11 +160,11 @@ def check_inputs(inputs: Sequence[str | os.PathLike]) -> list[pathlib.Path]:
     if not p.exists():
       raise FileNotFoundError(f"input {given}: no such file.")
     if p.is_dir() or p.suffix not in SUFFIXES:
+      what = "a directory" if p.is_dir() else f"extension {p.suffix!r}"
       raise ValueError(
-          f"input {given}: {'a directory' if p.is_dir() else 'extension ' + repr(p.suffix)}"
-          f" is not an input this reads; give .txt files (one document "
-          f"each) or .jsonl files (one JSON object a line with the text "
-          f"under --text-field).")
+          f"input {given}: {what} is not an input this reads; give .txt "
+          f"files (one document each) or .jsonl files (one JSON object a "
+          f"line with the text under --text-field).")
     paths.append(p)
   return paths
 
