@@ -219,8 +219,8 @@ def test_a_vocabulary_the_model_cannot_embed_names_both_sizes(tmp_path):
   corpus = data.load_corpus(_bytes(tmp_path / "v.bin", VOCAB_300))
   assert corpus.vocab_size == 300
   cfg = TrainConfig(precision="bf16", steps=1, batch_size=2, seq_len=16)
-  with pytest.raises(ValueError, match=r"embeds 256 token ids but the corpus "
-                     r"uses 300; raise GPTConfig.vocab_size"):
+  with pytest.raises(ValueError, match=r"token id 299 is outside the model's "
+                     r"vocabulary of 256 ids .* vocab_size > 299"):
     Trainer(cfg, corpus, preset("tiny", vocab_size=256))
 
 

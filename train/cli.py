@@ -203,8 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "the default: the one-device run's gradients) or in bf16 "
                  "(bfloat16: half the bytes, one more rounding)")
   p.add_argument("--data", metavar="PATH",
-                 help="text file, directory of text files, or uint16 .bin "
-                 "token file (default: the Python standard library's source)")
+                 help="text file, directory of text files, .npy token file "
+                 "(python -m train.data tokenize; its tokenizer's vocabulary) "
+                 "or uint16 .bin token file (default: the Python standard "
+                 "library's source)")
   p.add_argument("--out", metavar="DIR", default="runs",
                  help="output directory (default runs/)")
   p.add_argument("--resume", action="store_true",

@@ -139,6 +139,11 @@ class TrainConfig:
       layers' weight gradients are summed in across devices: "float32"
       (the one-device run's gradients, rounded once) or "bfloat16" (half
       the bytes; `nvfp4_jax.MeshRules(wgrad_sums=...)`).
+    tokenizer: the path of the HF tokenizer that made the run's token file
+      (a `tokenizer.json`, or a directory holding one), taken from the
+      file's metadata (`train.token_file`); None for byte-level data.
+      `Trainer` fills it in from the corpus; export copies the tokenizer
+      files from it.
   """
 
   preset: str = "tiny"
@@ -178,6 +183,7 @@ class TrainConfig:
   amax: str = "global"
   wgrad_schedule: str = "layer"
   wgrad_sums: str = "float32"
+  tokenizer: str | None = None
 
   def __post_init__(self):
     # Types first: "false" is a truthy string and True an int in Python.
@@ -200,6 +206,9 @@ class TrainConfig:
           f"batch_size={self.batch_size} is not divisible by grad_accum="
           f"{self.grad_accum}; each micro-batch must hold the same number of "
           f"sequences.")
+    if self.tokenizer is not None and not self.tokenizer.strip():
+      raise ValueError("tokenizer '' is an empty path; give a tokenizer.json "
+                       "or a directory holding one, or None for bytes.")
     if self.collective_matmul and not self.sequence_parallel:
       raise ValueError(
           "collective_matmul=True needs sequence_parallel=True (the rings "

@@ -1,28 +1,46 @@
-"""Byte-level training data: corpora, a train/validation split, packed batches.
+"""Training data: corpora, a train/validation split, packed batches.
 
-Three sources, all without downloads or tokenizer files:
+Four sources, all without downloads:
 
 - the default corpus: the Python standard library's own `*.py` files, found at
   run time under `sysconfig.get_paths()["stdlib"]` (installed packages under
   `site-packages`/`dist-packages` excluded), read in sorted path order;
 - a user's text file, or a directory of files (every regular file, sorted);
-- a memory-mapped token file: `.bin`, raw little-endian uint16 token ids (see
-  `write_bin`), for corpora that do not fit in memory.
+- a memory-mapped token file of any vocabulary: `.npy`, uint16 or uint32 ids
+  with their tokenizer's metadata beside them (`train.token_file`; written by
+  `python -m train.data tokenize --tokenizer PATH OUT.npy INPUT...`, see
+  `train.tokenize`): the corpus takes its vocabulary size and tokenizer
+  from there;
+- a memory-mapped `.bin`, raw little-endian uint16 token ids without a
+  header (see `write_bin`), its vocabulary its largest id + 1.
 
-Text is tokenized as bytes (vocabulary 256). Documents are packed into one
-stream, each followed by `EOS` (byte 0, which does not occur in text); training
-sequences are consecutive, non-overlapping windows of that stream, so a
-sequence may hold the end of one file and the start of the next.
+Text files and directories are tokenized as bytes (vocabulary 256). Documents
+are packed into one stream, each followed by `EOS` (byte 0, which does not
+occur in text); training sequences are consecutive, non-overlapping windows of
+that stream, so a sequence may hold the end of one file and the start of the
+next.
 
 The split is by file: a file goes to validation when the CRC32 of its path
 relative to the corpus root falls in the lowest `val_fraction` of the range, a
 rule that depends only on the file's name (adding files elsewhere does not move
-it). A single file, a `.bin`, or a directory whose files all land on one side
-is split by position instead: the last `val_fraction` of the stream.
+it). A single file, a token file (`.npy`, `.bin`), or a directory whose files
+all land on one side is split by position instead: the last `val_fraction` of
+the stream.
 
 Shuffling: `Batcher.batch(step)` is a pure function of `(seed, step)` — epoch
 `e` visits the windows in the order `default_rng([seed, e]).permutation` —
 which is what makes resumed runs bit-identical without saving a data state.
+
+Several processes (`python -m train --distributed`): every process loads the
+same `--data` path (on a shared filesystem, or an identical copy on each host),
+memory-maps it whole and computes the same global batch of step `s`,
+`Batcher.batch(s)` (nothing here depends on the process index). The trainer
+then hands each of its devices its rows of that batch (`Trainer.put_batch`: the
+sequences split over the mesh's batch axes `data`, `fsdp` and, for MoE,
+`expert`; devices along `model` get the same rows), so every process reads the
+windows of the whole global batch from its file and keeps its devices' rows;
+validation batches likewise. Each process also scans the whole token file once
+for its largest id (`Corpus.max_id`).
 """
 
 from __future__ import annotations
@@ -36,6 +54,8 @@ import sysconfig
 import zlib
 
 import numpy as np
+
+from train import token_file
 
 EOS = 0
 BYTE_VOCAB = 256
@@ -54,6 +74,11 @@ class Corpus:
     train_files: relative paths of the training files (empty for `.bin` and
       position-split corpora).
     val_files: relative paths of the validation files.
+    tokenizer: the path of the tokenizer that made a `.npy` token file (a
+      `tokenizer.json`, or a directory holding one); None for bytes.
+    tokenizer_sha256: the SHA-256 of that `tokenizer.json`.
+    max_id: the largest token id of both streams; None: not scanned yet
+      (`check_vocab` scans them).
   """
 
   train: np.ndarray
@@ -62,13 +87,17 @@ class Corpus:
   source: str
   train_files: tuple[str, ...] = ()
   val_files: tuple[str, ...] = ()
+  tokenizer: str | None = None
+  tokenizer_sha256: str | None = None
+  max_id: int | None = None
 
   def describe(self) -> str:
     files = ""
     if self.train_files:
       files = f", {len(self.train_files)}/{len(self.val_files)} files"
+    tokenizer = f", tokenizer {self.tokenizer}" if self.tokenizer else ""
     return (f"{self.source}: {len(self.train):,} train / {len(self.val):,} "
-            f"val tokens{files}, vocab {self.vocab_size}")
+            f"val tokens{files}, vocab {self.vocab_size}{tokenizer}")
 
   def check_seq_len(self, seq_len: int) -> None:
     """Raises unless both streams hold a sequence of `seq_len` + 1 tokens.
@@ -86,6 +115,54 @@ class Corpus:
           f"{'streams hold' if len(short) > 1 else 'stream holds'} fewer than "
           f"the {seq_len + 1} tokens of one sequence (--seq-len {seq_len} plus "
           f"the next-token target); use a smaller --seq-len or more data.")
+
+  def check_vocab(self, vocab_size: int) -> None:
+    """Raises unless every token id lies in `[0, vocab_size)`.
+
+    Uses `max_id`, or scans the streams (in chunks: a memmap is not loaded).
+
+    Raises:
+      ValueError: naming the largest id, the vocabulary and the fix.
+    """
+    top = self.max_id
+    if top is None:
+      top = max(token_file.max_token_id(self.train),
+                token_file.max_token_id(self.val))
+    if top >= vocab_size:
+      raise ValueError(
+          f"{self.source}: token id {top} is outside the model's vocabulary "
+          f"of {vocab_size} ids (0 to {vocab_size - 1}); tokenize the data "
+          f"with the model's tokenizer, or give a model with vocab_size > "
+          f"{top}.")
+
+  def run_tokenizer(self, configured: str | None) -> str | None:
+    """The tokenizer a run on this corpus records (`TrainConfig.tokenizer`).
+
+    Args:
+      configured: the run's `TrainConfig.tokenizer`, or None.
+
+    Returns:
+      `configured` if given, else the corpus's tokenizer (None for bytes).
+
+    Raises:
+      ValueError: `configured` is not the tokenizer (by the SHA-256 of its
+        `tokenizer.json`) that made the corpus's token file.
+    """
+    if configured is None or self.tokenizer_sha256 is None:
+      return configured or self.tokenizer
+    # pylint: disable-next=g-import-not-at-top
+    from train.tokenize import tokenizer_sha256
+    try:
+      digest = tokenizer_sha256(configured)
+    except OSError as e:
+      raise ValueError(f"tokenizer {configured}: {e}") from None
+    if digest != self.tokenizer_sha256:
+      raise ValueError(
+          f"tokenizer {configured} is not the one that made {self.source} "
+          f"({self.tokenizer}, whose tokenizer.json has another SHA-256); "
+          f"tokenize the data with {configured}, or train with the "
+          f"tokenizer the data was made with.")
+    return configured
 
 
 def stdlib_root() -> pathlib.Path:
@@ -161,7 +238,9 @@ def write_bin(path: str | os.PathLike, tokens: np.ndarray) -> None:
   """Writes token ids as raw little-endian uint16, the `.bin` format."""
   tokens = np.asarray(tokens)
   if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.uint16).max):
-    raise ValueError("token ids must lie in [0, 65535] for a uint16 .bin file.")
+    raise ValueError("token ids must lie in [0, 65535] for a uint16 .bin file; "
+                     "write larger ids to a .npy token file "
+                     "(train.token_file.TokenWriter).")
   tmp = f"{os.fspath(path)}.tmp"
   tokens.astype("<u2").tofile(tmp)
   os.replace(tmp, path)
@@ -178,20 +257,14 @@ def read_bin(path: str | os.PathLike) -> np.ndarray:
   return np.memmap(path, dtype="<u2", mode="r")
 
 
-def _bin_vocab(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
-  top = 0
-  for i in range(0, len(tokens), chunk):
-    top = max(top, int(tokens[i:i + chunk].max()))
-  return max(BYTE_VOCAB, top + 1)
-
-
 def load_corpus(data: str | os.PathLike | None = None, *,
                 val_fraction: float = 0.05) -> Corpus:
   """Loads and splits a corpus.
 
   Args:
-    data: None for the standard-library corpus; a `.bin` token file; a text
-      file; or a directory (all regular files below it, hidden ones skipped).
+    data: None for the standard-library corpus; a `.npy` or `.bin` token
+      file; a text file; or a directory (all regular files below it, hidden
+      ones skipped).
     val_fraction: share of files (or of the stream) kept for validation.
 
   Returns:
@@ -200,7 +273,8 @@ def load_corpus(data: str | os.PathLike | None = None, *,
   Raises:
     FileNotFoundError: the path does not exist or the directory has no files.
     ValueError: bad fraction, an empty path, a file or directory without
-      text, a malformed `.bin` file.
+      text, a malformed `.bin` or `.npy` file, a `.npy` whose ids exceed the
+      vocabulary of its metadata.
   """
   if not 0.0 < val_fraction < 0.5:
     raise ValueError(f"val_fraction must be in (0, 0.5), got {val_fraction}.")
@@ -224,11 +298,8 @@ def load_corpus(data: str | os.PathLike | None = None, *,
       raise ValueError(f"--data {data}: the directory's {len(paths)} files "
                        f"hold no text (empty, or NUL bytes only).")
     return corpus
-  if path.suffix == ".bin":
-    tokens = read_bin(path)
-    train, val = _position_split(tokens, val_fraction)
-    return Corpus(train=train, val=val, vocab_size=_bin_vocab(tokens),
-                  source=f"token file {path}")
+  if path.suffix in (".bin", ".npy"):
+    return _token_corpus(path, val_fraction)
   tokens = _pack([path])
   if len(tokens) < 2:
     raise ValueError(f"--data {data}: the file holds no text (empty, or NUL "
@@ -236,6 +307,26 @@ def load_corpus(data: str | os.PathLike | None = None, *,
   train, val = _position_split(tokens, val_fraction)
   return Corpus(train=train, val=val, vocab_size=BYTE_VOCAB,
                 source=f"text file {path}")
+
+
+def _token_corpus(path: pathlib.Path, val_fraction: float) -> Corpus:
+  """A `.bin` or `.npy` token file, split by position, scanned once."""
+  if path.suffix == ".bin":
+    tf = token_file.TokenFile(tokens=read_bin(path))
+  else:
+    tf = token_file.read_tokens(path)
+  top = token_file.max_token_id(tf.tokens)
+  if tf.vocab_size is not None and top >= tf.vocab_size:
+    raise ValueError(
+        f"--data {path}: token id {top} is outside the vocabulary of "
+        f"{tf.vocab_size} ids that {token_file.sidecar(path).name} records; "
+        f"the file is damaged or the metadata is another file's: tokenize "
+        f"again.")
+  train, val = _position_split(tf.tokens, val_fraction)
+  return Corpus(train=train, val=val,
+                vocab_size=tf.vocab_size or max(BYTE_VOCAB, top + 1),
+                source=f"token file {path}", tokenizer=tf.tokenizer,
+                tokenizer_sha256=tf.tokenizer_sha256, max_id=top)
 
 
 def num_windows(stream: np.ndarray, seq_len: int) -> int:
@@ -301,3 +392,9 @@ def eval_batches(stream: np.ndarray, *, batch_size: int, seq_len: int,
   starts = (np.arange(num_batches * batch_size) % n) * seq_len
   return _windows(stream, starts, seq_len).reshape(
       num_batches, batch_size, seq_len + 1)
+
+
+if __name__ == "__main__":
+  # `python -m train.data tokenize ...`: the data tools' command line.
+  from train.tokenize import main  # pylint: disable=g-import-not-at-top
+  sys.exit(main())

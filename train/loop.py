@@ -77,13 +77,15 @@ class Trainer:
   Args:
     cfg: the `TrainConfig`.
     corpus: the `data.Corpus` to train on.
-    model_cfg: a custom `GPTConfig`; default the preset's (`model_config`).
-      Its `vocab_size` must cover the corpus.
+    model_cfg: a custom `GPTConfig`; default the preset's (`model_config`)
+      with the corpus's vocabulary. Its `vocab_size` must exceed every
+      token id of the corpus. `cfg.tokenizer` is taken from the corpus.
     mesh: a `jax.sharding.Mesh` with axes `data`, `fsdp`, `model`
       (`nvfp4_jax.sharding.make_mesh`) to train on; None: one device.
 
   Raises:
-    ValueError: a batch or a layer that does not split over `mesh`.
+    ValueError: a batch or a layer that does not split over `mesh`; a token
+      id outside the model's vocabulary; `cfg.tokenizer` not the corpus's.
   """
 
   def __init__(self, cfg: TrainConfig, corpus: data_lib.Corpus,
@@ -93,10 +95,8 @@ class Trainer:
     self.corpus = corpus
     if model_cfg is None:
       model_cfg = model_config(cfg, corpus.vocab_size)
-    if model_cfg.vocab_size < corpus.vocab_size:
-      raise ValueError(
-          f"the model embeds {model_cfg.vocab_size} token ids but the corpus "
-          f"uses {corpus.vocab_size}; raise GPTConfig.vocab_size.")
+    corpus.check_vocab(model_cfg.vocab_size)
+    self.cfg = cfg = cfg.replace(tokenizer=corpus.run_tokenizer(cfg.tokenizer))
     self.model_cfg = model_cfg
     self.model = GPT(self.model_cfg)
     self.rules = make_rules(cfg, self.model_cfg.num_layers)
