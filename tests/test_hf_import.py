@@ -274,6 +274,27 @@ def test_gqa_fused_layouts_keep_tiles_and_train_in_nvfp4():
     assert f"name={gemm}" in text, gemm
 
 
+def test_rope_inv_freq_is_transformers_llama3():
+  """Llama 3.1 8B's scaled frequencies, bit for bit, and this file's."""
+  from transformers.modeling_rope_utils import _compute_llama3_parameters  # pylint: disable=g-import-not-at-top
+  from models.gpt import rope_inv_freq  # pylint: disable=g-import-not-at-top
+  llama31 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 8192}
+  for rope, heads, hd in ((llama31, 32, 128), (LLAMA3, 4, 16)):
+    hf = transformers.LlamaConfig(hidden_size=heads * hd,
+                                  num_attention_heads=heads,
+                                  max_position_embeddings=131072,
+                                  rope_parameters=rope)
+    want = _compute_llama3_parameters(hf)[0].numpy()
+    scaling = models.RopeScaling(**{k: v for k, v in rope.items()
+                                    if k not in ("rope_type", "rope_theta")})
+    got = np.asarray(rope_inv_freq(hd, rope["rope_theta"], scaling))
+    np.testing.assert_array_equal(got, want)
+    # Not the unscaled frequencies.
+    assert (got != np.asarray(rope_inv_freq(hd, rope["rope_theta"]))).any()
+
+
 def test_config_checks_gqa_and_rope_fields():
   with pytest.raises(ValueError, match="num_kv_heads=3 must divide"):
     GPTConfig(num_heads=4, num_kv_heads=3)
@@ -282,6 +303,15 @@ def test_config_checks_gqa_and_rope_fields():
     GPTConfig(d_model=64, num_heads=8, num_kv_heads=1)
   with pytest.raises(ValueError, match="high_freq_factor"):
     GPTConfig(rope_scaling=dict(LLAMA3_SCALING, high_freq_factor=0.5))
+  # A tensor-parallel split must keep key/value heads whole (traced on an
+  # abstract mesh of two `model` devices).
+  rules = nv.MeshRules(mesh=jax.sharding.AbstractMesh((2,), ("model",)))
+  mqa = GPTConfig(d_model=64, num_layers=1, num_heads=4, num_kv_heads=1,
+                  d_ff=64)
+  with pytest.raises(ValueError, match=r"model=2.*kv_heads=1"):
+    with nv.mesh_rules(rules), nv.precision_rules(HP):
+      jax.eval_shape(GPT(mqa).init, jax.random.key(0),
+                     jnp.zeros((2, 16), jnp.int32))
   # As a run's config.json saves it (`dataclasses.asdict`).
   saved = json.loads(json.dumps(dataclasses.asdict(
       models.config_from_hf(_llama_config(rope_parameters=LLAMA3)))))
