@@ -318,7 +318,7 @@ def test_config_checks_gqa_and_rope_fields():
   assert GPTConfig(**saved).rope_scaling.factor == 8.0
 
 
-def test_init_from_continues_training_a_saved_llama(ckpts):
+def test_init_from_continues_training_a_saved_llama(ckpts, capsys):
   """`TrainConfig(init_from=DIR)` (`python -m train --init-from DIR`): the
   checkpoint's configuration, its weights as the parameters and FP32
   masters, then NVFP4 training steps (every projection quantized)."""
@@ -347,3 +347,4 @@ def test_init_from_continues_training_a_saved_llama(ckpts):
   with pytest.raises(ValueError, match="mlp='relu2' conflicts"):
     config(init_from=path, mlp="relu2")
   assert main(["--init-from", path, "--preset", "small"]) == 2
+  assert "--preset conflicts with --init-from" in capsys.readouterr().err
