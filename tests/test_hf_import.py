@@ -348,3 +348,71 @@ def test_init_from_continues_training_a_saved_llama(ckpts, capsys):
     config(init_from=path, mlp="relu2")
   assert main(["--init-from", path, "--preset", "small"]) == 2
   assert "--preset conflicts with --init-from" in capsys.readouterr().err
+
+
+_MESH_SCRIPT = r'''
+import sys, time
+import mesh_checks as mc  # Sets 8 host devices before jax starts.
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding
+import models
+from tiny_training import config, small_corpus
+from train.loop import Trainer
+
+# Grouped-query attention on data=4, model=2 (4 query heads, 2 key/value
+# heads: one group per device): the interleaved layout splits into whole
+# groups, so XLA adds no reshard inside attention; the concatenated one
+# needs them (the check sees a wrong split).
+for layout in ("interleaved", "concatenated"):
+  tr = mc._trainer(mc.GPT_MESHES["tp"], mc.GPT_HIGH_PRECISION, num_layers=1,
+                   num_heads=4, num_kv_heads=2, fused_layout=layout)
+  st = jax.eval_shape(tr.fns.init_state)
+  params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(
+      s.shape, s.dtype, sharding=sh), st.params, tr.state_shardings.params)
+  batch = jax.ShapeDtypeStruct(
+      (1, tr.cfg.micro_batch, tr.cfg.seq_len + 1), jnp.int32,
+      sharding=NamedSharding(tr.mesh_rules.mesh,
+                             tr.mesh_rules.batch_spec(3, axis=1)))
+  fn = jax.jit(tr.fns.loss_and_grads).lower(
+      params, batch, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+  reshards = mc._block_reshards(fn, st.params)
+  print(layout, len(reshards), "reshards")
+  assert bool(reshards) == (layout == "concatenated"), reshards
+
+# --init-from on the same mesh: the state is the checkpoint's, sharded.
+path = sys.argv[1]
+tr = Trainer(config(init_from=path, steps=2, warmup_steps=1),
+             small_corpus(), mesh=mc.mesh(data=4, model=2))
+state = tr.init_state()
+want = models.load_hf(path)[1]
+jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b),
+             state.opt_state.master, want)
+kernel = state.params["block_0"]["attn"]["qkv"]["kernel"]
+assert kernel.sharding.spec == tr.state_shardings.params["block_0"]["attn"][
+    "qkv"]["kernel"].spec, kernel.sharding
+print("init_from on data=4, model=2: ok")
+'''
+
+
+@pytest.mark.slow
+def test_gqa_and_init_from_on_a_tensor_parallel_mesh(ckpts):
+  """On 8 host devices (a fresh process: the device count is fixed before
+  jax starts): GQA's interleaved qkv splits over `model` into whole query
+  groups (no reshard in attention), and `--init-from` places the
+  checkpoint's weights as the mesh's state. The fast tier checks the
+  refusal of a split that is not whole groups
+  (`test_config_checks_gqa_and_rope_fields`)."""
+  import os  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(__file__).resolve().parent.parent
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(root), str(root / "tests")]
+      + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, ckpts["llama"][0]],
+                        cwd=root, env=env, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  assert "interleaved 0 reshards" in proc.stdout
+  assert "init_from on data=4, model=2: ok" in proc.stdout
