@@ -79,7 +79,11 @@ def ckpts(tmp_path_factory):
                                  num_key_value_heads=2,
                                  num_local_experts=4, num_experts_per_tok=2)),
                        2)
+  mistral = _randomize(transformers.MistralForCausalLM(
+      transformers.MistralConfig(**SMALL, num_key_value_heads=2,
+                                 sliding_window=None)), 3)
   return {"llama": _save(llama, root / "llama"),
+          "mistral": _save(mistral, root / "mistral"),
           "tied": _save(tied, root / "tied", max_shard_size="100KB"),
           "mixtral": _save(mixtral, root / "mixtral")}
 
@@ -97,7 +101,7 @@ def _ours(model, params, cfg=None):
                       np.float64)
 
 
-@pytest.mark.parametrize("name", ["llama", "tied", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", "tied", "mistral", "mixtral"])
 def test_load_hf_logits_equal_transformers(ckpts, name):
   """`load_hf`'s FP32 logits equal transformers' within FP32 rounding.
 
@@ -122,11 +126,13 @@ def test_load_hf_logits_equal_transformers(ckpts, name):
   e_hf = np.abs(_hf_logits(hf, torch.float32) - ref).max()
   bound = max(4 * e_hf, 16 * U * np.abs(ref).max())
   err = np.abs(_ours(model, params) - ref).max()
+  print(f"{name}: max|ours - hf64| {err:.3g}, transformers' FP32 {e_hf:.3g}, "
+        f"bound {bound:.3g}, max|logit| {np.abs(ref).max():.3g}")
   assert err <= bound, (name, err, e_hf, bound)
   assert cfg.vocab_size == VOCAB and cfg.dtype == "float32"
   assert cfg.tie_embeddings == (name == "tied")
   assert ("head" in params) == (name != "tied")
-  assert cfg.kv_heads == {"llama": 2, "tied": 1, "mixtral": 2}[name]
+  assert cfg.kv_heads == (1 if name == "tied" else 2)
   assert cfg.num_experts == (4 if name == "mixtral" else 0)
 
   # The same tensors back under their HF names (transformers' own file).
@@ -181,12 +187,14 @@ def _llama_config(**changes):
 def test_config_from_hf_names_every_field_it_cannot_honour():
   """One error naming all of them; each alone is refused too."""
   bad = dict(attention_bias=True, mlp_bias=True, sliding_window=64,
+             attention_dropout=0.1,
              max_position_embeddings=128, hidden_act="gelu", head_dim=32,
              rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
                               "factor": 4.0})
   with pytest.raises(ValueError) as e:
     models.config_from_hf(_llama_config(**bad))
   for word in ("attention_bias", "mlp_bias", "sliding_window=64",
+               "attention_dropout=0.1",
                "hidden_act='gelu'", "head_dim=32", "'yarn'"):
     assert word in str(e.value), word
   for key, value in bad.items():
