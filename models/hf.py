@@ -1,9 +1,9 @@
 """Hugging Face (transformers) names, configurations and layouts of the GPT.
 
-The one place where HF names live: import (`from_hf_tensors`; reading a
-directory: `models.hf_import.load_hf`)
-and export (`to_hf_tensors`, the NVFP4 exporters slicing packed codes and
-scale rows with `linear_rows`) both read them from here.
+The one place where HF names live: import (`from_hf_tensors`; a whole
+directory: `models.hf_import.load_hf`) and export (`to_hf_tensors`, the
+NVFP4 exporters slicing packed codes and scale rows with `linear_rows`)
+both read them from here.
 
     cfg = config_from_hf(json.load(open("llama/config.json")))
     model, params = load_hf("llama")       # a GPT and its parameters
