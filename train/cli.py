@@ -94,6 +94,15 @@ def _one_of(choices) -> str:
   return "{" + ",".join(choices) + "}"
 
 
+class _Given(argparse.Action):
+  """Stores the value and records that the flag was given (`--init-from`
+  refuses an explicit `--preset`, not the default one)."""
+
+  def __call__(self, parser, namespace, values, option_string=None):
+    setattr(namespace, self.dest, values)
+    namespace.given = getattr(namespace, "given", set()) | {option_string}
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = _Parser(
       prog=PROG,
@@ -101,8 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
       "BF16. No arguments: --preset tiny --compare bf16,nvfp4 (minutes on a "
       "CPU).")
   p.add_argument("--preset", choices=list(PRESETS), default="tiny",
+                 action=_Given,
                  help="model size (default tiny; parameter counts: "
                  "python -m models)")
+  p.add_argument("--init-from", metavar="HF_DIR",
+                 help="continue training a HF checkpoint (config.json + "
+                 "safetensors of a Llama, Mistral or Mixtral): the model and "
+                 "its initial weights are the checkpoint's (no --preset, "
+                 "--mlp)")
   what = p.add_mutually_exclusive_group()
   what.add_argument("--precision", choices=PRECISIONS,
                     help="train one run in this precision")
@@ -327,7 +342,7 @@ def make_configs(args, precisions: list[str]) -> list[TrainConfig]:
         sequence_parallel=args.sequence_parallel,
         collective_matmul=args.collective_matmul,
         amax=args.amax, wgrad_schedule=args.wgrad_schedule,
-        wgrad_sums=args.wgrad_sums,
+        wgrad_sums=args.wgrad_sums, init_from=args.init_from,
         **ablations[p]) for p in precisions]
   except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None
@@ -373,8 +388,31 @@ def check_paths(args) -> None:
             f"them and start again (or choose another --out)")
 
 
+def resolve_model(args) -> None:
+  """Checks `--init-from` against the model flags (with it, the default
+  `--preset` tiny only sets the training defaults)."""
+  if args.init_from is not None:
+    given = [f for f, v in (("--preset", "--preset" in getattr(
+        args, "given", ())), ("--mlp", args.mlp is not None)) if v]
+    if given:
+      raise UsageError(
+          f"{given[0]} conflicts with --init-from {args.init_from}: the "
+          f"model's configuration is the checkpoint's; drop {given[0]}")
+    path = pathlib.Path(args.init_from).expanduser()
+    if not (path / "config.json").is_file():
+      raise UsageError(f"--init-from {args.init_from}: no config.json there; "
+                       f"give a HF checkpoint directory (config.json and "
+                       f"model.safetensors, as save_pretrained writes them)")
+
+
+def _run_name(args) -> str:
+  if args.init_from is not None:
+    return pathlib.Path(args.init_from).expanduser().resolve().name
+  return args.preset
+
+
 def run_dirs(args) -> list[pathlib.Path]:
-  return [pathlib.Path(args.out) / f"{args.preset}-{p}"
+  return [pathlib.Path(args.out) / f"{_run_name(args)}-{p}"
           for p in parse_precisions(args)]
 
 
@@ -396,6 +434,7 @@ def format_table(results) -> str:
 
 def run(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
+  resolve_model(args)
   precisions = parse_precisions(args)
   configs = make_configs(args, precisions)
   check_paths(args)
@@ -439,9 +478,14 @@ def run(argv: Sequence[str] | None = None) -> int:
   except (OSError, ValueError) as e:
     raise UsageError(str(e)) from None
   cfg0 = configs[0]
-  mcfg = model_config(cfg0, corpus.vocab_size)
+  try:
+    mcfg = model_config(cfg0, corpus.vocab_size)
+  except ValueError as e:  # An --init-from checkpoint the GPT cannot load.
+    raise UsageError(str(e)) from None
   print(f"data: {corpus.describe()}")
-  print(f"model: GPT {cfg0.preset}, {format_count(param_count(mcfg))} "
+  what = (cfg0.preset if cfg0.init_from is None
+          else f"from {cfg0.init_from}")
+  print(f"model: GPT {what}, {format_count(param_count(mcfg))} "
         f"parameters (d_model {mcfg.d_model}, {mcfg.num_layers} layers, "
         f"{mcfg.num_heads} heads, {mcfg.mlp}, {mcfg.dtype} compute) on "
         f"{jax.default_backend()} ({describe_mesh(mesh)})")
@@ -482,7 +526,7 @@ def run(argv: Sequence[str] | None = None) -> int:
   if len(results) > 1:
     print()
     print(format_table(results))
-    plot = pathlib.Path(args.out) / f"{args.preset}-{'-vs-'.join(precisions)}.png"
+    plot = pathlib.Path(args.out) / f"{_run_name(args)}-{'-vs-'.join(precisions)}.png"
     plot_losses({r.config.precision: r.records for r in results}, plot,
                 title=f"GPT {cfg0.preset}: {cfg0.steps} steps x "
                 f"{cfg0.batch_size} x {cfg0.seq_len} tokens, seed {cfg0.seed}")
