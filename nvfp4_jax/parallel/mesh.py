@@ -514,7 +514,8 @@ def linear_sharding_for(mesh, x_spec: P, kernel_spec: P) -> LinearSharding:
   reduce-scattered). What the result's `x_spec` and `kernel_spec` do not
   keep of the given specs (a second model axis, a weight split over an
   axis that does not split the tokens, `fsdp` major to `model` on one
-  dimension) is resharded by the caller: correct, at the cost of moving it.
+  dimension) is resharded by the caller: correct, at the cost of moving it;
+  so is a split that would cut a scale block (`LinearSharding.fitted`).
 
   Args:
     mesh: the mesh (a `Mesh`, or the `AbstractMesh` of an array's type).

@@ -689,7 +689,9 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
       `nvfp4_jax.sharding.LinearSharding`); default: what the active
       `mesh_rules` give `name`, else what the operands' sharding types say
       under Explicit mesh axes (`sharding.linear_sharding_for`; operands
-      split otherwise are resharded to it), else unsharded. The sharded
+      split otherwise are resharded to it, and a split that would cut a
+      scale block runs on the closest one that cuts none,
+      `LinearSharding.fitted`), else unsharded. The sharded
       layer computes the unsharded one's quantized operands bit for bit;
       results differ only by the order of FP32 sums across shards.
 
