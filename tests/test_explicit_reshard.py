@@ -33,7 +33,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -110,6 +109,20 @@ def check_layer_tokens():
   assert sh.fitted(nv.Recipe.nvfp4(), 160, 64, 48).tokens == ()
   print("layer tokens 20 per shard: y, dx, dw equal one device bit for bit; "
         f"gathers in the layer {inside}")
+
+  # The same split declared (`sharding=`, as `MeshRules` give it) keeps
+  # its error, as in auto mode: the caller asked for exactly that split.
+  with jax.set_mesh(m):
+    try:
+      jax.eval_shape(lambda x, w: nv.dot_general(
+          x, w, (((2,), (0,)), ((), ())), recipe="nvfp4", key=key,
+          sharding=nv.sharding.LinearSharding(mesh=m, tokens=("batch",))),
+                     jax.device_put(x, P("batch")),
+                     jax.device_put(jnp.ones((64, 48)), P()))
+    except ValueError as e:
+      assert "shards of 20, not a multiple of 16" in str(e), e
+    else:
+      raise AssertionError("no error for a declared split of 20 tokens")
 
   x = jax.random.normal(jax.random.key(0), (32, 16, 64))
   dy = jax.random.normal(jax.random.key(1), (32, 16, 48))
@@ -219,7 +232,7 @@ def check_vit():
   import nvfp4_jax as nv  # pylint: disable=g-import-not-at-top
   import test_third_party as tp  # pylint: disable=g-import-not-at-top
   vit = tp.models_vit
-  vit.jnp = _vit_jnp(jnp)
+  vit.jnp = _vit_jnp(jnp)  # This process's own copy of the module.
   model = vit.VisionTransformer(**dict(tp.VIT, transformer=dict(
       tp.VIT["transformer"], num_layers=1)))
   images = jax.random.normal(jax.random.key(0), (32, 8, 8, 3))
@@ -290,6 +303,66 @@ def check_vit():
 
 CHECKS = {"layer_tokens": check_layer_tokens, "layer_tile": check_layer_tile,
           "vit": check_vit}
+
+
+def _fit_cases():
+  """`(sharding, tokens, k, n, recipe, expected changes or None: kept)`
+  on abstract meshes (no devices needed)."""
+  import nvfp4_jax as nv  # pylint: disable=g-import-not-at-top
+  from jax.sharding import AbstractMesh  # pylint: disable=g-import-not-at-top
+
+  def mesh(**sizes):
+    return AbstractMesh(tuple(sizes.values()), tuple(sizes),
+                        axis_types=(AxisType.Explicit,) * len(sizes))
+  ls = nv.sharding.LinearSharding
+  nvfp4 = nv.Recipe.nvfp4()
+  dp = ls(mesh=mesh(batch=4, fsdp=2), tokens=("batch", "fsdp"), fsdp="fsdp")
+  row = ls(mesh=mesh(batch=4, model=2), tokens=("batch",), tensor="row",
+           model="model")
+  col = ls(mesh=mesh(data=2, fsdp=2, model=2), tokens=("data", "fsdp"),
+           tensor="column", model="model", fsdp="fsdp")
+  seq = ls(mesh=mesh(data=4, model=2), tokens=("data",), tensor="column",
+           model="model", sequence=True)
+  return {
+      # 17 tokens a shard: no token axis keeps whole blocks; `fsdp` goes
+      # with the tokens it split.
+      "17 per shard": (dp, 136, 64, 48, nvfp4, dict(tokens=(), fsdp=None)),
+      # 24 a shard over both axes, 48 over `batch` (the major) alone.
+      "24 per shard": (dp, 192, 64, 48, nvfp4,
+                       dict(tokens=("batch",), fsdp=None)),
+      "32 per shard": (dp, 256, 64, 48, nvfp4, None),
+      # A row-parallel `in` of 24 a shard cuts X's blocks and the tiles.
+      "row in=48": (row, 256, 48, 64, nvfp4, dict(tensor=None, model=None)),
+      "row in=64": (row, 256, 64, 64, nvfp4, None),
+      # FSDP on `in` (24 rows a shard) cuts tiles; `model` on `out` keeps
+      # its 32 columns a shard.
+      "fsdp in=48": (col, 256, 48, 64, nvfp4, dict(fsdp=None)),
+      # Sequence parallelism: 24 tokens a shard over data x model.
+      "sequence": (seq, 192, 64, 64, nvfp4, dict(sequence=False)),
+      # Nothing blocked in BF16: any even split is kept.
+      "bf16": (dp, 136, 64, 48, nv.Recipe.bf16(), None),
+  }
+
+
+@pytest.mark.parametrize("case", list(_fit_cases()))
+def test_fitted_split_keeps_every_block_whole(case):
+  """`LinearSharding.fitted` drops exactly the axes that would cut a block
+  (minor token axes first, as auto mode's `fit_spec`), keeps a split that
+  cuts none as it is (the same object: the layer's fast path unchanged),
+  and what it returns passes `check`."""
+  sh, tokens, k, n, recipe, changes = _fit_cases()[case]
+  got = sh.fitted(recipe, tokens, k, n)
+  if changes is None:
+    assert got is sh
+  else:
+    with pytest.raises(ValueError, match="straddle"):
+      sh.check(recipe, tokens, k, n)
+    for field, value in changes.items():
+      assert getattr(got, field) == value, (field, got)
+    for field in ("tokens", "tensor", "model", "fsdp", "sequence"):
+      if field not in changes:
+        assert getattr(got, field) == getattr(sh, field), (field, got)
+  got.check(recipe, tokens, k, n)
 
 
 
