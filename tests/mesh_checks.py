@@ -810,23 +810,33 @@ def check_user_mesh_quick():
   """`check_user_mesh` under Explicit axes on FSDP with tensor parallelism
   (the default test tier)."""
   check_user_mesh(("row+fsdp",), ("explicit",))
-  # A split the op cannot run per shard is named, not silently gathered:
-  # 17 tokens per shard straddle the Wgrad operands' 16-token blocks.
+  # 17 tokens per shard straddle the Wgrad operands' 16-token blocks: split
+  # so by the operands' types, the layer runs on a split that cuts no block
+  # (`LinearSharding.fitted`; tests/test_explicit_reshard.py checks the
+  # numbers); a split the caller declares (`sharding=`, as `MeshRules`
+  # do) is named, not silently gathered, as in auto mode.
   from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
   m = jax.make_mesh((4, 2), ("batch", "fsdp"),
                     axis_types=(AxisType.Explicit,) * 2)
   with jax.set_mesh(m):
     x = jax.device_put(jnp.ones((8, 17, 64)), P(("batch", "fsdp")))
     w = jax.device_put(jnp.ones((64, 48)), P("fsdp"))
-    try:
-      jax.eval_shape(jax.grad(lambda x, w: jnp.sum(nv.dot_general(
+
+    def grad(sharding):
+      return jax.eval_shape(jax.grad(lambda x, w: jnp.sum(nv.dot_general(
           x, w, (((2,), (0,)), ((), ())), recipe="nvfp4",
-          key=jax.random.key(0), name="mlp/up"))), x, w)
+          key=jax.random.key(0), name="mlp/up", sharding=sharding))), x, w)
+    assert jax.typeof(grad(None)).sharding.spec == jax.typeof(x).sharding.spec
+    declared = shd.LinearSharding(mesh=m, tokens=("batch", "fsdp"),
+                                  fsdp="fsdp")
+    try:
+      grad(declared)
     except ValueError as e:
       assert "layer 'mlp/up'" in str(e) and "shards of 17" in str(e), e
       print(f"  {e}")
     else:
-      raise AssertionError("no error for 17 tokens per shard")
+      raise AssertionError("no error for a declared split of 17 tokens "
+                           "per shard")
 
 
 def _no_f32_gather_of(compiled, shapes, what):

@@ -384,28 +384,11 @@ class LinearSharding:
         `out` sizes.
       name: prefix of the message, e.g. "layer 'mlp/up': ".
     """
-    fmt = recipe.gemm_format
-
-    def blk(gemm):
-      return 1 if fmt(gemm) == "bf16" else block_size(fmt(gemm))
-    tok = 1
-    if fmt("wgrad") != "bf16":
-      tok = max(blk("wgrad"), recipe.rht_size if recipe.wgrad_x.rht else 1)
-    kb = nb = 1
-    for op, gemm in (("fprop_w", "fprop"), ("dgrad_w", "dgrad")):
-      if fmt(gemm) == "bf16":
-        continue
-      b = blk(gemm)
-      if getattr(recipe, op).block_2d:
-        kb, nb = max(kb, b), max(nb, b)
-      elif gemm == "fprop":
-        kb = max(kb, b)  # Fprop's weight is blocked along `in`...
-      else:
-        nb = max(nb, b)  # ... Dgrad's along `out`.
+    tok, kx, ny, kb, nb = _blocks(recipe)
     for spec, shape, blocks, what, dims in (
-        (self.x_spec, (tokens, k), (tok, blk("fprop")), "the input X",
+        (self.x_spec, (tokens, k), (tok, kx), "the input X",
          ("tokens", "in (K)")),
-        (self.y_spec, (tokens, n), (tok, blk("dgrad")),
+        (self.y_spec, (tokens, n), (tok, ny),
          "the output gradient dY", ("tokens", "out (N)")),
         (self.kernel_spec, (k, n), (kb, nb), "the weight",
          ("in (K)", "out (N)"))):
@@ -413,11 +396,108 @@ class LinearSharding:
                         what=f"{name or 'dot_general: '}{what}",
                         dim_names=dims)
 
+  def fitted(self, recipe: Recipe, tokens: int, k: int,
+             n: int) -> LinearSharding:
+    """The split closest to this one that cuts no block of the layer's
+    operands (so `check` passes): what sharding in types runs a layer on
+    when its operands' types ask for a split that would cut one.
+
+    As auto mode's kernels do (`spmd.fit_spec`), a dimension keeps the mesh
+    axes that split it into whole blocks and drops the others, minor axes
+    first; the operands are then resharded to the result (gathered over the
+    dropped axes): correct, at the cost of moving them. The tokens drop
+    axes until each shard holds whole Wgrad token blocks (16 tokens, and the
+    16-row Hadamard tiles); `fsdp` leaves with the tokens it split, or where
+    the weight's dimension it splits would cut a 16x16 tile; tensor
+    parallelism leaves where `model` would cut a block of `in` (row) or
+    `out` (column), and sequence parallelism where the tokens outside the
+    layer would. This split itself where it cuts nothing; with every axis
+    dropped, the whole layer on every device.
+
+    Args:
+      recipe: the layer's `Recipe`.
+      tokens, k, n: the layer's token count (all the batch's), `in` and
+        `out` sizes.
+
+    Returns:
+      A `LinearSharding` on the same mesh that `check` accepts.
+    """
+    tok, kx, ny, kb, nb = _blocks(recipe)
+    sizes = self.sizes
+    fits = lambda axes, size, block: _fits(sizes, axes, size, block)
+    tokens_axes = list(self.tokens)
+    while tokens_axes and not fits(tokens_axes, tokens, tok):
+      tokens_axes.pop()
+    changes = {}
+    if tuple(tokens_axes) != self.tokens:
+      changes["tokens"] = tuple(tokens_axes)
+    fsdp = self.fsdp if self.fsdp in tokens_axes else None
+    tensor, model = self.tensor, self.model
+    if tensor is not None and not fits(
+        (model,), *((k, max(kx, kb)) if tensor == "row"
+                    else (n, max(ny, nb)))):
+      tensor = model = None
+    if fsdp is not None:
+      model_axes = ([model] if tensor == ("row" if self.fsdp_dim == 0
+                                          else "column") else [])
+      size, block = (k, max(kx, kb)) if self.fsdp_dim == 0 else (
+          n, max(ny, nb))
+      if not fits(model_axes + [fsdp], size, block):
+        fsdp = None
+    if fsdp != self.fsdp:
+      changes["fsdp"] = fsdp
+    if (tensor, model) != (self.tensor, self.model):
+      changes.update(tensor=tensor, model=model)
+    sequence = self.sequence and tensor is not None and fits(
+        tokens_axes + [model], tokens, tok)
+    if sequence != self.sequence:
+      changes.update(sequence=sequence, collective_matmul=False)
+    if not changes:
+      return self
+    out = dataclasses.replace(self, **changes)
+    out.check(recipe, tokens, k, n)  # Holds by construction.
+    return out
+
   @property
   def y_spec(self) -> P:
     """Y's (and dY's) spec outside the layer."""
     tokens = self.seq_tokens if self.scatters_y else self.tokens
     return P(spmd.entry(tokens), spmd.entry(self.n_axes))
+
+
+def _blocks(recipe: Recipe) -> tuple[int, int, int, int, int]:
+  """The block lengths a layer's split must keep whole, as `(tokens, X's
+  in, dY's out, the weight's in, its out)`: the Wgrad operands' token
+  blocks (and 16-row Hadamard tiles), Fprop's and Dgrad's 1xB blocks along
+  `in` and `out`, and the weight's (16x16 tiles, or 1xB along each GEMM's
+  contraction); 1 where the GEMM is in bf16."""
+  fmt = recipe.gemm_format
+
+  def blk(gemm):
+    return 1 if fmt(gemm) == "bf16" else block_size(fmt(gemm))
+  tok = 1
+  if fmt("wgrad") != "bf16":
+    tok = max(blk("wgrad"), recipe.rht_size if recipe.wgrad_x.rht else 1)
+  kb = nb = 1
+  for op, gemm in (("fprop_w", "fprop"), ("dgrad_w", "dgrad")):
+    if fmt(gemm) == "bf16":
+      continue
+    b = blk(gemm)
+    if getattr(recipe, op).block_2d:
+      kb, nb = max(kb, b), max(nb, b)
+    elif gemm == "fprop":
+      kb = max(kb, b)  # Fprop's weight is blocked along `in`...
+    else:
+      nb = max(nb, b)  # ... Dgrad's along `out`.
+  return tok, blk("fprop"), blk("dgrad"), kb, nb
+
+
+def _fits(sizes: Mapping[str, int], axes: Sequence[str], size: int,
+          block: int) -> bool:
+  """Whether `axes` split a dimension of `size` evenly into shards of whole
+  `block`s (`spmd.check_blocks`'s condition)."""
+  shards = spmd.num_shards(sizes, axes)
+  return shards == 1 or size % (shards * block) == 0
 
 
 def linear_sharding_for(mesh, x_spec: P, kernel_spec: P) -> LinearSharding:
@@ -434,7 +514,8 @@ def linear_sharding_for(mesh, x_spec: P, kernel_spec: P) -> LinearSharding:
   reduce-scattered). What the result's `x_spec` and `kernel_spec` do not
   keep of the given specs (a second model axis, a weight split over an
   axis that does not split the tokens, `fsdp` major to `model` on one
-  dimension) is resharded by the caller: correct, at the cost of moving it.
+  dimension) is resharded by the caller: correct, at the cost of moving it;
+  so is a split that would cut a scale block (`LinearSharding.fitted`).
 
   Args:
     mesh: the mesh (a `Mesh`, or the `AbstractMesh` of an array's type).

@@ -689,7 +689,9 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
       `nvfp4_jax.sharding.LinearSharding`); default: what the active
       `mesh_rules` give `name`, else what the operands' sharding types say
       under Explicit mesh axes (`sharding.linear_sharding_for`; operands
-      split otherwise are resharded to it), else unsharded. The sharded
+      split otherwise are resharded to it, and a split that would cut a
+      scale block runs on the closest one that cuts none,
+      `LinearSharding.fitted`), else unsharded. The sharded
       layer computes the unsharded one's quantized operands bit for bit;
       results differ only by the order of FP32 sums across shards.
 
@@ -818,8 +820,8 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
   if mesh is None:
     x, w, y_sharding = x.reshape(-1, k), w.reshape(k, -1), None
   else:
-    x, w, shard, y_sharding = _explicit_operands(
-        x, w, len(lhs_free), len(lc), mesh, shard, prefix)
+    x, w, shard, y_sharding, y_spec = _explicit_operands(
+        x, w, len(lhs_free), len(lc), mesh, shard, recipe, prefix)
   plan = gemm_plan(recipe.residuals, platform=dispatch.platform(),
                    cc=dispatch.compute_capability(),
                    impl=dispatch.current_default(),
@@ -829,6 +831,8 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
   if y_sharding is None:
     y = y.reshape(free_shape)
   else:
+    if y_spec is not None:  # Run on a fitted split: back to the types'.
+      y = jax.sharding.reshard(y, NamedSharding(mesh, y_spec))
     y = jax.lax.reshape(y, tuple(free_shape), out_sharding=y_sharding)
   return apply_out_sharding(y, out_sharding)
 
@@ -967,23 +971,34 @@ def _dims_entry(spec: P, dims, keep=None):
 
 
 def _explicit_operands(x, w, n_free, n_contract, mesh: AbstractMesh,
-                       shard: LinearSharding | None, prefix: str):
+                       shard: LinearSharding | None, recipe: Recipe,
+                       prefix: str):
   """`x: [..free, ..contracting]` and `w: [..contracting, ..free]` as the
   2-D operands of `_linear` under sharding in types, the `LinearSharding`
-  they run with, and the sharding of the result `[..lhs free, ..rhs free]`.
+  they run with, the sharding of the result `[..lhs free, ..rhs free]`,
+  and the 2-D spec the result is resharded to before its reshape (None:
+  as it comes).
 
   The layer's split is what the operands' types say
   (`sharding.linear_sharding_for`), or `shard` (from `sharding=` or the
   `mesh_rules` in force) if given; each operand is resharded to it (a
-  no-op where its type says the same). The flattening reshapes carry their
-  `out_sharding`: the merged dimensions keep every axis that split them.
+  no-op where its type says the same). A split the types ask for that
+  would cut a block of an operand (a token shard that is not a multiple of
+  the Wgrad operands' 16-token blocks, a 16x16 weight tile cut by `in` or
+  `out`) runs on the closest split that cuts none
+  (`LinearSharding.fitted`), and the result is resharded back to the
+  types' split: correct, at the cost of moving the operands, as auto mode
+  does. A split that is given keeps its check (`LinearSharding.check`).
+  The flattening reshapes carry their `out_sharding`: the merged
+  dimensions keep every axis that split them.
   """
   xs, ws = jax.typeof(x).sharding.spec, jax.typeof(w).sharding.spec
   x_spec = P(_dims_entry(xs, range(n_free)),
              _dims_entry(xs, range(n_free, x.ndim)))
   w_spec = P(_dims_entry(ws, range(n_contract)),
              _dims_entry(ws, range(n_contract, w.ndim)))
-  if shard is None:
+  typed = shard is None
+  if typed:
     shard = sharding_lib.linear_sharding_for(mesh, x_spec, w_spec)
   else:
     if dict(shard.mesh.shape) != dict(mesh.shape):
@@ -1009,6 +1024,11 @@ def _explicit_operands(x, w, n_free, n_contract, mesh: AbstractMesh,
   w = jax.lax.reshape(w, (k, math.prod(w.shape[n_contract:])),
                       out_sharding=NamedSharding(mesh, w_spec))
   y_sharding = NamedSharding(mesh, P(*y_lhs, *y_rhs))
+  y_spec = None
+  if typed:
+    fit = shard.fitted(recipe, tokens, k, w.shape[1])
+    if fit != shard:
+      shard, y_spec = fit, shard.y_spec
   sizes = dict(mesh.shape)
   if all(sizes[a] == 1 for a in spmd.spec_axes(shard.x_spec)
          + spmd.spec_axes(shard.kernel_spec)):
@@ -1018,4 +1038,4 @@ def _explicit_operands(x, w, n_free, n_contract, mesh: AbstractMesh,
     x_spec, w_spec = shard.x_spec, shard.kernel_spec
   x = jax.sharding.reshard(x, NamedSharding(mesh, x_spec))
   w = jax.sharding.reshard(w, NamedSharding(mesh, w_spec))
-  return x, w, shard, y_sharding
+  return x, w, shard, y_sharding, y_spec
