@@ -21,15 +21,19 @@ width `2 * d_ff` (one quantization of the shared input instead of two).
 
 The fused kernels' columns are laid out so that tensor parallelism needs no
 reshard (`GPTConfig.fused_layout="interleaved"`, the default): `attn/qkv`'s
-`3 * d_model` columns are `[heads, (q, k, v), head_dim]` (head-major) and
+`(num_heads + 2 * kv_heads) * head_dim` columns are `[kv_heads, (q_0 ...
+q_{g-1}, k, v), head_dim]` with `g = num_heads / kv_heads` (Megatron's
+query groups; `[heads, (q, k, v), head_dim]` without grouped-query
+attention) and
 `mlp/up`'s `2 * d_ff` columns are `[d_ff / 16, (gate, up), 16]` (gate and up
 interleaved in blocks of `GATE_UP_BLOCK` = 16 columns, one NVFP4 tile). A
 contiguous split of the columns over the `model` mesh axis (Megatron's
 column parallelism) then gives each device whole heads with their q, k and
 v, and matching gate and up columns, whose product is the contiguous slice
 of the MLP's hidden features that `mlp/down`'s row split expects. The
-layout of earlier versions, `[(q, k, v), heads, head_dim]` and `[(gate,
-up), d_ff]`, is `fused_layout="concatenated"`; `convert_fused_layout`
+layout of earlier versions, `[q | k | v]` (`[(q, k, v), heads, head_dim]`
+without grouped-query attention) and `[(gate, up), d_ff]`, is
+`fused_layout="concatenated"`; `convert_fused_layout`
 permutes a parameter (or train state) tree between the two, whole 16-column
 tiles at a time.
 """
@@ -71,6 +75,42 @@ def check_choice(name: str, value, choices) -> None:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+  """Llama 3's rotary frequency scaling (HF `rope_type: "llama3"`).
+
+  Frequencies whose wavelength exceeds `original_max_position_embeddings /
+  low_freq_factor` are divided by `factor`, those below `... /
+  high_freq_factor` kept, and those between interpolated smoothly
+  (`rope_inv_freq`, as transformers' `_compute_llama3_parameters`).
+
+  Attributes:
+    factor: the divisor of the low frequencies (8 in Llama 3.1).
+    low_freq_factor: 1 in Llama 3.1.
+    high_freq_factor: 4 in Llama 3.1; larger than `low_freq_factor`.
+    original_max_position_embeddings: the pretraining context (8192).
+  """
+
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
+
+  def __post_init__(self):
+    for name in ("factor", "low_freq_factor", "high_freq_factor",
+                 "original_max_position_embeddings"):
+      v = getattr(self, name)
+      check_field("RopeScaling", name, v, "number", example=8.0)
+      if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"RopeScaling.{name} must be a positive finite "
+                         f"number, got {v!r}.")
+    if not self.high_freq_factor > self.low_freq_factor:
+      raise ValueError(
+          f"RopeScaling: high_freq_factor={self.high_freq_factor!r} must "
+          f"exceed low_freq_factor={self.low_freq_factor!r} (the smoothing "
+          f"divides by their difference).")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GPTConfig:
   """Shape and numerics of the decoder.
 
@@ -80,13 +120,21 @@ class GPTConfig:
       projection can be quantized.
     num_layers: number of blocks, named `block_0 ... block_{n-1}`.
     num_heads: attention heads; `d_model / num_heads` must be even (rotary).
+    num_kv_heads: key/value heads (grouped-query attention): None for
+      `num_heads`; else a divisor of `num_heads`, each key/value head
+      shared by `num_heads / num_kv_heads` query heads (`kv_heads`).
     d_ff: MLP hidden width, a multiple of 32.
     mlp: "swiglu" (`silu(gate) * up`) or "relu2" (squared ReLU, as in the
       paper's Nemotron models).
-    rope_base: rotary frequency base.
+    rope_base: rotary frequency base (HF `rope_theta`).
+    rope_scaling: None, or Llama 3's frequency scaling (`RopeScaling`, or
+      a dict of its fields, as `dataclasses.asdict` saves it).
+    tie_embeddings: the output head is the token embedding's transpose
+      (logits `final_norm(x) @ embed.embedding.T` in FP32; the parameter
+      tree then has no `head`).
     dtype: compute dtype of activations and parameters, "float32" or
       "bfloat16" (the optimizer keeps FP32 master weights either way).
-    norm_eps: RMSNorm epsilon.
+    norm_eps: RMSNorm epsilon (HF `rms_norm_eps`).
     attention: "fused" (`jax.nn.dot_product_attention`: cuDNN flash attention
       on GPU for bf16/fp16 activations, XLA elsewhere; see
       `fused_attention_implementation`) or "reference" (`causal_attention`:
@@ -108,12 +156,13 @@ class GPTConfig:
     aux_loss_weight: the load-balancing loss's weight in the training loss
       (the mean over MoE blocks).
     fused_layout: the column order of the fused `attn/qkv` and SwiGLU
-      `mlp/up` kernels. "interleaved" (default): qkv head-major, `[heads,
-      (q, k, v), head_dim]`, and `[d_ff / 16, (gate, up), 16]`, so a
+      `mlp/up` kernels. "interleaved" (default): qkv by query group,
+      `[kv_heads, (q_0 ... q_{g-1}, k, v), head_dim]` (`[heads, (q, k, v),
+      head_dim]` without grouped-query attention), and `[d_ff / 16, (gate, up), 16]`, so a
       contiguous column split over the `model` mesh axis gives each device
       whole heads and matching gate and up columns (no reshard inside
-      attention or the MLP). "concatenated": `[(q, k, v), heads, head_dim]`
-      and `[(gate, up), d_ff]`, the layout of checkpoints written before it
+      attention or the MLP). "concatenated": `[q | k | v]` (`num_heads`,
+      `kv_heads`, `kv_heads` heads) and `[(gate, up), d_ff]`, the layout of checkpoints written before it
       existed (`convert_fused_layout` converts between the two).
   """
 
@@ -133,8 +182,22 @@ class GPTConfig:
   capacity_factor: float | None = None
   aux_loss_weight: float = 0.01
   fused_layout: str = "interleaved"
+  num_kv_heads: int | None = None
+  tie_embeddings: bool = False
+  rope_scaling: RopeScaling | None = None
 
   def __post_init__(self):
+    if isinstance(self.rope_scaling, dict):
+      # As `dataclasses.asdict` saved it in a run's config.
+      object.__setattr__(self, "rope_scaling",
+                         RopeScaling(**self.rope_scaling))
+    if not (self.rope_scaling is None
+            or isinstance(self.rope_scaling, RopeScaling)):
+      raise TypeError(
+          f"GPTConfig.rope_scaling must be None, a RopeScaling or a dict of "
+          f"its fields, got {self.rope_scaling!r}.")
+    check_field("GPTConfig", "tie_embeddings", self.tie_embeddings, "bool",
+                example=False)
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
       check_field("GPTConfig", name, getattr(self, name), "int", example=128)
       if getattr(self, name) < 1:
@@ -150,6 +213,24 @@ class GPTConfig:
       raise ValueError(
           f"d_model={self.d_model} must split into num_heads={self.num_heads} "
           f"heads of even size (rotary rotates pairs of features).")
+    if self.num_kv_heads is not None:
+      check_field("GPTConfig", "num_kv_heads", self.num_kv_heads, "int",
+                  example=self.num_heads)
+      if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+        raise ValueError(
+            f"GPTConfig.num_kv_heads={self.num_kv_heads!r} must divide "
+            f"num_heads={self.num_heads} (each key/value head serves a "
+            f"whole group of query heads); use a divisor of it or None.")
+    if (self.kv_heads * self.head_dim) % 16:
+      raise ValueError(
+          f"GPTConfig: the key/value width num_kv_heads * head_dim = "
+          f"{self.kv_heads} * {self.head_dim} = "
+          f"{self.kv_heads * self.head_dim} is not a multiple of 16, so "
+          f"attn/qkv's width (num_heads + 2 * num_kv_heads) * head_dim = "
+          f"{self.qkv_width} is not a multiple of 32 (NVFP4 blocks of 16, "
+          f"MX blocks of 32 run along it in the backward GEMMs); choose "
+          f"num_kv_heads so that num_kv_heads * head_dim is a multiple of "
+          f"16.")
     for name in ("rope_base", "norm_eps"):
       v = getattr(self, name)
       check_field("GPTConfig", name, v, "number", example=1e-6)
@@ -187,6 +268,16 @@ class GPTConfig:
     return self.d_model // self.num_heads
 
   @property
+  def kv_heads(self) -> int:
+    """Key/value heads: `num_kv_heads`, or `num_heads` where None."""
+    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+  @property
+  def qkv_width(self) -> int:
+    """Output width of the fused `attn/qkv` kernel."""
+    return (self.num_heads + 2 * self.kv_heads) * self.head_dim
+
+  @property
   def jnp_dtype(self):
     return _DTYPES[self.dtype]
 
@@ -206,15 +297,47 @@ def _norm(cfg: GPTConfig, name: str) -> nn.RMSNorm:
                     param_dtype=jnp.float32, name=name)
 
 
-def rotary(x: jax.Array, base: float) -> jax.Array:
+def rope_inv_freq(dim: int, base: float,
+                  scaling: RopeScaling | None = None) -> np.ndarray:
+  """The rotary inverse frequencies `[dim / 2]` (FP32) of heads `dim` wide.
+
+  Without `scaling`: `base^(-2i/dim)`, as `rotary` always computed it.
+  With Llama 3's `scaling`: transformers' `_compute_llama3_parameters`,
+  operation for operation in FP32 (`1 / base^(2i/dim)`, then the low
+  frequencies divided by `factor` and the middle band interpolated).
+  """
+  if scaling is None:
+    return np.asarray(base ** (-jnp.arange(dim // 2, dtype=jnp.float32)
+                               * 2.0 / dim))
+  f32 = np.float32
+  exps = np.arange(0, dim, 2).astype(f32) / f32(dim)
+  inv_freq = f32(1.0) / np.power(f32(base), exps)
+  factor = f32(scaling.factor)
+  low, high = scaling.low_freq_factor, scaling.high_freq_factor
+  old = scaling.original_max_position_embeddings
+  low_wavelen, high_wavelen = f32(old / low), f32(old / high)
+  wavelen = f32(2 * math.pi) / inv_freq
+  scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+  smooth = (f32(old) / wavelen - f32(low)) / f32(high - low)
+  smoothed = (f32(1) - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+  return np.where(medium, smoothed, scaled).astype(f32)
+
+
+def rotary(x: jax.Array, base: float,
+           scaling: RopeScaling | None = None) -> jax.Array:
   """Rotary position embedding of `x: [batch, seq, heads, head_dim]` in FP32.
 
   Rotates the pairs `(x[..., i], x[..., i + head_dim/2])` by angle
-  `pos * base^(-2i/head_dim)`.
+  `pos * inv_freq[i]` (`rope_inv_freq`: `base^(-2i/head_dim)`, or Llama 3's
+  scaled frequencies).
   """
   *_, seq, _, dim = x.shape
   half = dim // 2
-  inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / dim)
+  if scaling is None:
+    inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / dim)
+  else:
+    inv_freq = jnp.asarray(rope_inv_freq(dim, base, scaling))
   angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
   cos = jnp.cos(angles)[:, None, :]
   sin = jnp.sin(angles)[:, None, :]
@@ -285,6 +408,22 @@ class Embed(nn.Embed):
                                  embedding)
     return embed_lookup(embedding, inputs)
 
+  def _table(self) -> jax.Array:
+    rules = nvfp4_jax.sharding.current_rules()
+    if rules is None:
+      return self.embedding
+    return rules.gathered("/".join(self.scope.path + ("embedding",)),
+                          self.embedding)
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    """Tied output head: `x @ embedding.T` (`[..., d] -> [..., vocab]`),
+    operands and accumulation in FP32 (high precision, as the untied
+    head)."""
+    table = self._table().astype(jnp.float32)
+    return jax.lax.dot_general(x.astype(jnp.float32), table,
+                               (((x.ndim - 1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
 
 def fused_attention_implementation(q: jax.Array) -> str:
   """The `jax.nn.dot_product_attention` backend for `q` `[b, t, heads, d]`:
@@ -344,6 +483,23 @@ def _split_over_model(x: jax.Array, axis: int, layer: tuple) -> jax.Array:
       x, NamedSharding(rules.mesh, P(*spec)))
 
 
+def _check_model_split(cfg: GPTConfig, layer: tuple) -> None:
+  """Raises where the `model` mesh axis splits `attn/qkv` (column-parallel)
+  into parts that are not whole key/value heads."""
+  rules = nvfp4_jax.sharding.current_rules()
+  if (rules is None or rules.model is None
+      or rules.style("/".join(layer)) != "column"):
+    return
+  n = rules.sizes[rules.model]
+  if cfg.kv_heads % n:
+    raise ValueError(
+        f"the model mesh axis ({rules.model}={n}) splits "
+        f"{'/'.join(layer)!r} by columns, but kv_heads={cfg.kv_heads} "
+        f"(GPTConfig.num_kv_heads, or num_heads) is not a multiple of it: "
+        f"each device must hold whole key/value heads with their query "
+        f"groups; use a model axis that divides {cfg.kv_heads}.")
+
+
 class Attention(nn.Module):
   """Causal self-attention: `qkv` and `out` projections in NVFP4Dense."""
 
@@ -354,17 +510,22 @@ class Attention(nn.Module):
     cfg = self.cfg
     b, t, _ = x.shape
     std = 0.02
-    qkv = _dense(cfg, 3 * cfg.d_model, "qkv", std)(x)
+    h, kv, hd = cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    layer = self.scope.path + ("qkv",)
+    _check_model_split(cfg, layer)
+    qkv = _dense(cfg, cfg.qkv_width, "qkv", std)(x)
     if cfg.fused_layout == "interleaved":
-      # `[heads, (q, k, v), head_dim]`: a device's columns are whole heads.
-      qkv = _split_over_model(
-          qkv.reshape(b, t, cfg.num_heads, 3, cfg.head_dim), 2,
-          self.scope.path + ("qkv",))
-      q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
+      # `[kv_heads, (q_0 .. q_{g-1}, k, v), head_dim]`: a device's columns
+      # are whole query groups with their key and value heads.
+      g = h // kv
+      qkv = _split_over_model(qkv.reshape(b, t, kv, g + 2, hd), 2, layer)
+      q = qkv[:, :, :, :g].reshape(b, t, h, hd)
+      k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
     else:
-      q, k, v = jnp.split(
-          qkv.reshape(b, t, 3 * cfg.num_heads, cfg.head_dim), 3, axis=2)
-    q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
+      q, k, v = jnp.split(qkv.reshape(b, t, h + 2 * kv, hd), [h, h + kv],
+                          axis=2)
+    q = rotary(q, cfg.rope_base, cfg.rope_scaling)
+    k = rotary(k, cfg.rope_base, cfg.rope_scaling)
     if cfg.attention == "fused":
       dt = cfg.jnp_dtype
       q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
@@ -381,7 +542,10 @@ class Attention(nn.Module):
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                          implementation="xla")
     else:
-      y = causal_attention(q, k, v, cfg.jnp_dtype)
+      # Query head `i` reads key/value head `i // g` (jax.nn's fused
+      # attention does this itself).
+      y = causal_attention(q, jnp.repeat(k, h // kv, axis=2),
+                           jnp.repeat(v, h // kv, axis=2), cfg.jnp_dtype)
     y = y.astype(cfg.jnp_dtype)
     out_std = std / math.sqrt(2 * cfg.num_layers)
     return _dense(cfg, cfg.d_model, "out", out_std)(y.reshape(b, t, -1))
@@ -515,9 +679,10 @@ class GPT(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
     cfg = self.cfg
-    x = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.jnp_dtype,
-              param_dtype=cfg.jnp_dtype,
-              embedding_init=nn.initializers.normal(1.0), name="embed")(tokens)
+    embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.jnp_dtype,
+                  param_dtype=cfg.jnp_dtype,
+                  embedding_init=nn.initializers.normal(1.0), name="embed")
+    x = embed(tokens)
     x = _token_split(x)
     block = Block
     if cfg.remat == "quantized":
@@ -527,6 +692,8 @@ class GPT(nn.Module):
     for i in range(cfg.num_layers):
       x = block(cfg, name=f"block_{i}")(x)
     x = _norm(cfg, "final_norm")(x)
+    if cfg.tie_embeddings:
+      return embed.logits(x)
     # The untied output head: high precision (plain nn.Dense), FP32 logits.
     return nn.Dense(cfg.vocab_size, use_bias=False, dtype=jnp.float32,
                     param_dtype=cfg.jnp_dtype,
@@ -551,15 +718,21 @@ def _fused_order(cfg: GPTConfig, layer: str, layout: str) -> np.ndarray:
   """The fused kernel `layer`'s ("qkv" or "up") columns under `layout`, each
   named by its column under "concatenated"."""
   if layer == "qkv":
-    cols = np.arange(3 * cfg.d_model).reshape(3, cfg.num_heads, cfg.head_dim)
-    order = (1, 0, 2)  # -> [heads, (q, k, v), head_dim]
-  else:
-    cols = np.arange(2 * cfg.d_ff).reshape(2, cfg.d_ff // GATE_UP_BLOCK,
-                                           GATE_UP_BLOCK)
-    order = (1, 0, 2)  # -> [d_ff / 16, (gate, up), 16]
+    h, kv, hd = cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    cols = np.arange(cfg.qkv_width)
+    if layout == "concatenated":
+      return cols
+    g = h // kv
+    q = cols[:h * hd].reshape(kv, g, hd)
+    k = cols[h * hd:(h + kv) * hd].reshape(kv, 1, hd)
+    v = cols[(h + kv) * hd:].reshape(kv, 1, hd)
+    # -> [kv_heads, (q_0 .. q_{g-1}, k, v), head_dim]
+    return np.concatenate([q, k, v], axis=1).reshape(-1)
+  cols = np.arange(2 * cfg.d_ff).reshape(2, cfg.d_ff // GATE_UP_BLOCK,
+                                         GATE_UP_BLOCK)
   if layout == "concatenated":
     return cols.reshape(-1)
-  return cols.transpose(order).reshape(-1)
+  return cols.transpose(1, 0, 2).reshape(-1)  # -> [d_ff / 16, (gate, up), 16]
 
 
 def fused_permutation(cfg: GPTConfig, layer: str, src: str,
@@ -587,7 +760,7 @@ def convert_fused_layout(tree: Any, cfg: GPTConfig, src: str,
   kernel's columns permuted from layout `src` to `dst`.
 
   A leaf is converted when its path ends with `attn/qkv/kernel` (last
-  dimension `3 * d_model`) or, for SwiGLU, `mlp/up/kernel` (`2 * d_ff`);
+  dimension `cfg.qkv_width`) or, for SwiGLU, `mlp/up/kernel` (`2 * d_ff`);
   other leaves are returned as they are. A converted array keeps its
   sharding. Converting a "concatenated" tree to "interleaved" and back
   gives it back bit for bit.
@@ -596,7 +769,7 @@ def convert_fused_layout(tree: Any, cfg: GPTConfig, src: str,
     for name, layout in (("src", src), ("dst", dst)):
       check_choice(f"fused_layout ({name})", layout, FUSED_LAYOUTS)
     return tree
-  perms = {("attn", "qkv", "kernel"): (3 * cfg.d_model,
+  perms = {("attn", "qkv", "kernel"): (cfg.qkv_width,
                                        fused_permutation(cfg, "qkv", src,
                                                          dst))}
   if cfg.mlp == "swiglu" and not cfg.num_experts:
