@@ -41,7 +41,6 @@ NVFP4A16, no input scales; ModelOpt has no such variant).
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 import shutil
@@ -200,17 +199,6 @@ def _global_scales(amax: np.ndarray, denominator: float
   dec = np.float32(nm.global_decode_scale(jnp.float32(amax),
                                           denominator=denominator))
   return dec, enc
-
-
-def _stacked(q) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-  """Codes, scales, per-row amax and rows per expert of a layer's
-  quantized weight (a list of experts stacked along the rows)."""
-  qs = q if isinstance(q, list) else [q]
-  codes = np.concatenate([np.asarray(e.codes) for e in qs])
-  scales = np.concatenate([np.asarray(e.scales) for e in qs])
-  out = qs[0].shape[0]
-  amax = np.repeat(np.asarray([np.float32(e.amax) for e in qs]), out)
-  return codes, scales, amax, out
 
 
 def _byte_level_tokenizer():
@@ -426,7 +414,12 @@ def save_hf(directory: str | os.PathLike, model, params: Any, *,
         f"directory (a leftover model file there could be loaded instead).")
   cfg = model.cfg
   master = _unwrap(params)
-  tensors = dict(hf.to_hf_tensors(cfg, master))
+  # Every stored float in BF16 (the masters rounded once), as HF
+  # checkpoints hold them; the NVFP4 layers replace theirs below.
+  tensors = {k: (np.asarray(v).astype(jnp.bfloat16)
+                 if jnp.issubdtype(np.asarray(v).dtype, jnp.floating) else
+                 np.asarray(v))
+             for k, v in hf.to_hf_tensors(cfg, master).items()}
   quantized, ignore = [], []
   if format != "hf":
     fwd = forward_params(model, master)
@@ -454,8 +447,7 @@ def save_hf(directory: str | os.PathLike, model, params: Any, *,
             f"save_hf: the calibration holds no input amax of layer "
             f"{layer!r}; calibrate this model (calibrate()) with its rules.")
       quantized += _write_layer(tensors, cfg, layer, q, flat_fwd, format,
-                                None if amax is None else amax.get(layer),
-                                hf.linear_rows(cfg, layer))
+                                None if amax is None else amax[layer])
     for name, arr in tensors.items():
       module, _, leaf = name.rpartition(".")
       if (leaf == "weight" and arr.ndim == 2 and module not in quantized
@@ -463,7 +455,7 @@ def save_hf(directory: str | os.PathLike, model, params: Any, *,
         ignore.append(module)
     if "lm_head" not in ignore:
       ignore.append("lm_head")  # Tied: the module exists, its tensor not.
-  config = dict(hf.hf_config(cfg))
+  config = dict(hf.hf_config(cfg, dtype="bfloat16"))
   if format != "hf":
     config["quantization_config"] = _quant_config(format, activations,
                                                   ignore)
@@ -502,55 +494,52 @@ def save_hf(directory: str | os.PathLike, model, params: Any, *,
 
 
 def _write_layer(tensors: dict[str, np.ndarray], cfg, layer: str, q,
-                 flat_fwd: dict[str, Any], fmt: str, amax,
-                 rows: list[tuple[str, Any]]) -> list[str]:
+                 flat_fwd: dict[str, Any], fmt: str, amax) -> list[str]:
   """Replaces the BF16 weights of `layer`'s HF modules in `tensors` by its
-  NVFP4 codes and scales; returns the modules."""
-  del cfg
-  codes, scales, row_amax, per_expert = _stacked(q)
-  first = q[0] if isinstance(q, list) else q
-  denominator = first.tensor_denominator
+  NVFP4 codes and scales (`q`: the layer's `NVFP4Array`, or one per
+  expert); returns the modules."""
+  from models import hf  # pylint: disable=g-import-not-at-top
   kernel = np.asarray(flat_fwd[f"{layer}/kernel"])
-  w = (np.swapaxes(kernel, -1, -2).reshape(-1, kernel.shape[-2]))
+  parts = ([(None, q, kernel.T)] if not isinstance(q, list) else
+           [(e, qe, kernel[e].T) for e, qe in enumerate(q)])
   modules = []
-  for name, idx in rows:
-    idx = np.asarray(idx, np.int64).reshape(-1)
-    _tile_exact(name, layer, idx, first.block_2d)
-    experts = np.unique(idx // per_expert)
-    if experts.size != 1:
-      raise ValueError(f"save_hf: the HF module {name!r} spans experts "
-                       f"{experts.tolist()} of {layer!r}; each expert's "
-                       f"projection is its own module.")
-    e = int(experts[0])
-    dense = tensors.get(f"{name}.weight")
-    want = np.asarray(w[idx], dense.dtype if dense is not None else None)
-    if dense is None or dense.shape != want.shape or not np.array_equal(
-        np.asarray(dense).view(np.uint8), want.view(np.uint8)):
-      # The names and rows come from one mapping (models.hf): the BF16
-      # tensor there must be these rows of the weight.
-      raise RuntimeError(
-          f"save_hf: models.hf.linear_rows({layer!r}) gives {name!r} rows "
-          f"that to_hf_tensors does not hold as its weight; the HF name "
-          f"mapping is inconsistent (a bug: please report it).")
-    del tensors[f"{name}.weight"]
-    dec, enc = _global_scales(row_amax[idx[0]], denominator)
-    if fmt == "modelopt":
-      tensors[f"{name}.weight"] = codes[idx]
-      tensors[f"{name}.weight_scale"] = scales[idx]
-      tensors[f"{name}.weight_scale_2"] = np.asarray(dec, np.float32)
-    else:
-      tensors[f"{name}.weight_packed"] = codes[idx]
-      tensors[f"{name}.weight_scale"] = scales[idx]
-      tensors[f"{name}.weight_global_scale"] = np.asarray([enc], np.float32)
+  for expert, qe, w in parts:
+    codes, scales = np.asarray(qe.codes), np.asarray(qe.scales)
+    dec, enc = _global_scales(np.asarray(qe.amax), qe.tensor_denominator)
+    in_scales = None
     if amax is not None:
       a = np.asarray(amax, np.float32)
       if a.ndim:  # Per expert; one that saw no token takes the layer's.
-        a = a[e] if a[e] > 0 else np.max(a)
-      in_dec, in_enc = _global_scales(a, nm.E4M3_MAX_X_E2M1_MAX)
+        a = a[expert] if a[expert] > 0 else np.max(a)
+      in_scales = _global_scales(a, nm.E4M3_MAX_X_E2M1_MAX)
+    for name, idx in hf.linear_rows(cfg, layer, expert):
+      idx = np.asarray(idx, np.int64).reshape(-1)
+      _tile_exact(name, layer, idx, qe.block_2d)
+      dense = tensors.get(f"{name}.weight")
+      if dense is None or dense.shape != (idx.size, w.shape[1]) or not (
+          np.array_equal(np.asarray(dense, np.float32),
+                         np.asarray(w[idx].astype(dense.dtype), np.float32))):
+        # Names and rows come from one mapping (models.hf): the BF16 tensor
+        # there must be these rows of the weight.
+        raise RuntimeError(
+            f"save_hf: models.hf.linear_rows({layer!r}, {expert}) gives "
+            f"{name!r} rows that to_hf_tensors does not hold as its weight; "
+            f"the HF name mapping is inconsistent (a bug: please report it).")
+      del tensors[f"{name}.weight"]
       if fmt == "modelopt":
-        tensors[f"{name}.input_scale"] = np.asarray(in_dec, np.float32)
+        tensors[f"{name}.weight"] = codes[idx]
+        tensors[f"{name}.weight_scale"] = scales[idx]
+        tensors[f"{name}.weight_scale_2"] = np.asarray(dec, np.float32)
+        if in_scales is not None:
+          tensors[f"{name}.input_scale"] = np.asarray(in_scales[0],
+                                                      np.float32)
       else:
-        tensors[f"{name}.input_global_scale"] = np.asarray([in_enc],
-                                                           np.float32)
-    modules.append(name)
+        tensors[f"{name}.weight_packed"] = codes[idx]
+        tensors[f"{name}.weight_scale"] = scales[idx]
+        tensors[f"{name}.weight_global_scale"] = np.asarray([enc],
+                                                            np.float32)
+        if in_scales is not None:
+          tensors[f"{name}.input_global_scale"] = np.asarray(
+              [in_scales[1]], np.float32)
+      modules.append(name)
   return modules
