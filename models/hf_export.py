@@ -424,14 +424,18 @@ def save_hf(directory: str | os.PathLike, model, params: Any, *,
   if format != "hf":
     fwd = forward_params(model, master)
     example = jnp.zeros(_EXAMPLE_SHAPE, jnp.int32)
-    for layer in nvfp4_jax.nvfp4_layer_paths(model, example):
+    # Every layer reports its path whatever its recipe: traced without the
+    # quantizers (faster).
+    with nvfp4_jax.precision_rules(nvfp4_jax.PrecisionRules.high_precision()):
+      layers = nvfp4_jax.nvfp4_layer_paths(model, example)
+    for layer in layers:
       op = rules.recipe_at(layer, step).fprop_w
       if op.quantized and op.format != "nvfp4":
         raise ValueError(
             f"save_hf: layer {layer!r} was trained with {op.format} weights; "
             f"the serving formats hold NVFP4 only: export with format='hf'.")
     weights = nvfp4_jax.export.quantized_weights(model, fwd, rules, example,
-                                                 step=step)
+                                                 step=step, layers=layers)
     if not weights:
       raise ValueError(
           f"save_hf: the rules quantize no layer's forward weight to NVFP4 "

@@ -26,6 +26,7 @@ scale).
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 from typing import Any, Callable
@@ -89,8 +90,21 @@ def _params(params: Any) -> Any:
   return jax.tree.map(np.asarray, jax.device_get(params))
 
 
+# Compiled, as the training step runs them (one program per shape, not op
+# by op).
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize_weight(kernel, block_2d: bool, four_over_six: bool):
+  return quantize(kernel.T, block_2d=block_2d, four_over_six=four_over_six)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _quantize_experts(kernel, op):
+  return quantize_experts(jnp.swapaxes(kernel, 1, 2), op, None, values=False)
+
+
 def quantized_weights(model: nn.Module, params: Any, rules: PrecisionRules,
-                      *example_args, step: int | None = None
+                      *example_args, step: int | None = None,
+                      layers: list[str] | None = None
                       ) -> dict[str, NVFP4Array | list[NVFP4Array]]:
   """The NVFP4 weights the forward (Fprop) GEMMs multiply, by layer path.
 
@@ -106,6 +120,8 @@ def quantized_weights(model: nn.Module, params: Any, rules: PrecisionRules,
     model, params, rules, example_args, step: as `save`. The kernels are
       quantized in their dtype here, as the layer does (pass the parameters
       the forward reads: for a bfloat16 model, the master cast to bf16).
+    layers: the model's `nvfp4_layer_paths` if already known (else traced
+      from `example_args`).
 
   Returns:
     `{layer path: NVFP4Array | [NVFP4Array] * E}`.
@@ -118,7 +134,9 @@ def quantized_weights(model: nn.Module, params: Any, rules: PrecisionRules,
   _check_rules(rules)
   flat = _flat(_params(params))
   out = {}
-  for layer in nvfp4_layer_paths(model, *example_args):
+  if layers is None:
+    layers = nvfp4_layer_paths(model, *example_args)
+  for layer in layers:
     op = rules.recipe_at(layer, step).fprop_w
     if not op.quantized or op.format != "nvfp4":
       continue
@@ -132,11 +150,10 @@ def quantized_weights(model: nn.Module, params: Any, rules: PrecisionRules,
           f"keys; export a model trained with round-to-nearest weights (the "
           f"recipe's default) or keep this layer in high precision.")
     if kernel.ndim == 2:
-      out[layer] = quantize(jnp.asarray(kernel).T, block_2d=op.block_2d,
-                            four_over_six=op.four_over_six)
+      out[layer] = _quantize_weight(jnp.asarray(kernel), op.block_2d,
+                                    op.four_over_six)
       continue
-    g = quantize_experts(jnp.swapaxes(jnp.asarray(kernel), 1, 2), op, None,
-                         values=False)
+    g = _quantize_experts(jnp.asarray(kernel), op)
     out[layer] = [NVFP4Array(g.data[e], g.scales[e], g.amax[e],
                              block_2d=op.block_2d,
                              four_over_six=op.four_over_six)
