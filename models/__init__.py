@@ -16,6 +16,7 @@ from models.hf import linear_rows
 from models.hf import to_hf_tensors
 from models.hf_export import calibrate
 from models.hf_export import save_hf
+from models.hf_import import load_hf
 from models.mlp import MLP
 from models.presets import PRESETS
 from models.presets import format_count

@@ -5,6 +5,10 @@ Layout per block (pre-norm, no biases anywhere):
     x = x + attn/out( causal_attention( rotary( attn/qkv( RMSNorm(x) ) ) ) )
     x = x + mlp/down( act( mlp/up( RMSNorm(x) ) ) )
 
+Attention is grouped-query where `num_kv_heads < num_heads`, rotary
+embeddings optionally with Llama 3's frequency scaling (`RopeScaling`):
+what Llama, Mistral and Mixtral checkpoints need (`models.hf`).
+
 Precision follows NVFP4_SPEC section 5. The four projections of each block
 (`block_{i}/attn/qkv`, `block_{i}/attn/out`, `block_{i}/mlp/up`,
 `block_{i}/mlp/down`) are `NVFP4Dense` layers without a fixed recipe: each
@@ -12,7 +16,8 @@ takes its recipe from the active `nvfp4_jax.PrecisionRules` by that path, so
 `paper_rules(num_layers)` keeps the first two and the last ~15% of blocks in
 BF16. Everything else is high precision by construction: the token embedding
 (an `nn.Embed` whose gradient is summed in FP32: `embed_lookup`), the
-untied output head (`nn.Dense`), RMSNorm, rotary embeddings, the attention
+output head (an untied `nn.Dense`, or with `tie_embeddings` the embedding's
+transpose, in FP32), RMSNorm, rotary embeddings, the attention
 score and value batched GEMMs (FP32 accumulation) and the softmax run in
 FP32, the MLP non-linearity in FP32.
 
@@ -298,30 +303,34 @@ def _norm(cfg: GPTConfig, name: str) -> nn.RMSNorm:
 
 
 def rope_inv_freq(dim: int, base: float,
-                  scaling: RopeScaling | None = None) -> np.ndarray:
+                  scaling: RopeScaling | None = None) -> jax.Array:
   """The rotary inverse frequencies `[dim / 2]` (FP32) of heads `dim` wide.
 
-  Without `scaling`: `base^(-2i/dim)`, as `rotary` always computed it.
-  With Llama 3's `scaling`: transformers' `_compute_llama3_parameters`,
-  operation for operation in FP32 (`1 / base^(2i/dim)`, then the low
-  frequencies divided by `factor` and the middle band interpolated).
+  Without `scaling`: `base^(-2i/dim)`, in the computation that calls it
+  (as `rotary` always computed it). With Llama 3's `scaling`: transformers'
+  `_compute_llama3_parameters`, operation for operation in FP32 on the host
+  (`1 / base^(2i/dim)`, then the low frequencies divided by `factor` and
+  the middle band interpolated).
   """
   if scaling is None:
-    return np.asarray(base ** (-jnp.arange(dim // 2, dtype=jnp.float32)
-                               * 2.0 / dim))
+    return base ** (-jnp.arange(dim // 2, dtype=jnp.float32) * 2.0 / dim)
   f32 = np.float32
   exps = np.arange(0, dim, 2).astype(f32) / f32(dim)
-  inv_freq = f32(1.0) / np.power(f32(base), exps)
+  # torch raises a Python float base to an FP32 tensor as the FP32 rounding
+  # of the power in double precision.
+  inv_freq = f32(1.0) / np.power(np.float64(base), exps.astype(np.float64)
+                                 ).astype(f32)
   factor = f32(scaling.factor)
   low, high = scaling.low_freq_factor, scaling.high_freq_factor
   old = scaling.original_max_position_embeddings
   low_wavelen, high_wavelen = f32(old / low), f32(old / high)
-  wavelen = f32(2 * math.pi) / inv_freq
+  # torch divides a Python number by a tensor as `reciprocal() * number`.
+  wavelen = (f32(1) / inv_freq) * f32(2 * math.pi)
   scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-  smooth = (f32(old) / wavelen - f32(low)) / f32(high - low)
+  smooth = ((f32(1) / wavelen) * f32(old) - f32(low)) / f32(high - low)
   smoothed = (f32(1) - smooth) * scaled / factor + smooth * scaled
   medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-  return np.where(medium, smoothed, scaled).astype(f32)
+  return jnp.asarray(np.where(medium, smoothed, scaled).astype(f32))
 
 
 def rotary(x: jax.Array, base: float,
@@ -334,10 +343,7 @@ def rotary(x: jax.Array, base: float,
   """
   *_, seq, _, dim = x.shape
   half = dim // 2
-  if scaling is None:
-    inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / dim)
-  else:
-    inv_freq = jnp.asarray(rope_inv_freq(dim, base, scaling))
+  inv_freq = rope_inv_freq(dim, base, scaling)
   angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
   cos = jnp.cos(angles)[:, None, :]
   sin = jnp.sin(angles)[:, None, :]

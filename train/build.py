@@ -7,16 +7,22 @@ late switch).
 
 from __future__ import annotations
 
+import json
+import os
 import re
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 import nvfp4_jax
 from models import GPTConfig
 from models import preset as model_preset
 from train.config import TrainConfig
 
-__all__ = ["default_dtype", "make_rules", "model_config", "run_recipe"]
+__all__ = ["default_dtype", "imported_init_state", "make_rules",
+           "model_config", "run_recipe"]
 
 
 def default_dtype() -> str:
@@ -25,7 +31,30 @@ def default_dtype() -> str:
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
-  """The `GPTConfig` of `cfg.preset` for a corpus of `vocab_size` ids."""
+  """The `GPTConfig` of `cfg.preset` for a corpus of `vocab_size` ids; with
+  `cfg.init_from`, the HF checkpoint's (its own vocabulary, which must
+  cover the corpus' ids; the run's dtype, attention and remat).
+
+  Raises:
+    ValueError: a checkpoint the GPT cannot load (`models.load_hf`'s
+      errors), or a corpus of more token ids than its vocabulary.
+  """
+  if cfg.init_from is not None:
+    from models.hf import config_from_hf  # pylint: disable=g-import-not-at-top
+    from models.hf_import import checkpoint_files  # pylint: disable=g-import-not-at-top
+    try:
+      checkpoint_files(cfg.init_from)
+    except FileNotFoundError as e:
+      raise ValueError(f"init_from: {e}") from None
+    with open(os.path.join(cfg.init_from, "config.json")) as f:
+      mcfg = config_from_hf(json.load(f))
+    if vocab_size > mcfg.vocab_size:
+      raise ValueError(
+          f"init_from {cfg.init_from!r}: the checkpoint embeds "
+          f"{mcfg.vocab_size} token ids but the corpus uses {vocab_size}; "
+          f"tokenize the data with the checkpoint's tokenizer.")
+    return mcfg.replace(dtype=cfg.dtype or default_dtype(),
+                        attention=cfg.attention, remat=cfg.remat)
   overrides = dict(vocab_size=vocab_size, dtype=cfg.dtype or default_dtype(),
                    attention=cfg.attention, remat=cfg.remat)
   if cfg.mlp is not None:
@@ -75,3 +104,58 @@ def run_recipe(cfg: TrainConfig) -> nvfp4_jax.Recipe:
   if cfg.precision == "mxfp4":
     return nvfp4_jax.Recipe.mxfp4(stochastic_rounding=cfg.sr)
   return nvfp4_jax.Recipe.from_name(cfg.precision)
+
+
+def imported_init_state(trainer: Any) -> Callable[[], Any]:
+  """`trainer.init_state` for a run with `init_from`: a function returning
+  the state before step 0 whose FP32 master weights are the checkpoint's
+  weights (read once, here) and whose parameters are them cast to the
+  model's parameter dtypes, placed as the trainer's state shardings.
+
+  Raises:
+    ValueError: checkpoint tensors that do not match the model (each
+      named).
+  """
+  from models.hf import from_hf_tensors  # pylint: disable=g-import-not-at-top
+  from models.hf_import import checkpoint_files  # pylint: disable=g-import-not-at-top
+  from models.hf_import import read_safetensors  # pylint: disable=g-import-not-at-top
+  from train.step import TrainState  # pylint: disable=g-import-not-at-top
+  mcfg = trainer.model_cfg
+  directory = trainer.cfg.init_from
+  master = from_hf_tensors(mcfg.replace(dtype="float32"),
+                           read_safetensors(checkpoint_files(directory)))
+  like = jax.eval_shape(trainer.fns.init_state)
+  got = jax.tree.map(lambda x: (x.shape, np.dtype(np.float32)), master)
+  want = jax.tree.map(lambda x: (x.shape, np.dtype(np.float32)), like.params)
+  if got != want:
+    raise ValueError(f"init_from {directory!r}: the checkpoint's parameters "
+                     f"do not form the model's tree (a bug in models.hf).")
+
+  def build(master):
+    params = jax.tree.map(lambda m, p: m.astype(p.dtype), master, like.params)
+    # Copies: the master would alias FP32 params, and the step donates.
+    opt_state = jax.tree.map(jnp.copy, trainer.optimizer.init(master))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=opt_state, skipped=jnp.zeros((), jnp.int32))
+
+  def spec(x):
+    return (x.shape, np.dtype(x.dtype))
+  if (jax.tree.map(spec, jax.eval_shape(build, master))
+      != jax.tree.map(spec, like)):
+    raise ValueError(f"init_from {directory!r}: the imported train state "
+                     f"differs from the trainer's in shape or dtype (a bug "
+                     f"in train.build).")
+  mr = trainer.mesh_rules
+  if mr is None:
+    jitted = jax.jit(build)
+    return lambda: jitted(master)
+  specs = mr.param_specs(master)
+  in_shardings = mr.shardings(specs)
+  jitted = jax.jit(build, in_shardings=(in_shardings,),
+                   out_shardings=trainer.state_shardings)
+
+  def put(x, sharding):
+    # Every process holds the whole host array and gives its devices' parts.
+    return jax.make_array_from_callback(x.shape, sharding,
+                                        lambda idx: x[idx])
+  return lambda: jitted(jax.tree.map(put, master, in_shardings))

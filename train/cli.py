@@ -100,9 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
       description="Train a GPT with the NVFP4 recipe and compare it with "
       "BF16. No arguments: --preset tiny --compare bf16,nvfp4 (minutes on a "
       "CPU).")
-  p.add_argument("--preset", choices=list(PRESETS), default="tiny",
+  p.add_argument("--preset", choices=list(PRESETS),
                  help="model size (default tiny; parameter counts: "
                  "python -m models)")
+  p.add_argument("--init-from", metavar="HF_DIR",
+                 help="continue training a HF checkpoint (config.json + "
+                 "safetensors of a Llama, Mistral or Mixtral): the model and "
+                 "its initial weights are the checkpoint's (no --preset, "
+                 "--mlp)")
   what = p.add_mutually_exclusive_group()
   what.add_argument("--precision", choices=PRECISIONS,
                     help="train one run in this precision")
@@ -325,7 +330,7 @@ def make_configs(args, precisions: list[str]) -> list[TrainConfig]:
         sequence_parallel=args.sequence_parallel,
         collective_matmul=args.collective_matmul,
         amax=args.amax, wgrad_schedule=args.wgrad_schedule,
-        wgrad_sums=args.wgrad_sums,
+        wgrad_sums=args.wgrad_sums, init_from=args.init_from,
         **ablations[p]) for p in precisions]
   except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None
@@ -371,8 +376,34 @@ def check_paths(args) -> None:
             f"them and start again (or choose another --out)")
 
 
+def resolve_model(args) -> None:
+  """Checks `--init-from` against the model flags and fills in the default
+  `--preset` (tiny), which with `--init-from` only sets the training
+  defaults."""
+  if args.init_from is not None:
+    given = [f for f, v in (("--preset", args.preset), ("--mlp", args.mlp))
+             if v is not None]
+    if given:
+      raise UsageError(
+          f"{given[0]} conflicts with --init-from {args.init_from}: the "
+          f"model's configuration is the checkpoint's; drop {given[0]}")
+    path = pathlib.Path(args.init_from).expanduser()
+    if not (path / "config.json").is_file():
+      raise UsageError(f"--init-from {args.init_from}: no config.json there; "
+                       f"give a HF checkpoint directory (config.json and "
+                       f"model.safetensors, as save_pretrained writes them)")
+  if args.preset is None:
+    args.preset = "tiny"
+
+
+def _run_name(args) -> str:
+  if args.init_from is not None:
+    return pathlib.Path(args.init_from).expanduser().resolve().name
+  return args.preset
+
+
 def run_dirs(args) -> list[pathlib.Path]:
-  return [pathlib.Path(args.out) / f"{args.preset}-{p}"
+  return [pathlib.Path(args.out) / f"{_run_name(args)}-{p}"
           for p in parse_precisions(args)]
 
 
@@ -394,6 +425,7 @@ def format_table(results) -> str:
 
 def run(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
+  resolve_model(args)
   precisions = parse_precisions(args)
   configs = make_configs(args, precisions)
   check_paths(args)
@@ -437,9 +469,14 @@ def run(argv: Sequence[str] | None = None) -> int:
   except (OSError, ValueError) as e:
     raise UsageError(str(e)) from None
   cfg0 = configs[0]
-  mcfg = model_config(cfg0, corpus.vocab_size)
+  try:
+    mcfg = model_config(cfg0, corpus.vocab_size)
+  except ValueError as e:  # An --init-from checkpoint the GPT cannot load.
+    raise UsageError(str(e)) from None
   print(f"data: {corpus.describe()}")
-  print(f"model: GPT {cfg0.preset}, {format_count(param_count(mcfg))} "
+  what = (cfg0.preset if cfg0.init_from is None
+          else f"from {cfg0.init_from}")
+  print(f"model: GPT {what}, {format_count(param_count(mcfg))} "
         f"parameters (d_model {mcfg.d_model}, {mcfg.num_layers} layers, "
         f"{mcfg.num_heads} heads, {mcfg.mlp}, {mcfg.dtype} compute) on "
         f"{jax.default_backend()} ({describe_mesh(mesh)})")
@@ -480,7 +517,7 @@ def run(argv: Sequence[str] | None = None) -> int:
   if len(results) > 1:
     print()
     print(format_table(results))
-    plot = pathlib.Path(args.out) / f"{args.preset}-{'-vs-'.join(precisions)}.png"
+    plot = pathlib.Path(args.out) / f"{_run_name(args)}-{'-vs-'.join(precisions)}.png"
     plot_losses({r.config.precision: r.records for r in results}, plot,
                 title=f"GPT {cfg0.preset}: {cfg0.steps} steps x "
                 f"{cfg0.batch_size} x {cfg0.seq_len} tokens, seed {cfg0.seed}")

@@ -139,6 +139,11 @@ class TrainConfig:
       layers' weight gradients are summed in across devices: "float32"
       (the one-device run's gradients, rounded once) or "bfloat16" (half
       the bytes; `nvfp4_jax.MeshRules(wgrad_sums=...)`).
+    init_from: a HF checkpoint directory (`models.load_hf`: Llama, Mistral,
+      Mixtral) to continue training from: the model's configuration is the
+      checkpoint's (not `preset`'s, which then only sets the training
+      defaults; `mlp` must stay None) and its weights the initial
+      parameters and FP32 master weights. None: a fresh `preset` model.
   """
 
   preset: str = "tiny"
@@ -178,6 +183,7 @@ class TrainConfig:
   amax: str = "global"
   wgrad_schedule: str = "layer"
   wgrad_sums: str = "float32"
+  init_from: str | None = None
 
   def __post_init__(self):
     # Types first: "false" is a truthy string and True an int in Python.
@@ -237,6 +243,14 @@ class TrainConfig:
     if self.late_switch_mode not in SWITCH_MODES:
       raise ValueError(f"unknown late_switch_mode {self.late_switch_mode!r}; "
                        f"use one of {SWITCH_MODES}.")
+    if self.init_from is not None:
+      if not self.init_from.strip():
+        raise ValueError("init_from is an empty path; give a HF checkpoint "
+                         "directory or None.")
+      if self.mlp is not None:
+        raise ValueError(
+            f"mlp={self.mlp!r} conflicts with init_from={self.init_from!r}: "
+            f"the model's configuration is the checkpoint's; drop --mlp.")
     if self.mlp is not None and self.mlp not in MLP_KINDS:
       raise ValueError(f"unknown mlp {self.mlp!r}; use one of {MLP_KINDS}.")
     if self.dtype not in (None, "float32", "bfloat16"):

@@ -47,6 +47,7 @@ from train.checkpoint import NoCheckpointError
 from train.checkpoint import RunExistsError
 from train.checkpoint import existing_checkpoints
 from train.build import default_dtype
+from train.build import imported_init_state
 from train.build import make_rules
 from train.build import model_config
 from train.build import run_recipe
@@ -122,6 +123,9 @@ class Trainer:
       self.evaluate = jax.jit(self.fns.evaluate)
     else:
       self._shard(self.mesh_rules)
+    if cfg.init_from is not None:
+      # The state before step 0 from the HF checkpoint's weights.
+      self.init_state = imported_init_state(self)
 
   def _shard(self, mr: nvfp4_jax.MeshRules) -> None:
     """Checks that the run splits over the mesh and jits its functions

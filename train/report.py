@@ -72,7 +72,8 @@ def describe(cfg: TrainConfig, model_cfg: GPTConfig,
   # At the start of the run, before any late switch.
   quantized = sum(rules.recipe_at(p).quantized for p in paths)
   m = model_cfg
-  return (f"GPT {cfg.preset}: {format_count(param_count(m))} params "
+  name = cfg.preset if cfg.init_from is None else f"from {cfg.init_from}"
+  return (f"GPT {name}: {format_count(param_count(m))} params "
           f"(d_model {m.d_model}, {m.num_layers} layers, {m.mlp}, "
           f"{m.dtype}); {cfg.precision}: {quantized}/{len(paths)} "
           f"projections quantized")
