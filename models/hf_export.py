@@ -1,11 +1,12 @@
 """A trained GPT written as a Hugging Face directory that serving stacks and
 `transformers` load.
 
-    models.save_hf("out", model, params)                        # BF16
-    models.save_hf("out", model, params, format="modelopt", rules=rules,
-                   calibration=batches)                         # vLLM, SGLang, TRT-LLM
-    models.save_hf("out", model, params, format="compressed-tensors",
-                   rules=rules, activations="bf16")             # transformers, W4A16
+    models.save_hf("out", model, params)                 # BF16
+    models.save_hf("out", model, params, format="modelopt",
+                   rules=rules, calibration=batches)     # vLLM, SGLang
+    models.save_hf("out", model, params, rules=rules,
+                   format="compressed-tensors",
+                   activations="bf16")                   # transformers, W4A16
 
 The directory holds `config.json` (`models.hf.hf_config`),
 `generation_config.json`, the weights as safetensors (one file, or shards
@@ -29,8 +30,9 @@ into the HF modules (`models.hf.linear_rows`: q/k/v of `attn/qkv`, gate/up
 of `mlp/up` and of each expert, the interleaved layouts unpermuted), each
 keeping the fused tensor's global scale (so fused shards have equal
 `weight_scale_2`, as vLLM expects); a split that would cut a 16-row tile is
-refused. Every other linear layer (the rules' BF16 blocks, the head, the MoE
-router) is BF16 and listed in `ignore`/`exclude_modules`.
+refused. (Four-over-Six weights: the tensor factor is amax / 1536, and the
+global scales say so.) Every other linear layer (the rules' BF16 blocks,
+the head, the MoE router) is BF16 and listed in `ignore`/`exclude_modules`.
 
 Activations: "nvfp4" (W4A4, what ModelOpt's NVFP4 serves) needs static input
 scales: the FP32 amax of each quantized layer's input over `calibration`
@@ -206,7 +208,7 @@ def _byte_level_tokenizer():
   unicode alphabet, no merges): the byte presets' vocabulary."""
   from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
   from tokenizers import decoders  # pylint: disable=g-import-not-at-top
-  from tokenizers import models as tok_models  # pylint: disable=g-import-not-at-top
+  from tokenizers import models as tok_models  # pylint: disable=g-import-not-at-top,line-too-long
   from tokenizers import pre_tokenizers  # pylint: disable=g-import-not-at-top
   printable = (list(range(ord("!"), ord("~") + 1))
                + list(range(ord("¡"), ord("¬") + 1))
@@ -245,10 +247,11 @@ def _write_tokenizer(out: pathlib.Path, tokenizer, vocab_size: int) -> list:
     folder = src if src.is_dir() else src.parent
     file = src / "tokenizer.json" if src.is_dir() else src
     if not file.is_file():
+      what = ("tokenizer.json in that directory" if src.is_dir() else
+              "such file")
       raise FileNotFoundError(
-          f"save_hf: tokenizer {tokenizer}: no "
-          f"{'tokenizer.json in that directory' if src.is_dir() else 'such file'}"
-          f"; give a HF tokenizer.json or a directory holding one.")
+          f"save_hf: tokenizer {tokenizer}: no {what}; give a HF "
+          f"tokenizer.json or a directory holding one.")
     from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
     try:
       n = Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)

@@ -47,6 +47,13 @@ transformers = pytest.importorskip("transformers", reason="the [hf] extra "
                                    "(transformers) is not installed")
 pytest.importorskip("compressed_tensors", reason="the [hf] extra "
                     "(compressed-tensors) is not installed")
+# pylint: disable=g-import-not-at-top,g-bad-import-order
+from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+from compressed_tensors.entrypoints.convert import convert_checkpoint as cc
+from compressed_tensors.entrypoints.convert.converters import modelopt_nvfp4
+from compressed_tensors.quantization import QuantizationConfig
+from safetensors.torch import load_file
+# pylint: enable=g-import-not-at-top,g-bad-import-order
 
 U = 2.0**-24
 WEIGHT_RTOL = 2.0**-8 + 2.0**-20
@@ -155,9 +162,6 @@ def test_moe_exports_in_the_mixtral_layout(tmp_path):
   # (transformers 5.24 decompresses NVFP4 experts without their
   # weight_global_scale -- its DummyModule has none -- so its MoE weights
   # are off by that factor; vLLM applies it. Not ours to paper over.)
-  from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor  # pylint: disable=g-import-not-at-top
-  from compressed_tensors.quantization import QuantizationConfig  # pylint: disable=g-import-not-at-top
-  from safetensors.torch import load_file  # pylint: disable=g-import-not-at-top
   rules = nv.PrecisionRules()
   save_hf(tmp_path / "w4a16", model, params, format="compressed-tensors",
           rules=rules, activations="bf16")
@@ -265,7 +269,8 @@ def test_compressed_tensors_and_modelopt_of_a_trained_run(run, tmp_path,
   assert hq["quantization"]["exclude_modules"] == config["ignore"]
 
   # transformers decompresses the NVFP4 weights: ours, dequantized.
-  val = np.asarray(small_corpus().val[: 2 * 32], np.int32).reshape(2, 32)  # Held out.
+  # Held-out tokens: the validation split.
+  val = np.asarray(small_corpus().val[: 2 * 32], np.int32).reshape(2, 32)
   m, logits = _theirs(ct, val)
   fwd = hf_export.forward_params(model, master)
   weights = nv.export.quantized_weights(model, fwd, rules,
@@ -282,14 +287,10 @@ def test_compressed_tensors_and_modelopt_of_a_trained_run(run, tmp_path,
 
   # compressed-tensors' own ModelOpt NVFP4 converter validates and converts
   # the ModelOpt directory; transformers loads the result, the same model.
-  from compressed_tensors.entrypoints.convert.convert_checkpoint import (  # pylint: disable=g-import-not-at-top
-      convert_checkpoint)
-  from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import (  # pylint: disable=g-import-not-at-top
-      ModelOptNvfp4Converter)
   conv = tmp_path / "converted"
-  convert_checkpoint(mo, conv, ModelOptNvfp4Converter(
-      ignore=hq["quantization"]["exclude_modules"], targets=["Linear"]),
-                     max_workers=1, device="cpu")
+  converter = modelopt_nvfp4.ModelOptNvfp4Converter(
+      ignore=hq["quantization"]["exclude_modules"], targets=["Linear"])
+  cc.convert_checkpoint(mo, conv, converter, max_workers=1, device="cpu")
   m2, logits2 = _theirs(conv, val)
   state2 = _state(m2)
   for layer in (f"block_2/{p}" for p in quantized):
