@@ -157,6 +157,24 @@ def test_moe_exports_in_the_mixtral_layout(tmp_path):
   got = from_hf_tensors(cfg, _state(m))
   jax.tree.map(np.testing.assert_array_equal, got, want)
   _same_logits(model, m, logits, tokens)
+  # Calibration: each expert's amax over the tokens routed to it.
+  # (High-precision rules: the observer is what is tested, cheaply.)
+  hp = nv.PrecisionRules.high_precision()
+  amax = hf_export.calibrate(model, params, hp, [tokens])
+  with nv.precision_rules(hp):
+    _, inter = jax.jit(lambda p, t: model.apply(
+        {"params": p}, t, capture_intermediates=(
+            lambda mdl, _: mdl.name == "mlp_norm")))(params, tokens)
+  for i in range(cfg.num_layers):
+    h = np.asarray(inter["intermediates"][f"block_{i}"]["mlp_norm"][
+        "__call__"][0]).reshape(-1, cfg.d_model)
+    router = np.asarray(params[f"block_{i}"]["moe"]["router"])
+    top = np.argsort(-(h.astype(np.float64) @ router), axis=-1)[:, :cfg.top_k]
+    want = [np.max(np.abs(h[np.any(top == e, axis=-1)]), initial=0.0)
+            for e in range(cfg.num_experts)]
+    np.testing.assert_array_equal(amax[f"block_{i}/moe/experts/up"], want)
+    assert amax[f"block_{i}/moe/experts/down"].shape == (cfg.num_experts,)
+  assert amax["block_0/attn/qkv"].shape == ()
   # NVFP4 experts, weight-only, decompressed by compressed-tensors' own
   # NVFP4 compressor under the scheme our config.json declares.
   # (transformers 5.24 decompresses NVFP4 experts without their
@@ -284,6 +302,16 @@ def test_compressed_tensors_and_modelopt_of_a_trained_run(run, tmp_path,
       assert np.all(np.abs(theirs - ours[rows]) <= WEIGHT_RTOL
                     * np.abs(ours[rows])), name
   _same_logits(model, m, logits, val)
+  # Loaded compressed (W4A4 emulated: activations fake-quantized with the
+  # static global scale), the input scales are transformers' parameters.
+  w4a4 = transformers.AutoModelForCausalLM.from_pretrained(
+      ct, dtype=torch.bfloat16)
+  q_proj = w4a4.model.layers[2].self_attn.q_proj
+  assert float(q_proj.input_global_scale) == _scale(
+      cts, "model.layers.2.self_attn.q_proj.input_global_scale")
+  with torch.no_grad():
+    assert torch.isfinite(w4a4(torch.asarray(val, dtype=torch.int64))
+                          .logits).all()
 
   # compressed-tensors' own ModelOpt NVFP4 converter validates and converts
   # the ModelOpt directory; transformers loads the result, the same model.
