@@ -190,6 +190,14 @@ def test_moe_exports_in_the_mixtral_layout(tmp_path):
   stored = load_file(tmp_path / "w4a16" / "model.safetensors")
   q = nv.export.quantized_weights(model, params, rules,
                                   jnp.zeros((1, 32), jnp.int32))
+  # Each expert's codes are the grouped GEMM's (`quantize_experts`: as
+  # `quantize` of that expert alone, tests/test_ragged_quantize.py).
+  kernel = params["block_1"]["moe"]["experts"]["down"]["kernel"]
+  for e, qe in enumerate(q["block_1/moe/experts/down"]):
+    want = nv.quantize(jnp.asarray(kernel[e]).T, block_2d=True)
+    np.testing.assert_array_equal(qe.codes, want.codes)
+    np.testing.assert_array_equal(np.asarray(qe.scales).view(np.uint8),
+                                  np.asarray(want.scales).view(np.uint8))
   for i in range(cfg.num_layers):
     for proj in ("up", "down"):
       layer = f"block_{i}/moe/experts/{proj}"

@@ -5,9 +5,12 @@
     logits = nv.export.apply(model, packed, tokens)            # W4A4, as trained
     logits = nv.export.apply(model, packed, tokens, mode="weight_only")
 
-The file is safetensors in the layout common NVFP4 inference checkpoints use.
-For every NVFP4 layer whose Fprop GEMM the rules quantize (the weight is
-`W = kernel^T`, `[out, in]`):
+This is the library's own format: one safetensors file on the model's flax
+parameter paths, read back by `load` and run by `apply`. Serving stacks and
+transformers load Hugging Face directories instead: `models.save_hf` writes
+those (ModelOpt's and compressed-tensors' NVFP4 layouts, from the same
+`quantized_weights`). For every NVFP4 layer whose Fprop GEMM the rules
+quantize (the weight is `W = kernel^T`, `[out, in]`):
 
 | tensor | dtype, shape | what |
 | --- | --- | --- |
