@@ -370,10 +370,30 @@ def test_bad_arguments_are_named(tmp_path, capsys):
   (tmp_path / "full" / "model.safetensors").write_bytes(b"old")
   with pytest.raises(FileExistsError, match="not an empty directory"):
     save_hf(tmp_path / "full", model, params)
+  big = _init(preset("tiny", vocab_size=512, d_model=64, num_layers=1,
+                     num_heads=2, d_ff=128))
   with pytest.raises(ValueError, match="needs its tokenizer"):
-    save_hf(tmp_path / "v", *_init(preset("tiny", vocab_size=512,
-                                           d_model=64, num_layers=1,
-                                           num_heads=2, d_ff=128)))
+    save_hf(tmp_path / "v", *big)
+  # A run's own tokenizer (trained here) is copied and loads as itself.
+  from tokenizers import Tokenizer, models as tm, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top,line-too-long
+  tok = Tokenizer(tm.BPE(unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.train_from_iterator(["def main(): return 0", "import os, sys"] * 8,
+                          trainers.BpeTrainer(vocab_size=300,
+                                              special_tokens=["[UNK]"]))
+  (tmp_path / "tok").mkdir()
+  tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+  save_hf(tmp_path / "v", *big, tokenizer=tmp_path / "tok")
+  auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "v")
+  text = "def main(): import sys"
+  assert auto.encode(text, add_special_tokens=False) == tok.encode(text).ids
+  n = tok.get_vocab_size()
+  assert n > 32
+  small = _init(preset("tiny", vocab_size=32, d_model=64, num_layers=1,
+                       num_heads=2, d_ff=128))
+  with pytest.raises(ValueError, match=f"has {n} ids but the model's "
+                     f"vocabulary is 32"):
+    save_hf(tmp_path / "w", *small, tokenizer=tmp_path / "tok")
   for argv, match in (
       (["--format", "modelopt"], "give --calibrate N"),
       (["--format", "modelopt", "--activations", "bf16"], "no weight-only"),
