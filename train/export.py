@@ -1,5 +1,7 @@
-"""Export a trained run: as a Hugging Face directory for serving stacks and
-transformers, or in the library's own packed NVFP4 format.
+"""Export a trained run as a HF directory (vLLM, transformers) or packed file.
+
+A Hugging Face directory for serving stacks and transformers, or the
+library's own packed NVFP4 file:
 
     python -m train.export runs/tiny-nvfp4 out --format modelopt --calibrate 8
     python -m train.export runs/tiny-nvfp4 out --format compressed-tensors \\
@@ -138,6 +140,8 @@ def _usage_error(args) -> str | None:
               f"e.g. 8), or --activations bf16 for weight-only NVFP4")
     if activations == "bf16" and args.calibrate:
       return "--activations bf16 is weight-only: drop --calibrate"
+    if args.data and not args.calibrate:
+      return "--data is the corpus --calibrate reads: give --calibrate N"
     out = pathlib.Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
       return (f"out {args.out} exists and is not an empty directory; give a "
