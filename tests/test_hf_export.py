@@ -164,7 +164,8 @@ def test_moe_exports_in_the_mixtral_layout(tmp_path):
   with nv.precision_rules(hp):
     _, inter = jax.jit(lambda p, t: model.apply(
         {"params": p}, t, capture_intermediates=(
-            lambda mdl, _: mdl.name == "mlp_norm")))(params, tokens)
+            lambda mdl, _: mdl.name in ("attn_norm", "mlp_norm"))))(
+                params, tokens)
   for i in range(cfg.num_layers):
     h = np.asarray(inter["intermediates"][f"block_{i}"]["mlp_norm"][
         "__call__"][0]).reshape(-1, cfg.d_model)
@@ -174,7 +175,9 @@ def test_moe_exports_in_the_mixtral_layout(tmp_path):
             for e in range(cfg.num_experts)]
     np.testing.assert_array_equal(amax[f"block_{i}/moe/experts/up"], want)
     assert amax[f"block_{i}/moe/experts/down"].shape == (cfg.num_experts,)
-  assert amax["block_0/attn/qkv"].shape == ()
+    # q, k and v share one input: the normed residual stream.
+    normed = inter["intermediates"][f"block_{i}"]["attn_norm"]["__call__"][0]
+    assert amax[f"block_{i}/attn/qkv"] == np.max(np.abs(normed))
   # NVFP4 experts, weight-only, decompressed by compressed-tensors' own
   # NVFP4 compressor under the scheme our config.json declares.
   # (transformers 5.24 decompresses NVFP4 experts without their
