@@ -403,21 +403,17 @@ class Embed(nn.Embed):
   def __call__(self, inputs: jax.Array) -> jax.Array:
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
       raise ValueError("Input type must be an integer or unsigned integer.")
-    (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype,
+    (embedding,) = self.promote_dtype(self._table(), dtype=self.dtype,
                                       inexact=False)
-    rules = nvfp4_jax.sharding.current_rules()
-    if rules is not None:
-      # The table whole on every device (it is small): the gradient is then
-      # each device's full table summed with a reduce-scatter, not a
-      # gather of the whole batch's output gradient (MeshRules.gathered).
-      embedding = rules.gathered("/".join(self.scope.path + ("embedding",)),
-                                 embedding)
     return embed_lookup(embedding, inputs)
 
   def _table(self) -> jax.Array:
     rules = nvfp4_jax.sharding.current_rules()
     if rules is None:
       return self.embedding
+    # The table whole on every device (it is small): the gradient is then
+    # each device's full table summed with a reduce-scatter, not a gather
+    # of the whole batch's output gradient (MeshRules.gathered).
     return rules.gathered("/".join(self.scope.path + ("embedding",)),
                           self.embedding)
 

@@ -1,8 +1,9 @@
 """Hugging Face (transformers) names, configurations and layouts of the GPT.
 
-The one place where HF names live: import (`load_hf`, `from_hf_tensors`)
-and export (`to_hf_tensors`, the NVFP4 exporters slicing packed codes and
-scale rows with `linear_rows`) both read them from here.
+The one place where HF names live: import (`from_hf_tensors`; a whole
+directory: `models.hf_import.load_hf`) and export (`to_hf_tensors`, the
+NVFP4 exporters slicing packed codes and scale rows with `linear_rows`)
+both read them from here.
 
     cfg = config_from_hf(json.load(open("llama/config.json")))
     model, params = load_hf("llama")       # a GPT and its parameters
@@ -66,7 +67,7 @@ _INERT = frozenset((
     "id2label", "label2id", "is_encoder_decoder", "output_attentions",
     "output_hidden_states", "problem_type", "return_dict", "pretraining_tp",
     "max_position_embeddings", "output_router_logits", "tokenizer_class",
-    "attention_dropout", "router_aux_loss_coef",
+    "router_aux_loss_coef",
 ))
 _HANDLED = frozenset((
     "hidden_size", "intermediate_size", "num_attention_heads",
@@ -74,6 +75,7 @@ _HANDLED = frozenset((
     "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings",
     "head_dim", "hidden_act", "attention_bias", "mlp_bias", "sliding_window",
     "num_local_experts", "num_experts_per_tok", "router_jitter_noise",
+    "attention_dropout",
 ))
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                 "original_max_position_embeddings")
@@ -172,6 +174,10 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> GPTConfig:
         f"sliding_window={window!r} is shorter than the context "
         f"(max_position_embeddings={context!r}); the GPT attends to every "
         f"earlier position")
+  dropout = hf.get("attention_dropout") or 0.0
+  if dropout:
+    problems.append(f"attention_dropout={dropout!r} (the GPT has no "
+                    f"dropout; needs 0)")
   jitter = hf.get("router_jitter_noise") or 0.0
   if jitter:
     problems.append(f"router_jitter_noise={jitter!r} (the GPT's router has "

@@ -79,7 +79,11 @@ def ckpts(tmp_path_factory):
                                  num_key_value_heads=2,
                                  num_local_experts=4, num_experts_per_tok=2)),
                        2)
+  mistral = _randomize(transformers.MistralForCausalLM(
+      transformers.MistralConfig(**SMALL, num_key_value_heads=2,
+                                 sliding_window=None)), 3)
   return {"llama": _save(llama, root / "llama"),
+          "mistral": _save(mistral, root / "mistral"),
           "tied": _save(tied, root / "tied", max_shard_size="100KB"),
           "mixtral": _save(mixtral, root / "mixtral")}
 
@@ -97,7 +101,7 @@ def _ours(model, params, cfg=None):
                       np.float64)
 
 
-@pytest.mark.parametrize("name", ["llama", "tied", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", "tied", "mistral", "mixtral"])
 def test_load_hf_logits_equal_transformers(ckpts, name):
   """`load_hf`'s FP32 logits equal transformers' within FP32 rounding.
 
@@ -122,11 +126,13 @@ def test_load_hf_logits_equal_transformers(ckpts, name):
   e_hf = np.abs(_hf_logits(hf, torch.float32) - ref).max()
   bound = max(4 * e_hf, 16 * U * np.abs(ref).max())
   err = np.abs(_ours(model, params) - ref).max()
+  print(f"{name}: max|ours - hf64| {err:.3g}, transformers' FP32 {e_hf:.3g}, "
+        f"bound {bound:.3g}, max|logit| {np.abs(ref).max():.3g}")
   assert err <= bound, (name, err, e_hf, bound)
   assert cfg.vocab_size == VOCAB and cfg.dtype == "float32"
   assert cfg.tie_embeddings == (name == "tied")
   assert ("head" in params) == (name != "tied")
-  assert cfg.kv_heads == {"llama": 2, "tied": 1, "mixtral": 2}[name]
+  assert cfg.kv_heads == (1 if name == "tied" else 2)
   assert cfg.num_experts == (4 if name == "mixtral" else 0)
 
   # The same tensors back under their HF names (transformers' own file).
@@ -181,12 +187,14 @@ def _llama_config(**changes):
 def test_config_from_hf_names_every_field_it_cannot_honour():
   """One error naming all of them; each alone is refused too."""
   bad = dict(attention_bias=True, mlp_bias=True, sliding_window=64,
+             attention_dropout=0.1,
              max_position_embeddings=128, hidden_act="gelu", head_dim=32,
              rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
                               "factor": 4.0})
   with pytest.raises(ValueError) as e:
     models.config_from_hf(_llama_config(**bad))
   for word in ("attention_bias", "mlp_bias", "sliding_window=64",
+               "attention_dropout=0.1",
                "hidden_act='gelu'", "head_dim=32", "'yarn'"):
     assert word in str(e.value), word
   for key, value in bad.items():
@@ -318,7 +326,7 @@ def test_config_checks_gqa_and_rope_fields():
   assert GPTConfig(**saved).rope_scaling.factor == 8.0
 
 
-def test_init_from_continues_training_a_saved_llama(ckpts):
+def test_init_from_continues_training_a_saved_llama(ckpts, capsys):
   """`TrainConfig(init_from=DIR)` (`python -m train --init-from DIR`): the
   checkpoint's configuration, its weights as the parameters and FP32
   masters, then NVFP4 training steps (every projection quantized)."""
@@ -347,3 +355,72 @@ def test_init_from_continues_training_a_saved_llama(ckpts):
   with pytest.raises(ValueError, match="mlp='relu2' conflicts"):
     config(init_from=path, mlp="relu2")
   assert main(["--init-from", path, "--preset", "small"]) == 2
+  assert "--preset conflicts with --init-from" in capsys.readouterr().err
+
+
+_MESH_SCRIPT = r'''
+import sys, time
+import mesh_checks as mc  # Sets 8 host devices before jax starts.
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding
+import models
+from tiny_training import config, small_corpus
+from train.loop import Trainer
+
+# Grouped-query attention on data=4, model=2 (4 query heads, 2 key/value
+# heads: one group per device): the interleaved layout splits into whole
+# groups, so XLA adds no reshard inside attention; the concatenated one
+# needs them (the check sees a wrong split).
+for layout in ("interleaved", "concatenated"):
+  tr = mc._trainer(mc.GPT_MESHES["tp"], mc.GPT_HIGH_PRECISION, num_layers=1,
+                   num_heads=4, num_kv_heads=2, fused_layout=layout)
+  st = jax.eval_shape(tr.fns.init_state)
+  params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(
+      s.shape, s.dtype, sharding=sh), st.params, tr.state_shardings.params)
+  batch = jax.ShapeDtypeStruct(
+      (1, tr.cfg.micro_batch, tr.cfg.seq_len + 1), jnp.int32,
+      sharding=NamedSharding(tr.mesh_rules.mesh,
+                             tr.mesh_rules.batch_spec(3, axis=1)))
+  fn = jax.jit(tr.fns.loss_and_grads).lower(
+      params, batch, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+  reshards = mc._block_reshards(fn, st.params)
+  print(layout, len(reshards), "reshards")
+  assert bool(reshards) == (layout == "concatenated"), reshards
+
+# --init-from on the same mesh: the state is the checkpoint's, sharded.
+path = sys.argv[1]
+tr = Trainer(config(init_from=path, steps=2, warmup_steps=1),
+             small_corpus(), mesh=mc.mesh(data=4, model=2))
+state = tr.init_state()
+want = models.load_hf(path)[1]
+jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b),
+             state.opt_state.master, want)
+kernel = state.params["block_0"]["attn"]["qkv"]["kernel"]
+assert kernel.sharding.spec == tr.state_shardings.params["block_0"]["attn"][
+    "qkv"]["kernel"].spec, kernel.sharding
+print("init_from on data=4, model=2: ok")
+'''
+
+
+@pytest.mark.slow
+def test_gqa_and_init_from_on_a_tensor_parallel_mesh(ckpts):
+  """On 8 host devices (a fresh process: the device count is fixed before
+  jax starts): GQA's interleaved qkv splits over `model` into whole query
+  groups (no reshard in attention), and `--init-from` places the
+  checkpoint's weights as the mesh's state. The fast tier checks the
+  refusal of a split that is not whole groups
+  (`test_config_checks_gqa_and_rope_fields`)."""
+  import os  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(__file__).resolve().parent.parent
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(root), str(root / "tests")]
+      + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, ckpts["llama"][0]],
+                        cwd=root, env=env, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  assert "interleaved 0 reshards" in proc.stdout
+  assert "init_from on data=4, model=2: ok" in proc.stdout

@@ -7,6 +7,7 @@ late switch).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -109,29 +110,20 @@ def run_recipe(cfg: TrainConfig) -> nvfp4_jax.Recipe:
 def imported_init_state(trainer: Any) -> Callable[[], Any]:
   """`trainer.init_state` for a run with `init_from`: a function returning
   the state before step 0 whose FP32 master weights are the checkpoint's
-  weights (read once, here) and whose parameters are them cast to the
-  model's parameter dtypes, placed as the trainer's state shardings.
+  weights and whose parameters are them cast to the model's parameter
+  dtypes, placed as the trainer's state shardings. The checkpoint is read
+  when the function is called (a resumed or exported run never reads it).
 
-  Raises:
-    ValueError: checkpoint tensors that do not match the model (each
-      named).
+  The function raises ValueError for checkpoint tensors that do not match
+  the model (each named).
   """
   from models.hf import from_hf_tensors  # pylint: disable=g-import-not-at-top
   from models.hf_import import checkpoint_files  # pylint: disable=g-import-not-at-top
   from models.hf_import import read_safetensors  # pylint: disable=g-import-not-at-top
   from train.step import TrainState  # pylint: disable=g-import-not-at-top
-  mcfg = trainer.model_cfg
   directory = trainer.cfg.init_from
-  master = from_hf_tensors(mcfg.replace(dtype="float32"),
-                           read_safetensors(checkpoint_files(directory)))
-  like = jax.eval_shape(trainer.fns.init_state)
-  got = jax.tree.map(lambda x: (x.shape, np.dtype(np.float32)), master)
-  want = jax.tree.map(lambda x: (x.shape, np.dtype(np.float32)), like.params)
-  if got != want:
-    raise ValueError(f"init_from {directory!r}: the checkpoint's parameters "
-                     f"do not form the model's tree (a bug in models.hf).")
 
-  def build(master):
+  def build(master, like):
     params = jax.tree.map(lambda m, p: m.astype(p.dtype), master, like.params)
     # Copies: the master would alias FP32 params, and the step donates.
     opt_state = jax.tree.map(jnp.copy, trainer.optimizer.init(master))
@@ -140,22 +132,26 @@ def imported_init_state(trainer: Any) -> Callable[[], Any]:
 
   def spec(x):
     return (x.shape, np.dtype(x.dtype))
-  if (jax.tree.map(spec, jax.eval_shape(build, master))
-      != jax.tree.map(spec, like)):
-    raise ValueError(f"init_from {directory!r}: the imported train state "
-                     f"differs from the trainer's in shape or dtype (a bug "
-                     f"in train.build).")
-  mr = trainer.mesh_rules
-  if mr is None:
-    jitted = jax.jit(build)
-    return lambda: jitted(master)
-  specs = mr.param_specs(master)
-  in_shardings = mr.shardings(specs)
-  jitted = jax.jit(build, in_shardings=(in_shardings,),
-                   out_shardings=trainer.state_shardings)
 
-  def put(x, sharding):
+  def init_state():
+    master = from_hf_tensors(trainer.model_cfg.replace(dtype="float32"),
+                             read_safetensors(checkpoint_files(directory)))
+    like = jax.eval_shape(trainer.fns.init_state)
+    make = functools.partial(build, like=like)
+    if (jax.tree.map(spec, jax.eval_shape(make, master))
+        != jax.tree.map(spec, like)):
+      raise ValueError(f"init_from {directory!r}: the imported train state "
+                       f"differs from the trainer's in shape or dtype (a bug "
+                       f"in train.build).")
+    mr = trainer.mesh_rules
+    if mr is None:
+      return jax.jit(make)(master)
+    in_shardings = mr.shardings(mr.param_specs(master))
     # Every process holds the whole host array and gives its devices' parts.
-    return jax.make_array_from_callback(x.shape, sharding,
-                                        lambda idx: x[idx])
-  return lambda: jitted(jax.tree.map(put, master, in_shardings))
+    master = jax.tree.map(
+        lambda x, sh: jax.make_array_from_callback(x.shape, sh,
+                                                   lambda idx: x[idx]),
+        master, in_shardings)
+    return jax.jit(make, in_shardings=(in_shardings,),
+                   out_shardings=trainer.state_shardings)(master)
+  return init_state

@@ -94,13 +94,23 @@ def _one_of(choices) -> str:
   return "{" + ",".join(choices) + "}"
 
 
+class _Given(argparse.Action):
+  """Stores the value and records that the flag was given (`--init-from`
+  refuses an explicit `--preset`, not the default one)."""
+
+  def __call__(self, parser, namespace, values, option_string=None):
+    setattr(namespace, self.dest, values)
+    namespace.given = getattr(namespace, "given", set()) | {option_string}
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = _Parser(
       prog=PROG,
       description="Train a GPT with the NVFP4 recipe and compare it with "
       "BF16. No arguments: --preset tiny --compare bf16,nvfp4 (minutes on a "
       "CPU).")
-  p.add_argument("--preset", choices=list(PRESETS),
+  p.add_argument("--preset", choices=list(PRESETS), default="tiny",
+                 action=_Given,
                  help="model size (default tiny; parameter counts: "
                  "python -m models)")
   p.add_argument("--init-from", metavar="HF_DIR",
@@ -377,12 +387,11 @@ def check_paths(args) -> None:
 
 
 def resolve_model(args) -> None:
-  """Checks `--init-from` against the model flags and fills in the default
-  `--preset` (tiny), which with `--init-from` only sets the training
-  defaults."""
+  """Checks `--init-from` against the model flags (with it, the default
+  `--preset` tiny only sets the training defaults)."""
   if args.init_from is not None:
-    given = [f for f, v in (("--preset", args.preset), ("--mlp", args.mlp))
-             if v is not None]
+    given = [f for f, v in (("--preset", "--preset" in getattr(
+        args, "given", ())), ("--mlp", args.mlp is not None)) if v]
     if given:
       raise UsageError(
           f"{given[0]} conflicts with --init-from {args.init_from}: the "
@@ -392,8 +401,6 @@ def resolve_model(args) -> None:
       raise UsageError(f"--init-from {args.init_from}: no config.json there; "
                        f"give a HF checkpoint directory (config.json and "
                        f"model.safetensors, as save_pretrained writes them)")
-  if args.preset is None:
-    args.preset = "tiny"
 
 
 def _run_name(args) -> str:
