@@ -49,7 +49,7 @@ pytest.importorskip("compressed_tensors", reason="the [hf] extra "
                     "(compressed-tensors) is not installed")
 # pylint: disable=g-import-not-at-top,g-bad-import-order
 from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
-from compressed_tensors.entrypoints.convert import convert_checkpoint as cc
+from compressed_tensors.entrypoints.convert import convert_checkpoint
 from compressed_tensors.entrypoints.convert.converters import modelopt_nvfp4
 from compressed_tensors.quantization import QuantizationConfig
 from safetensors.torch import load_file
@@ -329,7 +329,7 @@ def test_compressed_tensors_and_modelopt_of_a_trained_run(run, tmp_path,
   conv = tmp_path / "converted"
   converter = modelopt_nvfp4.ModelOptNvfp4Converter(
       ignore=hq["quantization"]["exclude_modules"], targets=["Linear"])
-  cc.convert_checkpoint(mo, conv, converter, max_workers=1, device="cpu")
+  convert_checkpoint(mo, conv, converter, max_workers=1, device="cpu")
   m2, logits2 = _theirs(conv, val)
   state2 = _state(m2)
   for layer in (f"block_2/{p}" for p in quantized):
