@@ -14,6 +14,8 @@ from models.hf import hf_config
 from models.hf import linear_layers
 from models.hf import linear_rows
 from models.hf import to_hf_tensors
+from models.hf_export import calibrate
+from models.hf_export import save_hf
 from models.hf_import import load_hf
 from models.mlp import MLP
 from models.presets import PRESETS

@@ -17,6 +17,7 @@ passed to `NVFP4Linear`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -41,6 +42,38 @@ default_kernel_init = nn.initializers.lecun_normal()
 _DEFAULT_RULES = PrecisionRules()
 
 _RECORDER = threading.local()
+_OBSERVER = threading.local()
+
+
+@contextlib.contextmanager
+def observe_inputs(fn: Callable[[str, jax.Array, jax.Array | None], None]):
+  """Calls `fn(path, x, group_sizes)` with the input of every NVFP4 layer's
+  GEMM traced inside the block, before its recipe is chosen: `x` as the
+  GEMM receives it (`[..., in]` in the compute dtype) and `group_sizes`
+  None, or, for a mixture of experts' grouped GEMM, the sorted token copies
+  `[rows, in]` and the rows of each expert (`[E]`, groups in order from row
+  0, zero rows past them).
+
+  For calibration (e.g. the activation amax of each layer for a serving
+  checkpoint's static input scales): `fn` sees the values of the trace the
+  layer runs in, so apply the model without `nn.remat`/`nn.scan` around
+  its layers (whose inner traces the values would leak out of).
+  """
+  outer = getattr(_OBSERVER, "fn", None)
+  _OBSERVER.fn = fn
+  try:
+    yield
+  finally:
+    _OBSERVER.fn = outer
+
+
+def observe_input(path: str, x: jax.Array,
+                  group_sizes: jax.Array | None = None) -> None:
+  """Reports a layer's GEMM input to the `observe_inputs` block in scope
+  (nothing outside one)."""
+  fn = getattr(_OBSERVER, "fn", None)
+  if fn is not None:
+    fn(path, x, group_sizes)
 
 
 def _step_key(path: str, step: Any) -> jax.Array:
@@ -165,6 +198,7 @@ def layer_dot_general(lhs, rhs, dimension_numbers, *, recipe: Recipe | None,
       the flax layer would, in high precision; otherwise the op raises.
   """
   recipe = as_recipe(recipe, f"layer {path or '<root>'!r}: ")
+  observe_input(path, lhs)
   if on_unsupported is not None:
     scope = current_scope()
     layer_rules = rules or (scope.rules if scope is not None

@@ -45,6 +45,7 @@ from nvfp4_jax.flax.linen import RNG_STREAM
 from nvfp4_jax.flax.linen import _linen_key
 from nvfp4_jax.flax.linen import _linen_path
 from nvfp4_jax.flax.linen import layer_call
+from nvfp4_jax.flax.linen import observe_input
 from nvfp4_jax.core import spmd
 from nvfp4_jax.flax.rules import PrecisionRules
 from nvfp4_jax.parallel import current_rules
@@ -390,6 +391,7 @@ class ExpertGemm:
     rows (the layer's padded dispatch)."""
     path = self.path or ""
     dtype = x.dtype
+    observe_input(path, x, group_sizes)
 
     def run(r: Recipe, k):
       a, b = x, w

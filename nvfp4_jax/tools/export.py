@@ -5,9 +5,12 @@
     logits = nv.export.apply(model, packed, tokens)            # W4A4, as trained
     logits = nv.export.apply(model, packed, tokens, mode="weight_only")
 
-The file is safetensors in the layout common NVFP4 inference checkpoints use.
-For every NVFP4 layer whose Fprop GEMM the rules quantize (the weight is
-`W = kernel^T`, `[out, in]`):
+This is the library's own format: one safetensors file on the model's flax
+parameter paths, read back by `load` and run by `apply`. Serving stacks and
+transformers load Hugging Face directories instead: `models.save_hf` writes
+those (ModelOpt's and compressed-tensors' NVFP4 layouts, from the same
+`quantized_weights`). For every NVFP4 layer whose Fprop GEMM the rules
+quantize (the weight is `W = kernel^T`, `[out, in]`):
 
 | tensor | dtype, shape | what |
 | --- | --- | --- |
@@ -26,6 +29,7 @@ scale).
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 from typing import Any, Callable
@@ -41,6 +45,7 @@ from nvfp4_jax.ops.weight_only_matmul.api import weight_only_matmul
 from nvfp4_jax.flax.linen import NVFP4Dense
 from nvfp4_jax.flax.linen import nvfp4_layer_paths
 from nvfp4_jax.ops.quantize.api import quantize
+from nvfp4_jax.ops.ragged_dot.api import quantize_experts
 from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.core.arrays import check_nvfp4_array
 from nvfp4_jax.core import numerics as nm
@@ -73,6 +78,92 @@ def _unflat(flat: dict[str, Any]) -> dict[str, Any]:
   return tree
 
 
+def _check_rules(rules: Any) -> None:
+  if not isinstance(rules, PrecisionRules):
+    raise TypeError(
+        f"export: rules must be the PrecisionRules the model was "
+        f"trained with (they decide which layers are packed), got "
+        f"{rules!r}; pass e.g. nvfp4_jax.paper_rules(num_blocks), or "
+        f"PrecisionRules() if every layer ran the default NVFP4 recipe.")
+
+
+def _params(params: Any) -> Any:
+  if isinstance(params, dict) and set(params) == {"params"}:
+    params = params["params"]
+  return jax.tree.map(np.asarray, jax.device_get(params))
+
+
+# Compiled, as the training step runs them (one program per shape, not op
+# by op).
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize_weight(kernel, block_2d: bool, four_over_six: bool):
+  return quantize(kernel.T, block_2d=block_2d, four_over_six=four_over_six)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _quantize_experts(kernel, op):
+  return quantize_experts(jnp.swapaxes(kernel, 1, 2), op, None, values=False)
+
+
+def quantized_weights(model: nn.Module, params: Any, rules: PrecisionRules,
+                      *example_args, step: int | None = None,
+                      layers: list[str] | None = None
+                      ) -> dict[str, NVFP4Array | list[NVFP4Array]]:
+  """The NVFP4 weights the forward (Fprop) GEMMs multiply, by layer path.
+
+  Every NVFP4 layer of `model` whose Fprop weight the rules quantize to
+  NVFP4 at `step`, quantized as its forward quantizes it (RTNE, the
+  recipe's 16x16 tiles and Four-over-Six): a linear layer's weight
+  `W = kernel^T` (`[out, in]`) as one `NVFP4Array`; a mixture of experts'
+  stacked kernel `[E, in, out]` as a list of E, each expert's `W` with its
+  own amax (the grouped GEMM's `quantize_experts`, exactly
+  `quantize(kernel[e].T)`).
+
+  Args:
+    model, params, rules, example_args, step: as `save`. The kernels are
+      quantized in their dtype here, as the layer does (pass the parameters
+      the forward reads: for a bfloat16 model, the master cast to bf16).
+    layers: the model's `nvfp4_layer_paths` if already known (else traced
+      from `example_args`).
+
+  Returns:
+    `{layer path: NVFP4Array | [NVFP4Array] * E}`.
+
+  Raises:
+    TypeError: `rules` is not a `PrecisionRules`.
+    ValueError: a quantized weight rounds stochastically (its codes depend
+      on the step's keys: no single export is the forward's).
+  """
+  _check_rules(rules)
+  flat = _flat(_params(params))
+  out = {}
+  if layers is None:
+    layers = nvfp4_layer_paths(model, *example_args)
+  for layer in layers:
+    op = rules.recipe_at(layer, step).fprop_w
+    if not op.quantized or op.format != "nvfp4":
+      continue
+    kernel = flat.get(f"{layer}/kernel")
+    if kernel is None or kernel.ndim not in (2, 3):
+      continue
+    if op.rounding != "nearest":
+      raise ValueError(
+          f"export: layer {layer!r} quantizes its forward weight with "
+          f"{op.rounding} rounding, whose codes change with every step's "
+          f"keys; export a model trained with round-to-nearest weights (the "
+          f"recipe's default) or keep this layer in high precision.")
+    if kernel.ndim == 2:
+      out[layer] = _quantize_weight(jnp.asarray(kernel), op.block_2d,
+                                    op.four_over_six)
+      continue
+    g = _quantize_experts(jnp.asarray(kernel), op)
+    out[layer] = [NVFP4Array(g.data[e], g.scales[e], g.amax[e],
+                             block_2d=op.block_2d,
+                             four_over_six=op.four_over_six)
+                  for e in range(kernel.shape[0])]
+  return out
+
+
 def save(path: str | pathlib.Path, model: nn.Module, params: Any,
          rules: PrecisionRules, *example_args, step: int | None = None
          ) -> dict[str, Any]:
@@ -95,28 +186,17 @@ def save(path: str | pathlib.Path, model: nn.Module, params: Any,
   Raises:
     TypeError: `rules` is not a `PrecisionRules`.
   """
-  if not isinstance(rules, PrecisionRules):
-    raise TypeError(
-        f"export.save: rules must be the PrecisionRules the model was "
-        f"trained with (they decide which layers are packed), got "
-        f"{rules!r}; pass e.g. nvfp4_jax.paper_rules(num_blocks), or "
-        f"PrecisionRules() if every layer ran the default NVFP4 recipe.")
-  if isinstance(params, dict) and set(params) == {"params"}:
-    params = params["params"]
-  params = jax.tree.map(np.asarray, jax.device_get(params))
+  _check_rules(rules)
+  params = _params(params)
   flat = _flat(params)
   layers = nvfp4_layer_paths(model, *example_args)
   tensors, packed, quantized_elems, layer_meta = {}, set(), 0, {}
-  for layer in layers:
-    recipe = rules.recipe_at(layer, step)
-    op = recipe.fprop_w
-    if not op.quantized or op.format != "nvfp4":
+  weights = quantized_weights(model, params, rules, *example_args, step=step)
+  for layer, q in weights.items():
+    if isinstance(q, list):  # Expert kernels stay unpacked here.
       continue
-    kernel = flat.get(f"{layer}/kernel")
-    if kernel is None or kernel.ndim != 2:
-      continue
-    q = quantize(jnp.asarray(kernel).T, block_2d=op.block_2d,
-                 four_over_six=op.four_over_six)
+    kernel = flat[f"{layer}/kernel"]
+    op = rules.recipe_at(layer, step).fprop_w
     name = layer.replace("/", ".")
     tensors[f"{name}.weight"] = np.asarray(q.codes)
     tensors[f"{name}.weight_scale"] = np.asarray(q.scales)
@@ -125,7 +205,7 @@ def save(path: str | pathlib.Path, model: nn.Module, params: Any,
     tensors[f"{name}.weight_amax"] = np.asarray(q.amax, np.float32)
     layer_meta[layer] = {"block_2d": op.block_2d,
                          "four_over_six": op.four_over_six,
-                         "recipe": recipe.tag,
+                         "recipe": rules.recipe_at(layer, step).tag,
                          "shape": list(q.shape)}
     packed.add(f"{layer}/kernel")
     quantized_elems += kernel.size
