@@ -293,7 +293,7 @@ def _free_port() -> int:
     return sock.getsockname()[1]
 
 
-@pytest.mark.slow  # Eight training processes (four pairs); ~60 s on 2 cores.
+@pytest.mark.slow  # Eight training processes (four pairs): ~110 s of CPU.
 def test_two_processes_stop_at_the_same_step_and_resume_bit_identically(
     tmp_path, corpus):
   """`--distributed` as two processes of one CPU device each (mesh
@@ -339,3 +339,26 @@ def test_two_processes_stop_at_the_same_step_and_resume_bit_identically(
   for r in runs:
     assert r.finish() == 0, r.stderr()
   assert records(run_dir) == expected
+
+
+@pytest.mark.slow  # Two training processes: ~30 s of CPU.
+def test_two_processes_without_jax_preemption_service(tmp_path, corpus):
+  """With JAX's preemption service off (`JAX_ENABLE_PREEMPTION_SERVICE=
+  false`), the processes agree through an all-gather of their flags at
+  every step: a SIGTERM to process 1 alone still stops both at one step,
+  both saving it."""
+  env = dict(_env(), JAX_ENABLE_PREEMPTION_SERVICE="false")
+  port = _free_port()
+  out = tmp_path / "runs"
+  runs = [cli(corpus, out, tmp_path, f"p{i}", "--mesh", "data=2",
+              "--distributed", "--coordinator", f"localhost:{port}",
+              "--num-processes", "2", "--process-id", str(i), env=env)
+          for i in range(2)]
+  runs[0].wait_for(logged(out / "tiny-bf16", EVERY), f"step {EVERY} logged")
+  runs[1].signal(signal.SIGTERM)
+  codes = [r.finish() for r in runs]
+  assert codes == [143, 143], (codes, runs[0].stderr()[-2000:],
+                               runs[1].stderr()[-2000:])
+  stops = [stopped_line(r, "SIGTERM")[0] for r in runs]
+  assert stops[0] == stops[1] and EVERY <= stops[0] < STEPS, stops
+  whole(out / "tiny-bf16" / "checkpoints", stops[0])

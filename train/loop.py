@@ -319,7 +319,7 @@ class Trainer:
       if _first_process():
         truncate_metrics(metrics_path, start)
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-      signals = (StopSignals(start, describe=lambda: _survivor(ckpt))
+      signals = (StopSignals(describe=lambda: _survivor(ckpt))
                  if handle_signals else contextlib.nullcontext())
       with signals, (MetricsLog(metrics_path) if _first_process()
                      else MemoryLog()) as log:

@@ -37,6 +37,7 @@ the checkpoint):
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import sys
@@ -48,6 +49,12 @@ import numpy as np
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+# The call counter JAX's preemption service compares across processes: one
+# count for the whole process, not the run's step, so that it never goes
+# back (`--compare` trains several runs in one process; a notice that
+# arrives between two of them must still meet a later call).
+_SYNC_CALLS = itertools.count()
+
 
 def exit_code(sig: int) -> int:
   """The shell's status for a process ended by `sig`: 128 + its number
@@ -58,9 +65,10 @@ def exit_code(sig: int) -> int:
 class StopSignals:
   """Catches SIGTERM and SIGINT while a run trains (a context manager).
 
+  Every process of a multi-process run must use its `StopSignals` alike:
+  the same runs in the same order, `should_stop` after every step.
+
   Args:
-    start: the step the run starts from (the first `should_stop` call is
-      for `start + 1`); every process must start from the same one.
     describe: called with no argument when a second SIGINT ends the
       process, for the line it prints (e.g. which checkpoint survives).
 
@@ -68,20 +76,21 @@ class StopSignals:
     signal: the signal that stopped the run (`signal.SIGTERM` or
       `signal.SIGINT`), once `should_stop` has said so; None before. A
       process stopped by another process's notice reports SIGTERM.
+    step: the step `should_stop` first said True for; None before.
 
   Raises:
     ValueError: entered outside the main thread (Python runs signal
       handlers only there).
   """
 
-  def __init__(self, start: int, *,
-               describe: Callable[[], str] | None = None):
+  def __init__(self, *, describe: Callable[[], str] | None = None):
     self.signal: signal.Signals | None = None
-    self._start = start
+    self.step: int | None = None
     self._describe = describe
     self._received: signal.Signals | None = None
     self._previous = {}
     self._jax_service = False
+    self._synced = False
 
   def __enter__(self) -> "StopSignals":
     if threading.current_thread() is not threading.main_thread():
@@ -93,8 +102,10 @@ class StopSignals:
     if jax.process_count() > 1:
       try:
         from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-        # Records the starting step with the service; raises where it is off.
-        multihost_utils.reached_preemption_sync_point(self._start)
+        # Raises where the service is off. True: a notice came before this
+        # run (e.g. between two runs of `--compare`): stop after one step.
+        self._synced = multihost_utils.reached_preemption_sync_point(
+            next(_SYNC_CALLS))
         self._jax_service = True
         # SIGTERM stays with JAX's handler, which feeds the service.
         caught = (signal.SIGINT,)
@@ -140,7 +151,8 @@ class StopSignals:
       stop = self._received is not None
     elif self._jax_service:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-      stop = multihost_utils.reached_preemption_sync_point(step)
+      stop = self._synced or multihost_utils.reached_preemption_sync_point(
+          next(_SYNC_CALLS))
     else:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       flags = multihost_utils.process_allgather(
@@ -150,4 +162,5 @@ class StopSignals:
         self._received = signal.Signals(int(np.max(flags)))
     if stop:
       self.signal = self._received or signal.SIGTERM
+      self.step = step
     return stop
