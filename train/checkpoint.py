@@ -173,13 +173,6 @@ class Checkpointer:
     return sorted(s for s in self._mngr.all_steps()
                   if s != self._writing or self.path(s).is_dir())
 
-  @property
-  def writing(self) -> int | None:
-    """The step whose asynchronous write is in flight; None if none."""
-    if self._writing is not None and self.path(self._writing).is_dir():
-      return None
-    return self._writing
-
   def path(self, step: int) -> pathlib.Path:
     """The directory of `step`."""
     return self.directory / str(step)

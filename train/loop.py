@@ -31,9 +31,10 @@ import dataclasses
 import json
 import pathlib
 import shutil
+import signal
 import sys
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -373,7 +374,8 @@ class Trainer:
     return TrainState(*state)
 
   def _loop(self, state, start, log, ckpt, config, progress, label,
-            log_every, on_step, signals) -> tuple[TrainState, Any]:
+            log_every, on_step, signals
+            ) -> tuple[TrainState, signal.Signals | None]:
     cfg = self.cfg
     tokens_per_step = cfg.batch_size * cfg.seq_len
     bar = Progress(cfg.steps, start=start, label=label, enabled=progress)
@@ -430,7 +432,7 @@ class Trainer:
 
 
 def _survivor(ckpt: Checkpointer) -> str:
-  """", the newest complete checkpoint is ..." for a run stopped mid-save."""
+  """The end of the line a second SIGINT prints: which checkpoint is left."""
   step = ckpt.latest_step()
   if step is None:
     return "; no complete checkpoint in " + str(ckpt.directory)
