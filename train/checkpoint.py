@@ -5,8 +5,17 @@ with the FP32 master weights, the skipped-step count) and the run's
 configuration as JSON. Orbax writes each step into a temporary directory
 (`<step>.orbax-checkpoint-tmp`) and renames it when complete, so a run killed
 mid-save leaves the previous checkpoint intact; the partial one is deleted
-when the directory is next opened. Saving is synchronous: when `save`
-returns, the step is on disk.
+when the directory is next opened.
+
+Saves are asynchronous where asked (`Checkpointer(asynchronous=True)`, what
+`train.loop.Trainer` uses): `save` returns once the state is copied off the
+devices, and orbax writes it in a background thread while training goes
+on. A step counts as saved (`all_steps`, `latest_step`) only when its
+directory has been renamed into place, and the checkpoint that `keep`
+retires is deleted only after that: a run killed mid-write keeps every
+checkpoint it had. The next `save`, `wait` and `close` wait for a write in
+flight (and raise its error, if it failed). Synchronous saves
+(`asynchronous=False`, the default) return with the step on disk.
 
 The data order and every random key are functions of `(seed, step)`, so
 restoring the state is all a resumed run needs to continue bit-identically.
@@ -115,12 +124,17 @@ class Checkpointer:
     read_only: only read (e.g. to export a run that may still be training):
       create nothing, and leave the temporary directory of a save that may
       be in progress alone.
+    asynchronous: `save` returns once the state is off the devices and the
+      write goes on in the background (see the module's docstring); False:
+      `save` returns when the step is on disk.
   """
 
   def __init__(self, directory: str | os.PathLike, *, keep: int = 2,
-               read_only: bool = False):
+               read_only: bool = False, asynchronous: bool = False):
     self.directory = pathlib.Path(directory).resolve()
     self._read_only = read_only
+    self.asynchronous = asynchronous
+    self._writing: int | None = None  # The step of a write in flight.
     if not read_only:
       self._remove_partial_saves()
     # Orbax's own cleanup of partial saves (`cleanup_tmp_directories`) runs
@@ -130,11 +144,17 @@ class Checkpointer:
     # interpreter shutdown and prints "RuntimeError: cannot schedule new
     # futures after interpreter shutdown". Removing them synchronously above
     # leaves no thread behind.
+    # Both kinds of save go through orbax's asynchronous checkpointer (a
+    # synchronous save waits for it): its callback records `FILES` in the
+    # temporary directory before the rename, so a step directory has it
+    # from the moment it exists.
     self._mngr = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=not read_only, read_only=read_only,
-            enable_async_checkpointing=False, cleanup_tmp_directories=False))
+            enable_async_checkpointing=True, cleanup_tmp_directories=False,
+            async_options=ocp.AsyncOptions(
+                post_finalization_callback=self._record_files)))
 
   def _remove_partial_saves(self) -> None:
     if not self.directory.is_dir():
@@ -144,11 +164,14 @@ class Checkpointer:
 
   def latest_step(self) -> int | None:
     """The newest complete step; None if there is none."""
-    return self._mngr.latest_step()
+    steps = self.all_steps()
+    return steps[-1] if steps else None
 
   def all_steps(self) -> list[int]:
-    """Every complete step, oldest first."""
-    return sorted(self._mngr.all_steps())
+    """Every complete step, oldest first: not one still being written
+    (orbax lists it from the start of its save)."""
+    return sorted(s for s in self._mngr.all_steps()
+                  if s != self._writing or self.path(s).is_dir())
 
   def path(self, step: int) -> pathlib.Path:
     """The directory of `step`."""
@@ -258,25 +281,53 @@ class Checkpointer:
     self._mngr.reload()
     return dst
 
-  def save(self, step: int, state: Any, config: dict[str, Any]) -> None:
-    """Writes `state` at `step` (overwriting nothing: steps are unique)."""
+  def save(self, step: int, state: Any, config: dict[str, Any]) -> bool:
+    """Writes `state` at `step` (overwriting nothing: steps are unique).
+
+    Waits for the write in flight first. Asynchronous: returns once the
+    state is copied off the devices (the caller may then donate or change
+    its arrays); else when the step is on disk.
+
+    Returns:
+      False if `step` was already saved (or is being written), else True.
+    """
     if step in self._mngr.all_steps():
-      return
+      return False
+    self.wait()
+    self._writing = step
     self._mngr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         config=ocp.args.JsonSave(config)))
-    self._mngr.wait_until_finished()
-    if jax.process_index() == 0:
-      self._record_files(step)
+    if not self.asynchronous:
+      self.wait()
+    return True
 
-  def _record_files(self, step: int) -> None:
-    """Writes `FILES` into the step directory (atomically)."""
-    path = self.path(step)
+  def wait(self) -> None:
+    """Waits until the write in flight (if any) is on disk.
+
+    Raises:
+      Whatever the background write raised (orbax re-raises it here).
+    """
+    self._mngr.wait_until_finished()
+    self._writing = None
+
+  def _record_files(self) -> None:
+    """Writes `FILES` into the temporary directory of the step being
+    finalized (orbax's callback, on the first process, after every
+    process's arrays are written and before the rename)."""
+    step = self._writing
+    prefix = f"{step}{ocp.step.TMP_DIR_SUFFIX}"
+    tmps = [p for p in self.directory.iterdir()
+            if p.is_dir() and p.name.startswith(prefix)]
+    if len(tmps) != 1:
+      raise RuntimeError(
+          f"saving step {step}: expected one temporary directory "
+          f"{prefix}* in {self.directory}, found "
+          f"{sorted(p.name for p in tmps)}")
+    path = tmps[0]
     sizes = {str(p.relative_to(path)): p.stat().st_size
              for p in sorted((path / "state").rglob("*")) if p.is_file()}
-    tmp = path / (FILES + ".tmp")
-    tmp.write_text(json.dumps(sizes, indent=0) + "\n")
-    tmp.replace(path / FILES)
+    (path / FILES).write_text(json.dumps(sizes, indent=0) + "\n")
 
   def saved_config(self, step: int) -> dict[str, Any]:
     """The configuration saved with `step` (the state is not read)."""

@@ -11,8 +11,15 @@ checkpoint that restores, naming any damaged one it skips), `--overwrite`
 deletes its checkpoints and starts again, and without either the command
 refuses in one line naming both.
 
+SIGTERM (what SLURM, Kubernetes and spot instances send before they kill a
+job) and SIGINT (Ctrl-C) stop training after the step in flight: its
+checkpoint is saved, one line on stderr names the step, the checkpoint and
+`--resume`, and the status is the signal's (143, 130). With several
+processes (`--distributed`) every process saves the same step.
+
 Exit status: 0 on success, 2 for a bad flag or path (one line on stderr), 1
-for a failure during training.
+for a failure during training, 143 or 130 when SIGTERM or SIGINT stopped it
+(128 + the signal's number).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import pathlib
+import signal
 import sys
 import time
 from typing import Sequence
@@ -469,6 +477,7 @@ def run(argv: Sequence[str] | None = None) -> int:
   from train.loop import Trainer
   from train.loop import model_config
   from train.plots import plot_losses
+  from train.preemption import exit_code
   from train.report import gemm_report
 
   t_start = time.perf_counter()
@@ -514,9 +523,17 @@ def run(argv: Sequence[str] | None = None) -> int:
     try:
       result = trainer.run(out, resume=args.resume, overwrite=args.overwrite,
                            progress=not args.no_progress,
-                           label=f"{cfg.precision:>5} ")
+                           label=f"{cfg.precision:>5} ", handle_signals=True)
     except (NoCheckpointError, ConfigMismatchError, RunExistsError) as e:
       raise UsageError(str(e)) from None
+    if result.stopped is not None:
+      rest = [c.precision for c in configs[len(results) + 1:]]
+      later = f" (not started: {', '.join(rest)})" if rest else ""
+      print(f"{PROG}: {result.stopped}: stopped after step {result.step} of "
+            f"{cfg.steps}, checkpoint saved in {result.checkpoint}{later}; "
+            f"continue with the same flags and --resume", file=sys.stderr,
+            flush=True)
+      return exit_code(signal.Signals[result.stopped])
     print(f"[{cfg.precision}] train loss {result.final_train_loss:.4f}, val "
           f"loss {result.final_val_loss:.4f}, {result.skipped} skipped steps, "
           f"{time.perf_counter() - t0:.0f}s; plots: {result.loss_plot}"

@@ -4,9 +4,14 @@
 pure functions of `train.step` (one optimizer step, evaluation), and `run`
 drives them: data for step `s` is `Batcher.batch(s)`, metrics go to JSONL,
 evaluations and diagnostics every `eval_every` steps, an orbax checkpoint
-every `ckpt_every`, and `train.report` sums the run up at the end. Everything
-that varies between steps is a function of `(seed, step)` or of the state, so
-a run restored from a checkpoint continues bit-identically.
+every `ckpt_every` (written in the background while the next steps run),
+and `train.report` sums the run up at the end. Everything that varies
+between steps is a function of `(seed, step)` or of the state, so a run
+restored from a checkpoint continues bit-identically.
+
+`run(handle_signals=True)` (what `python -m train` does) stops on SIGTERM
+or SIGINT after the step in flight, with a checkpoint of it
+(`train.preemption`): the run loses at most that step.
 
 With a device mesh (`Trainer(..., mesh=)`), the state is sharded as
 `nvfp4_jax.MeshRules` says (parameters, FP32 master weights and optimizer
@@ -21,10 +26,12 @@ defined before they got modules of their own.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
 import shutil
+import signal
 import sys
 import time
 from typing import Callable
@@ -57,6 +64,7 @@ from train.metrics import MetricsLog
 from train.metrics import Progress
 from train.metrics import truncate_metrics
 from train.optim import make_optimizer
+from train.preemption import StopSignals
 from train.report import RunResult
 from train.step import StepFunctions
 from train.step import TrainState
@@ -216,8 +224,21 @@ class Trainer:
   def run(self, out_dir: str | pathlib.Path, *, resume: bool = False,
           overwrite: bool = False, progress: bool = True, label: str = "",
           log_every: int = 10,
-          on_step: Callable[[int], None] | None = None) -> RunResult:
+          on_step: Callable[[int], None] | None = None,
+          handle_signals: bool = False,
+          async_checkpoints: bool = True) -> RunResult:
     """Trains to `cfg.steps`, writing metrics, checkpoints and plots.
+
+    With `handle_signals`, SIGTERM or SIGINT stops the run after the step
+    in flight: the metrics of every completed step are written, a
+    checkpoint of the last one is saved (waiting for its write), and `run`
+    returns a `RunResult` whose `stopped` names the signal (no plots are
+    drawn); `resume=True` continues it bit-identically (on CPU). Every
+    process of a multi-process run stops at the same step, whichever of
+    them got the signal. A second SIGTERM while stopping is ignored; a
+    second SIGINT ends the process at once (`os._exit(130)`), leaving the
+    previous checkpoint (`train.preemption`). A signal in the last step
+    lets the run finish as usual.
 
     Args:
       out_dir: the run directory: `metrics.jsonl`, `config.json`,
@@ -236,9 +257,19 @@ class Trainer:
       log_every: steps between host syncs for metrics (all steps are logged).
       on_step: called with the number of completed steps after each step's
         bookkeeping (checkpoint included).
+      handle_signals: catch SIGTERM and SIGINT while training (from the
+        first step to the last; in the main thread only), as above. False
+        (the default) leaves the process's handlers alone: Ctrl-C raises
+        `KeyboardInterrupt` out of `run`, as anywhere in Python.
+      async_checkpoints: write checkpoints in the background while the
+        next steps run (orbax's asynchronous checkpointing); a checkpoint
+        counts, and the older one `keep` retires is deleted, only once its
+        write has finished, and `run` returns only after the last one has.
+        False: every save is written before the next step starts.
 
     Returns:
-      A `RunResult`.
+      A `RunResult` (`stopped` is the signal's name if `handle_signals`
+      stopped the run early, else None).
 
     Raises:
       train.checkpoint.NoCheckpointError: `resume` without a complete
@@ -248,7 +279,8 @@ class Trainer:
         (a `ValueError`).
       train.checkpoint.RunExistsError: neither `resume` nor `overwrite`
         where checkpoints exist (a `FileExistsError`).
-      ValueError: both `resume` and `overwrite`.
+      ValueError: both `resume` and `overwrite`; `handle_signals` outside
+        the main thread.
     """
     cfg = self.cfg
     out = pathlib.Path(out_dir)
@@ -285,23 +317,31 @@ class Trainer:
     if _first_process():
       out.mkdir(parents=True, exist_ok=True)
     _all_processes_at(f"prepared {out}")
-    ckpt = Checkpointer(ckpt_dir)
+    ckpt = Checkpointer(ckpt_dir, asynchronous=async_checkpoints)
     try:
       state = self._start(ckpt, config, resume)
       start = int(state.step)
       if _first_process():
         truncate_metrics(metrics_path, start)
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-      with (MetricsLog(metrics_path) if _first_process()
-            else MemoryLog()) as log:
-        state = self._loop(state, start, log, ckpt, config, progress, label,
-                           log_every, on_step)
+      signals = (StopSignals(describe=lambda: _survivor(ckpt))
+                 if handle_signals else contextlib.nullcontext())
+      with signals, (MetricsLog(metrics_path) if _first_process()
+                     else MemoryLog()) as log:
+        state, stopped = self._loop(
+            state, start, log, ckpt, config, progress, label, log_every,
+            on_step, signals if handle_signals else None)
     finally:
-      ckpt.close()
-    return report.finish(
+      ckpt.close()  # Waits for the write in flight.
+    result = report.finish(
         cfg, out, metrics_path, skipped=int(state.skipped),
         master_params=nvfp4_jax.master_params(state.opt_state),
-        records=None if _first_process() else log.records)
+        records=None if _first_process() else log.records,
+        plot=stopped is None)
+    result.step = int(state.step)
+    result.checkpoint = ckpt.path(int(state.step))
+    result.stopped = None if stopped is None else stopped.name
+    return result
 
   def _start(self, ckpt: Checkpointer, config: dict, resume: bool
              ) -> TrainState:
@@ -338,7 +378,8 @@ class Trainer:
     return TrainState(*state)
 
   def _loop(self, state, start, log, ckpt, config, progress, label,
-            log_every, on_step) -> TrainState:
+            log_every, on_step, signals
+            ) -> tuple[TrainState, signal.Signals | None]:
     cfg = self.cfg
     tokens_per_step = cfg.batch_size * cfg.seq_len
     bar = Progress(cfg.steps, start=start, label=label, enabled=progress)
@@ -381,9 +422,25 @@ class Trainer:
         ckpt.save(done, state, config)
       if on_step is not None:
         on_step(done)
+      # Every process asks after every step (the agreement needs it); a
+      # signal in the last step lets the run end as usual.
+      if signals is not None and signals.should_stop(done) and not last:
+        flush()
+        ckpt.save(done, state, config)  # A no-op if just saved above.
+        ckpt.wait()
+        bar.close()
+        return state, signals.signal
     flush()
     bar.close()
-    return state
+    return state, None
+
+
+def _survivor(ckpt: Checkpointer) -> str:
+  """The end of the line a second SIGINT prints: which checkpoint is left."""
+  step = ckpt.latest_step()
+  if step is None:
+    return "; no complete checkpoint in " + str(ckpt.directory)
+  return f"; the newest complete checkpoint is {ckpt.path(step)}"
 
 
 def _first_process() -> bool:

@@ -43,6 +43,11 @@ class RunResult:
     skipped: number of skipped (non-finite) steps.
     records: all metric records.
     params: the final FP32 master parameters.
+    step: the number of completed steps (`config.steps` unless stopped).
+    checkpoint: the directory of the checkpoint of `step`.
+    stopped: the name of the signal that stopped the run before
+      `config.steps` ("SIGTERM", "SIGINT"; `Trainer.run(handle_signals=
+      True)`), None if it ran to the end.
   """
 
   config: TrainConfig
@@ -55,6 +60,9 @@ class RunResult:
   skipped: int
   records: list[dict[str, Any]]
   params: Any
+  step: int | None = None
+  checkpoint: pathlib.Path | None = None
+  stopped: str | None = None
 
 
 def describe(cfg: TrainConfig, model_cfg: GPTConfig,
@@ -113,7 +121,8 @@ def diag_record(rules: nvfp4_jax.PrecisionRules,
 
 def finish(cfg: TrainConfig, out: pathlib.Path, metrics_path: pathlib.Path,
            *, skipped: int, master_params: Any,
-           records: list[dict[str, Any]] | None = None) -> RunResult:
+           records: list[dict[str, Any]] | None = None,
+           plot: bool = True) -> RunResult:
   """Reads back a finished run's metrics, plots them and sums them up.
 
   Args:
@@ -124,12 +133,13 @@ def finish(cfg: TrainConfig, out: pathlib.Path, metrics_path: pathlib.Path,
     master_params: the final FP32 master parameters (on the host).
     records: the metric records of a process that writes no files (not
       the first of a multi-process run): summed up, not plotted.
+    plot: draw the plots (False: `loss_plot` and `diag_plot` are None).
 
   Returns:
     The `RunResult`.
   """
-  plots = records is None
-  if plots:
+  plots = records is None and plot
+  if records is None:
     records = read_metrics(metrics_path)
   train = [r["loss"] for r in select(records, "train") if r["finite"]]
   tail = train[-max(1, len(train) // 10):]
