@@ -472,12 +472,16 @@ def _load_rows(x_ref, blk0, mask, nb: int, bf: int) -> list[jax.Array]:
 
 def _butterfly(rows: list[jax.Array], sign_vector: tuple[int, ...],
                interpret: bool) -> list[jax.Array]:
-  """`tile.hadamard_butterfly` of loaded rows: each multiplied by its sign
-  and 1/4 with an FTZ multiplication (the input's flush and the product's,
-  as the reference's flush and dot)."""
+  """`tile.hadamard_butterfly` of loaded rows, each operation the
+  reference's (`tile.hadamard_rows`): each row multiplied by its sign and
+  1/4 with an FTZ multiplication (the input's flush and the product's),
+  the sums with FTZ additions and subtractions (`common.ftz_add`,
+  `ftz_subtract`)."""
   return tile.hadamard_butterfly([r.astype(jnp.float32) for r in rows],
                                  sign_vector,
-                                 multiply=common.ftz_multiply(interpret))
+                                 multiply=common.ftz_multiply(interpret),
+                                 add=common.ftz_add(interpret),
+                                 subtract=common.ftz_subtract(interpret))
 
 
 def _columns_amax_kernel(x_ref, *out_refs, with_x: bool, tokens: int,
