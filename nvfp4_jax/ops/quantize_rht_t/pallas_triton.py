@@ -36,12 +36,14 @@ RHT, and any call given an `RHTConfig`:
 
 The RHT matrix is an input (closed-over constants do not lower); the columns
 kernels take the sign vector as Python constants. The tile math is the
-reference's: the halves of `nvfp4_jax.core.tile.hadamard_rows` (the RHT step of
-`nvfp4_jax.rht`), `hadamard_sums` (or its butterfly) and `round_hadamard`,
-then `tile.encode_blocks` and `prng.tile_words` (`prng.block_words`). The
-FP32 sums are the reference's wherever they are exact (every product is
-exact; only the summation order differs, as between any two
-implementations, TE's included). The tensor-core kernels support the
+reference's: the RHT step of `nvfp4_jax.rht` (`nvfp4_jax.core.tile.hadamard_rows`:
+the columns kernels run its butterfly, `tile.hadamard_butterfly`, with the
+same flushed operations, so their sums are the reference's bit for bit; the
+tensor-core kernels `tile.hadamard_sums`) and `round_hadamard`, then
+`tile.encode_blocks` and `prng.tile_words` (`prng.block_words`). The
+tensor-core kernels' FP32 sums are the reference's wherever they are exact
+and no product or partial sum is subnormal (only the summation order
+differs, as between any two implementations, TE's included). The tensor-core kernels support the
 Hadamard sizes whose matrix is exact in bf16 and fills a tensor-core dot (16
 and 64). Other sizes raise `NotImplementedError` (dispatch falls back to the
 reference). Arguments are validated by the public ops before dispatch.
