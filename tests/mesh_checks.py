@@ -2090,6 +2090,10 @@ def check_gpt_step(names=("dp", "mixed"), resume=True, gpt_rules=GPT_RULES,
   print(f"  one device: loss {ref0[0]:.7f} ({time.perf_counter() - t0:.1f}s"
         f"); tolerance 2u((N-1) + D F) = {factor:.2e} x S with N={n}, "
         f"D={depth}, F=256")
+  for path, flip in ref0[3].items():
+    if path.endswith("norm/scale"):
+      print(f"    {path}: one flipped Dgrad code moves an entry by at most "
+            f"{flip.max():.2e} (bound {factor * ref0[2][path].max():.2e})")
   meshes = {}
   for name in names:
     sizes = GPT_MESHES[name]

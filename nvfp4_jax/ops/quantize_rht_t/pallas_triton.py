@@ -95,7 +95,9 @@ def _flush(x: jax.Array, interpret: bool) -> jax.Array:
 
 def rht_transposed(x: jax.Array, h: jax.Array, interpret: bool) -> jax.Array:
   """`rht(x.T)` of a `[tokens, features]` tile, as FP32 `[features, tokens]`
-  (`tile.hadamard_rows` of its 16-token runs).
+  (flushed, `tile.hadamard_sums` on the tensor cores, `round_hadamard`, of
+  its 16-token runs: the reference's `tile.hadamard_rows` wherever the sums
+  are exact and no product or partial sum is subnormal).
 
   bf16 tiles multiply on bf16 operands (exact: see `check_size`).
   """
