@@ -846,6 +846,36 @@ def ftz_multiply(interpret: bool) -> Callable[[jax.Array, jax.Array],
   return mul_ftz
 
 
+def _binary_ftz(interpret: bool, instr: str, twin: Callable
+                ) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  if interpret:
+    return twin
+
+  def op(a, b):
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32),
+                                jnp.asarray(b, jnp.float32))
+    [out] = plt.elementwise_inline_asm(
+        f"{instr} $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+    return out
+  return op
+
+
+def ftz_add(interpret: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """`tile.flushed_sum` (`ftz(a + b)`, the RHT butterfly's additions): on
+  the GPU one `add.rn.ftz.f32` (PTX ISA `add`: with `.ftz` subnormal inputs
+  and results become sign-preserving zeros), where a plain addition would
+  keep a subnormal partial sum that the reference flushes."""
+  return _binary_ftz(interpret, "add.rn.ftz.f32", tile.flushed_sum)
+
+
+def ftz_subtract(interpret: bool
+                 ) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """`tile.flushed_difference` (`ftz(a - b)`): on the GPU one
+  `sub.rn.ftz.f32`."""
+  return _binary_ftz(interpret, "sub.rn.ftz.f32", tile.flushed_difference)
+
+
 def max_magnitude(interpret: bool) -> Callable[[jax.Array, jax.Array],
                                                 jax.Array]:
   """A running elementwise maximum of magnitudes: `m, v -> w` where
@@ -1090,19 +1120,21 @@ def _x2_call(asm: str, args: list[jax.Array]) -> jax.Array:
 
 
 def add_x2(interpret: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
-  """FP32 `a + b` (round to nearest even, subnormals kept: `add.rn.f32`),
-  two lanes per `add.rn.f32x2` on the GPU."""
+  """`tile.flushed_sum` (FP32 `ftz(a + b)`, round to nearest even:
+  `add.rn.ftz.f32`, `ftz_add`'s), two lanes per `add.rn.ftz.f32x2` on the
+  GPU."""
   if interpret:
-    return jnp.add
-  asm = _x2_asm("mov.b64 b, {$4, $5};\nadd.rn.f32x2 d, a, b;")
+    return tile.flushed_sum
+  asm = _x2_asm("mov.b64 b, {$4, $5};\nadd.rn.ftz.f32x2 d, a, b;")
   return lambda a, b: _x2_call(asm, [a, b])
 
 
 def sub_x2(interpret: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
-  """FP32 `a - b` (`sub.rn.f32`), two lanes per `sub.rn.f32x2`."""
+  """`tile.flushed_difference` (`sub.rn.ftz.f32`), two lanes per
+  `sub.rn.ftz.f32x2`."""
   if interpret:
-    return jnp.subtract
-  asm = _x2_asm("mov.b64 b, {$4, $5};\nsub.rn.f32x2 d, a, b;")
+    return tile.flushed_difference
+  asm = _x2_asm("mov.b64 b, {$4, $5};\nsub.rn.ftz.f32x2 d, a, b;")
   return lambda a, b: _x2_call(asm, [a, b])
 
 

@@ -221,23 +221,113 @@ def test_butterfly_equals_the_matrix_where_sums_are_exact(size, signs):
 
 
 def test_butterfly_products_flush_as_the_dot():
-  """Element times `s/4` is flushed when subnormal, as the reference's dot
-  flushes its products: 16 x 2^-125 transforms to 0, not 2^-123."""
-  # On the CPU: its reference is the truth (XLA:GPU's dot keeps subnormal
-  # products; the kernels' `mul.ftz` flushes them as XLA:CPU does).
-  with jax.default_device(jax.devices("cpu")[0]):
-    v = [jnp.full((3,), 2.0**-125, jnp.float32) for _ in range(16)]
-    ftz_mul = lambda x, e: nf.numerics.ftz(nf.numerics.ftz(x) * e)
-    got = tile.hadamard_butterfly(v, nf.default_sign_vector(16),
-                                  multiply=ftz_mul)
-    want = np.asarray(nf.rht(jnp.stack(v, -1).astype(jnp.bfloat16)), F32)
-  np.testing.assert_array_equal(np.stack([np.asarray(a) for a in got], -1),
-                                want)
-  assert not want.any()
+  """Element times `s/4` is flushed when subnormal (`tile.flushed_product`,
+  the kernels' `mul.ftz`), on every backend: 16 x 2^-125 transforms to +0
+  (not to 2^-123, nor to zeros whose signs follow some dot's `fma` chain)."""
+  v = [jnp.full((3,), 2.0**-125, jnp.float32) for _ in range(16)]
+  got = np.stack([np.asarray(a) for a in tile.hadamard_butterfly(
+      v, nf.default_sign_vector(16))], -1)
+  want = np.asarray(nf.rht(jnp.stack(v, -1).astype(jnp.bfloat16)), F32)
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+  assert not want.any() and not np.signbit(want).any()
+
+
+def numpy_butterfly(x: np.ndarray, signs) -> np.ndarray:
+  """An independent model of the reference's RHT arithmetic
+  (`tile.hadamard_rows`), in NumPy's FP32 (IEEE operations, subnormals
+  kept by the host: every flush explicit): bf16 bits of `rht(x)`."""
+  def ftz(v):
+    v = np.asarray(v, F32)
+    return np.where(np.abs(v) < np.finfo(F32).tiny, v * F32(0), v)
+  n = len(signs)
+  t = ftz(np.asarray(x, F32).reshape(-1, n))
+  with np.errstate(all="ignore"):
+    y = [ftz(t[:, k] * (F32(signs[k]) / np.sqrt(F32(n)))) for k in range(n)]
+    h = 1
+    while h < n:
+      for start in range(0, n, 2 * h):
+        for k in range(start, start + h):
+          y[k], y[k + h] = ftz(y[k] + y[k + h]), ftz(y[k] - y[k + h])
+      h *= 2
+    out = ftz(np.stack(y, -1)).astype(ml_dtypes.bfloat16)
+  return out.reshape(np.shape(x))
+
+
+def adversarial_rht_input(rows: int, size: int, seed: int) -> np.ndarray:
+  """FP32 blocks where the RHT's arithmetic shows: inexact sums (values
+  over 40 binades), tiny tokens (2^-133..2^-122: subnormal products and,
+  beside each other, subnormal partial sums), zeros of both signs, one
+  sign alone, NaN and Inf, and blocks of one value."""
+  rng = np.random.default_rng(seed)
+  x = (rng.standard_normal((rows, size)) * np.exp2(
+      rng.integers(-20, 20, (rows, size)))).astype(F32)
+  q = rows // 8
+  tiny = rng.choice([-1.0, 1.0], (q, size)) * np.exp2(
+      rng.uniform(-133.0, -122.0, (q, size)))
+  x[:q] = tiny
+  x[q:2 * q] = np.where(rng.random((q, size)) < 0.5, -0.0, 0.0)
+  x[2 * q:3 * q] = np.where(rng.random((q, size)) < 0.5, tiny, -0.0)
+  x[3 * q:4 * q] = np.abs(tiny) * rng.choice([1, 2, 3], (q, size))
+  x[4 * q] = 2.0**-125
+  x[4 * q + 1] = -1.5 * 2.0**-124
+  x[4 * q + 2, 0] = np.nan
+  x[4 * q + 3, 1] = -np.inf
+  return x
+
+
+@pytest.mark.parametrize("size", [2, 4, 16, 64, 128])
+def test_rht_arithmetic_is_defined(size):
+  """`rht` is the flushed butterfly (`tile.hadamard_rows`) bit for bit,
+  zeros' signs included, also where sums are inexact and products or
+  partial sums subnormal: the same bits on any CPU and on the GPU. (Its
+  former FP32 dot was XLA:CPU's choice: YNNPACK on this AVX-512 host, the
+  compiler's own loops on an AVX2 one, `tests/test_isa.py`, whose zeros
+  carried the last product's sign.)"""
+  s = nf.default_sign_vector(size)
+  x = adversarial_rht_input(64, size, seed=size)
+  got = bf16_bits(rht_jit(jnp.asarray(x), size=size))
+  want = numpy_butterfly(x, s).view(np.uint16)
+  nan = (want & 0x7FFF) > 0x7F80
+  np.testing.assert_array_equal(nan, (got & 0x7FFF) > 0x7F80)
+  assert nan.any()
+  np.testing.assert_array_equal(got[~nan], want[~nan])
+  assert (want[~nan] == 0x8000).any()  # A -0 output: signs are compared.
+  # The bf16 input path (TE's only input dtype) too.
+  xb = x.astype(ml_dtypes.bfloat16)
+  got = bf16_bits(rht_jit(jnp.asarray(xb), size=size))
+  want = numpy_butterfly(xb, s).view(np.uint16)
+  np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("size", [4, 16])
+def test_butterfly_layouts_agree(size):
+  """The reference's butterfly on whole rows (`tile.hadamard_rows`) and the
+  kernels' on one array per element (`tile.hadamard_butterfly`, eager):
+  the same operations on the same pairs, the same bits."""
+  x = adversarial_rht_input(64, size, seed=40 + size)
+  s = nf.default_sign_vector(size)
+  rows = np.asarray(tile.hadamard_rows(jnp.asarray(x), s), F32)
+  cols = tile.hadamard_butterfly(
+      [nf.numerics.ftz(jnp.asarray(x[:, k])) for k in range(size)], s)
+  cols = np.stack([np.asarray(tile.round_hadamard(c)) for c in cols], -1)
+  np.testing.assert_array_equal(np.isnan(rows), np.isnan(cols))
+  ok = ~np.isnan(rows)
+  np.testing.assert_array_equal(rows.view(np.uint32)[ok],
+                                cols.view(np.uint32)[ok])
+
+
+def test_butterfly_weights_are_the_matrix():
+  """The butterfly multiplies by `H`'s own entries (column 0 of
+  `rht_matrix`: the same FP32 division), for every size."""
+  for size in (2, 4, 8, 16, 32, 64, 128):
+    s = nf.default_sign_vector(size)
+    np.testing.assert_array_equal(
+        np.asarray(tile.butterfly_weights(s), F32),
+        nf.rht_matrix(s, size)[:, 0])
 
 
 def test_butterfly_bad_blocks():
-  with pytest.raises(ValueError, match="power-of-4 block.*8 arrays"):
-    tile.hadamard_butterfly([jnp.ones(2)] * 8, (1,) * 8)
+  with pytest.raises(ValueError, match="power-of-2 block.*6 arrays"):
+    tile.hadamard_butterfly([jnp.ones(2)] * 6, (1,) * 6)
   with pytest.raises(ValueError, match="16 arrays, 4 signs"):
     tile.hadamard_butterfly([jnp.ones(2)] * 16, (1,) * 4)

@@ -1029,9 +1029,12 @@ def test_rht_columns_words_path_on_blackwell():
                                            (-1.5 * 2.0**-124, True)])
 def test_rht_columns_flushes_products_as_the_reference(value, nonzero):
   """Tokens of 2^-125 (normal in bf16) times 1/4 are subnormal products,
-  which the reference's dot flushes (XLA:CPU): a tensor of them transforms
-  to zeros (amax 0), not to 2^-123. The columns kernels flush them in the
-  product (`mul.ftz`). Products of 1.5 x 2^-126 are normal and kept."""
+  which the reference flushes (`tile.flushed_product`, on every backend and
+  CPU): a tensor of them transforms to zeros (amax 0), not to 2^-123, and
+  to +0s, the butterfly's (a dot's `fma` chain left zeros of the last
+  product's sign: codes 8 and 128 where the kernels gave 0, on AVX2 hosts,
+  `tests/test_isa.py`). The columns kernels flush them in the product
+  (`mul.ftz`). Products of 1.5 x 2^-126 are normal and kept."""
   x = jnp.full((32, 48), value, jnp.bfloat16)
   want = jit_xla(rht_t_api.quantize_rht_t)(x)
   assert (float(want.amax) > 0) == nonzero
@@ -1044,16 +1047,19 @@ def test_rht_columns_flushes_products_as_the_reference(value, nonzero):
                                          ("tensor_cores", 64)])
 def test_rht_of_tiny_tokens_decodes_as_the_reference(kernel, size):
   """Tokens below 2^-124 (2^-123 for 64 points) have subnormal RHT products.
-  Where they land, which partial sums flush depends on the summation order,
-  as a sum's rounding does (`rht_input`): XLA:CPU flushes products and
-  partial sums, the butterfly flushes products, tensor cores keep both. So
-  the bytes of those outputs are not comparable across implementations.
-  What is, in a tensor whose other sums are exact and whose amax is
-  normal-sized: the amax, every scale byte and every decoded value (codes
-  may differ only where they decode to zero). Blocks of tiny tokens get
-  zero scales, whatever their codes; tiny tokens beside normal ones vanish
-  in the sums, or, where the normal ones cancel exactly, leave an output
-  that encodes to a zero of either sign."""
+  The reference defines what becomes of them (`tile.hadamard_rows`: every
+  product and partial sum flushed, the butterfly's order), and the columns
+  kernels run the same operations: their codes, scales and amax are the
+  reference's, bit for bit. The tensor cores keep subnormal products and
+  partial sums and sum in their own order, so which partial sums flush
+  there, and the signs of zeros, differ, as a sum's rounding does
+  (`rht_input`). What is comparable with them, in a tensor whose other sums
+  are exact and whose amax is normal-sized: the amax, every scale byte and
+  every decoded value (codes may differ only in the sign of a zero code, 0
+  against 8, which decode alike: NVFP4_SPEC section 1). Blocks of tiny
+  tokens get zero scales, whatever their codes; tiny tokens beside normal
+  ones vanish in the sums, or, where the normal ones cancel exactly, leave
+  an output that encodes to a zero of either sign."""
   rng = np.random.default_rng(29)
   x = np.array(rht_input((128, 96), jnp.float32, seed=29))
   tiny = rng.choice([-1.0, 1.0], x.shape) * np.exp2(
@@ -1070,6 +1076,8 @@ def test_rht_of_tiny_tokens_decodes_as_the_reference(kernel, size):
   if kernel == "tensor_cores":
     gots.append(jax.jit(lambda x: pair_api.quantize_x_and_rht_t(
         x, size=size, implementation="pallas"))(x)[1])
+  if kernel == "columns":
+    assert_same(gots[0], want)
   for got in gots:
     assert f32_bits(got.amax) == f32_bits(want.amax)
     np.testing.assert_array_equal(np.asarray(got.scales).view(np.uint8),

@@ -138,3 +138,90 @@ def test_errors():
     tx.update(params, tx.init(params))
   with pytest.raises(ValueError, match="no MasterWeightsState"):
     nv.master_params(optax.sgd(1.0).init(params))
+
+
+def _complex_tree():
+  """A complex64 weight, a complex64 bias and a float32 weight, and their
+  gradients for step `i` (both parts random)."""
+  def cplx(key, shape):
+    re, im = jax.random.normal(key, (2,) + shape)
+    return (re + 1j * im).astype(jnp.complex64)
+  keys = jax.random.split(jax.random.key(3), 3)
+  params = {"c": cplx(keys[0], (16, 8)), "b": {"bias": cplx(keys[1], (8,))},
+            "w": jax.random.normal(keys[2], (8, 4), jnp.float32)}
+  grads = lambda i: jax.tree.map(
+      lambda p: (cplx(jax.random.key(100 + i), p.shape) if jnp.iscomplexobj(p)
+                 else jax.random.normal(jax.random.key(200 + i), p.shape)),
+      params)
+  return params, grads
+
+
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+def test_complex_params_match_the_inner_optimizer(inner):
+  """Complex64 parameters keep a complex64 master (never a real one, which
+  would drop the imaginary part): steps equal optax's own, bit for bit, on
+  a tree that mixes complex64 and float32 leaves (and, beside them, an
+  integer counter that stays untouched). Bit for bit, as for float32
+  parameters: the master and the parameter are one dtype, and
+  `p + (new - p)` is `new` for steps smaller than the weight."""
+  make = {"sgd": lambda: optax.sgd(1e-2, momentum=0.9),
+          "adam": lambda: optax.adam(1e-2)}[inner]
+  params, grads = _complex_tree()
+  tx, ref = nv.master_weights(make()), make()
+  p1 = dict(params, n=jnp.int32(7))
+  s1, s2, p2 = tx.init(p1), ref.init(params), params
+  master = nv.master_params(s1)
+  assert master["c"].dtype == jnp.complex64 and master["w"].dtype == jnp.float32
+  # Eager, as optax beside it: one jitted program may contract a product
+  # and a sum into an FMA where the other does not (1 ulp in adam).
+  for i in range(3):
+    g = grads(i)
+    u1, s1 = tx.update(dict(g, n=jnp.int32(1)), s1, p1)
+    u2, s2 = ref.update(g, s2, p2)
+    p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+  assert int(p1.pop("n")) == 7
+  jax.tree.map(np.testing.assert_array_equal, p1, p2)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b.astype(a.dtype)),
+               p1, {k: v for k, v in nv.master_params(s1).items() if k != "n"})
+  assert np.all(np.asarray(p1["c"]).imag != np.asarray(params["c"]).imag)
+
+
+def test_the_issue_s_complex_sgd_step():
+  """`1+1j` with gradient `1j` and learning rate 0.1 steps to `1+0.9j`, as
+  `optax.sgd` gives (a real master gave back `1+1j`)."""
+  p = {"c": jnp.array([1 + 1j], jnp.complex64)}
+  g = {"c": jnp.array([1j], jnp.complex64)}
+  tx = nv.master_weights(optax.sgd(0.1))
+  u, _ = tx.update(g, tx.init(p), p)
+  u_ref, _ = optax.sgd(0.1).update(g, optax.sgd(0.1).init(p), p)
+  np.testing.assert_array_equal(optax.apply_updates(p, u)["c"],
+                                optax.apply_updates(p, u_ref)["c"])
+  np.testing.assert_allclose(optax.apply_updates(p, u)["c"], [1 + 0.9j])
+
+
+def test_complex128_and_float64_keep_their_precision_with_x64():
+  """With `jax_enable_x64`, complex128 and float64 parameters keep masters
+  of their own dtype (`master_dtype`: at least FP32, never narrower), so a
+  step below FP32's resolution still lands, as with optax alone."""
+  with jax.enable_x64(True):
+    p = {"c": jnp.array([1 + 1j], jnp.complex128),
+         "w": jnp.array([1.0], jnp.float64)}
+    g = {"c": jnp.array([1e-9j], jnp.complex128),
+         "w": jnp.array([1e-9], jnp.float64)}
+    tx, ref = nv.master_weights(optax.adam(1e-9)), optax.adam(1e-9)
+    s = tx.init(p)
+    assert {k: v.dtype for k, v in nv.master_params(s).items()} == {
+        "c": jnp.complex128, "w": jnp.float64}
+    u, _ = tx.update(g, s, p)
+    u_ref, _ = ref.update(g, ref.init(p), p)
+    got, want = optax.apply_updates(p, u), optax.apply_updates(p, u_ref)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    assert float(got["w"][0]) != 1.0 and float(got["c"][0].imag) != 1.0
+
+
+def test_complex_gradient_of_a_real_parameter_is_an_error():
+  tx = nv.master_weights(optax.sgd(1.0))
+  p = {"w": jnp.ones((3,), jnp.float32)}
+  with pytest.raises(TypeError, match=r"real float32 parameter of shape "
+                     r"\(3,\) got a complex gradient \(complex64\)"):
+    tx.update({"w": jnp.ones((3,), jnp.complex64)}, tx.init(p), p)

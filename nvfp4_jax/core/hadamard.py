@@ -69,6 +69,16 @@ def rht(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
   Because `H` is orthogonal, `rht(a) @ rht(b).T == a @ b.T` up to the bf16
   rounding: the Wgrad GEMM is unchanged except for quantization.
 
+  The FP32 arithmetic is defined, so the result is the same on every CPU and
+  on the GPU: subnormal inputs, products and partial sums are flushed to
+  zeros of their sign, and the sums are added in the fast Walsh-Hadamard
+  transform's order (`tile.hadamard_rows`; where every sum is exact, any
+  order gives the same values). An implementation that sums in another
+  order (TE's tensor cores) can differ where a sum is inexact or a product
+  or partial sum is subnormal; where a sum is zero only by cancellation or
+  of zeros, by the sign of that zero alone, which changes an FP4 code from
+  0 to 8 (both decode to 0), never a scale byte.
+
   Args:
     x: floating array `[..., K]`, `K` a multiple of `size`.
     sign_vector: the diagonal of random signs; defaults to
@@ -78,15 +88,13 @@ def rht(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
   Returns:
     bfloat16 array of `x`'s shape.
   """
-  h = rht_matrix(sign_vector, size)
+  rht_matrix(sign_vector, size)  # Validates `size` and `sign_vector`.
+  s = default_sign_vector(size) if sign_vector is None else tuple(sign_vector)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"rht needs a floating array, got dtype {x.dtype}.")
   if x.ndim == 0 or x.shape[-1] % size:
     raise ValueError(
         f"rht transforms the last axis in tiles of {size}; got shape "
         f"{x.shape}. Pad that axis to a multiple of {size}.")
-  # `hadamard_rows` flushes explicitly: XLA:CPU's dot treats subnormal inputs
-  # as zero and flushes subnormal results, XLA:GPU does not.
-  tiles = x.reshape(-1, size)
-  y = hadamard_rows(tiles, jnp.asarray(h), bf16_operands=False)
+  y = hadamard_rows(x.reshape(-1, size), s)
   return y.reshape(x.shape).astype(jnp.bfloat16)

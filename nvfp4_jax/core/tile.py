@@ -296,16 +296,54 @@ def bf16_exact_matrix(h: np.ndarray) -> bool:
   return bool(np.all(h.astype(jnp.bfloat16).astype(np.float32) == h))
 
 
-def hadamard_rows(v: jax.Array, h: jax.Array, *,
-                  bf16_operands: bool) -> jax.Array:
-  """`v @ H` of runs of `size` elements, the RHT step (NVFP4_SPEC section 4).
+def hadamard_rows(v: jax.Array, sign_vector: Sequence[int]) -> jax.Array:
+  """`v @ H` of runs of `size` elements, the RHT step (NVFP4_SPEC section 4),
+  as the reference defines it on every backend and CPU.
 
-  Flush, multiply with FP32 accumulation (`hadamard_sums`), flush, round to
-  bf16 (`round_hadamard`): the result is returned in FP32 (holding bf16
-  values). The kernels call the two halves with their own flushes.
+  Flush the inputs, `hadamard_butterfly`'s operations (every product and
+  every partial sum flushed, the sums in the Sylvester order) on whole
+  rows, flush and round to bf16 (`round_hadamard`): the result is returned
+  in FP32 (holding bf16 values). Elementwise operations only, each flushed
+  explicitly: no result depends on the host's instruction set, on a
+  backend's flush mode or on the dot a compiler picks (XLA:CPU lowers a
+  small FP32 dot to YNNPACK on some CPUs and to its own loops on others:
+  their summation orders differ, and so do the signs of the zeros that
+  flushed products leave, as an `fma` chain keeps the last product's). The
+  columns kernels run the butterfly on one array per element (the same
+  operations on the same pairs: `tests/test_hadamard.py` holds the two
+  layouts to the same bits); the tensor-core kernels `hadamard_sums`.
 
   Args:
     v: `[n, size]` FP32 (or narrower) values.
+    sign_vector: the RHT's signs, `size` of them (`size` a power of two).
+  """
+  n = len(sign_vector)
+  _check_butterfly(v.shape[-1], n)
+  y = flushed_product(nm.ftz(v.astype(jnp.float32)),
+                      jnp.asarray(butterfly_weights(sign_vector)))
+  lead = y.shape[:-1]
+  h = 1
+  while h < n:  # Round h pairs element k with k + h in runs of 2h.
+    y = y.reshape(*lead, n // (2 * h), 2, h)
+    a, b = y[..., 0, :], y[..., 1, :]
+    y = jnp.stack([flushed_sum(a, b), flushed_difference(a, b)],
+                  axis=-2).reshape(*lead, n)
+    h *= 2
+  return round_hadamard(y)
+
+
+def hadamard_sums(v: jax.Array, h: jax.Array, *,
+                  bf16_operands: bool) -> jax.Array:
+  """The FP32 sums `v @ H` of the tensor-core kernels' tiles (flushed `v`
+  in, before the output's flush and bf16 rounding), a dot.
+
+  Equal to `hadamard_butterfly`'s sums wherever those are exact and no
+  product or partial sum is subnormal; elsewhere the summation order and
+  the flushes are the dot's own (tensor cores keep subnormal products and
+  partial sums; interpreted, XLA:CPU's dot flushes both).
+
+  Args:
+    v: `[n, size]` FP32 values, flushed.
     h: the `[size, size]` RHT matrix, FP32.
     bf16_operands: multiply on bf16 operands (tensor cores). Only a lowering
       choice, allowed when it changes nothing: `v` holds bf16 values and `H`'s
@@ -313,15 +351,6 @@ def hadamard_rows(v: jax.Array, h: jax.Array, *,
       4), so every product is exact either way. Otherwise the dot runs in FP32
       (IEEE, not TF32).
   """
-  y = hadamard_sums(nm.ftz(v.astype(jnp.float32)), h,
-                    bf16_operands=bf16_operands)
-  return round_hadamard(y)
-
-
-def hadamard_sums(v: jax.Array, h: jax.Array, *,
-                  bf16_operands: bool) -> jax.Array:
-  """The FP32 sums of `hadamard_rows` (flushed `v` in, before the output's
-  flush and bf16 rounding); arguments as there, `v` already flushed."""
   if bf16_operands:
     return jnp.dot(v.astype(jnp.bfloat16), h.astype(jnp.bfloat16),
                    preferred_element_type=jnp.float32)
@@ -330,31 +359,71 @@ def hadamard_sums(v: jax.Array, h: jax.Array, *,
                  preferred_element_type=jnp.float32)
 
 
-def hadamard_butterfly(vs: Sequence[jax.Array], sign_vector: Sequence[int],
-                       *, multiply: Callable = jnp.multiply,
-                       add: Callable = jnp.add,
-                       subtract: Callable = jnp.subtract
-                       ) -> list[jax.Array]:
-  """`hadamard_sums` of blocks held as separate arrays, one per element of
-  the block (`vs[k]`: element `k` of every block; FP32, flushed, or
-  unflushed with an FTZ `multiply`): the fast Walsh-Hadamard transform.
+def flushed_product(v: jax.Array, c) -> jax.Array:
+  """FP32 `ftz(v * c)`: a subnormal product becomes a zero of its sign, on
+  every backend (`mul.ftz`'s product on the GPU, what XLA:CPU's FTZ mode
+  gives implicitly)."""
+  return nm.ftz(v * c)
 
-  Element `k` is first multiplied by its entry's magnitude and sign,
-  `s[k] / sqrt(size)` (exact: a power of two for sizes that are powers of
-  4; the product flushed, as the dot's), then `log2(size)` rounds of
-  additions and subtractions give `(v * s) @ H_size / sqrt(size)`, the
-  Sylvester matrix's sums in its natural order. They are `hadamard_sums`'
-  wherever those are exact; only the FP32 summation order differs.
-  `add`, `subtract`: the FP32 (round to nearest even) addition and
-  subtraction for this backend (a kernel may pair lanes).
+
+def flushed_sum(a: jax.Array, b: jax.Array) -> jax.Array:
+  """FP32 `ftz(a + b)` (round to nearest even; `add.ftz` on the GPU)."""
+  return nm.ftz(a + b)
+
+
+def flushed_difference(a: jax.Array, b: jax.Array) -> jax.Array:
+  """FP32 `ftz(a - b)` (round to nearest even; `sub.ftz` on the GPU)."""
+  return nm.ftz(a - b)
+
+
+def _check_butterfly(n: int, signs: int) -> None:
+  if signs != n or n < 2 or n & (n - 1):
+    raise ValueError(f"hadamard_butterfly needs a power-of-2 block with one "
+                     f"sign per element; got {n} arrays, {signs} signs.")
+
+
+def butterfly_weights(sign_vector: Sequence[int]) -> tuple[np.float32, ...]:
+  """Element `k`'s factor in `hadamard_butterfly`: `s[k] / sqrt(size)` in
+  FP32, column 0 of `hadamard.rht_matrix` (the same division: the entries
+  of `H`, whose magnitudes are all this one number)."""
+  n = len(sign_vector)
+  return tuple(np.float32(s) / np.sqrt(np.float32(n)) for s in sign_vector)
+
+
+def hadamard_butterfly(vs: Sequence[jax.Array], sign_vector: Sequence[int],
+                       *, multiply: Callable = flushed_product,
+                       add: Callable = flushed_sum,
+                       subtract: Callable = flushed_difference
+                       ) -> list[jax.Array]:
+  """The RHT's FP32 sums of blocks held as separate arrays, one per element
+  of the block (`vs[k]`: element `k` of every block; FP32, flushed, or
+  unflushed with an FTZ `multiply`): the fast Walsh-Hadamard transform.
+  The reference's definition of the sums (`hadamard_rows`).
+
+  Element `k` is first multiplied by its entry of `H`, `s[k] / sqrt(size)`
+  (`butterfly_weights`; for sizes that are powers of 4 a power of two, so
+  the product is exact unless it is subnormal, and then flushed), then
+  `log2(size)` rounds of additions and subtractions, each result flushed,
+  give `(v * s) @ H_size / sqrt(size)`, the Sylvester matrix's sums in its
+  natural order. Every operation is IEEE FP32 with round to nearest even,
+  so the sums, their rounding and the signs of their zeros are defined:
+  the same bits wherever the operations are the defaults' (a kernel's
+  lowering of each, its `mul.ftz` / `add.ftz` / `sub.ftz`, or XLA's `*`,
+  `+`, `-` and an explicit flush).
+
+  Args:
+    vs: `size` arrays of one shape, element `k` of every block in `vs[k]`.
+    sign_vector: the RHT's signs, one per element; `size` a power of two.
+    multiply: `multiply(v, c)`: `flushed_product` for this backend.
+    add, subtract: `flushed_sum` and `flushed_difference` for this backend
+      (a kernel may pair lanes).
+
+  Returns:
+    The `size` sums, `[k]` the block's output `k`, each shaped as `vs[k]`.
   """
   n = len(vs)
-  if len(sign_vector) != n or n & (n - 1) or round(np.sqrt(n)) ** 2 != n:
-    raise ValueError(f"hadamard_butterfly needs a power-of-4 block with one "
-                     f"sign per element; got {n} arrays, "
-                     f"{len(sign_vector)} signs.")
-  scale = 1.0 / np.sqrt(n)
-  y = [multiply(v, np.float32(s * scale)) for v, s in zip(vs, sign_vector)]
+  _check_butterfly(n, len(sign_vector))
+  y = [multiply(v, c) for v, c in zip(vs, butterfly_weights(sign_vector))]
   h = 1
   while h < n:
     for start in range(0, n, 2 * h):

@@ -24,11 +24,12 @@ class MasterWeightsState(NamedTuple):
   """State of `master_weights`.
 
   Attributes:
-    master: FP32 copy of the floating parameters (the inner transformation
-      updates it); non-floating leaves (integer, bool, complex) are held as
-      they are, unchanged.
+    master: the master copy of the floating and complex parameters, in
+      `master_dtype` of each (FP32 for bf16/fp16/fp32, complex64 for
+      complex64; the inner transformation updates it); integer and bool
+      leaves are held as they are, unchanged.
     inner_state: the inner transformation's state (built on `master`, with
-      None in place of the non-floating leaves).
+      None in place of the integer and bool leaves).
   """
 
   master: optax.Params
@@ -36,33 +37,49 @@ class MasterWeightsState(NamedTuple):
 
 
 def _trained(x) -> bool:
-  """Whether a parameter leaf is one the optimizer moves: a real float."""
-  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+  """Whether a parameter leaf is one the optimizer moves: a real or complex
+  float (`jnp.inexact`)."""
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def _f32(tree):
-  return jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), tree)
+def master_dtype(dtype) -> jnp.dtype:
+  """The master copy's dtype for a parameter of `dtype` (floating or
+  complex): at least FP32, never narrower than the parameter, and of its
+  kind. bf16, fp16 and fp32 give fp32; complex64 gives complex64 (two FP32
+  parts: a real master would drop the imaginary part); fp64 and complex128
+  (with `jax_enable_x64`) keep their own precision.
+  """
+  return jnp.promote_types(dtype, jnp.float32)
 
 
 def _floats(tree, like):
-  """`tree` with None where `like` (the parameters) has a non-float leaf."""
+  """`tree` with None where `like` (the parameters) has an untrained leaf."""
   return jax.tree_util.tree_map(lambda x, p: x if _trained(p) else None,
                                 tree, like)
 
 
 def _grads(updates, params):
-  """The FP32 gradients of the float parameters (None elsewhere)."""
+  """The gradients of the trained parameters in their master's dtype (None
+  elsewhere)."""
   def cast(g, p):
     if not _trained(p):
-      return None  # An int/complex parameter's gradient (float0...) is unused.
+      return None  # An int/bool parameter's gradient (float0...) is unused.
+    gt, pt = jnp.result_type(g), jnp.result_type(p)
     if jax.dtypes.result_type(g) == jax.dtypes.float0 or not jnp.issubdtype(
-        jnp.result_type(g), jnp.inexact):
+        gt, jnp.inexact):
       raise TypeError(
-          f"master_weights: a {jnp.result_type(p)} parameter of shape "
-          f"{jnp.shape(p)} got a gradient of dtype {jnp.result_type(g)}; "
-          f"pass the gradients jax.grad returns for these params (a float0 "
-          f"gradient belongs to an integer parameter).")
-    return jnp.asarray(g, jnp.float32)
+          f"master_weights: a {pt} parameter of shape {jnp.shape(p)} got a "
+          f"gradient of dtype {gt}; pass the gradients jax.grad returns for "
+          f"these params (a float0 gradient belongs to an integer "
+          f"parameter).")
+    if (jnp.issubdtype(gt, jnp.complexfloating)
+        and not jnp.issubdtype(pt, jnp.complexfloating)):
+      raise TypeError(
+          f"master_weights: a real {pt} parameter of shape {jnp.shape(p)} "
+          f"got a complex gradient ({gt}); its imaginary part has nowhere "
+          f"to go. Make the parameter complex, or pass the real gradient "
+          f"(e.g. jnp.real(g) if that is what is meant).")
+    return jnp.asarray(g, master_dtype(pt))
   return jax.tree_util.tree_map(cast, updates, params)
 
 
@@ -70,7 +87,9 @@ def master_weights(inner: optax.GradientTransformation
                    ) -> optax.GradientTransformation:
   """Runs `inner` on an FP32 master copy of the parameters.
 
-  Gradients are cast to FP32, `inner` updates the master in FP32, and the
+  Gradients are cast to the master's dtype (`master_dtype`: FP32 for real
+  parameters up to FP32, complex64 for complex64 ones), `inner` updates the
+  master in it, and the
   returned updates move each parameter to the new master cast to the
   parameter's dtype: `optax.apply_updates(params, updates)` gives
   `new_master.astype(params.dtype)`, whatever XLA fuses on either side. The
@@ -81,9 +100,11 @@ def master_weights(inner: optax.GradientTransformation
   old weight's scale instead. Updates too small to move a bf16 weight still
   accumulate in the master.
 
-  Only floating parameters are trained. Integer, bool and complex leaves
-  (counters, masks, ...) are left untouched: `inner` does not see them,
-  their update is zero whatever their gradient (`float0` from
+  Floating and complex parameters are trained; a complex parameter keeps a
+  complex master, so its steps are `inner`'s own (optax treats complex
+  parameters as pairs of reals: `optax.sgd`, `optax.adam`, ...). Integer and
+  bool leaves (counters, masks, ...) are left untouched: `inner` does not
+  see them, their update is zero whatever their gradient (`float0` from
   `jax.grad(..., allow_int=True)` included), and the master holds them as
   they are.
 
@@ -94,13 +115,14 @@ def master_weights(inner: optax.GradientTransformation
     An `optax.GradientTransformation` whose `update` needs `params`.
 
   Raises:
-    TypeError (in `update`): a floating parameter whose gradient is not
-      floating (e.g. `float0`).
+    TypeError (in `update`): a floating or complex parameter whose gradient
+      is not (e.g. `float0`), or a real parameter with a complex gradient.
   """
 
   def init_fn(params):
     master = jax.tree_util.tree_map(
-        lambda p: jnp.asarray(p, jnp.float32) if _trained(p) else p, params)
+        lambda p: jnp.asarray(p, master_dtype(jnp.result_type(p)))
+        if _trained(p) else p, params)
     return MasterWeightsState(
         master=master, inner_state=inner.init(_floats(master, params)))
 
@@ -124,7 +146,7 @@ def master_weights(inner: optax.GradientTransformation
       # The barrier keeps XLA:GPU from eliding the rounding to p.dtype
       # ("excess precision"), which would make the sum miss the cast master.
       rounded = jax.lax.optimization_barrier(new.astype(p.dtype))
-      delta = rounded.astype(jnp.float32) - p.astype(jnp.float32)
+      delta = rounded.astype(new.dtype) - p.astype(new.dtype)
       return delta.astype(p.dtype)
     out = jax.tree_util.tree_map(param_update, master, params)
     return out, MasterWeightsState(master=master, inner_state=inner_state)

@@ -36,12 +36,14 @@ RHT, and any call given an `RHTConfig`:
 
 The RHT matrix is an input (closed-over constants do not lower); the columns
 kernels take the sign vector as Python constants. The tile math is the
-reference's: the halves of `nvfp4_jax.core.tile.hadamard_rows` (the RHT step of
-`nvfp4_jax.rht`), `hadamard_sums` (or its butterfly) and `round_hadamard`,
-then `tile.encode_blocks` and `prng.tile_words` (`prng.block_words`). The
-FP32 sums are the reference's wherever they are exact (every product is
-exact; only the summation order differs, as between any two
-implementations, TE's included). The tensor-core kernels support the
+reference's: the RHT step of `nvfp4_jax.rht` (`nvfp4_jax.core.tile.hadamard_rows`:
+the columns kernels run its butterfly, `tile.hadamard_butterfly`, with the
+same flushed operations, so their sums are the reference's bit for bit; the
+tensor-core kernels `tile.hadamard_sums`) and `round_hadamard`, then
+`tile.encode_blocks` and `prng.tile_words` (`prng.block_words`). The
+tensor-core kernels' FP32 sums are the reference's wherever they are exact
+and no product or partial sum is subnormal (only the summation order
+differs, as between any two implementations, TE's included). The tensor-core kernels support the
 Hadamard sizes whose matrix is exact in bf16 and fills a tensor-core dot (16
 and 64). Other sizes raise `NotImplementedError` (dispatch falls back to the
 reference). Arguments are validated by the public ops before dispatch.
@@ -93,7 +95,9 @@ def _flush(x: jax.Array, interpret: bool) -> jax.Array:
 
 def rht_transposed(x: jax.Array, h: jax.Array, interpret: bool) -> jax.Array:
   """`rht(x.T)` of a `[tokens, features]` tile, as FP32 `[features, tokens]`
-  (`tile.hadamard_rows` of its 16-token runs).
+  (flushed, `tile.hadamard_sums` on the tensor cores, `round_hadamard`, of
+  its 16-token runs: the reference's `tile.hadamard_rows` wherever the sums
+  are exact and no product or partial sum is subnormal).
 
   bf16 tiles multiply on bf16 operands (exact: see `check_size`).
   """
@@ -472,12 +476,16 @@ def _load_rows(x_ref, blk0, mask, nb: int, bf: int) -> list[jax.Array]:
 
 def _butterfly(rows: list[jax.Array], sign_vector: tuple[int, ...],
                interpret: bool) -> list[jax.Array]:
-  """`tile.hadamard_butterfly` of loaded rows: each multiplied by its sign
-  and 1/4 with an FTZ multiplication (the input's flush and the product's,
-  as the reference's flush and dot)."""
+  """`tile.hadamard_butterfly` of loaded rows, each operation the
+  reference's (`tile.hadamard_rows`): each row multiplied by its sign and
+  1/4 with an FTZ multiplication (the input's flush and the product's),
+  the sums with FTZ additions and subtractions (`common.ftz_add`,
+  `ftz_subtract`)."""
   return tile.hadamard_butterfly([r.astype(jnp.float32) for r in rows],
                                  sign_vector,
-                                 multiply=common.ftz_multiply(interpret))
+                                 multiply=common.ftz_multiply(interpret),
+                                 add=common.ftz_add(interpret),
+                                 subtract=common.ftz_subtract(interpret))
 
 
 def _columns_amax_kernel(x_ref, *out_refs, with_x: bool, tokens: int,

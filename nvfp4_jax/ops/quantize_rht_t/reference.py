@@ -1,5 +1,12 @@
 """The Wgrad operand's reference: `quantize(rht(x.T))`, a composition of
 `nvfp4_jax.core.hadamard.rht` and the 1x16 quantizer's reference.
+
+Its codes, scale bytes and amax are the same on every CPU and on the GPU:
+the RHT's FP32 arithmetic is defined (`nvfp4_jax.core.tile.hadamard_rows`:
+flushed products and partial sums, the butterfly's order), as the columns
+kernels compute it. Against an implementation that sums in another order
+(tensor cores, TE's kernel) a zero output may differ in its sign alone,
+which changes its FP4 code from 0 to 8 (both decode to 0), never a scale.
 """
 
 from __future__ import annotations
