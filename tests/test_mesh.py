@@ -228,12 +228,18 @@ def test_cli_mesh_run_matches_one_device(tmp_path):
   `mesh_checks.check_gpt_step`; here N = 8 x 32 tokens, D = 2 (6 x 6 + 3)
   sums along a token's path through the 6-block tiny GPT, F = 704, the
   widest feature axis). From step 2 on the runs start from states that
-  differ in the last bits, and training amplifies that: a value that moves
-  across an FP4 rounding boundary changes a code by a whole step (measured:
-  1e-7 relative for the first steps, ~1e-3 by step 20, on every mesh kind).
-  That is no rounding bound; the later steps are held to a behavioural one
-  (the same training within 1%), and `check_gpt_step` holds resumed steps,
-  which start from equal states, to the derived bound.
+  differ in the last bits, and training amplifies that chaotically: a value
+  that moves across an FP4 rounding boundary changes a code by a whole
+  step, and how many do depends on the host's FP32 sum order (measured on
+  two CPUs: 1.2e-3 and 2.7e-2 relative at the worst of 20 steps). No
+  rounding bound holds there, so this test holds no step after the first
+  to one (`check_gpt_step` holds resumed steps, which start from equal
+  states, to the derived bound). What it asks of the later steps is that
+  the mesh run be the same *training*: its final validation loss within a
+  tenth of what the 20 steps took off the loss, `0.1 (loss_1 - val)`. A
+  sharding bug that drops or doubles a gradient's sum over one of the
+  three axes changes the 20 steps' progress by a factor near 2 on that
+  axis's parameters, far outside the band.
   """
   one = _train_cli(tmp_path / "one")
   mesh = _train_cli(tmp_path / "mesh", "--mesh", "data=2,fsdp=2,model=2",
@@ -254,13 +260,15 @@ def test_cli_mesh_run_matches_one_device(tmp_path):
   n, depth, width = 8 * 32, 2 * (6 * 6 + 3), 704
   first = abs(losses["mesh"][0] - losses["one"][0])
   assert first <= 2 * u * ((n - 1) + depth * width) * losses["one"][0], first
-  rel = [abs(a - b) / b for a, b in zip(losses["mesh"], losses["one"])]
-  print("relative loss differences by step:",
-        " ".join(f"{r:.1e}" for r in rel))
-  assert max(rel) <= 0.01, rel
   val = {name: [r["val_loss"] for r in recs if r["kind"] == "eval"][-1]
          for name, recs in runs.items()}
-  assert abs(val["mesh"] - val["one"]) <= 0.01 * val["one"], val
+  progress = losses["one"][0] - val["one"]
+  rel = [abs(a - b) / b for a, b in zip(losses["mesh"], losses["one"])]
+  print("relative loss differences by step:",
+        " ".join(f"{r:.1e}" for r in rel), "| loss 1", losses["one"][0],
+        "val", val, "progress", progress)
+  assert progress > 0, (losses["one"], val)
+  assert abs(val["mesh"] - val["one"]) <= 0.1 * progress, (val, progress)
 
 
 def test_moe_expert_parallel_equals_one_device():
