@@ -305,7 +305,19 @@ def e2m1_encode_stochastic(y: jax.Array, rbits: jax.Array) -> jax.Array:
 
 
 def e2m1_decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
-  """E2M1 codes (uint8 in [0, 16)) to their values, without a table lookup."""
+  """E2M1 codes to their values, without a table lookup.
+
+  Code `c` decodes to `E2M1_VALUES[c]` (bit 3 the sign: code 8 is -0),
+  computed arithmetically so that kernels can use it too.
+
+  Args:
+    codes: uint8 (or any integer) codes in [0, 16), one per element (unpack
+      bytes with `unpack_e2m1` first).
+    dtype: the result's dtype (the values are exact in every float dtype).
+
+  Returns:
+    The values, shaped as `codes`.
+  """
   c = codes.astype(jnp.int32)
   m = c & 7
   # 0, .5, 1, 1.5 step by 0.5; 2, 3 by 1; 4, 6 by 2.

@@ -3,8 +3,8 @@
 
 Each layer runs its GEMMs through `nvfp4_jax.dot_general` with the recipe it is
 given or, by default, the one the active `precision_rules` assign to its path.
-The NNX layers (`nnx_layers.py`) and `inject_linen`/`inject_nnx` (`interop.py`)
-switch flax's own layers onto the same function.
+The NNX layers (`nvfp4_jax.flax.nnx`) and `inject_linen`/`inject_nnx`
+(`nvfp4_jax.flax.inject`) switch flax's own layers onto the same function.
 
 Stochastic-rounding keys. A linen layer draws its key from the RNG stream named
 "nvfp4" (`model.apply(..., rngs={"nvfp4": jax.random.fold_in(key, step)})`);

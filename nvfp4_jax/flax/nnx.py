@@ -124,13 +124,21 @@ class NVFP4Linear(nnx.Linear):
     the path `inject_nnx`/`apply_rules` set.
 
   Args:
-    in_features, out_features, use_bias, dtype, param_dtype, precision,
-      kernel_init, bias_init, promote_dtype, preferred_element_type, rngs,
-      kernel_metadata, bias_metadata: as `nnx.Linear`.
-    dot_general: see above.
+    in_features: as `nnx.Linear`.
+    out_features: as `nnx.Linear`.
     recipe: the layer's `Recipe` or a preset's name ("nvfp4", "bf16",
       "bf16_forward", "mxfp4", "mxfp8"); None uses the rules
       (`apply_rules`, or the active `precision_rules`).
+    dot_general: see above.
+    rngs: as `nnx.Linear`; an "nvfp4" stream seeds stochastic rounding
+      (above).
+    **kwargs: the other arguments of `nnx.Linear` (`use_bias`, `dtype`,
+      `param_dtype`, `precision`, `kernel_init`, `bias_init`,
+      `promote_dtype`, `preferred_element_type`, `kernel_metadata`,
+      `bias_metadata`), with its meaning.
+
+  Raises:
+    ValueError: a `dot_general` other than `jax.lax.dot_general`.
   """
 
   def __init__(self, in_features: int, out_features: int, *,

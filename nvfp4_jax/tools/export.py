@@ -320,9 +320,11 @@ def apply(model: nn.Module, packed: dict[str, Any], *args,
   """Runs `model` on exported parameters (`load`'s tree), forward only.
 
   Each packed layer computes from its stored bytes, never a bf16 copy:
+
   - "w4a4": `quantize(x)` (RTNE, 1x16) and the block-scaled GEMM with the
     stored weight: the training forward's Fprop, bit for bit.
   - "weight_only": `weight_only_matmul(x, W)` (activations in bf16).
+
   The NVFP4 layers that were not packed run in high precision, as their
   Fprop did in training; other modules run as trained.
   """

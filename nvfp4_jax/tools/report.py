@@ -69,7 +69,18 @@ class Gemm:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-  """The GEMMs of a traced program; `str()` prints a table."""
+  """The GEMMs of a traced program, as `report` found them.
+
+  `str(report)` prints one row per GEMM (layer, GEMM, formats,
+  implementation, quantizers, reason); `summary()` is the one-line version,
+  `count()` counts GEMMs by kind, and `compiled(hlo)` corrects the native
+  GEMMs' implementations by what XLA compiled.
+
+  Attributes:
+    gemms: every linear GEMM of the program, in trace order.
+    quantized: the GEMMs that ran with quantized operands.
+    high_precision: the others, each with its `Gemm.reason`.
+  """
 
   gemms: tuple[Gemm, ...]
 
@@ -82,13 +93,32 @@ class Report:
     return tuple(g for g in self.gemms if not g.quantized)
 
   def count(self, gemm: str | None = None, *, quantized: bool = True) -> int:
-    """How many GEMMs (of kind `gemm`, if given) ran quantized (or not)."""
+    """How many GEMMs ran quantized (or not).
+
+    Args:
+      gemm: count only this kind ("fprop", "dgrad", "wgrad", ...); None
+        counts every kind.
+      quantized: count the quantized GEMMs (True) or the high-precision ones.
+
+    Returns:
+      The number of matching GEMMs.
+    """
     return sum(g.quantized == quantized and (gemm is None or g.gemm == gemm)
                for g in self.gemms)
 
   def compiled(self, hlo: str) -> "Report":
-    """This report, with each native GEMM's implementation read from `hlo`,
-    the optimized HLO text of the same program (`compile().as_text()`)."""
+    """This report, with each native GEMM's implementation read from `hlo`.
+
+    A block-scaled dot that XLA decomposed (cuDNN below 9.10) is reported as
+    the emulation it runs, not as cuDNN.
+
+    Args:
+      hlo: the optimized HLO text of the same program
+        (`jax.jit(fn).lower(...).compile().as_text()`).
+
+    Returns:
+      A new `Report`; GEMMs other than native FP4 ones are unchanged.
+    """
     found = _compiled_targets(hlo)
     gemms = []
     for g in self.gemms:
@@ -260,9 +290,23 @@ def _compiled_targets(hlo: str) -> dict[tuple[str, str], set[str]]:
 
 
 def compiled_report(fn: Callable[..., Any], *args, **kwargs) -> Report:
-  """`report(fn, ...)`, corrected by what XLA compiles `jax.jit(fn)` to on
-  this process's default device (`Report.compiled`). Compiles; runs
-  nothing."""
+  """`report(fn, ...)`, corrected by what XLA compiles `jax.jit(fn)` to.
+
+  Compiles `fn` for this process's default device and reads the optimized
+  HLO (`Report.compiled`); runs nothing.
+
+  Args:
+    fn: as for `report`.
+    *args: its positional arguments (arrays or `jax.ShapeDtypeStruct`s).
+    **kwargs: its keyword arguments.
+
+  Returns:
+    The `Report` of the traced program, each native FP4 GEMM's
+    implementation as compiled.
+
+  Raises:
+    Whatever `jax.jit(fn).lower(...).compile()` raises for these arguments.
+  """
   hlo = jax.jit(lambda *a, **k: fn(*a, **k)).lower(
       *args, **kwargs).compile().as_text()
   return report(fn, *args, **kwargs).compiled(hlo)
@@ -274,7 +318,8 @@ def report(fn: Callable[..., Any], *args, **kwargs) -> Report:
   Args:
     fn: e.g. a train step or `lambda p, x: model.apply(p, x)`; traced with
       `jax.make_jaxpr` (abstractly: pass arrays or `jax.ShapeDtypeStruct`s).
-    *args, **kwargs: its arguments.
+    *args: its positional arguments.
+    **kwargs: its keyword arguments.
 
   Returns:
     A `Report`: one `Gemm` per linear GEMM with its layer path, the operand

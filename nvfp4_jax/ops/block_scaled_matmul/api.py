@@ -56,6 +56,7 @@ def block_scaled_matmul(a: QArray, b: QArray, *, out_dtype=jnp.float32,
       FP32 and then cast.
     implementation: how to run it (all exact: bf16 products of block values,
       FP32 accumulation; results differ only by FP32 summation order):
+
       - "xla": the reference: block-dequantize in jnp, `lax.dot_general`.
       - "pallas": the Pallas block-dequantize kernel, then a bf16 GEMM with
         FP32 accumulation (`block_values_matmul`'s default: XLA's GEMM, or
@@ -70,6 +71,7 @@ def block_scaled_matmul(a: QArray, b: QArray, *, out_dtype=jnp.float32,
       - None: a native FP4 path on Blackwell (compute capability >= 10;
         see `gemm_preference`), "pallas" on other GPUs, "xla" elsewhere;
         a path that cannot run the call falls back to the next.
+
       With an `NVFP4Values` operand only the emulations ("xla", "pallas",
       None) apply: the other operand's codes are block-dequantized by that
       implementation and the values multiplied as they are.
@@ -191,17 +193,33 @@ def block_values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
   """`(va @ vb.T) * alpha`: bf16 block values `[M, K]`, `[N, K]`, FP32 acc.
 
   The GEMM of the exact emulation, for callers that already hold the block
-  values (e.g. from `nvfp4_jax.quantize_with_values`). `vb_kn`: `vb`
-  is `[K, N]` instead (`va @ vb`; e.g. a 16x16-scaled weight's values in
-  flax's `[in, out]` layout, the transpose of its `[out, in]` quantization):
-  the same products, and the GEMM reads the layout as it is.
+  values (e.g. from `nvfp4_jax.quantize_with_values`, or
+  `block_dequantize`'s values and `gemm_alpha`).
 
-  implementation: "xla" (`lax.dot_general`, FP32 accumulation, then
-  `* alpha` and the cast), "pallas" (a Pallas Mosaic GPU GEMM with `alpha`
-  in its epilogue, Hopper only: `nvfp4_jax.ops.block_scaled_matmul.pallas_mosaic_gpu`), or None:
-  "pallas" on a GPU where it runs the call and is measured to win (large
-  outputs), "xla" otherwise. Both multiply exact products; results differ
-  only by the FP32 summation order.
+  Args:
+    va: bf16 block values `[M, K]`.
+    vb: bf16 block values `[N, K]`, or `[K, N]` with `vb_kn`.
+    alpha: the FP32 output factor (`gemm_alpha` of the two operands).
+    out_dtype: dtype of the result; the FP32 product is scaled by `alpha` in
+      FP32 and then cast.
+    vb_kn: `vb` is `[K, N]` (`va @ vb`; e.g. a 16x16-scaled weight's values
+      in flax's `[in, out]` layout, the transpose of its `[out, in]`
+      quantization): the same products, and the GEMM reads the layout as it
+      is.
+    implementation: "xla" (`lax.dot_general`, FP32 accumulation, then
+      `* alpha` and the cast), "pallas" (a Pallas Mosaic GPU GEMM with
+      `alpha` in its epilogue, Hopper only), or None: "pallas" on a GPU where
+      it runs the call and is measured to win (large outputs), "xla"
+      otherwise. Both multiply exact products; results differ only by the
+      FP32 summation order.
+
+  Returns:
+    `[M, N]` in `out_dtype`.
+
+  Raises:
+    ValueError: an unknown `implementation`.
+    NotImplementedError: "pallas" where it cannot run the call (no Hopper
+      GPU, unsupported shapes); None then falls back to "xla".
   """
   return VALUES_MATMUL(implementation, va, vb, alpha, out_dtype=out_dtype,
                        vb_kn=vb_kn)

@@ -24,6 +24,15 @@ def gemm_alpha(a: QArray, b: QArray) -> jax.Array:
   f32(1 / 2688^2)`. (Written as a division, XLA would silently make the same
   rewrite; writing it out keeps it when that rewrite changes.) MX operands have
   no tensor scale (factor 1).
+
+  Args:
+    a: the left operand, an `NVFP4Array`, `NVFP4Values` or `MXArray`.
+    b: the right operand, likewise (`[N, K]`: the GEMM is `a @ b.T`).
+
+  Returns:
+    A float32 scalar: the factor that turns the GEMM of the block values
+    (`block_dequantize`'s first output) into the dequantized product.
+    Subnormal results are flushed to zero, as on every backend.
   """
   def amax_over(q):
     if isinstance(q, (NVFP4Array, NVFP4Values)):

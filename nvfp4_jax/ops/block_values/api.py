@@ -29,7 +29,23 @@ from nvfp4_jax.ops.block_values.reference import dequantize_nvfp4
 
 
 def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
-  """Dequantizes an `NVFP4Array` or `MXArray` (FP32 arithmetic) to `dtype`."""
+  """Dequantizes an `NVFP4Array` or `MXArray` (FP32 arithmetic) to `dtype`.
+
+  NVFP4: `e2m1 * f32(E4M3 block scale) * amax / 2688` (1536 for a
+  Four-over-Six operand); MX: `e2m1 or e4m3 * 2^(E8M0 scale - 127)`.
+
+  Args:
+    q: an `NVFP4Array`, `NVFP4Values` or `MXArray`.
+    dtype: the result's dtype; the arithmetic is FP32, then cast.
+
+  Returns:
+    The dequantized array, shaped as the tensor `q` quantized.
+
+  Raises:
+    ValueError: `q` is an `NVFP4Array` whose codes, scales or amax do not
+      describe one tensor (built by hand).
+    TypeError: `q` is not a quantized array.
+  """
   check_nvfp4_array(q, "dequantize")
   if isinstance(q, (NVFP4Array, NVFP4Values)):
     return dequantize_nvfp4(q, dtype)
