@@ -792,10 +792,10 @@ def check_user_mesh(names=tuple(USER_LAYOUTS) + ("rules",),
 
 
 def check_readme_explicit():
-  """README's sharding-in-types example runs as written: the kernel's
+  """The docs' sharding-in-types example runs as written: the kernel's
   gradient keeps the kernel's FSDP sharding."""
   import pathlib  # pylint: disable=g-import-not-at-top
-  readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+  readme = pathlib.Path(__file__).resolve().parents[1] / "docs" / "sharding.md"
   blocks = [b for b in re.findall(r"```python\n(.*?)```", readme.read_text(),
                                   re.S) if "AxisType.Explicit" in b]
   assert len(blocks) == 1, len(blocks)

@@ -162,8 +162,8 @@ def test_one_folder_per_op():
 
 
 def test_readme_layout_table_is_true():
-  text = (ROOT / "README.md").read_text()
-  table = text[text.index("## Layout"):]
+  text = (ROOT / "docs" / "layout.md").read_text()
+  table = text[text.index("# Package layout"):]
   paths = re.findall(r"`((?:nvfp4_jax|pallas_kernels|models|train|tests|"
                      r"benchmarks|notebooks|docs)/[^`]*)`", table)
   assert len(paths) >= 10

@@ -1,4 +1,5 @@
-"""README's quick-start code runs as written and trains."""
+"""README's quick-start code runs as written and trains; the docs' copy is
+the same code, and the numerics page's example runs."""
 
 import os
 import pathlib
@@ -10,6 +11,12 @@ import jax
 import jax.numpy as jnp
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+DOCS = README.parent / "docs"
+
+
+def _blocks(path, after=""):
+  text = path.read_text()
+  return re.findall(r"```python\n(.*?)```", text[text.index(after):], re.S)
 
 
 def test_readme_quickstart_runs():
@@ -28,6 +35,24 @@ def test_readme_quickstart_runs():
                                                jnp.int32(step))
     losses.append(float(loss))
   assert losses[-1] < losses[0]
+
+
+def test_docs_quickstart_is_readmes():
+  heading = "## Replace `nn.Dense`, jit the step"
+  assert _blocks(DOCS / "layers.md", heading)[0] == _blocks(README, heading)[0]
+
+
+def test_numerics_example_runs():
+  import nvfp4_jax as nv  # pylint: disable=g-import-not-at-top
+  block = _blocks(DOCS / "numerics.md", "## Numerics")[0]
+  x, w, g = (jax.random.normal(jax.random.key(i), (32, 64)) for i in range(3))
+  ns = {"nv": nv, "x": x, "w": w[:, :32].T @ w, "g": g,
+        "k": jax.random.key(3)}
+  exec(compile(block, "docs/numerics.md", "exec"), ns)  # pylint: disable=exec-used
+  assert ns["x_hat"].shape == (64, 32)  # rht(x.T)'s
+  values, scale = ns["values_bf16"], ns["tensor_scale"]
+  assert jnp.array_equal(values.astype(jnp.float32) * scale, ns["x_hat"])
+  assert ns["m"].fmt == "mxfp4"
 
 
 def test_test_processes_share_a_gpu():
