@@ -8,7 +8,9 @@ E4M3 numerics and the tools.
 
 from nvfp4_jax import _compat
 
-_compat.install()  # Old module paths (nvfp4_jax.fused, ...) keep importing.
+# The deprecated paths (nvfp4_jax.layers, nvfp4_jax.ops.dot_general, ...)
+# still work for this release, each with a DeprecationWarning.
+_compat.install()
 
 # pylint: disable=g-importing-member,g-bad-import-order
 
@@ -169,10 +171,5 @@ __all__ = (
 )
 
 
-def __getattr__(name: str):
-  # `nv.gemm`, `nv.fused`, ...: the old modules, as attributes (see _compat).
-  old = f"nvfp4_jax.{name}"
-  if old in _compat.MOVED or old in _compat.SPLIT:
-    import importlib  # pylint: disable=g-import-not-at-top
-    return importlib.import_module(old)
-  raise AttributeError(f"module 'nvfp4_jax' has no attribute {name!r}")
+# `nv.layers`, `nv.gemm`, ...: the deprecated modules, as attributes.
+__getattr__ = _compat.module_getattr(__name__)

@@ -5,11 +5,4 @@ Each op's kernels live in its folder, `nvfp4_jax/ops/<op>/pallas_triton.py`
 they share sits here, below every op: backend checks, exact division,
 NaN-propagating maxima, inline-PTX E2M1 encoders and decoders, masked loads
 and the launch helper. It imports only `nvfp4_jax.core`.
-
-The kernels' old module paths (`pallas_kernels.quantize`, ...) keep importing
-(`nvfp4_jax._compat`).
 """
-
-from nvfp4_jax import _compat
-
-_compat.install()

@@ -122,7 +122,7 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="session", autouse=True)
 def _default_implementation():
   """NVFP4_TEST_IMPLEMENTATION=xla|pallas|... runs the whole suite with that
-  implementation as the default of every op (`nvfp4_jax.dispatch`), so the
+  implementation as the default of every op (`nvfp4_jax.core.dispatch`), so the
   same tests check the reference and each kernel (e.g. on the GPU machine)."""
   name = os.environ.get("NVFP4_TEST_IMPLEMENTATION")
   if not name:

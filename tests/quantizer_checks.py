@@ -1,6 +1,6 @@
 """Shared by the quantizer and kernel tests: heavy-tailed and RHT-exact test
 data, bit-for-bit comparisons, the CPU reference ("truth") and the operand
-pairs of `nvfp4_jax.fused.quantize_pair`.
+pairs of `nvfp4_jax.ops.quantize_pair`.
 
 Tests import it as a top-level module (pytest puts tests/ on `sys.path`).
 """

@@ -251,7 +251,7 @@ def wgrad_operand(x) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------
-# The stochastic-rounding stream of nvfp4_jax.prng, from its documented
+# The stochastic-rounding stream of nvfp4_jax.core.prng, from its documented
 # definition (so a GPU kernel can be checked against the same numbers).
 # ----------------------------------------------------------------------------
 

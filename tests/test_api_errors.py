@@ -15,6 +15,7 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # pylint: disable=g-import-not-at-top
 from hypothesis import strategies as st  # pylint: disable=g-import-not-at-top
+import chex  # pylint: disable=g-import-not-at-top
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,8 +82,8 @@ def test_quantize(shape, dtype, block_2d, rounding, with_key, amax):
     return
   q = call()
   k = shape[-1]
-  assert q.codes.shape == (*shape[:-1], k // 2)
-  assert q.scales.shape == (*shape[:-1], k // 16) and q.amax.shape == ()
+  chex.assert_shape([q.codes, q.scales, q.amax],
+                    [(*shape[:-1], k // 2), (*shape[:-1], k // 16), ()])
 
 
 @SETTINGS

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 import nvfp4_jax as nv
 from models import GPTConfig
 from nvfp4_jax import export
-from nvfp4_jax import safetensors
+from nvfp4_jax.tools import safetensors
 from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.core.recipe import Operand
 from nvfp4_jax.core.recipe import Recipe

@@ -166,7 +166,7 @@ class TestQuantizePallas(QuantizeBase):
 
 
 # ----------------------------------------------------------------------------
-# Fused operand quantizers (nvfp4_jax.fused).
+# Fused operand quantizers (nvfp4_jax.ops.quantize_rht_t, quantize_pair).
 # ----------------------------------------------------------------------------
 
 RHT_CASES = [  # (tokens, features), dtype, rounding
@@ -178,7 +178,7 @@ RHT_CASES = [  # (tokens, features), dtype, rounding
 
 
 class FusedBase:
-  """`nvfp4_jax.fused.*(..., implementation=impl)` against their references."""
+  """The fused quantizers (`implementation=impl`) against their references."""
 
   impl: str
 
@@ -264,7 +264,7 @@ class TestFusedPallasTensorCores(FusedBase):
 
 
 # ----------------------------------------------------------------------------
-# Block-scaled GEMM (nvfp4_jax.gemm.block_scaled_matmul).
+# Block-scaled GEMM (nvfp4_jax.ops.block_scaled_matmul).
 # ----------------------------------------------------------------------------
 
 
@@ -1205,7 +1205,7 @@ def test_rht_amax_over_its_loop(shape, dtype, cfg, peak, monkeypatch):
   got_x, got_t = jax.jit(lambda x: pallas_rht.rht_amax(
       x, with_x=True, config=config))(x)
   want_t = truth(lambda x: tile.abs_max(nf.rht(x.T).astype(jnp.float32)))(x)
-  want_x = truth(lambda x: nf.numerics.ftz(tile.abs_max(
+  want_x = truth(lambda x: nm.ftz(tile.abs_max(
       x.astype(jnp.float32))))(x)
   np.testing.assert_array_equal(f32_bits(got_t), f32_bits(want_t))
   np.testing.assert_array_equal(f32_bits(got_x), f32_bits(want_x))

@@ -1,5 +1,6 @@
 """FP32 master weights as an optax transformation (issue 3)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,7 +73,7 @@ def test_f32_params_match_the_inner_optimizer():
     u1, s1 = tx.update(g, s1, p1)
     u2, s2 = inner.update(g, s2, p2)
     p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
-  jax.tree.map(np.testing.assert_array_equal, p1, p2)
+  chex.assert_trees_all_equal(p1, p2)
 
 
 def test_grads_reach_inner_in_fp32():
@@ -102,8 +103,8 @@ def test_composes_with_chain_clip_multisteps():
   m0 = nv.master_params(state)
   updates, state = tx.update(_grads(params, 0), state, params)
   p1 = optax.apply_updates(params, updates)
-  jax.tree.map(np.testing.assert_array_equal, p1, params)  # Accumulating.
-  jax.tree.map(np.testing.assert_array_equal, nv.master_params(state), m0)
+  chex.assert_trees_all_equal(p1, params)  # Accumulating.
+  chex.assert_trees_all_equal(nv.master_params(state), m0)
   updates, state = tx.update(_grads(params, 1), state, p1)
   p2 = optax.apply_updates(p1, updates)
   m2 = nv.master_params(state)
@@ -126,8 +127,8 @@ def test_apply_if_finite_skips_nan_without_touching_master():
   bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), _grads(params, 1))
   updates, state = tx.update(bad, state, params)
   p2 = optax.apply_updates(params, updates)
-  jax.tree.map(np.testing.assert_array_equal, p2, params)
-  jax.tree.map(np.testing.assert_array_equal, nv.master_params(state), m1)
+  chex.assert_trees_all_equal(p2, params)
+  chex.assert_trees_all_equal(nv.master_params(state), m1)
   assert int(state.notfinite_count) == 1
 
 
@@ -180,7 +181,7 @@ def test_complex_params_match_the_inner_optimizer(inner):
     u2, s2 = ref.update(g, s2, p2)
     p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
   assert int(p1.pop("n")) == 7
-  jax.tree.map(np.testing.assert_array_equal, p1, p2)
+  chex.assert_trees_all_equal(p1, p2)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b.astype(a.dtype)),
                p1, {k: v for k, v in nv.master_params(s1).items() if k != "n"})
   assert np.all(np.asarray(p1["c"]).imag != np.asarray(params["c"]).imag)
@@ -215,7 +216,7 @@ def test_complex128_and_float64_keep_their_precision_with_x64():
     u, _ = tx.update(g, s, p)
     u_ref, _ = ref.update(g, ref.init(p), p)
     got, want = optax.apply_updates(p, u), optax.apply_updates(p, u_ref)
-    jax.tree.map(np.testing.assert_array_equal, got, want)
+    chex.assert_trees_all_equal(got, want)
     assert float(got["w"][0]) != 1.0 and float(got["c"][0].imag) != 1.0
 
 

@@ -5,6 +5,7 @@ import contextlib
 import io
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,8 +67,7 @@ def _same_grads(rules, remat="quantized"):
   loss1, _ = _setup(remat, rules, "float32")
   g0 = jax.jit(jax.grad(loss0))(params)
   g1 = jax.jit(jax.grad(loss1))(params)
-  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-    np.testing.assert_array_equal(a, b)  # Same ops, recomputed.
+  chex.assert_trees_all_equal(g0, g1)  # Same ops, recomputed.
 
 
 def test_quantized_remat_keeps_gradients_and_saves_only_fp4():

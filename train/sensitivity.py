@@ -4,9 +4,9 @@
     python -m train.sensitivity --preset tiny --batches 2 --budget 0.15
     python -m train.sensitivity --preset tiny --sr-draws 64
 
-Runs `nvfp4_jax.sensitivity.analyze` on a few training batches (the model's
-own activations and output gradients, in high precision) and prints, per
-projection, the relative error of its NVFP4 Fprop, Dgrad and Wgrad and the
+Runs `nvfp4_jax.tools.sensitivity.analyze` on a few training batches (the
+model's own activations and output gradients, in high precision) and prints,
+per projection, the relative error of its NVFP4 Fprop, Dgrad and Wgrad and the
 flushed/saturated fractions; then the layers the suggested rules keep in BF16
 (the `--budget` share of the projections), next to the paper's preset, and
 writes a plot of the three errors per layer. With `--sr-draws N` it then

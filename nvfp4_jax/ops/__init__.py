@@ -5,17 +5,6 @@ reference (`reference.py`), one file per backend (`pallas_triton.py`,
 
 They import only `nvfp4_jax.core` and `pallas_kernels` (the shared Pallas
 plumbing) and each other's API; nothing above (training, flax, parallel,
-tools).
+tools). The training op's old path (`nvfp4_jax.ops.dot_general`) is
+served from above, with a DeprecationWarning (`nvfp4_jax._compat`).
 """
-
-
-def __getattr__(name):
-  # `nvfp4_jax.ops` was the training op's module before this package: its
-  # names stay importable from here (nvfp4_jax._compat).
-  import importlib  # pylint: disable=g-import-not-at-top
-  module = importlib.import_module("nvfp4_jax.training.dot_general")
-  try:
-    return getattr(module, name)
-  except AttributeError:
-    raise AttributeError(
-        f"module 'nvfp4_jax.ops' has no attribute {name!r}") from None
