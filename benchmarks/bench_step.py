@@ -58,8 +58,8 @@ class StepConfig:
   @property
   def mesh_sizes(self) -> dict[str, int]:
     """`mesh` as `{axis: size}` ({} on one device)."""
-    return {k: int(v) for k, v in (kv.split("=") for kv in
-                                    self.mesh.split(",") if kv)}
+    from train.mesh_flags import parse_mesh  # pylint: disable=g-import-not-at-top
+    return parse_mesh(self.mesh) if self.mesh else {}
 
   @property
   def devices(self) -> int:
