@@ -25,8 +25,8 @@ its Triton GEMM fusion, same run):
    f16 values loaded in place of the codes (no decode: the structure's own
    cost).
 
-  python -m benchmarks.probe_decode_gemm [--shapes MxNxK,...] [--configs 0,2]
-      [--no-stock]
+  python -m benchmarks.archive.probe_decode_gemm [--shapes MxNxK,...]
+      [--configs 0,2] [--no-stock]
 
 Mosaic GPU kernels have no CPU interpret mode: on the CPU the kernel is only
 lowered (tests/test_bench_tools.py), its decode checked in jnp.

@@ -11,7 +11,7 @@ block values, this compiles and times several ways of writing the decode of
 one GEMM fusion and no other fusion), and times each against the GEMM on
 the values (same run):
 
-  python -m benchmarks.probe_prologue [--shapes 8192x4096x4096,...]
+  python -m benchmarks.archive.probe_prologue [--shapes 8192x4096x4096,...]
 """
 
 from __future__ import annotations
