@@ -129,7 +129,7 @@ def compile_step(preset, precision, batch, seq, mesh_sizes, target="h100",
 
 def report(text: str, verbose: bool = True) -> str:
   """The collectives of `text` (scheduled HLO) as Markdown."""
-  from benchmarks import timing  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.tools import timing  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.parallel import hlo  # pylint: disable=g-import-not-at-top
   over = overlap(text)
   rows, totals = [], collections.defaultdict(lambda: [0, 0.0, 0])

@@ -739,7 +739,7 @@ def model_main(a) -> list[dict]:
   compile, up to `--jobs` at once), then its runs (one at a time: a run
   holds every device of the mesh), within `--budget-s`; prints the table
   and returns its rows."""
-  from benchmarks import timing  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.tools import timing  # pylint: disable=g-import-not-at-top
   t_start = time.time()
   stop_new = t_start + a.budget_s
   stop_all = stop_new + a.grace_s
@@ -988,7 +988,7 @@ def main(argv=None):
          _search(c, a.limit_gib, a.compiles, a.state_file))
     print(json.dumps(r))
     return
-  from benchmarks import timing  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.tools import timing  # pylint: disable=g-import-not-at-top
   pairs = ([tuple(pr.split(":")) for pr in a.configs.split(",")]
            if a.configs else [(prec, remat) for remat in a.remat.split(",")
                               for prec in a.precisions.split(",")])

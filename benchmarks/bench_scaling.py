@@ -66,7 +66,7 @@ import tempfile
 import threading
 import time
 
-from benchmarks import timing
+from nvfp4_jax.tools import timing
 from train import mesh_flags
 
 SHAPES = {"small": (64, 512), "base": (16, 1024), "tiny": (4, 64),

@@ -307,10 +307,10 @@ def test_bench_quantize_used_sweep_checks_every_tile_against_the_default(
 
 
 def test_sass_report_cases_lower_to_the_kernels_they_name():
-  """Every `benchmarks.sass_report` case lowers (for CUDA, off-GPU) to the
+  """Every `tools.sass_report` case lowers (for CUDA, off-GPU) to the
   `pallas_call` it names: a kernel renamed or moved to another layout (as
   the columns RHT kernels did) breaks the report, not silently its rows."""
-  from benchmarks import sass_report  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.tools import sass_report  # pylint: disable=g-import-not-at-top
   names = set()
   for case in sass_report._cases():  # pylint: disable=protected-access
     lowered = sass_report.lower_case(case, (9, 0))

@@ -46,9 +46,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from benchmarks import timing
 from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.ops.block_scaled_matmul import pallas_mosaic_gpu as values_matmul
+from nvfp4_jax.tools import timing
 
 SHAPES = ((8192, 4096, 4096), (16384, 2048, 768), (16384, 768, 2048))
 

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import timing
 from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.core import tile
+from nvfp4_jax.tools import timing
 
 SHAPES = ((8192, 4096, 4096), (16384, 2304, 768), (16384, 768, 2048),
           (16384, 4096, 768))
