@@ -129,7 +129,7 @@ def compile_step(preset, precision, batch, seq, mesh_sizes, target="h100",
 
 def report(text: str, verbose: bool = True) -> str:
   """The collectives of `text` (scheduled HLO) as Markdown."""
-  from benchmarks import timing  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.tools import timing  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.parallel import hlo  # pylint: disable=g-import-not-at-top
   over = overlap(text)
   rows, totals = [], collections.defaultdict(lambda: [0, 0.0, 0])
@@ -162,31 +162,26 @@ def report(text: str, verbose: bool = True) -> str:
 
 
 def main(argv=None):
+  # After `JAX_PLATFORMS` is set: the flags' choices come from the library.
+  from train import mesh_flags  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--preset", default="base")
   p.add_argument("--precision", default="bf16")
   p.add_argument("--batch", type=int, default=16, help="per device")
   p.add_argument("--seq", type=int, default=1024)
-  p.add_argument("--mesh", default="fsdp=2")
   p.add_argument("--target", default="h100")
   p.add_argument("--xla-option", action="append", default=[],
                  help="name=value, repeatable")
   p.add_argument("--hlo", default="", help="also write the HLO here")
-  p.add_argument("--amax", default="global",
-                 help="MeshRules.amax: global or local")
-  p.add_argument("--partial-sums", default="float32",
-                 help="MeshRules.partial_sums: float32 or output")
-  p.add_argument("--wgrad-sums", default="float32",
-                 help="MeshRules.wgrad_sums: float32 or bfloat16")
-  p.add_argument("--sequence-parallel", action="store_true",
-                 help="MeshRules.sequence_parallel: the activations between "
-                 "the tensor-parallel layers split over model too")
-  p.add_argument("--collective-matmul", action="store_true",
-                 help="MeshRules.collective_matmul (with --sequence-parallel)")
+  mesh_flags.add_mesh_flags(
+      p, mesh_default="fsdp=2", mesh_help="--target's devices as a mesh "
+      "(default fsdp=2): " + mesh_flags.MESH_HELP,
+      knobs=("tp_partial_sums", "amax", "wgrad_sums", "sequence_parallel",
+             "collective_matmul"))
   p.add_argument("--summary", action="store_true",
                  help="only the totals by kind")
   a = p.parse_args(argv)
-  sizes = {k: int(v) for k, v in (kv.split("=") for kv in a.mesh.split(","))}
+  sizes = a.mesh
   options = {}
   for kv in a.xla_option:
     k, v = kv.split("=", 1)
@@ -195,7 +190,7 @@ def main(argv=None):
       options[k] = int(options[k])
   t0 = time.perf_counter()
   text = compile_step(a.preset, a.precision, a.batch, a.seq, sizes, a.target,
-                      options, a.partial_sums, a.amax, a.wgrad_sums,
+                      options, a.tp_partial_sums, a.amax, a.wgrad_sums,
                       a.sequence_parallel, a.collective_matmul)
   if a.hlo:
     with open(a.hlo, "w") as f:

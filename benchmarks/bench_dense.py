@@ -24,7 +24,6 @@ per-round ratios) and the peak memory ratio.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -33,77 +32,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from benchmarks import timing
+from nvfp4_jax.tools import speed
+from nvfp4_jax.tools import timing
 
 
-def _step(module):
-  def f(params, x, dy, key):
-    def apply(p, x):
-      return module.apply(p, x, rngs={"nvfp4": key})
-    y, vjp = jax.vjp(apply, params, x)
-    return y, vjp(dy)
-  return f
-
-
-def _inputs(tokens: int, d_in: int, d_out: int):
-  """The step's bf16 `x`, its bf16 cotangent `dy` and the NVFP4 key."""
-  x = jax.random.normal(jax.random.key(0), (tokens, d_in),
-                        jnp.float32).astype(jnp.bfloat16)
-  dy = jax.random.normal(jax.random.key(1), (tokens, d_out),
-                         jnp.float32).astype(jnp.bfloat16)
-  return x, dy, jax.random.key(2)
-
-
-def _peak_bytes(compiled) -> float:
-  m = compiled.memory_analysis()
-  if m is None:
-    return float("nan")
-  return float(m.argument_size_in_bytes + m.output_size_in_bytes
-               + m.temp_size_in_bytes - m.alias_size_in_bytes)
-
-
-def run(tokens: int = 8192, d_in: int = 4096, d_out: int = 4096,
-        kernels: list | None = None) -> list[dict]:
-  """The table's rows; with a `kernels` list, also appends the per-kernel
-  GPU time of each case (`timing.gpu_kernels`) to it."""
-  try:
-    import nvfp4_jax as nf  # pylint: disable=g-import-not-at-top
-    dense4 = nf.NVFP4Dense
-  except (ImportError, AttributeError) as e:
-    return [dict(layer="NVFP4Dense", note=f"unavailable: {e}")]
-  x, dy, key = _inputs(tokens, d_in, d_out)
-  flops = 3 * 2.0 * tokens * d_in * d_out
-  rows = []
-  cases = [
-      ("nn.Dense bf16", nn.Dense(d_out, dtype=jnp.bfloat16),
-       contextlib.nullcontext()),
-      ("NVFP4Dense (default: kernels)", dense4(d_out, dtype=jnp.bfloat16),
-       contextlib.nullcontext()),
-      ("NVFP4Dense (pure XLA reference)", dense4(d_out, dtype=jnp.bfloat16),
-       nf.default_implementation("xla")),
-  ]
-  base = None
-  for name, module, ctx in cases:
-    params = module.init(jax.random.key(3), x)
-    with ctx:
-      f = jax.jit(_step(module))
-      compiled = f.lower(params, x, dy, key).compile()
-      peak = _peak_bytes(compiled)
-      t = timing.bench(compiled, [(params, x, dy, key)], calls=5, reps=7)
-      if kernels is not None:
-        for kname, (n, g) in sorted(timing.gpu_kernels(
-            compiled, [(params, x, dy, key)]).items(), key=lambda kv: -kv[1][1]):
-          kernels.append(dict(layer=name, kernel=kname[:70], calls=n,
-                              us=g * 1e6))
-    base = base or (t, peak)
-    rows.append(dict(layer=name, ms=t * 1e3, tflops=flops / t / 1e12,
-                     vs_bf16=t / base[0], peak_mib=peak / 2**20,
-                     peak_vs_bf16=peak / base[1]))
-  return rows
-
-
-COLS = ("layer", "ms", "tflops", "vs_bf16", "peak_mib", "peak_vs_bf16",
-        "note")
+COLS = speed.LAYER_COLS
 
 # (tokens, in, out) of each `--shapes` preset.
 _DIMS = (2048, 4096, 8192, 14336)
@@ -143,12 +76,13 @@ def _child(tokens: int, d_in: int, d_out: int, layer: str) -> dict:
     if layer != "nvfp4":
       recipe = nf.Recipe.nvfp4(residuals=layer.split("-", 1)[1])
     module = nf.NVFP4Dense(d_out, dtype=jnp.bfloat16, recipe=recipe)
-  x, dy, key = _inputs(tokens, d_in, d_out)
+  x, dy, key = speed.layer_inputs(tokens, d_in, d_out)
   params = module.init(jax.random.key(3), x)
-  compiled = jax.jit(_step(module)).lower(params, x, dy, key).compile()
+  compiled = jax.jit(speed.layer_step(module)).lower(params, x, dy,
+                                                     key).compile()
   times = timing.bench_samples(compiled, [(params, x, dy, key)], calls=5,
                                reps=7)
-  return {"times": times, "peak": _peak_bytes(compiled),
+  return {"times": times, "peak": speed.peak_bytes(compiled),
           "device": jax.devices()[0].device_kind, "jax": jax.__version__}
 
 
@@ -224,7 +158,8 @@ def main(argv=None):
     print(timing.table(rows, SHAPE_COLS))
     return
   ks = [] if a.kernels else None
-  print(timing.table(run(a.tokens, a.dim, a.dim, ks), COLS))
+  print(timing.table(speed.layer_speed(a.tokens, a.dim, a.dim, ks),
+                     COLS))
   if ks:
     print(timing.table(ks, ("layer", "kernel", "calls", "us")))
 

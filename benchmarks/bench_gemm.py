@@ -22,70 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import timing
 from nvfp4_jax.ops.quantize import api as quantize_api
 from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
-from nvfp4_jax.ops.block_scaled_matmul import reference as gemm_ref
 from nvfp4_jax.ops.weight_only_matmul import api as weight_only_api
+from nvfp4_jax.tools import speed
+from nvfp4_jax.tools import timing
 from pallas_kernels import common
 
 TRANSFORMER_DIMS = (2048, 4096, 8192, 14336)
-
-
-def run_shape(m: int, n: int, k: int, *, full: bool) -> list[dict]:
-  flops = 2.0 * m * n * k
-  ka, kb = jax.random.split(jax.random.key(m + n + k))
-  a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
-  b = jax.random.normal(kb, (n, k), jnp.float32).astype(jnp.bfloat16)
-  qa, va = quantize_api.quantize_with_values(a)
-  qb, vb = quantize_api.quantize_with_values(b, block_2d=True)
-  alpha = gemm_ref.gemm_alpha(qa, qb)
-  bf16 = jnp.bfloat16
-  shape = f"{m}x{n}x{k}"
-  rows = []
-  t_cublas = timing.bench(timing.bf16_matmul(m, n, k), [(a, b)], calls=5,
-                          reps=5)
-
-  def add(name, fn, args, check=True):
-    try:
-      f = jax.jit(fn)
-      out = f(*args)
-      err = timing.max_rel_diff(out, ref) if check else float("nan")
-      t = timing.bench(f, [args], calls=5, reps=5)
-    except Exception as e:  # pylint: disable=broad-except
-      rows.append(dict(shape=shape, gemm=name,
-                       note=f"failed: {type(e).__name__}: {str(e)[:120]}"))
-      return
-    rows.append(dict(shape=shape, gemm=name, ms=t * 1e3,
-                     tflops=flops / t / 1e12, of_cublas=t_cublas / t,
-                     rel_err=err))
-
-  ref = jax.jit(functools.partial(gemm_api.block_scaled_matmul, out_dtype=bf16,
-                                  implementation="xla"))(qa, qb)
-  rows.append(dict(shape=shape, gemm="cuBLAS bf16", ms=t_cublas * 1e3,
-                   tflops=flops / t_cublas / 1e12, of_cublas=1.0))
-  add("pallas excl. prep", functools.partial(gemm_api.block_values_matmul,
-                                             out_dtype=bf16), (va, vb, alpha))
-  add("pallas incl. prep", functools.partial(
-      gemm_api.block_scaled_matmul, out_dtype=bf16, implementation="pallas"),
-      (qa, qb))
-  add("xla", functools.partial(gemm_api.block_scaled_matmul, out_dtype=bf16,
-                               implementation="xla"), (qa, qb))
-  if full:
-    add("triton", functools.partial(
-        gemm_api.block_scaled_matmul, out_dtype=bf16, implementation="triton"),
-        (qa, qb))
-    add("scaled_matmul", functools.partial(
-        gemm_api.block_scaled_matmul, out_dtype=bf16,
-        implementation="scaled_matmul"), (qa, qb))
-
-    def e2e(x, w):
-      qx, vx = quantize_api.quantize_with_values(x)
-      qw, vw = quantize_api.quantize_with_values(w, block_2d=True)
-      return gemm_api.block_values_matmul(vx, vw, gemm_ref.gemm_alpha(qx, qw),
-                                      out_dtype=bf16)
-    add("quantize+GEMM (from bf16)", e2e, (a, b))
-  return rows
 
 
 def run(shapes=None) -> list[dict]:
@@ -95,11 +39,11 @@ def run(shapes=None) -> list[dict]:
                for n in TRANSFORMER_DIMS if (n, k) != (8192, 8192)]
   rows = []
   for m, n, k, full in shapes:
-    rows += run_shape(m, n, k, full=full)
+    rows += speed.gemm_speed(m, n, k, full=full)
   return rows
 
 
-COLS = ("shape", "gemm", "ms", "tflops", "of_cublas", "rel_err", "note")
+COLS = speed.GEMM_COLS
 
 # Decode shapes (tokens, out, in): a packed NVFP4 weight times bf16 activations.
 DECODE_SHAPES = ((1, 4096, 4096), (16, 4096, 4096), (16, 14336, 4096),

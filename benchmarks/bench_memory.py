@@ -72,6 +72,7 @@ import tempfile
 import time
 
 from benchmarks import bench_step
+from train import mesh_flags
 
 MULTIPLE = 8  # Micro-batches searched are multiples of this.
 # A step whose XLA peak is within the allocator limit can still run out of
@@ -336,7 +337,7 @@ LADDER = ("512x8,768x18,1024x28,1536x24,2048x24,2560x32,3072x32,3584x32,"
 # that the ladder's top is over (its peaks: tests/test_bench_memory.py).
 SMOKE = {"ladder": "128x1,128x2,256x2,256x4,384x4,512x4", "mesh": "fsdp=8",
          "seq": 32, "batch": 1, "limit_gib": 0.03, "precisions": "bf16,nvfp4"}
-MESH_AXES = ("data", "fsdp", "model", "expert")
+MESH_AXES = mesh_flags.MESH_AXES
 MAX_MODEL_RUNS = 3  # The search's answer, then at most two rungs down.
 # The first guess, before any peak is known: bytes per parameter of the
 # train state (bf16 parameters and gradients, the FP32 master copy and
@@ -354,20 +355,17 @@ def prior_bytes_per_param(shards: int) -> float:
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-  """`"fsdp=4"` or `"data=2,fsdp=2"` as `{axis: size}`, or a SystemExit
-  naming the bad part."""
-  sizes = {}
-  for part in (text or "").split(","):
-    k, eq, v = part.strip().partition("=")
-    if not eq or k not in MESH_AXES or not v.isdigit() or int(v) < 1:
-      raise SystemExit(
-          f"--mesh {text!r}: {part!r} is not AXIS=SIZE; use comma-separated "
-          f"axes of {MESH_AXES} with positive sizes, e.g. --mesh fsdp=4 or "
-          f"--mesh data=2,fsdp=2.")
-    if k in sizes:
-      raise SystemExit(f"--mesh {text!r} names {k!r} twice.")
-    sizes[k] = int(v)
-  return sizes
+  """`"fsdp=4"` or `"data=2,fsdp=2"` as `{axis: size}` (`mesh_flags`'
+  parser), or a SystemExit naming the bad part."""
+  try:
+    return mesh_flags.parse_mesh(text or "")
+  except mesh_flags.MeshSpecError as e:
+    if e.axis is not None:
+      raise SystemExit(f"--mesh {text!r} names {e.axis!r} twice.") from None
+    raise SystemExit(
+        f"--mesh {text!r}: {e.part!r} is not AXIS=SIZE; use comma-separated "
+        f"axes of {MESH_AXES} with positive sizes, e.g. --mesh fsdp=4 or "
+        f"--mesh data=2,fsdp=2.") from None
 
 
 def shape_fields(d_model: int, layers: int) -> dict[str, int]:
@@ -741,7 +739,7 @@ def model_main(a) -> list[dict]:
   compile, up to `--jobs` at once), then its runs (one at a time: a run
   holds every device of the mesh), within `--budget-s`; prints the table
   and returns its rows."""
-  from benchmarks import timing  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.tools import timing  # pylint: disable=g-import-not-at-top
   t_start = time.time()
   stop_new = t_start + a.budget_s
   stop_all = stop_new + a.grace_s
@@ -925,10 +923,7 @@ def main(argv=None):
                  help="model search on 8 CPU devices: a tiny ladder, "
                  f"{SMOKE['mesh']}, a {SMOKE['limit_gib']} GiB limit")
   p.add_argument("--attention", default="fused")
-  p.add_argument("--wgrad-sums", default="float32",
-                 help="model search: comma list of MeshRules.wgrad_sums to "
-                 "search NVFP4 with ('float32,bfloat16': also with its "
-                 "weight gradients summed in bf16)")
+  mesh_flags.add_mesh_flags(p, mesh=False, sweep=True, knobs=("wgrad_sums",))
   p.add_argument("--limit-gib", type=float, default=None,
                  help="memory budget instead of the device's allocator limit")
   p.add_argument("--compiles", type=int, default=8,
@@ -993,7 +988,7 @@ def main(argv=None):
          _search(c, a.limit_gib, a.compiles, a.state_file))
     print(json.dumps(r))
     return
-  from benchmarks import timing  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.tools import timing  # pylint: disable=g-import-not-at-top
   pairs = ([tuple(pr.split(":")) for pr in a.configs.split(",")]
            if a.configs else [(prec, remat) for remat in a.remat.split(",")
                               for prec in a.precisions.split(",")])

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import timing
+from nvfp4_jax.tools import timing
 
 MODELS = (  # name, E, K, N, top-k
     ("mixtral", 8, 4096, 14336, 2),

@@ -34,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import nvfp4_jax as nv
-from benchmarks import timing
 from benchmarks.bench_moe import MODELS
 from benchmarks.bench_moe import group_sizes
+from nvfp4_jax.tools import timing
 
 BF16 = jnp.bfloat16
 ALIGNED = 16  # `nvfp4_jax.flax.moe.GROUP_ALIGN`.

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import timing
 import nvfp4_jax as nf
 from nvfp4_jax.ops.quantize import api as quantize_api
 from nvfp4_jax.ops.quantize_pair import api as pair_api
@@ -31,35 +30,12 @@ from nvfp4_jax.ops.quantize import pallas_triton as pq
 from nvfp4_jax.ops.block_values import pallas_triton as pbd
 from pallas_kernels import common as pcommon
 from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pr
+from nvfp4_jax.tools import timing
+from nvfp4_jax.tools.check_device import check_input
+from nvfp4_jax.tools.check_device import exact_vs_cpu
+from nvfp4_jax.tools.check_device import same_bytes
 
 Q_BYTES = 0.5 + 1 / 16  # Codes + scales written per element.
-
-
-def _same(a, b) -> bool:
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  return len(la) == len(lb) and all(
-      np.array_equal(np.atleast_1d(np.asarray(x)).view(np.uint8),
-                     np.atleast_1d(np.asarray(y)).view(np.uint8))
-      for x, y in zip(la, lb))
-
-
-def check_input(shape=(256, 512), seed=0) -> jax.Array:
-  """Heavy-tailed bf16 data whose 16-token RHT sums are exact in FP32 (so the
-  RHT'd operand does not depend on summation order; see tests/test_kernels)."""
-  rng = np.random.default_rng(seed)
-  k = rng.integers(-127, 128, shape).astype(np.float32)
-  x = k * np.exp2(rng.integers(0, 7, (shape[0], 1))) * np.exp2(
-      rng.integers(-12, 13, (1, shape[1])))
-  return jnp.asarray(x, jnp.float32).astype(jnp.bfloat16)
-
-
-def exact_vs_cpu(fn_kernel, fn_ref, args) -> bool:
-  """The kernel on the default device vs the reference on the CPU (bytes)."""
-  got = jax.jit(fn_kernel)(*args)
-  cpu = jax.devices("cpu")[0]
-  with jax.default_device(cpu):
-    want = jax.jit(fn_ref)(*jax.device_put(args, cpu))
-  return _same(got, want)
 
 
 RTNE = Operand(format="nvfp4")
@@ -325,7 +301,7 @@ def sweep_amax(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
 
   def same(f):
     got = f(small)
-    return all(_same(a, b) for a, b in zip(got, want))
+    return all(same_bytes(a, b) for a, b in zip(got, want))
 
   f = jax.jit(lambda x: quantize_ref.tensor_amax(nm.ftz(x.astype(jnp.float32))))
   rows = [row("amax of x alone (XLA reduction)", f, "")]
@@ -380,14 +356,14 @@ def sweep_pair(tokens: int = 8192, features: int = 8192, *, copy_bw: float
     t = timing.bench(jax.jit(split_fn), [(v,) for v in xs])
     rows.append(dict(kernel=f"{label} two kernels", us=t * 1e6,
                      of_copy=bpe * n / t / copy_bw,
-                     exact=_same(jax.jit(split_fn)(x), want)))
+                     exact=same_bytes(jax.jit(split_fn)(x), want)))
     for bt, bf, w in [(64, 64, 4), (32, 64, 4), (64, 32, 4), (32, 32, 2),
                       (32, 32, 4), (16, 64, 2), (64, 64, 8), (128, 32, 4),
                       (32, 128, 4), (128, 64, 8)]:
       cfg = pr.RHTConfig(block_tokens=bt, block_features=bf, num_warps=w)
       f = jax.jit(functools.partial(fused_fn, cfg=cfg))
       try:
-        ok = _same(f(x), want)
+        ok = same_bytes(f(x), want)
         t = timing.bench(f, [(v,) for v in xs])
       except Exception as e:  # pylint: disable=broad-except
         rows.append(dict(kernel=f"{label} fused {bt}x{bf} w{w}",
@@ -465,7 +441,7 @@ def sweep_used(tokens: int, features: int,
         continue
       rows.append(dict(shape=f"{tokens}x{features}", kernel=label,
                        gpu_us=g * 1e6, of_copy=bpe / 4 * copy_s / g,
-                       exact=_same(got, want)))
+                       exact=same_bytes(got, want)))
   return rows
 
 
@@ -493,7 +469,7 @@ def sweep_amax_programs(tokens: int, features: int,
                        kernel=f"rht_amax, >= {n} programs"
                        + (" (default)" if n == default else ""),
                        gpu_us=g * 1e6, vs_xla=xla / g,
-                       exact=_same(f(xs[0]), want)))
+                       exact=same_bytes(f(xs[0]), want)))
   finally:
     pr.AMAX_PROGRAMS = default
   return rows

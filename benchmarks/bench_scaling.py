@@ -66,7 +66,8 @@ import tempfile
 import threading
 import time
 
-from benchmarks import timing
+from nvfp4_jax.tools import timing
+from train import mesh_flags
 
 SHAPES = {"small": (64, 512), "base": (16, 1024), "tiny": (4, 64),
           "moe-small": (64, 512)}
@@ -97,8 +98,7 @@ class Config:
   @property
   def mesh_sizes(self) -> dict[str, int]:
     """`mesh` as `{axis: size}` ({} without a mesh)."""
-    return {k: int(v) for k, v in (kv.split("=") for kv in
-                                    self.mesh.split(",") if kv)}
+    return mesh_flags.parse_mesh(self.mesh) if self.mesh else {}
 
   @property
   def devices(self) -> int:
@@ -368,7 +368,7 @@ def configs(a) -> list[Config]:
     shapes[name] = (int(b), int(s))
   meshes = ["data=1", ""] + [m for m in a.meshes.split() if m]
   no_mesh = (a.no_mesh_baseline or "").split(",")
-  knobs = {field: knob_values(a, field) for field, _ in KNOBS}
+  knobs = {field: mesh_flags.sweep_values(a, field) for field, _ in KNOBS}
   out = []
   for preset in a.presets.split(","):
     if preset not in shapes:
@@ -430,24 +430,6 @@ KNOBS = (("tp_partial_sums", lambda c: c.precision != "bf16"
          ("sequence_parallel",
           lambda c: c.mesh_sizes.get("model", 1) > 1),
          ("exchange_slack", lambda c: "expert=" in c.mesh))
-
-# The words a knob's option may list, where they are a closed set.
-KNOB_CHOICES = {"sequence_parallel": ("off", "on", "ring")}
-
-
-def knob_values(a, field: str) -> list[str]:
-  """The values the knob `field`'s option lists (checked against
-  `KNOB_CHOICES`)."""
-  text = getattr(a, field)
-  items = [t for t in text.split(",") if t]
-  choices = KNOB_CHOICES.get(field)
-  bad = [t for t in items if choices and t not in choices]
-  if bad:
-    raise SystemExit(
-        f"--{field.replace('_', '-')} {text!r}: {bad[0]!r} is not one of "
-        f"{','.join(choices)}; give a comma list of them (e.g. 'off,on').")
-  return items
-
 
 def baseline(c: Config, cfgs: list[Config]) -> Config:
   """The one-device configuration `c`'s scaling is measured against: a
@@ -516,28 +498,10 @@ def main(argv=None):
                  "temporary directory)")
   p.add_argument("--xla-flags", default="",
                  help="appended to XLA_FLAGS in every process")
-  p.add_argument("--tp-partial-sums", default="float32",
-                 help="comma list: also time the meshes with a model axis "
-                 "with tensor parallelism's partial sums in the output dtype "
-                 "('float32,output'; MeshRules.partial_sums)")
-  p.add_argument("--amax", default="global",
-                 help="comma list: also time the meshes with the "
-                 "activations' and gradients' amax per token shard "
-                 "('global,local'; MeshRules.amax)")
-  p.add_argument("--wgrad-schedule", default="layer",
-                 help="comma list: also time the meshes with an fsdp axis "
-                 "with the weight gradients where XLA's scheduler puts them "
-                 "('layer,xla'; MeshRules.wgrad_schedule)")
-  p.add_argument("--wgrad-sums", default="float32",
-                 help="comma list: also time the meshes with a data or fsdp "
-                 "axis with the NVFP4 weight gradients summed in bf16 "
-                 "('float32,bfloat16'; MeshRules.wgrad_sums)")
-  p.add_argument("--sequence-parallel", default="off",
-                 help="comma list: also time the meshes with a model axis "
-                 "of more than one device with sequence parallelism (on), "
-                 "and with its collective matmul as well (ring) "
-                 "('off,on,ring'; MeshRules.sequence_parallel, "
-                 "collective_matmul)")
+  mesh_flags.add_mesh_flags(
+      p, mesh=False, sweep=True, knobs=("tp_partial_sums", "amax",
+                                        "wgrad_schedule", "wgrad_sums",
+                                        "sequence_parallel"))
   p.add_argument("--knob-product", action="store_true",
                  help="time every combination of the knobs' listed values "
                  "(e.g. --sequence-parallel off,on with --tp-partial-sums "

@@ -58,8 +58,8 @@ class StepConfig:
   @property
   def mesh_sizes(self) -> dict[str, int]:
     """`mesh` as `{axis: size}` ({} on one device)."""
-    return {k: int(v) for k, v in (kv.split("=") for kv in
-                                    self.mesh.split(",") if kv)}
+    from train.mesh_flags import parse_mesh  # pylint: disable=g-import-not-at-top
+    return parse_mesh(self.mesh) if self.mesh else {}
 
   @property
   def devices(self) -> int:
@@ -154,7 +154,7 @@ def attention_flops_per_token(mc, seq: int) -> int:
 def run(configs: list[StepConfig], repeats: int = 3) -> list[dict]:
   """Times every configuration in a fresh process, interleaved, `repeats`
   rounds; returns one row per configuration."""
-  from benchmarks import timing  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.tools import timing  # pylint: disable=g-import-not-at-top
   results: dict[str, list[dict]] = {c.label: [] for c in configs}
   for _ in range(repeats):
     for c in configs:
@@ -245,7 +245,7 @@ def main(argv=None):
             c = StepConfig(a.preset, prec, a.batch, a.seq, att, remat,
                            a.steps, mesh, res)
             configs.append(dataclasses.replace(c, batch=a.batch * c.devices))
-  from benchmarks import timing  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.tools import timing  # pylint: disable=g-import-not-at-top
   rows = run(configs, a.repeats)
   print(f"device: {rows[0]['device']}; jax {rows[0]['jax']}; {a.repeats} "
         f"rounds x {a.steps} steps, a fresh process per configuration")

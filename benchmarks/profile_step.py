@@ -23,7 +23,7 @@ import re
 import tempfile
 import time
 
-from benchmarks import timing
+from nvfp4_jax.tools import timing
 
 # (class, regex on the kernel name), first match wins.
 CLASSES = (

@@ -16,10 +16,10 @@ import time
 
 import jax
 
-from benchmarks import bench_dense
 from benchmarks import bench_gemm
 from benchmarks import bench_quantize
-from benchmarks import timing
+from nvfp4_jax.tools import speed
+from nvfp4_jax.tools import timing
 
 
 def main():
@@ -71,9 +71,11 @@ def main():
                     timing.table(rows, bench_gemm.WEIGHT_ONLY_COLS))
     print(sections[-1], flush=True)
   if "dense" not in skip:
-    rows = (bench_dense.run(256, 256, 256) if a.small else bench_dense.run())
+    rows = (speed.layer_speed(256, 256, 256) if a.small
+            else speed.layer_speed())
     results["dense"] = rows
-    sections.append("## Dense fwd+bwd\n" + timing.table(rows, bench_dense.COLS))
+    sections.append("## Dense fwd+bwd\n"
+                    + timing.table(rows, speed.LAYER_COLS))
     print(sections[-1], flush=True)
   sections.append(f"total {time.time() - t0:.0f} s")
   print(sections[-1])

@@ -272,7 +272,7 @@ _DECOMPOSED = ('%c = f32[256,384] custom-call(%a), custom_call_target='
 
 
 def test_check_device_flags_a_decomposed_block_scaled_dot():
-  from benchmarks import check_device  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.tools import check_device  # pylint: disable=g-import-not-at-top
   what, problems = check_device._describe(_PRE, _NATIVE, [])  # pylint: disable=protected-access
   assert problems == [] and "cuDNN __cudnn$blockScaledDot x1" in what
   what, problems = check_device._describe(_PRE, _DECOMPOSED, [])  # pylint: disable=protected-access
@@ -332,7 +332,7 @@ def test_check_device_target_passes(target, capsys):
   """`check_device --target` for B200 and RTX PRO 6000: every program
   compiles, the layer's GEMMs, the aligned GEMM and the MoE op's grouped
   GEMMs (NVFP4, MXFP4, MXFP8 recipes) run native FP4 / FP8."""
-  from benchmarks import check_device  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.tools import check_device  # pylint: disable=g-import-not-at-top
   assert check_device.ahead_of_time(target, sass=False) == 0
   out = capsys.readouterr().out
   assert "FAIL" not in out
@@ -571,7 +571,7 @@ def _sm100_asm(kernel: str, tmp_path, monkeypatch) -> dict:
   triton for sm_100a: its `asm` (`ttgir`, `ptx`, ...)."""
   from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
   import os  # pylint: disable=g-import-not-at-top
-  from benchmarks import sass_report  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.tools import sass_report  # pylint: disable=g-import-not-at-top
   triton = _triton_or_none()
   monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
   case = next(c for c in sass_report.cases_for((10, 0)) if c.name == kernel)

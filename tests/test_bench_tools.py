@@ -212,7 +212,7 @@ def test_bench_memory_refuses_a_state_searched_under_another_limit():
 def test_probe_prologue_counts_the_entry_kernels():
   """A decode left outside the GEMM is a fusion of its own beside the GEMM
   fusion; kernels of other computations are not counted."""
-  from benchmarks import probe_prologue
+  from benchmarks.archive import probe_prologue
   hlo = """
 %fused_multiply (p: u8[4,32]) -> bf16[4,32] {
   %x = bf16[4,32]{1,0} fusion(%p), kind=kLoop, calls=%inner
@@ -235,7 +235,7 @@ def test_probe_prologue_integer_decode_is_e2m1_decode():
   codes (signed zero included), so its timings are of the same values."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from benchmarks import probe_prologue
+  from benchmarks.archive import probe_prologue
   from nvfp4_jax.core import numerics as nm
   codes = jnp.arange(16, dtype=jnp.uint8)
   got = np.asarray(probe_prologue._decode_u8(codes).astype(jnp.float32))
@@ -249,7 +249,7 @@ def test_probe_decode_gemm_byte_decode_is_exact():
   are exact in f16, so the probe's kernel multiplies the recipe's values."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from benchmarks import probe_decode_gemm as pdg
+  from benchmarks.archive import probe_decode_gemm as pdg
   from nvfp4_jax.core import numerics as nm
   codes = jnp.arange(16, dtype=jnp.uint8)
   got = np.asarray(pdg.byte_values(pdg.code_bytes(codes)).astype(jnp.float32))
@@ -269,7 +269,7 @@ def test_probe_decode_gemm_lowers_for_hopper():
   the probe times."""
   import functools  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from benchmarks import probe_decode_gemm as pdg
+  from benchmarks.archive import probe_decode_gemm as pdg
   m, n, k = 256, 512, 256
   args = (jax.ShapeDtypeStruct((k // 16, m, 16), jnp.uint8),
           jax.ShapeDtypeStruct((k // 16, m), jnp.float8_e4m3fn),
@@ -307,10 +307,10 @@ def test_bench_quantize_used_sweep_checks_every_tile_against_the_default(
 
 
 def test_sass_report_cases_lower_to_the_kernels_they_name():
-  """Every `benchmarks.sass_report` case lowers (for CUDA, off-GPU) to the
+  """Every `tools.sass_report` case lowers (for CUDA, off-GPU) to the
   `pallas_call` it names: a kernel renamed or moved to another layout (as
   the columns RHT kernels did) breaks the report, not silently its rows."""
-  from benchmarks import sass_report  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.tools import sass_report  # pylint: disable=g-import-not-at-top
   names = set()
   for case in sass_report._cases():  # pylint: disable=protected-access
     lowered = sass_report.lower_case(case, (9, 0))

@@ -1,8 +1,8 @@
-"""`python -m benchmarks.check_device` runs (small, on CPU) and reports."""
+"""`python -m nvfp4_jax.tools.check_device` runs (small, on CPU) and reports."""
 
 import pytest
 
-from benchmarks import check_device
+from nvfp4_jax.tools import check_device
 
 
 @pytest.mark.slow  # Every kernel and benchmark path once (~20 s on CPU).

@@ -38,10 +38,7 @@ from models.gpt import MLP_KINDS
 from models.gpt import REMAT_KINDS
 from nvfp4_jax.core.recipe import FOUR_OVER_SIX_MODES
 from nvfp4_jax.core.recipe import RESIDUALS
-from nvfp4_jax.parallel.mesh import AMAX_SCOPES
-from nvfp4_jax.parallel.mesh import PARTIAL_SUMS
-from nvfp4_jax.parallel.mesh import WGRAD_SCHEDULES
-from nvfp4_jax.parallel.mesh import WGRAD_SUMS
+from train import mesh_flags
 from train.config import MAX_SEED
 from train.config import MAX_STEPS
 from train.config import ABLATIONS
@@ -192,39 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "their NVFP4 layers and recompute the rest (less memory); "
                  "full: blocks keep only their inputs and recompute "
                  "everything, quantization included (least memory)")
-  p.add_argument("--tp-partial-sums", metavar=_one_of(PARTIAL_SUMS),
-                 default="float32",
-                 help="with a model mesh axis: sum tensor parallelism's "
-                 "partial results in float32 (rounded once, the default) "
-                 "or in the output dtype (half the bytes for bf16, as "
-                 "Megatron-style tensor parallelism)")
-  p.add_argument("--sequence-parallel", action="store_true",
-                 help="with a model mesh axis of more than one device: "
-                 "sequence parallelism, the activations between the "
-                 "tensor-parallel layers split over model too (their norms "
-                 "and residual adds on a token shard; the same result)")
-  p.add_argument("--collective-matmul", action="store_true",
-                 help="with --sequence-parallel: the quantized layers' "
-                 "gathers and reduce-scatters over model as rings beside "
-                 "their GEMMs, so the transfers can hide behind them")
-  p.add_argument("--amax", metavar=_one_of(AMAX_SCOPES), default="global",
-                 help="on a mesh: the activations' and gradients' tensor "
-                 "amax over the whole batch (global, the default: the "
-                 "one-device run's quantization) or each token shard's "
-                 "(local: no collective over the batch axes, a "
-                 "data-parallel micro-batch's numerics)")
-  p.add_argument("--wgrad-schedule", metavar=_one_of(WGRAD_SCHEDULES),
-                 default="layer",
-                 help="with an fsdp mesh axis: compute each layer's weight "
-                 "gradient with its input gradient (layer, the default: "
-                 "activations freed layer by layer) or where XLA's "
-                 "scheduler puts it (xla)")
-  p.add_argument("--wgrad-sums", metavar=_one_of(WGRAD_SUMS),
-                 default="float32",
-                 help="on a mesh that splits the batch: sum the NVFP4 "
-                 "layers' weight gradients across devices in FP32 (float32, "
-                 "the default: the one-device run's gradients) or in bf16 "
-                 "(bfloat16: half the bytes, one more rounding)")
+  mesh_flags.add_mesh_flags(p)
   p.add_argument("--data", metavar="PATH",
                  help="text file, directory of text files, .npy token file "
                  "(python -m train.data tokenize; its tokenizer's vocabulary) "
@@ -240,12 +205,6 @@ def build_parser() -> argparse.ArgumentParser:
                  help="delete the run directory's checkpoints and start "
                  "again (without --resume or --overwrite, a run directory "
                  "that holds checkpoints is refused)")
-  p.add_argument("--mesh", metavar="AXIS=N,...", type=_mesh_shape,
-                 help="device mesh, e.g. data=2,fsdp=2,model=2 (axes data: "
-                 "batch; fsdp: batch + parameters and optimizer state; "
-                 "model: tensor parallelism; expert: batch + the experts of "
-                 "MoE presets, tokens exchanged all-to-all). Sizes multiply "
-                 "to the device count; default: all devices on data")
   p.add_argument("--distributed", action="store_true",
                  help="multi-host: call jax.distributed.initialize() first "
                  "(one process per host, same flags); on SLURM or Open MPI "
@@ -260,25 +219,6 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--no-progress", action="store_true",
                  help="no progress bar")
   return p
-
-
-MESH_AXES = ("data", "fsdp", "model", "expert")
-
-
-def _mesh_shape(text: str) -> dict[str, int]:
-  """`data=2,fsdp=2,model=2` -> `{"data": 2, "fsdp": 2, "model": 2}`."""
-  sizes = {}
-  for part in text.split(","):
-    name, _, value = part.strip().partition("=")
-    if name not in MESH_AXES or not value.isdigit() or int(value) < 1:
-      raise argparse.ArgumentTypeError(
-          f"expected AXIS=N pairs with AXIS in {','.join(MESH_AXES)} and N "
-          f">= 1, e.g. data=2,fsdp=2,model=2; got {text!r}")
-    if name in sizes:
-      raise argparse.ArgumentTypeError(f"axis {name!r} given twice in "
-                                       f"{text!r}")
-    sizes[name] = int(value)
-  return sizes
 
 
 def make_mesh(args):
@@ -346,12 +286,8 @@ def make_configs(args, precisions: list[str]) -> list[TrainConfig]:
         late_switch_mode=args.late_switch_mode, eval_every=args.eval_every,
         ckpt_every=args.ckpt_every,
         diagnostics=not args.no_diagnostics, attention=args.attention,
-        remat=args.remat, tp_partial_sums=args.tp_partial_sums,
-        sequence_parallel=args.sequence_parallel,
-        collective_matmul=args.collective_matmul,
-        amax=args.amax, wgrad_schedule=args.wgrad_schedule,
-        wgrad_sums=args.wgrad_sums, init_from=args.init_from,
-        **ablations[p]) for p in precisions]
+        remat=args.remat, init_from=args.init_from,
+        **mesh_flags.knob_config(args), **ablations[p]) for p in precisions]
   except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None
 

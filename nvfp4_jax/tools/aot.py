@@ -9,7 +9,7 @@ XLA compiles ahead of time for a GPU described by a `GpuTargetConfig` (JAX's
 no such GPU and no GPU at all: it needs JAX's CUDA plugin installed (the
 `gpu` extra), not CUDA's libraries. On a machine without them, start Python
 with `JAX_PLATFORMS=cpu` (the plugin then registers without loading cuDNN;
-`python -m benchmarks.check_device --target ...` sets it). Inside the block
+`nvfp4-check-device --target ...` sets it). Inside the block
 the project's dispatch answers for that device (`dispatch.target_device`), so
 every op picks the kernels it would pick there; the Triton kernels that
 jax-triton compiles while lowering are recorded (their PTX), and nothing runs.

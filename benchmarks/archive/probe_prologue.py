@@ -11,7 +11,7 @@ block values, this compiles and times several ways of writing the decode of
 one GEMM fusion and no other fusion), and times each against the GEMM on
 the values (same run):
 
-  python -m benchmarks.probe_prologue [--shapes 8192x4096x4096,...]
+  python -m benchmarks.archive.probe_prologue [--shapes 8192x4096x4096,...]
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import timing
 from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.core import tile
+from nvfp4_jax.tools import timing
 
 SHAPES = ((8192, 4096, 4096), (16384, 2304, 768), (16384, 768, 2048),
           (16384, 4096, 768))

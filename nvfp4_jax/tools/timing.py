@@ -1,4 +1,4 @@
-"""Timing helpers shared by the benchmarks (GPU; they also run, slowly, on CPU).
+"""Timing helpers of `check_device` and the benchmarks (GPU; also, slowly, CPU).
 
 `bench` times a jitted function by queueing `calls` launches back to back and
 blocking once (so launch overhead overlaps with device work), `reps` times,

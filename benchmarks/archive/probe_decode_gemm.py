@@ -25,8 +25,8 @@ its Triton GEMM fusion, same run):
    f16 values loaded in place of the codes (no decode: the structure's own
    cost).
 
-  python -m benchmarks.probe_decode_gemm [--shapes MxNxK,...] [--configs 0,2]
-      [--no-stock]
+  python -m benchmarks.archive.probe_decode_gemm [--shapes MxNxK,...]
+      [--configs 0,2] [--no-stock]
 
 Mosaic GPU kernels have no CPU interpret mode: on the CPU the kernel is only
 lowered (tests/test_bench_tools.py), its decode checked in jnp.
@@ -46,9 +46,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from benchmarks import timing
 from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.ops.block_scaled_matmul import pallas_mosaic_gpu as values_matmul
+from nvfp4_jax.tools import timing
 
 SHAPES = ((8192, 4096, 4096), (16384, 2048, 768), (16384, 768, 2048))
 

@@ -20,8 +20,8 @@ Needs (none of it is a project dependency; nothing is installed by the tool):
 
 Run:
 
-    python -m benchmarks.sass_report --triton-path /tmp/trisite
-    python -m benchmarks.sass_report --triton-path /tmp/trisite \\
+    python -m nvfp4_jax.tools.sass_report --triton-path /tmp/trisite
+    python -m nvfp4_jax.tools.sass_report --triton-path /tmp/trisite \\
         --kernels quantize_rtne,weight_only --out-dir /tmp/sass
 
 `--out-dir` keeps each kernel's .ttir, .ptx, .cubin, .sass and ptxas log.

@@ -1,0 +1,2 @@
+"""Finished experiments, kept because BENCHMARKS.md and docs/journal.md
+cite their measurements (see README.md here)."""
