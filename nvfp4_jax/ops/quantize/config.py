@@ -43,7 +43,7 @@ def default_config(rows: int, cols: int, block_2d: bool = False, *,
   Measured on H100 at 8192^2 bf16 (BENCHMARKS.md, tile sweep): 16x256 and
   8x256 were fastest; 8K-element tiles were ~20% slower, 32K spilled. The
   8K tiles on Blackwell are chosen by instruction count (offline
-  `benchmarks.sass_report --arch sm_100`), not measured on the device.
+  `nvfp4_jax.tools.sass_report --arch sm_100`), not measured on the device.
   """
   bc = min(512 if wide else 256, common.next_pow2(cols))
   br = max(B if block_2d else 1, min(16, common.next_pow2(rows),
