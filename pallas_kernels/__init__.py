@@ -13,7 +13,10 @@ they share sits here, below every op, one module per job:
   conversion is used (its compile probe); `e2m1_decode`: the decoders;
 - `paired_words`: the quantize kernels' word paths (bf16 pairs as uint32
   words, through the E2M1 conversion), and `choose_four` their
-  Four-over-Six choice.
+  Four-over-Six choice;
+- `mosaic_gemm`: the Mosaic GPU GEMMs' (Hopper) tile config, checks,
+  warp-specialized pipeline and epilogue, shared by the dense and the
+  grouped GEMM.
 
 It imports only `nvfp4_jax.core`. The kernels' old module paths
 (`pallas_kernels.quantize`, ...) keep importing (`nvfp4_jax._compat`).
