@@ -25,9 +25,9 @@ def _error_terms_asm(odd: bool) -> str:
   """Two elements' error terms (`$0`, `$1`: elements j and j + 1 of the
   even or odd elements) from the pairs' even and odd elements (`$2-$3`,
   `$4-$5`), their block's encode scale (`$6-$7`) and decoded scale
-  (`$8-$9`, FP32). Per pair, as `_scale_encode_cvt_asm`: the FTZ products
-  `y` by `mul.rn.ftz.f32x2` and their codes by `cvt.rn.satfinite.
-  e2m1x2.f32`; then per element, the twin's steps (see
+  (`$8-$9`, FP32). Per pair, as `paired_words._scale_encode_cvt_asm`: the
+  FTZ products `y` by `mul.rn.ftz.f32x2` and their codes by
+  `cvt.rn.satfinite.e2m1x2.f32`; then per element, the twin's steps (see
   `words_error_terms`)."""
   body = ["mov.b16 m1, 0xBC00;", "mov.b32 z, 0;"]  # f16 -1; +0.
   for i in range(2):

@@ -33,13 +33,23 @@ def widen_words(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   return f(w << 16), f(w & jnp.uint32(0xFFFF0000))
 
 
+def _scale_convert_ptx(ye: str, yo: str, code: str) -> list[str]:
+  """PTX lines converting one pair (elements `ye`, `yo`) times the encode
+  scale pair `ee` to its two E2M1 codes in the byte register `code`
+  (registers `x`, `e`, `o`): `_scale_encode_cvt_asm`'s steps."""
+  return [f"mov.b64 x, {{{ye}, {yo}}};",
+          "mul.rn.ftz.f32x2 x, x, ee;",
+          "mov.b64 {e, o}, x;",
+          f"cvt.rn.satfinite.e2m1x2.f32 {code}, o, e;"]
+
+
 def _scale_encode_cvt_asm(nan_test: str = "testp.notanumber.f32 nan, $9;"
                           ) -> str:
   """`mul.ftz.f32` of 4 pairs by their block's encode scale (`$9`), two
   products per `mul.ftz.f32x2` (Blackwell's packed FP32: per lane the same
   IEEE multiplication, flushing subnormal inputs and results, PTX ISA
-  `mul`), then `_encode_codes_cvt_signed_asm`'s conversion and NaN
-  select, the NaN test on the encode scale itself (the same in both
+  `mul`), then `e2m1_encode._encode_codes_cvt_signed_asm`'s conversion
+  and NaN select, the NaN test on the encode scale itself (the same in both
   instances of a block: ptxas keeps one). The same predicate as a test of
   a product: the block encode scale `words_block_scales` makes is NaN or
   a positive finite number (the reciprocal of a product of the decoded
@@ -51,10 +61,7 @@ def _scale_encode_cvt_asm(nan_test: str = "testp.notanumber.f32 nan, $9;"
   ye, yo, _, _ = e2m1_encode.asm_operands(1, False, False)
   body = []
   for k in range(4):
-    body += [f"mov.b64 x, {{{ye[k]}, {yo[k]}}};",
-             "mul.rn.ftz.f32x2 x, x, ee;",
-             "mov.b64 {e, o}, x;",
-             f"cvt.rn.satfinite.e2m1x2.f32 b{k}, o, e;"]
+    body += _scale_convert_ptx(ye[k], yo[k], f"b{k}")
   body += ["mov.b32 acc, {b0, b1, b2, b3};", "selp.b32 $0, 0, acc, nan;"]
   return ("{\n.reg .b32 acc, e, o;\n.reg .b64 x, ee;\n"
           ".reg .b8 b0, b1, b2, b3;\n.reg .pred nan;\n"
@@ -92,16 +99,13 @@ def _scale_values_cvt_asm() -> str:
   test. Exact, as `words_values`: the decoded values are those of the
   codes `scale_encode_codes` writes, outside NaN blocks; in a NaN block
   (the scaled values are NaN exactly where `d` is NaN: see
-  `_encode_codes_cvt_signed_asm`) the ISA does not say which codes the
+  `e2m1_encode._encode_codes_cvt_signed_asm`) the ISA does not say which codes the
   conversion writes, but any E2M1 code decodes to a finite f16, and its
   product by NaN is NaN: every value NaN, as the reference's."""
   ye, yo, _, _ = e2m1_encode.asm_operands(4, False, False)
   body = []
   for k in range(4):
-    body += [f"mov.b64 x, {{{ye[k]}, {yo[k]}}};",
-             "mul.rn.ftz.f32x2 x, x, ee;",
-             "mov.b64 {e, o}, x;",
-             "cvt.rn.satfinite.e2m1x2.f32 b, o, e;",
+    body += [*_scale_convert_ptx(ye[k], yo[k], "b"),
              *_decode_pair_ptx("b", k)]
   return ("{\n.reg .b32 e, o, h;\n.reg .b64 x, ee;\n.reg .b16 he, ho, dh;\n"
           ".reg .b8 b;\nmov.b64 ee, {$12, $12};\ncvt.rn.f16.f32 dh, $16;\n"
