@@ -27,7 +27,8 @@ from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
 from nvfp4_jax.ops.weight_only_matmul import api as weight_only_api
 from nvfp4_jax.tools import speed
 from nvfp4_jax.tools import timing
-from pallas_kernels import common
+from pallas_kernels import e2m1_decode
+from pallas_kernels import launch
 
 TRANSFORMER_DIMS = (2048, 4096, 8192, 14336)
 
@@ -118,7 +119,7 @@ def run_weight_only(shapes=DECODE_SHAPES,
     for impl, asm in (("pallas", True), ("pallas", False), ("xla", True)):
       fn = functools.partial(weight_only_api.weight_only_matmul, implementation=impl)
       name = f"weight-only {impl}" + ("" if asm else " (jnp decode)")
-      common.ASM_DECODE = asm
+      e2m1_decode.ASM_DECODE = asm
       try:
         out = jax.jit(fn)(x, qws[0])
         t = per_layer(fn, x, qws)
@@ -128,7 +129,7 @@ def run_weight_only(shapes=DECODE_SHAPES,
                          note=f"failed: {type(e).__name__}: {str(e)[:120]}"))
         continue
       finally:
-        common.ASM_DECODE = True
+        e2m1_decode.ASM_DECODE = True
       rows.append(row(name, t, g or None, 0.5625,
                       rel_err=timing.max_rel_diff(out, ref)))
   return rows
@@ -154,7 +155,7 @@ def sweep_weight_only(shapes=DECODE_SHAPES, top: int = 3) -> list[dict]:
   for m, n, k in shapes:
     x, _, qws, t_cublas = _decode_case(m, n, k)
     default = wo.default_config(m, n, k)
-    bm = max(16, min(128, common.next_pow2(m)))
+    bm = max(16, min(128, launch.next_pow2(m)))
     tried, errors = {}, {}
 
     def time(cfg):

@@ -28,7 +28,8 @@ from nvfp4_jax.ops.quantize import reference as quantize_ref
 from nvfp4_jax.core.recipe import Operand
 from nvfp4_jax.ops.quantize import pallas_triton as pq
 from nvfp4_jax.ops.block_values import pallas_triton as pbd
-from pallas_kernels import common as pcommon
+from pallas_kernels import e2m1_decode
+from pallas_kernels import e2m1_encode
 from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pr
 from nvfp4_jax.tools import timing
 from nvfp4_jax.tools.check_device import check_input
@@ -112,21 +113,24 @@ def variants(key):
 @contextlib.contextmanager
 def _kernels(*, asm: bool = True, decode: bool = True, columns: bool = True):
   """Runs the block with the kernels' module switches set
-  (`common.ASM_ENCODE`, `common.ASM_DECODE`, `quantize_rht_t.COLUMNS`),
-  then back on: the before and after of one run. Trace a new function
-  inside (jit caches traces by function, not by these switches)."""
-  pcommon.ASM_ENCODE, pcommon.ASM_DECODE, pr.COLUMNS = asm, decode, columns
+  (`e2m1_encode.ASM_ENCODE`, `e2m1_decode.ASM_DECODE`,
+  `quantize_rht_t.COLUMNS`), then back on: the before and after of one run.
+  Trace a new function inside (jit caches traces by function, not by these
+  switches)."""
+  e2m1_encode.ASM_ENCODE, e2m1_decode.ASM_DECODE = asm, decode
+  pr.COLUMNS = columns
   try:
     yield
   finally:
-    pcommon.ASM_ENCODE, pcommon.ASM_DECODE, pr.COLUMNS = True, True, True
+    e2m1_encode.ASM_ENCODE, e2m1_decode.ASM_DECODE, pr.COLUMNS = (
+        True, True, True)
 
 
 def run(tokens: int = 8192, features: int = 8192, *, copy_bw: float,
         n_inputs: int = 2, encoders: bool = False,
         tensor_cores: bool = False) -> list[dict]:
   """The table. `encoders`: also time every Pallas row with the kernels'
-  jnp encoders instead of the GPU encoder (`common.ASM_ENCODE = False`),
+  jnp encoders instead of the GPU encoder (`e2m1_encode.ASM_ENCODE = False`),
   marked "(jnp encode)": the before and after of one run. `tensor_cores`:
   also time every RHT row with the tensor-core RHT kernels instead of the
   columns ones (`quantize_rht_t.COLUMNS = False`), marked "(tensor

@@ -195,10 +195,10 @@ def assert_scales_diverse(scales) -> None:
 def claim_sm90(monkeypatch):
   """Off-GPU, makes the kernels lower for CUDA as on an sm_90 GPU (nothing
   runs): `jax.jit(fn).trace(...).lower(lowering_platforms=("cuda",))`."""
-  from pallas_kernels import common  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import launch  # pylint: disable=g-import-not-at-top
   from jax._src.pallas.triton import pallas_call_registration as reg  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(common, "backend", lambda: "gpu")
-  monkeypatch.setattr(common, "compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(launch, "backend", lambda: "gpu")
+  monkeypatch.setattr(launch, "compute_capability", lambda: (9, 0))
   if hasattr(reg, "gpu_info_lib"):  # jax >= 0.11 asks the (absent) GPU.
     monkeypatch.setattr(reg, "gpu_info_lib", types.SimpleNamespace(
         get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))

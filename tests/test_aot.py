@@ -30,7 +30,8 @@ from nvfp4_jax.ops.block_scaled_matmul import cudnn
 from nvfp4_jax.ops.block_scaled_matmul import reference as gemm_ref
 from nvfp4_jax.ops.block_scaled_matmul import triton as triton_gemm
 from nvfp4_jax.tools import aot
-from pallas_kernels import common
+from pallas_kernels import e2m1_encode
+from pallas_kernels import launch
 
 # --- Pure logic: runs in CPU CI ----------------------------------------------
 
@@ -54,15 +55,15 @@ def test_gemm_preference_per_capability_and_cudnn(cc, cudnn_v, want):
 
 def test_target_device_answers_for_the_target_and_restores():
   before = (dispatch.platform(), dispatch.compute_capability(),
-            common.backend())
+            launch.backend())
   with dispatch.target_device("gpu", (12, 1), (9, 14)):
-    assert dispatch.platform() == "gpu" and common.backend() == "gpu"
+    assert dispatch.platform() == "gpu" and launch.backend() == "gpu"
     assert dispatch.compute_capability() == (12, 1)
     assert dispatch.cudnn_version() == (9, 14)
     assert gemm_api.BLOCK_SCALED_MATMUL.order() == (
         "scaled_matmul", "pallas", "xla")
   assert (dispatch.platform(), dispatch.compute_capability(),
-          common.backend()) == before
+          launch.backend()) == before
   with pytest.raises(ValueError, match="platform 'cuda'"):
     with dispatch.target_device("cuda", (10, 0)):
       pass
@@ -503,13 +504,13 @@ def test_round_to_nearest_codes_use_the_e2m1_conversion(monkeypatch, cc, hw,
   """Lowered for CUDA (nothing runs): the RTNE quantizer carries
   `cvt.rn.satfinite.e2m1x2.f32` on 10.0/10.3 and the software encoder
   elsewhere or with `HW_E2M1` off; stochastic rounding never converts in
-  hardware (see `common._ENCODE_CODES_CVT_ASM`). Bit-exactness on the device:
-  tests/test_encoder.py's `test_assembly_equals_reference` and
+  hardware (see `e2m1_encode._ENCODE_CODES_CVT_ASM`). Bit-exactness on the
+  device: tests/test_encoder.py's `test_assembly_equals_reference` and
   `check_device`, on a Blackwell GPU."""
   from jax._src.pallas.triton import pallas_call_registration as reg  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.ops.quantize import pallas_triton as pallas_quantize  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(common, "HW_E2M1", hw)
+  monkeypatch.setattr(e2m1_encode, "HW_E2M1", hw)
   if hasattr(reg, "gpu_info_lib"):  # jax >= 0.11 asks the (absent) GPU.
     monkeypatch.setattr(reg, "gpu_info_lib", types.SimpleNamespace(
         get_gpu_info=lambda: types.SimpleNamespace(
@@ -549,7 +550,7 @@ def test_round_to_nearest_codes_use_the_e2m1_conversion(monkeypatch, cc, hw,
     rht = lower(lambda x: pallas_rht.quantize_rht_t(x, amax=jnp.float32(1)))
     # (Flushing subnormal partial sums as the reference does.)
     assert ("add.rn.ftz.f32x2" in rht) == want
-    # Its codes as words (`common.scale_encode_words`: the NaN test by
+    # Its codes as words (`paired_words.scale_encode_words`: the NaN test by
     # `setp.nan`), the encode scales looked up in the wrapper's table: no
     # division or reciprocal in the kernel.
     assert ("setp.nan.f32" in rht) == want
@@ -590,13 +591,13 @@ def _sm100_asm(kernel: str, tmp_path, monkeypatch) -> dict:
 def test_signed_e2m1_conversion_sees_one_block_per_instance(kernel, tmp_path,
                                                           monkeypatch):
   """The quantize kernels' signed E2M1 conversion tests one element of each
-  4-pair instance for NaN (`common._encode_codes_cvt_signed_asm`): Triton's
+  4-pair instance for NaN (`e2m1_encode._encode_codes_cvt_signed_asm`): Triton's
   layout for sm_100a gives each thread 4 (or 8) consecutive pairs of a
   block, so an instance never spans two blocks. Read from the TTGIR Triton
   3.6 compiles the kernel's TTIR to (no GPU)."""
   ttgir = _sm100_asm(kernel, tmp_path, monkeypatch)["ttgir"]
   layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
-  # Four-over-Six's error terms convert too (`common._error_terms_asm`,
+  # Four-over-Six's error terms convert too (`choose_four._error_terms_asm`,
   # no NaN test: a NaN gives NaN terms whatever its code).
   asm = [l for l in ttgir.splitlines() if "cvt.rn.satfinite.e2m1x2" in l
          and "0xBC00" not in l]
@@ -607,7 +608,7 @@ def test_signed_e2m1_conversion_sees_one_block_per_instance(kernel, tmp_path,
   assert len(asm) in (candidates, 2 * candidates), asm
   for line in asm:
     if "packed_element = 1 " in line:
-      # `common.scale_encode_words` (the columns kernel's codes): one
+      # `paired_words.scale_encode_words` (the columns kernel's codes): one
       # instance per word, its 4 pairs 8 arrays split from one block's
       # pairs (one block per instance by construction; the split is
       # checked interpreted by tests/test_kernels.py's
@@ -728,7 +729,7 @@ def test_fsdp_step_on_two_h100s_gathers_weights_once_not_activations():
 
 
 # --- Where the E2M1 conversion compiles: the probe (cc >= 10 outside
-# `common.HW_E2M1_CCS`) ---------------------------------------------------------
+# `e2m1_encode.HW_E2M1_CCS`) ----------------------------------------------------
 
 _CVT = "cvt.rn.satfinite.e2m1x2.f32"
 
@@ -751,28 +752,28 @@ def test_e2m1_probe_is_not_run_without_a_gpu_to_compile_for(monkeypatch):
   capability with no GPU of it here and no ahead-of-time compiler: the
   probe never compiles; the software encoder except on 10.0/10.3."""
   calls = []
-  monkeypatch.setattr(common, "_E2M1_PROBES", {})
+  monkeypatch.setattr(e2m1_encode, "_E2M1_PROBES", {})
   monkeypatch.setattr(dispatch, "compile_probe",
                       lambda *a: calls.append(a))
   local = dispatch._local_gpu()  # pylint: disable=protected-access
   local_cc = None if local is None else tuple(
       int(v) for v in str(local.compute_capability).split(".")[:2])
   with dispatch.target_device("cpu"):
-    assert not common.hardware_e2m1()
+    assert not e2m1_encode.hardware_e2m1()
   with dispatch.target_device("gpu"):  # Capability unknown.
-    assert not common.hardware_e2m1()
+    assert not e2m1_encode.hardware_e2m1()
   with dispatch.target_device("gpu", (9, 0)):
-    assert not common.hardware_e2m1()
+    assert not e2m1_encode.hardware_e2m1()
   for cc in ((10, 0), (10, 3)):
     with dispatch.target_device("gpu", cc):
-      assert common.hardware_e2m1()
+      assert e2m1_encode.hardware_e2m1()
   for cc in ((10, 1), (11, 0), (12, 0), (12, 1)):
     if cc == local_cc:
       continue
     with dispatch.target_device("gpu", cc):
       assert dispatch.probe_target() is None
-      assert not common.hardware_e2m1()
-  assert calls == [] and common._E2M1_PROBES == {}  # pylint: disable=protected-access
+      assert not e2m1_encode.hardware_e2m1()
+  assert calls == [] and e2m1_encode._E2M1_PROBES == {}  # pylint: disable=protected-access
 
 
 def test_e2m1_probe_falls_back_on_a_compile_error_and_is_cached(monkeypatch):
@@ -782,8 +783,8 @@ def test_e2m1_probe_falls_back_on_a_compile_error_and_is_cached(monkeypatch):
   follow the answer. The probe runs inside the quantizer's trace: its
   compile here lowers the probe program for CUDA (no GPU), so the probe
   kernel's assembly is checked to lower from within another trace too."""
-  monkeypatch.setattr(common, "_E2M1_PROBES", {})
-  monkeypatch.setattr(common, "_E2M1_PROBE_ERRORS", {})
+  monkeypatch.setattr(e2m1_encode, "_E2M1_PROBES", {})
+  monkeypatch.setattr(e2m1_encode, "_E2M1_PROBE_ERRORS", {})
   from nvfp4_jax.ops.quantize import pallas_triton as pallas_quantize  # pylint: disable=g-import-not-at-top
   lower = _cuda_lowering(monkeypatch, (12, 0))
   calls = []
@@ -803,21 +804,21 @@ def test_e2m1_probe_falls_back_on_a_compile_error_and_is_cached(monkeypatch):
     with dispatch.target_device("gpu", (12, 0)):
       with dispatch.probe_compiler(("sm_120", "test"), fails):
         sw = lower(pallas_quantize.quantize, x)
-        assert not common.hardware_e2m1()
+        assert not e2m1_encode.hardware_e2m1()
       jax.clear_caches()
       with dispatch.probe_compiler(("sm_120a", "test"), compiles):
         hw = lower(pallas_quantize.quantize, x)
-        assert common.hardware_e2m1()
+        assert e2m1_encode.hardware_e2m1()
         # Switched off: no probe, the software encoder.
-        monkeypatch.setattr(common, "HW_E2M1", False)
-        assert not common.hardware_e2m1()
+        monkeypatch.setattr(e2m1_encode, "HW_E2M1", False)
+        assert not e2m1_encode.hardware_e2m1()
   finally:
     jax.clear_caches()
   assert (_CVT in sw, _CVT in hw) == (False, True)
   assert "mul.rn.ftz.sat.f32" in sw  # The software encoder.
   assert len(calls) == 2, calls  # One compile per target, then cached.
   assert all(type(a) is jax.ShapeDtypeStruct for c in calls for a in c)  # pylint: disable=unidiomatic-typecheck
-  [err] = common._E2M1_PROBE_ERRORS.values()  # pylint: disable=protected-access
+  [err] = e2m1_encode._E2M1_PROBE_ERRORS.values()  # pylint: disable=protected-access
   assert "sm_120" in err
 
 
@@ -836,8 +837,8 @@ def test_e2m1_probe_compiles_for_the_target(monkeypatch, target, features,
   from nvfp4_jax.ops.quantize import pallas_triton as pallas_quantize  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.ops.quantize_pair import pallas_triton as pallas_pair  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pallas_rht  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(common, "_E2M1_PROBES", {})
-  monkeypatch.setattr(common, "_E2M1_PROBE_ERRORS", {})
+  monkeypatch.setattr(e2m1_encode, "_E2M1_PROBES", {})
+  monkeypatch.setattr(e2m1_encode, "_E2M1_PROBE_ERRORS", {})
   probe = dispatch.compile_probe
   calls = []
 
@@ -858,8 +859,8 @@ def test_e2m1_probe_compiles_for_the_target(monkeypatch, target, features,
       post = c.compile(fn, x)
       assert (_CVT in post) == want, name
       assert "__gpu$xla.gpu.triton" in post, name
-    assert common.hardware_e2m1() == want
+    assert e2m1_encode.hardware_e2m1() == want
   assert len(calls) == 1, calls
   if not want:
-    [err] = common._E2M1_PROBE_ERRORS.values()  # pylint: disable=protected-access
+    [err] = e2m1_encode._E2M1_PROBE_ERRORS.values()  # pylint: disable=protected-access
     assert "e2m1x2" in err and f"sm_{aot.target(target).cc[0]}" in err, err

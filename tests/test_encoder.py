@@ -1,8 +1,9 @@
-"""The GPU encoder (`pallas_kernels.common.block_encoder`) equals the reference.
+"""The GPU encoder (`pallas_kernels.e2m1_encode.block_encoder`) equals the
+reference.
 
-`common._ENCODE_ASM` rounds to E2M1 with FP32 fused multiply-adds: three
+`e2m1_encode._ENCODE_ASM` rounds to E2M1 with FP32 fused multiply-adds: three
 candidate codes, one per grid regime, and their minimum (see the comment
-above `common._code_asm`). Two checks:
+above `e2m1_encode._code_asm`). Two checks:
 
 - On every machine, a NumPy model of that arithmetic (each FFMA's FP32
   rounding, to nearest or up, and the minimum of bit patterns written out)
@@ -31,7 +32,8 @@ from nvfp4_jax.core import prng
 from nvfp4_jax.core import tile
 from nvfp4_jax.ops.quantize_pair import api as pair_api
 from nvfp4_jax.core.recipe import Operand
-from pallas_kernels import common
+from pallas_kernels import e2m1_encode
+from pallas_kernels import launch
 from nvfp4_jax.ops.quantize import pallas_triton as pallas_quantize
 from nvfp4_jax.ops.quantize_pair import pallas_triton as pallas_pair
 from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pallas_rht
@@ -174,22 +176,22 @@ def test_model_regime_minimum_is_needed():
 
 
 def test_cvt_model_equals_reference():
-  """Blackwell's signed conversion (`common.e2m1x2_cvt_model`, written from
+  """Blackwell's signed conversion (`e2m1_encode.e2m1x2_cvt_model`, written from
   the PTX ISA's `cvt.rn.satfinite.e2m1x2.f32`) gives the reference's codes
   on every boundary and special value above (both signs, zeros, 3e38, inf);
   NaN gets code 0, one of the reference's two (`e2m1_encode_nearest`: 0 or
   8), the one the other GPU encoders write for the kernels' canonical NaN."""
   y = _with_signs(_magnitudes(4))
-  got = common.e2m1x2_cvt_model(y)
+  got = e2m1_encode.e2m1x2_cvt_model(y)
   want = np.asarray(nm.e2m1_encode_nearest(jnp.asarray(y)))
   finite = ~np.isnan(y)
   np.testing.assert_array_equal(got[finite], want[finite])
   assert (got[~finite] == 0).all() and ((want[~finite] & 7) == 0).all()
   # Ties to the even code, both signs, and -0 as E2M1's -0 (0x8).
   ties = np.float32([.25, .75, 1.25, 1.75, 2.5, 3.5, 5, 0])
-  np.testing.assert_array_equal(common.e2m1x2_cvt_model(ties),
+  np.testing.assert_array_equal(e2m1_encode.e2m1x2_cvt_model(ties),
                                 [0, 2, 2, 4, 4, 6, 6, 0])
-  np.testing.assert_array_equal(common.e2m1x2_cvt_model(-ties),
+  np.testing.assert_array_equal(e2m1_encode.e2m1x2_cvt_model(-ties),
                                 [8, 10, 10, 12, 12, 14, 14, 8])
 
 
@@ -198,7 +200,7 @@ def test_cvt_model_has_teeth():
   y = _with_signs(_magnitudes(4))
   y = y[~np.isnan(y)]
   mag = np.abs(y)
-  away = ((mag[:, None] >= common._E2M1_THRESHOLDS).sum(-1).astype(np.uint8)  # pylint: disable=protected-access
+  away = ((mag[:, None] >= e2m1_encode._E2M1_THRESHOLDS).sum(-1).astype(np.uint8)  # pylint: disable=protected-access
           | np.where(np.signbit(y), np.uint8(8), np.uint8(0)))
   assert (away != np.asarray(nm.e2m1_encode_nearest(jnp.asarray(y)))).any()
 
@@ -206,7 +208,7 @@ def test_cvt_model_has_teeth():
 def _encode_kernel(y_ref, w_ref, d_ref, codes_ref, pairs_ref, *,
                    stochastic: bool, block_nan: bool = False):
   rwords = w_ref[...] if stochastic else None
-  packed, pairs = common.block_encoder(False, block_nan)(
+  packed, pairs = e2m1_encode.block_encoder(False, block_nan)(
       y_ref[...], rwords, d_ref[...], codes=True, values=True)
   codes_ref[...], pairs_ref[...] = packed, pairs
 
@@ -234,7 +236,7 @@ def test_assembly_equals_reference(stochastic):
       jnp.asarray(rng.integers(0, 256, (rows, 64), np.uint8)),
       jnp.float8_e4m3fn).astype(jnp.float32)
   spec = lambda *s: pl.BlockSpec((16, *s), lambda i: (i,) + (0,) * len(s))
-  codes, pairs = jax.jit(common.pallas_call(
+  codes, pairs = jax.jit(launch.pallas_call(
       functools.partial(_encode_kernel, stochastic=stochastic),
       interpret=False, num_warps=4, num_stages=1, name="test_encoder",
       grid=(rows // 16,), in_specs=[spec(64, 16), spec(64, 4), spec(64)],
@@ -260,7 +262,7 @@ def test_kernels_lower_with_the_encoder(claim_sm90, monkeypatch, asm):
   """Every quantize kernel, lowered for CUDA, carries the encoder's assembly
   (its rounding to nearest and, with stochastic rounding, rounding up); with
   `ASM_ENCODE` off, none does."""
-  monkeypatch.setattr(common, "ASM_ENCODE", asm)
+  monkeypatch.setattr(e2m1_encode, "ASM_ENCODE", asm)
   x = jax.ShapeDtypeStruct((80, 400), jnp.bfloat16)
   key = jax.random.key(0)
   kx, kt = pair_api.split_key(key)
@@ -304,7 +306,7 @@ def test_block_nan_encoder_equals_reference():
   d = jnp.ones((rows, 64), jnp.float32)
   words = jnp.zeros((rows, 64, 4), jnp.uint32)
   spec = lambda *s: pl.BlockSpec((16, *s), lambda i: (i,) + (0,) * len(s))
-  codes, _ = jax.jit(common.pallas_call(
+  codes, _ = jax.jit(launch.pallas_call(
       functools.partial(_encode_kernel, stochastic=False, block_nan=True),
       interpret=False, num_warps=4, num_stages=1, name="test_encoder_nan",
       grid=(rows // 16,), in_specs=[spec(64, 16), spec(64, 4), spec(64)],

@@ -173,7 +173,7 @@ def test_bad_options():
 
 
 def test_word_path_error_terms_are_the_references():
-  """`common.words_error_terms` (the software twin of the word path's
+  """`choose_four.words_error_terms` (the software twin of the word path's
   assembly: signed `y - q`, `|y| >= 8` kept whole, R8 as a bf16 rounding,
   FTZ products) against `tile.error_terms`: the same bits where finite,
   non-finite where the reference's are. Scaled values at every E2M1
@@ -181,7 +181,7 @@ def test_word_path_error_terms_are_the_references():
   (|y| >= 8, Inf), NaN, subnormals and zeros, of both signs, under decoded
   scales 0, 2^-9, 1, 3, 448 and NaN."""
   with on_cpu():
-    from pallas_kernels import common  # pylint: disable=g-import-not-at-top
+    from pallas_kernels import choose_four  # pylint: disable=g-import-not-at-top
     base = np.array([.25, .75, 1.25, 1.75, 2.5, 3.5, 5., .5, 1., 1.5, 2., 3.,
                      4., 6., 7.99, 8., 8.5, 100., 1e30, 3.4e38, np.inf,
                      1e-39, 0., .1, .3, 5.5], np.float32)
@@ -197,7 +197,7 @@ def test_word_path_error_terms_are_the_references():
     def terms(x, e, d):
       yy = nm.ftz(x) * e[:, None]
       want = tile.error_terms(yy, nm.e2m1_encode_nearest(yy), d)
-      got = jnp.stack([common.words_error_terms(
+      got = jnp.stack([choose_four.words_error_terms(
           x[:, 0::2], x[:, 1::2], e, d, odd, True) for odd in (False, True)],
                       -1).reshape(want.shape)
       return got, want

@@ -1,6 +1,6 @@
 """The kernels' elementwise assembly helpers equal the reference steps.
 
-`pallas_kernels.common` replaces three of the reference's jnp steps inside GPU
+`pallas_kernels.fp32` replaces three of the reference's jnp steps inside GPU
 kernels with inline PTX (interpreted kernels keep the jnp steps):
 
 - `flush_bf16`: `numerics.ftz` of bf16 values, kept in bf16 (pairs at a time);
@@ -24,7 +24,8 @@ import pytest
 from jax.experimental import pallas as pl
 
 from nvfp4_jax.core import tile
-from pallas_kernels import common
+from pallas_kernels import fp32
+from pallas_kernels import launch
 from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pallas_rht
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -41,7 +42,7 @@ def _in_kernel(fn, *arrays: np.ndarray, out_dtype) -> np.ndarray:
     out[...] = fn(*(r[...] for r in ins))
 
   spec = pl.BlockSpec((16, COLS), lambda i: (i, 0))
-  call = common.pallas_call(
+  call = launch.pallas_call(
       kernel, interpret=False, num_warps=4, num_stages=1, name="test_asm",
       grid=(rows // 16,), in_specs=[spec] * len(arrays), out_specs=spec,
       out_shape=jax.ShapeDtypeStruct((rows, COLS), out_dtype))
@@ -103,8 +104,8 @@ def _f32_edges(seed: int = 0) -> np.ndarray:
 @pytest.mark.skipif(not ON_GPU, reason="the assembly runs on the GPU")
 def test_flush_bf16_on_every_bf16():
   x = _rows(np.arange(1 << 16, dtype=np.uint16).view(jnp.bfloat16))
-  got = _in_kernel(common.flush_bf16(False), x, out_dtype=jnp.bfloat16)
-  want = _on_cpu(common.flush_bf16(True), x)
+  got = _in_kernel(fp32.flush_bf16(False), x, out_dtype=jnp.bfloat16)
+  want = _on_cpu(fp32.flush_bf16(True), x)
   nan = np.isnan(x.astype(np.float32))
   assert (want.view(np.uint16) != x.view(np.uint16))[~nan].sum() == 2 * 127
   _assert_bits_equal(got, want, np.uint16)
@@ -113,7 +114,7 @@ def test_flush_bf16_on_every_bf16():
 @pytest.mark.skipif(not ON_GPU, reason="the assembly runs on the GPU")
 def test_round_hadamard_on_edges():
   y = _rows(_f32_edges())
-  got = _in_kernel(common.round_hadamard(False), y, out_dtype=jnp.float32)
+  got = _in_kernel(fp32.round_hadamard(False), y, out_dtype=jnp.float32)
   want = _on_cpu(tile.round_hadamard, y)
   _assert_bits_equal(got, want, np.uint32)
 
@@ -125,7 +126,7 @@ def test_max_magnitude(dtype):
   v = _f32_edges(2)
   m, x = _rows(rng.permutation(v)), _rows(rng.permutation(v))
   m, x = (np.asarray(jnp.asarray(a).astype(dtype)) for a in (m, x))
-  got = _in_kernel(common.max_magnitude(False), m, x, out_dtype=dtype)
+  got = _in_kernel(fp32.max_magnitude(False), m, x, out_dtype=dtype)
   # In NumPy: XLA:CPU treats subnormal inputs as zero (DAZ), so its maximum
   # of two subnormals is not IEEE's. (Where the kernels use this, a flush
   # follows, so either gives the same bytes.)

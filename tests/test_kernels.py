@@ -32,7 +32,12 @@ from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.core import tile
 from nvfp4_jax.ops.block_values import pallas_triton as pallas_block_dequantize
 from nvfp4_jax.ops.block_scaled_matmul import triton as pallas_gemm
-from pallas_kernels import common
+from pallas_kernels import choose_four
+from pallas_kernels import e2m1_decode
+from pallas_kernels import e2m1_encode
+from pallas_kernels import fp32
+from pallas_kernels import launch
+from pallas_kernels import paired_words
 from nvfp4_jax.ops.quantize import pallas_triton as pallas_quantize
 from nvfp4_jax.ops.quantize_pair import pallas_triton as pallas_pair
 from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pallas_rht
@@ -386,7 +391,7 @@ def test_dispatch_errors_and_fallback():
 
 
 def test_block_values_every_code_byte_and_scale():
-  """The kernels' decode (`common.block_values`: byte permutation on the
+  """The kernels' decode (`e2m1_decode.block_values`: byte permutation on the
   GPU) equals the reference's for all 256 code bytes under all 256 E4M3
   scale bytes (negative, subnormal and NaN scales included), bit for bit;
   NaN scales give NaN (the GPU's NaN has its own payload)."""
@@ -404,10 +409,10 @@ def test_block_values_every_code_byte_and_scale():
 
 
 def test_block_value_pairs_every_code_byte_and_scale():
-  """`common.block_value_pairs` (the weight-only kernel's decode: byte
+  """`e2m1_decode.block_value_pairs` (the weight-only kernel's decode: byte
   permutation of packed bytes on the GPU) equals `tile.block_value_pairs`
   for all 256 code bytes under all 256 E4M3 scale bytes, bit for bit."""
-  interpret = common.check_backend("test")
+  interpret = launch.check_backend("test")
   codes = jnp.broadcast_to(jnp.arange(256, dtype=jnp.uint8).reshape(32, 8),
                            (256, 32, 8))
   scales = jax.lax.bitcast_convert_type(
@@ -415,11 +420,11 @@ def test_block_value_pairs_every_code_byte_and_scale():
       jnp.float8_e4m3fn)
 
   def kernel(c_ref, s_ref, even_ref, odd_ref):
-    even_ref[...], odd_ref[...] = common.block_value_pairs(
+    even_ref[...], odd_ref[...] = e2m1_decode.block_value_pairs(
         c_ref[...], s_ref[...], interpret)
 
   shape = jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)
-  got = jax.jit(common.pallas_call(
+  got = jax.jit(launch.pallas_call(
       kernel, interpret=interpret, num_warps=4, num_stages=1,
       name="test_block_value_pairs", grid=(16,),
       in_specs=[pl.BlockSpec((16, 32, 8), lambda i: (i, 0, 0)),
@@ -528,8 +533,8 @@ def _check_fos_words(x, block_2d, amaxes, monkeypatch, with_values=False):
   amax's scale products in another order); returns how many blocks took
   the 4-candidate."""
   calls = []
-  choose = common.words_choose_four
-  monkeypatch.setattr(common, "words_choose_four",
+  choose = choose_four.words_choose_four
+  monkeypatch.setattr(choose_four, "words_choose_four",
                       lambda *a: calls.append(1) or choose(*a))
   run = jax.jit(lambda x, a: pallas_quantize.quantize(
       x, block_2d=block_2d, four_over_six=True, amax=a,
@@ -567,7 +572,7 @@ def _check_fos_words(x, block_2d, amaxes, monkeypatch, with_values=False):
 
 def test_quantize_four_over_six_words(monkeypatch):
   """Four-over-Six on the 1x16 word path (Blackwell's E2M1 conversion for
-  both candidates, error terms of the decoded codes: `common.
+  both candidates, error terms of the decoded codes: `choose_four.
   words_choose_four`), its assembly replaced by the software twins: the
   reference's scales and codes, with tensor amaxes that saturate (9),
   keep (the data's) and underflow (1e4) block scales; both candidates
@@ -617,7 +622,7 @@ def test_quantize_four_over_six_words_2d_nan_and_values(monkeypatch):
 def _blackwell_rtne_pair(monkeypatch, four_over_six=False):
   if ON_GPU:
     pytest.skip(WORDS_ON_GPU)
-  monkeypatch.setattr(common, "hardware_e2m1", lambda: True)
+  monkeypatch.setattr(e2m1_encode, "hardware_e2m1", lambda: True)
   monkeypatch.setattr(pallas_quantize, "WORDS_INTERPRETED", True)
   monkeypatch.setattr(pallas_rht, "COLUMNS_WORDS_INTERPRETED", True)
   x = rht_input((48, 64), jnp.bfloat16, seed=26)
@@ -688,7 +693,7 @@ def test_rtne_pair_split_on_blackwell_equals_reference(monkeypatch):
 @pytest.mark.slow
 def test_quantize_words_values(monkeypatch):
   """The word path writing codes and bf16 block values (values decoded from
-  the codes: `common.words_values`), and the values alone, interpreted
+  the codes: `paired_words.words_values`), and the values alone, interpreted
   with the assembly's software twins: the reference's scales and codes
   outside NaN blocks, and the block values of the reference's codes
   (NaN in NaN blocks)."""
@@ -715,7 +720,7 @@ def test_quantize_words_values(monkeypatch):
   np.testing.assert_array_equal(bf16_bits(vals)[ok],
                                 bf16_bits(block_values(want))[ok])
   # Values alone: converted and decoded in one assembly
-  # (`common.scale_encode_values`), the same values.
+  # (`paired_words.scale_encode_values`), the same values.
   fn = lambda x: pallas_quantize.quantize(x, amax=amax, with_codes=False)
   # The word path: x read as uint32 pairs.
   assert "u32[16,10,8] = bitcast_convert_type" in str(jax.make_jaxpr(fn)(x))
@@ -730,11 +735,11 @@ def test_quantize_words_values(monkeypatch):
                     reason="the E2M1 assembly runs on the GPU")
 def test_words_values_and_split_pair_on_blackwell():
   """On a Blackwell GPU with the E2M1 conversion: the word path's block
-  values (`common.words_values`' hardware decoding; values alone:
-  `common.scale_encode_values`) are the block values of the reference's
+  values (`paired_words.words_values`' hardware decoding; values alone:
+  `paired_words.scale_encode_values`) are the block values of the reference's
   codes (NaN in NaN blocks), and the round-to-nearest
   pair (run as two kernels there) equals the reference."""
-  if not common.hardware_e2m1():
+  if not e2m1_encode.hardware_e2m1():
     pytest.skip("needs a GPU with the E2M1 conversion (cc 10.0 / 10.3)")
   x = np.asarray(heavy((256, 1024), jnp.bfloat16, seed=28), np.float32)
   x[3, 20] = np.nan
@@ -832,11 +837,11 @@ def _same_bits(a, b) -> bool:
 def test_rht_columns_words_constants_are_the_kernels(four_over_six):
   """The columns word path's tensor constant `S_enc / 6` and encode-scale
   table, computed by the wrapper (`_columns_call`: `numerics.
-  nvfp4_scale_constants`, `common.encode_scale_table`), are bit for bit
+  nvfp4_scale_constants`, `paired_words.encode_scale_table`), are bit for bit
   what the kernel computed before from the amax, for amaxes over every
   exponent and all 256 E4M3 codes:
 
-  - interpreted (XLA:CPU): its software twins, `common.
+  - interpreted (XLA:CPU): its software twins, `paired_words.
     words_scale_constants` and `words_block_scales`;
   - on the GPU: `div.rn`, `rcp.rn` (IEEE, subnormals kept; modelled in
     NumPy FP32), the flush, then per block `rcp.rn.ftz` of the decoded
@@ -849,7 +854,7 @@ def test_rht_columns_words_constants_are_the_kernels(four_over_six):
     amax = _amax_sweep()
     run = lambda divide: jax.jit(lambda a: nm.nvfp4_scale_constants(
         a, divide=divide, four_over_six=four_over_six))(amax)
-    twin = jax.jit(lambda a: common.words_scale_constants(
+    twin = jax.jit(lambda a: paired_words.words_scale_constants(
         a, True, four_over_six))(amax)
     for got, want in zip(run(nm.divide), twin):
       assert _same_bits(got, want)
@@ -873,11 +878,11 @@ def test_rht_columns_words_constants_are_the_kernels(four_over_six):
     def kernel_table():
       e = np.float32(1) / _ftz(d[None, :] * inv[:, None])
       return np.where(e > f32_max, f32_max, e)
-    table = jax.jit(jax.vmap(common.encode_scale_table))(inv)
+    table = jax.jit(jax.vmap(paired_words.encode_scale_table))(inv)
     assert np.isnan(np.asarray(table)[:, [0x7F, 0xFF]]).all()
     # The interpreted kernel's own reciprocal path, per code (the codes of
     # positive scales: its block amaxes are magnitudes).
-    _, enc = jax.jit(jax.vmap(lambda c: common.words_block_scales(
+    _, enc = jax.jit(jax.vmap(lambda c: paired_words.words_block_scales(
         jnp.asarray(d), jnp.float32(1), c, True)))(inv)
     positive = ~np.signbit(d) & ~np.isnan(d)
     assert _same_bits(np.asarray(table)[:, positive],
@@ -897,14 +902,14 @@ def test_rht_columns_words_constants_are_the_kernels(four_over_six):
 
 @pytest.mark.parametrize("expansion", [None, 1.5])
 def test_e4m3_codes_are_the_decode_scales_bits(expansion):
-  """`common.e4m3_codes` (the word path's scale bytes, the table's index)
+  """`paired_words.e4m3_codes` (the word path's scale bytes, the table's index)
   interpreted: the bits of `numerics.nvfp4_block_decode_scale`, for block
   amaxes over every exponent (zero, subnormal, saturating, infinite, NaN)
   under a tensor constant that keeps, rounds and saturates them; the
   GPU's assembly converts with the instruction the cast lowers to."""
   bamax = jnp.asarray(np.abs(_amax_sweep()))
   s6 = jnp.float32(0.37)
-  got = common.e4m3_codes(bamax * s6, expansion, True)
+  got = paired_words.e4m3_codes(bamax * s6, expansion, True)
   want = nm.nvfp4_block_decode_scale(bamax, s6, expansion=expansion)
   assert got.dtype == jnp.int32
   np.testing.assert_array_equal(
@@ -1002,13 +1007,13 @@ def test_rht_columns_words_four_over_six(monkeypatch):
 @pytest.mark.skipif(jax.default_backend() != "gpu",
                     reason="the packed FP32 and E2M1 assembly runs on the GPU")
 def test_rht_columns_words_path_on_blackwell():
-  """On a Blackwell GPU with the E2M1 conversion (`common.hardware_e2m1`)
+  """On a Blackwell GPU with the E2M1 conversion (`e2m1_encode.hardware_e2m1`)
   the columns kernel's round-to-nearest codes take `_columns_words`'
   assembly (`add/sub/mul.f32x2`, `add.ftz.f32x2` + `cvt.rn.bf16x2.f32`,
   `max.NaN.xorsign.abs.bf16x2`, the word encoder): the reference's scales,
   and its codes outside NaN blocks (0 there), at the default tiles, with
   NaN, Inf, zero and tiny blocks."""
-  if not common.hardware_e2m1():
+  if not e2m1_encode.hardware_e2m1():
     pytest.skip("needs a GPU with the E2M1 conversion (cc 10.0 / 10.3)")
   x = np.asarray(rht_input((1024, 640), jnp.bfloat16, seed=25), np.float32)
   x[3, 5] = np.nan
@@ -1304,8 +1309,8 @@ def test_combine_partial_amax_orders_bits_as_floats_and_keeps_nan():
   a = bits([[0.0, 3.5], [2.0**-126, 1e30]])
   b = bits([[np.inf, 1.0], [0.5, 2.0]])
   c = bits([[np.nan, 1.0], [np.inf, 2.0]])  # abs_max_bits of a NaN max.
-  got = common.combine_partial_amax(a, b, c)
+  got = fp32.combine_partial_amax(a, b, c)
   assert [float(g) for g in got[:2]] == [float(np.float32(1e30)), np.inf]
   assert np.isnan(float(got[2]))
-  (one,) = common.combine_partial_amax(a)
+  (one,) = fp32.combine_partial_amax(a)
   assert float(one) == float(np.float32(1e30))

@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.ops.block_scaled_matmul import pallas_mosaic_gpu as values_matmul
 from nvfp4_jax.tools import timing
+from pallas_kernels import mosaic_gemm
 
 SHAPES = ((8192, 4096, 4096), (16384, 2048, 768), (16384, 768, 2048))
 
@@ -165,7 +166,7 @@ def decode_matmul(a_codes, a_scales, b, *, config: Config,
                              acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
           def _acc(acc_ref):
             eval_pipeline(acc_ref)
-            values_matmul.store_output(
+            mosaic_gemm.store_output(
                 acc_ref[...].astype(out_dtype), out_smem, wg_idx,
                 out_gmem.at[cta_m, cta_n].at[wg_m, wg_n])
 
@@ -224,8 +225,8 @@ def decode_matmul(a_codes, a_scales, b, *, config: Config,
   if num_sms is None:
     num_sms = jax.devices()[0].core_count
   slots = min(2, (tile_m * tile_n) // (c.epi_tile * c.epi_tile))
-  scratch = dict(out_smem=values_matmul.output_smem(slots, c.epi_tile,
-                                                   out_dtype))
+  scratch = dict(out_smem=mosaic_gemm.output_smem(slots, c.epi_tile,
+                                                 out_dtype))
   if c.a_smem:  # Two [tile_m, 64] f16 buffers per compute warpgroup.
     scratch["dec_smem"] = plgpu.SMEM(
         (2, 2, tile_m, 64), jnp.float16,

@@ -1,6 +1,6 @@
 """GPU facts the kernels rely on, checked on the device (prints a table).
 
-1. FP32 division inside Pallas-Triton: `/` vs `common.exact_divide` (inline
+1. FP32 division inside Pallas-Triton: `/` vs `fp32.exact_divide` (inline
    `div.rn.f32`) against NumPy's correctly rounded division, on the block
    encode scale's actual operands (`1 / (f32(d_e4m3) * inv_s_enc)`).
 2. `tl.dot_scaled` with NVFP4 (E4M3, block-16) scales on this GPU: native
@@ -21,7 +21,8 @@ from jax.experimental import pallas as pl
 from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
 from nvfp4_jax.ops.quantize import api as quantize_api
 from nvfp4_jax.ops.quantize import reference as quantize_ref
-from pallas_kernels import common
+from pallas_kernels import fp32
+from pallas_kernels import launch
 
 
 def division() -> list[str]:
@@ -35,7 +36,7 @@ def division() -> list[str]:
   want = (np.float32(1) / denom).astype(np.float32)
   out = []
   for name, div in (("a / b", jnp.divide),
-                    ("div.rn.f32", common.exact_divide(False))):
+                    ("div.rn.f32", fp32.exact_divide(False))):
     def kernel(x_ref, o_ref, div=div):
       o_ref[...] = div(jnp.float32(1.0), x_ref[...])
     f = pl.pallas_call(kernel, grid=(n // 1024,),
@@ -101,7 +102,7 @@ def excess_precision() -> list[str]:
 
 if __name__ == "__main__":
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-        f"cc {common.compute_capability()}")
+        f"cc {launch.compute_capability()}")
   print("| probe | result |\n| --- | --- |")
   for line in division() + dot_scaled() + excess_precision():
     print(line, flush=True)

@@ -206,7 +206,7 @@ def encode_blocks(xf: jax.Array, bamax: jax.Array, s_enc_over_6: jax.Array,
       the scaled values `y` `[rows, nb, 16]`, the hash words (or None) and
       the decoded scales `d` `[rows, nb]`; it returns `(packed or None,
       value pairs or None)`, bit for bit what this function computes
-      otherwise (GPU kernels pass `pallas_kernels.common.block_encoder`).
+      otherwise (GPU kernels pass `pallas_kernels.e2m1_encode.block_encoder`).
       Not used with `four_over_six`, whose choice needs the codes.
 
   Returns:
@@ -435,7 +435,7 @@ def hadamard_butterfly(vs: Sequence[jax.Array], sign_vector: Sequence[int],
 
 def round_hadamard(y: jax.Array) -> jax.Array:
   """The last step of `hadamard_rows`: flush the FP32 sums, round to bf16
-  (returned in FP32). In GPU kernels, `pallas_kernels.common.round_hadamard`
+  (returned in FP32). In GPU kernels, `pallas_kernels.fp32.round_hadamard`
   does the same in PTX.
 
   Monotone in the magnitude: the rounded maximum magnitude is the maximum of

@@ -302,7 +302,7 @@ def compiling_for(name: str | Target, *, cudnn: tuple[int, int] = DEFAULT_CUDNN,
       stack.enter_context(_recording_triton(kernels, cache))
       stack.enter_context(_pallas_triton_target(t.cc))
       # Kernels that ask whether an instruction compiles (`pallas_kernels.
-      # common.hardware_e2m1`) compile their probe for this device too.
+      # e2m1_encode.hardware_e2m1`) compile their probe for this device too.
       stack.enter_context(dispatch.probe_compiler(
           ("aot", t.name, t.cc, t.features, cudnn), functools.partial(_compile_probe, device)))
       yield Compiler(t, cudnn, device, kernels, cache)

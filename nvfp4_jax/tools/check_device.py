@@ -556,12 +556,12 @@ def _encoder(post: str) -> str:
 
 
 def e2m1_probe_line(t: aot.Target, hw: bool) -> str:
-  """What `common.hardware_e2m1` answered for the target, in words."""
-  from pallas_kernels import common  # pylint: disable=g-import-not-at-top
+  """What `e2m1_encode.hardware_e2m1` answered for the target, in words."""
+  from pallas_kernels import e2m1_encode  # pylint: disable=g-import-not-at-top
   arch = f"sm_{t.cc[0]}{t.cc[1]}" + {"ACCELERATED_FEATURES": "a",
                                       "FAMILY_COMPATIBLE_FEATURES": "f"}.get(
                                           t.features, "")
-  how = ("known to compile" if t.cc in common.HW_E2M1_CCS else
+  how = ("known to compile" if t.cc in e2m1_encode.HW_E2M1_CCS else
          "not asked below 10.0" if t.cc < (10, 0) else
          "probed: compiles" if hw else "probed: does not compile")
   return (f"E2M1 conversion ({_E2M1_CVT}) for {arch} ({how}): the "
@@ -576,7 +576,7 @@ def ahead_of_time(target: str, *, cudnn=aot.DEFAULT_CUDNN, sass: bool = True,
   failed rows (0: all compiled as expected). `features`: the compute
   capability's feature extension (`aot.Target.features`; None: the bare
   capability, e.g. plain sm_120)."""
-  from pallas_kernels import common  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import e2m1_encode  # pylint: disable=g-import-not-at-top
   t = aot.target(target, features)
   print(f"target: {t.name} ({t.device_kind}), compute capability "
         f"{t.cc[0]}.{t.cc[1]} ({t.features or 'no feature extension'}), "
@@ -587,7 +587,7 @@ def ahead_of_time(target: str, *, cudnn=aot.DEFAULT_CUDNN, sass: bool = True,
                 "jax-triton")), flush=True)
   rows, failed = [], 0
   with aot.compiling_for(t, cudnn=cudnn) as c:
-    hw = common.hardware_e2m1()
+    hw = e2m1_encode.hardware_e2m1()
     print(e2m1_probe_line(t, hw), flush=True)
     visible = cudnn < cudnn_api.MIN_CUDNN or c.cudnn_visible()
     decomposes = cudnn < cudnn_api.MIN_CUDNN or not visible

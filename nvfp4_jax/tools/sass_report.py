@@ -26,12 +26,12 @@ Run:
 
 `--out-dir` keeps each kernel's .ttir, .ptx, .cubin, .sass and ptxas log.
 
-How: `common.backend`/`compute_capability` are patched at runtime to claim an
+How: `launch.backend`/`compute_capability` are patched at runtime to claim an
 sm_90 GPU (as tests/test_kernels.py does), `jax.jit(...).lower(...)` runs on
 `jax.ShapeDtypeStruct`s (nothing is computed), and the TTIR is captured by
 wrapping `jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module`,
 which `pallas_call_registration` calls on jax 0.10 and 0.11; warps and stages
-come from a wrapper of `common.pallas_call`. `pallas_kernels/` is not edited.
+come from a wrapper of `launch.pallas_call`. `pallas_kernels/` is not edited.
 
 Caveats: on the GPU, XLA compiles the same TTIR with its own pinned Triton
 pipeline and ptxas, so the SASS there can differ in details; counts are
@@ -379,21 +379,22 @@ def capture_ttir(cc: tuple[int, int], accelerated: bool = False):
   `accelerated`: the kernels are lowered for the arch-specific target
   (sm_XYa, as XLA compiles for a GPU that reports its accelerated features,
   and as Triton's own compile here does from 9.0), where the E2M1
-  conversion compiles from 10.0: `common.e2m1_conversion_compiles` (the
-  probe `common.hardware_e2m1` asks outside `common.HW_E2M1_CCS`) answers
-  True; else False, as for plain sm_XY (XLA's ahead-of-time compile for a
-  bare capability). Nothing is compiled to ask: the report's own compile
-  targets sm_XYa either way."""
+  conversion compiles from 10.0: `e2m1_encode.e2m1_conversion_compiles`
+  (the probe `e2m1_encode.hardware_e2m1` asks outside
+  `e2m1_encode.HW_E2M1_CCS`) answers True; else False, as for plain sm_XY
+  (XLA's ahead-of-time compile for a bare capability). Nothing is compiled
+  to ask: the report's own compile targets sm_XYa either way."""
   # pylint: disable=g-import-not-at-top
   from jax._src.pallas.triton import lowering
   from jax._src.pallas.triton import pallas_call_registration as reg
-  from pallas_kernels import common
+  from pallas_kernels import e2m1_encode
+  from pallas_kernels import launch
   # pylint: enable=g-import-not-at-top
   captured: list[Lowered] = []
   params: dict[str, tuple[int, int]] = {}
-  saved = [(common, "backend", common.backend),
-           (common, "compute_capability", common.compute_capability),
-           (common, "pallas_call", common.pallas_call),
+  saved = [(launch, "backend", launch.backend),
+           (launch, "compute_capability", launch.compute_capability),
+           (launch, "pallas_call", launch.pallas_call),
            (lowering, "lower_jaxpr_to_triton_module",
             lowering.lower_jaxpr_to_triton_module)]
   if hasattr(reg, "gpu_info_lib"):  # jax >= 0.11 asks the (absent) GPU.
@@ -401,7 +402,7 @@ def capture_ttir(cc: tuple[int, int], accelerated: bool = False):
     reg.gpu_info_lib = types.SimpleNamespace(
         get_gpu_info=lambda: types.SimpleNamespace(
             compute_capability=cc[0] * 10 + cc[1]))
-  pallas_call = common.pallas_call
+  pallas_call = launch.pallas_call
   lower = lowering.lower_jaxpr_to_triton_module
 
   def record_params(kernel, *, num_warps, num_stages, name, **kwargs):
@@ -422,13 +423,13 @@ def capture_ttir(cc: tuple[int, int], accelerated: bool = False):
                     else stages)))
     return result
 
-  if hasattr(common, "e2m1_conversion_compiles"):
-    saved.append((common, "e2m1_conversion_compiles",
-                  common.e2m1_conversion_compiles))
-    common.e2m1_conversion_compiles = lambda: accelerated
-  common.backend = lambda: "gpu"
-  common.compute_capability = lambda: cc
-  common.pallas_call = record_params
+  if hasattr(e2m1_encode, "e2m1_conversion_compiles"):
+    saved.append((e2m1_encode, "e2m1_conversion_compiles",
+                  e2m1_encode.e2m1_conversion_compiles))
+    e2m1_encode.e2m1_conversion_compiles = lambda: accelerated
+  launch.backend = lambda: "gpu"
+  launch.compute_capability = lambda: cc
+  launch.pallas_call = record_params
   lowering.lower_jaxpr_to_triton_module = capture
   try:
     yield captured
@@ -629,7 +630,7 @@ def main(argv=None):
   parser.add_argument("--arch", default="sm_90",
                       help="CUDA target, sm_XY or sm_XYa (default sm_90); "
                       "from 10.0, sm_XYa lowers the kernels with the E2M1 "
-                      "conversion where `common.HW_E2M1_CCS` does not "
+                      "conversion where `e2m1_encode.HW_E2M1_CCS` does not "
                       "list the capability (as XLA compiles for the GPU "
                       "itself), sm_XY without (as for a bare capability)")
   parser.add_argument("--kernels", default="",
@@ -642,7 +643,7 @@ def main(argv=None):
                       help="keep TTIR/PTX/cubin/SASS here")
   parser.add_argument("--list", action="store_true", help="list the cases")
   parser.add_argument("--software-e2m1", action="store_true",
-                      help="compile with `common.HW_E2M1 = False` (the "
+                      help="compile with `e2m1_encode.HW_E2M1 = False` (the "
                       "software E2M1 encoder where the conversion exists)")
   args = parser.parse_args(argv)
 
@@ -661,8 +662,8 @@ def main(argv=None):
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
   if args.software_e2m1:
-    from pallas_kernels import common  # pylint: disable=g-import-not-at-top
-    common.HW_E2M1 = False
+    from pallas_kernels import e2m1_encode  # pylint: disable=g-import-not-at-top
+    e2m1_encode.HW_E2M1 = False
   cases = cases_for(cc, accelerated)
   if args.list:
     print("\n".join(f"{c.name}: {c.kernel}, {c.tile}" for c in cases))

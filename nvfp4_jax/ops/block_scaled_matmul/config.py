@@ -5,29 +5,22 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels import mosaic_gemm
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Config:
-  """Tiles of one compute warpgroup and the pipeline's depth.
+class Config(mosaic_gemm.GemmConfig):
+  """Tiles of the values GEMM: a compute warpgroup's tile and the
+  pipeline's depth (`mosaic_gemm.GemmConfig`'s fields), and how a CTA's two
+  compute warpgroups share its output tile.
 
   Attributes:
-    tile_m, tile_n, tile_k: a warpgroup's output tile and K step.
     wg_split_n: the two compute warpgroups of a CTA split N (else M). The
       two were within 1.3% of each other at every shape timed (GPT base's
       Fprop and Dgrad, the 4096² layer: BENCHMARKS.md, 2026-11-26).
-    max_concurrent_steps: K steps in flight in shared memory; None: 4 with a
-      bf16 output, 3 with FP32 (its epilogue tiles take the fourth's room).
-    grid_tile_width: width of the planar snake over output tiles.
-    epi_tile: square epilogue tile written through shared memory.
   """
 
-  tile_m: int = 128
-  tile_n: int = 128
-  tile_k: int = 64
   wg_split_n: bool = True
-  max_concurrent_steps: int | None = None
-  grid_tile_width: int = 8
-  epi_tile: int = 64
 
   @property
   def cta_tile(self) -> tuple[int, int]:

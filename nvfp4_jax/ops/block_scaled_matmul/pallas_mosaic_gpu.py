@@ -8,10 +8,11 @@ the cast): every product is exact in FP32, and only the summation order of
 the accumulation can differ.
 
 The pipeline is JAX's Hopper matmul
-(`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`, Apache-2.0): TMA
-loads into 128-byte-swizzled shared memory, a warp-specialized pipeline
-(one memory warpgroup, two wgmma warpgroups), a persistent grid walking the
-output tiles in a planar snake, and a TMA-stored epilogue. Added here: the
+(`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`, Apache-2.0), shared
+with the grouped GEMMs (`pallas_kernels.mosaic_gemm`): TMA loads into
+128-byte-swizzled shared memory, a warp-specialized pipeline (one memory
+warpgroup, two wgmma warpgroups), a persistent grid walking the output
+tiles in a planar snake, and a TMA-stored epilogue. Added here: the
 `alpha` epilogue and `vb` in either layout (`[N, K]`, read transposed by
 wgmma, or `[K, N]`). On the H100 it ran 0-12% faster than XLA's GEMM at the
 Fprop and Dgrad shapes of GPT base and at 8192 x 4096 x 4096, and slower
@@ -34,10 +35,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from nvfp4_jax.core import dispatch
 from nvfp4_jax.ops.block_scaled_matmul.config import Config
 from nvfp4_jax.ops.block_scaled_matmul.config import MIN_WAVES
 from nvfp4_jax.ops.block_scaled_matmul.config import cta_tile
+from pallas_kernels import mosaic_gemm
 
 
 H100_SMS = 132
@@ -51,25 +52,6 @@ def supported(m: int, n: int, k: int, config: Config | None = None,
   if m % tm or n % tn or k % c.tile_k:
     return False
   return (m // tm) * (n // tn) >= MIN_WAVES * num_sms
-
-
-def _check_device(what: str = "values_matmul") -> int:
-  """The GPU's SM count; NotImplementedError off Hopper (wgmma is sm_90).
-  `what` names the kernel in the message (the grouped GEMMs share it)."""
-  if dispatch.platform() != "gpu":
-    raise NotImplementedError(
-        f"{what}: a Mosaic GPU kernel (no interpret mode); the platform is "
-        f"{dispatch.platform()}. Use implementation='xla' (None falls back "
-        "to it).")
-  cc = dispatch.compute_capability()
-  if cc is None or cc[0] != 9:
-    raise NotImplementedError(
-        f"{what}: wgmma needs compute capability 9.x, got {cc}. Use "
-        "implementation='xla' (None falls back to it).")
-  try:
-    return jax.devices("gpu")[0].core_count
-  except (RuntimeError, IndexError, AttributeError) as e:
-    raise NotImplementedError(f"{what}: no GPU device to run on ({e}).") from e
 
 
 def values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
@@ -93,16 +75,10 @@ def values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
   """
   c = config or Config()
   if num_sms is None:
-    num_sms = _check_device()
+    num_sms = mosaic_gemm.check_device("values_matmul")
   m, k = va.shape
   n = vb.shape[1] if vb_kn else vb.shape[0]
-  if va.dtype != jnp.bfloat16 or vb.dtype != jnp.bfloat16:
-    raise NotImplementedError(
-        f"values_matmul: bf16 operands only, got {va.dtype}, {vb.dtype}.")
-  if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32),
-                                  jnp.dtype(jnp.bfloat16)):
-    raise NotImplementedError(
-        f"values_matmul: out_dtype float32 or bfloat16, got {out_dtype}.")
+  mosaic_gemm.check_operands("values_matmul", va, vb, out_dtype)
   if not supported(m, n, k, c, num_sms):
     raise NotImplementedError(
         f"values_matmul: [{m}, {k}] x [{k}, {n}] is off the {c.cta_tile} x "
@@ -111,19 +87,6 @@ def values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
   return _call(va, vb, jnp.reshape(alpha, ()).astype(jnp.float32),
                out_dtype=jnp.dtype(out_dtype), vb_kn=vb_kn, config=c,
                num_sms=num_sms)
-
-
-def output_smem(slots: int, epi_tile: int, out_dtype):
-  """The epilogue's SMEM: `slots` swizzled `[epi_tile, epi_tile]` tiles per
-  compute warpgroup (`store_output` writes through them)."""
-  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
-  bits = jnp.dtype(out_dtype).itemsize * 8
-  swizzle = plgpu.find_swizzle(epi_tile * bits, "out")
-  return plgpu.SMEM((2, slots, epi_tile, epi_tile), out_dtype,
-                    transforms=(plgpu.TilingTransform((8, swizzle * 8 // bits)),
-                                plgpu.SwizzleTransform(swizzle)))
-
-
 
 
 def output_tile(lin, grid, minor, config, wg_idx):
@@ -144,25 +107,6 @@ def output_tile(lin, grid, minor, config, wg_idx):
   return cta_m, cta_n, pl.ds(wg_idx * c.tile_m, c.tile_m), slice(None)
 
 
-def store_output(acc, out_smem, wg_idx, out_tile):
-  """Writes a warpgroup's output tile `acc` (registers, the output dtype)
-  to `out_tile` (its view of the output in GMEM) by TMA, in square pieces
-  through its `out_smem` slots (`output_smem`), one store in flight while
-  the next piece is staged."""
-  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
-  _, slots, e, _ = out_smem.shape
-  tile_m, tile_n = acc.shape
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  for mi in range(tile_m // e):
-    for ni in range(tile_n // e):
-      ms, ns = slice(mi * e, (mi + 1) * e), slice(ni * e, (ni + 1) * e)
-      slot = (mi * (tile_n // e) + ni) % slots
-      plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-      out_smem[wg_idx, slot] = acc[ms, ns]
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], out_tile.at[ms, ns])
-
-
 # Jitted so that identical calls (every layer of a model) trace and lower
 # the kernel once: JAX reuses one lowered function for them.
 @functools.partial(jax.jit, static_argnames=("out_dtype", "vb_kn", "config", "num_sms"))
@@ -174,14 +118,10 @@ def _call(va, vb, alpha, *, out_dtype, vb_kn, config: Config, num_sms):
   tile_m, tile_n, tile_k, e = c.tile_m, c.tile_n, c.tile_k, c.epi_tile
   cta_m_size, cta_n_size = c.cta_tile
   m_iters, n_iters, k_iters = m // cta_m_size, n // cta_n_size, k // tile_k
-  swizzle = plgpu.find_swizzle(tile_k * 16, "operands")
-  transforms = (plgpu.TilingTransform((8, swizzle // 2)),
-                plgpu.SwizzleTransform(swizzle))
-  b_swizzle = plgpu.find_swizzle((tile_n if vb_kn else tile_k) * 16, "vb")
-  b_transforms = (plgpu.TilingTransform((8, b_swizzle // 2)),
-                  plgpu.SwizzleTransform(b_swizzle))
-  slots = min(2, (tile_m * tile_n) // (e * e))
-  steps = c.max_concurrent_steps or (4 if out_dtype.itemsize == 2 else 3)
+  transforms = mosaic_gemm.swizzled(tile_k * 2, "operands")
+  b_transforms = mosaic_gemm.swizzled((tile_n if vb_kn else tile_k) * 2, "vb")
+  slots = mosaic_gemm.epilogue_slots(c)
+  steps = mosaic_gemm.concurrent_steps(c, out_dtype)
   if vb_kn:
     b_spec = plgpu.BlockSpec((tile_k, cta_n_size), lambda s: (s, 0),
                              transforms=b_transforms,
@@ -193,23 +133,15 @@ def _call(va, vb, alpha, *, out_dtype, vb_kn, config: Config, num_sms):
 
   def kernel(a_gmem, b_gmem, alpha_gmem, out_gmem, out_smem):
     def get_pipeline(body, compute_context):
-      return plgpu.emit_pipeline_warp_specialized(
-          body, grid=(k_iters,), memory_registers=40,
+      return mosaic_gemm.pipeline(
+          body, compute_context, grid=(k_iters,),
           in_specs=[plgpu.BlockSpec((cta_m_size, tile_k), lambda s: (0, s),
                                     transforms=transforms,
                                     memory_space=plgpu.SMEM),
                     b_spec],
-          wg_axis="wg", num_compute_wgs=2,
-          max_concurrent_steps=steps,
-          compute_context=compute_context)
+          steps=steps)
 
-    ignore = lambda *_, **__: None
-
-    @functools.partial(
-        pl.run_scoped,
-        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
-            a_gmem, b_gmem),
-        collective_axes="wg")
+    @mosaic_gemm.with_allocations(get_pipeline, a_gmem, b_gmem)
     def _scope(pipeline_allocs):
       wg_idx = lax.axis_index("wg")
 
@@ -220,38 +152,30 @@ def _call(va, vb, alpha, *, out_dtype, vb_kn, config: Config, num_sms):
         cta_m, cta_n, wg_m, wg_n = output_tile(lin, (m_iters, n_iters), 1, c,
                                                wg_idx)
 
-        def compute_context(eval_pipeline):
-          @functools.partial(pl.run_scoped,
-                             acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-          def _acc(acc_ref):
-            eval_pipeline(acc_ref)
-            # alpha: one scalar load from GMEM (a 0-d operand; no copy into
-            # SMEM, no broadcast kernel before the call).
-            acc = (acc_ref[...] * alpha_gmem[...]).astype(out_dtype)
-            store_output(acc, out_smem, wg_idx,
-                         out_gmem.at[cta_m, cta_n].at[wg_m, wg_n])
+        def epilogue(acc):
+          # alpha: one scalar load from GMEM (a 0-d operand; no copy into
+          # SMEM, no broadcast kernel before the call).
+          mosaic_gemm.store_output((acc * alpha_gmem[...]).astype(out_dtype),
+                                   out_smem, wg_idx,
+                                   out_gmem.at[cta_m, cta_n].at[wg_m, wg_n])
 
         def mma_body(_, a_smem, b_smem, acc_ref):
           if vb_kn:
             b = b_smem.at[:, wg_n]
           else:
             b = b_smem.at[wg_n, :].transpose((1, 0))
-          plgpu.wgmma(acc_ref, a_smem.at[wg_m], b)
-          plgpu.wgmma_wait(0)
-          return acc_ref
+          return mosaic_gemm.mma(acc_ref, a_smem.at[wg_m], b)
 
-        get_pipeline(mma_body, compute_context)(
+        get_pipeline(mma_body, mosaic_gemm.accumulate((tile_m, tile_n),
+                                                      epilogue))(
             a_gmem.at[cta_m, :],
             b_gmem.at[:, cta_n] if vb_kn else b_gmem.at[cta_n, :],
             allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  f = plgpu.kernel(
+  f = mosaic_gemm.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-      grid=(num_sms,), grid_names=("cluster_grid",),
-      num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      scratch_types=dict(out_smem=output_smem(slots, e, out_dtype)))
+      num_sms=num_sms,
+      out_smem=mosaic_gemm.output_smem(slots, e, out_dtype))
   return f(va, vb, alpha)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from nvfp4_jax.core.arrays import MXArray
 from nvfp4_jax.core.arrays import NVFP4Array
-from pallas_kernels import common
+from pallas_kernels import launch
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,7 +103,7 @@ def _bytes(scales: jax.Array) -> jax.Array:
 def has_fp4_mma(cc: tuple[int, int] | None = None) -> bool:
   """Whether this kernel compiles to a block-scaled FP4 MMA on compute
   capability `cc` (default: the GPU dispatch targets)."""
-  cc = common.compute_capability() if cc is None else cc
+  cc = launch.compute_capability() if cc is None else cc
   return cc is not None and tuple(cc) in BLOCK_SCALED_MMA_CCS
 
 
@@ -150,7 +150,7 @@ def block_scaled_matmul(a, b, alpha: jax.Array, *,
       MMA (`BLOCK_SCALED_MMA_CCS`), jax-triton missing, or operands of two
       formats.
   """
-  if common.backend() != "gpu":
+  if launch.backend() != "gpu":
     raise NotImplementedError(
         "the jax-triton NVFP4 GEMM runs on NVIDIA GPUs only; use "
         "implementation='xla' (or 'pallas') elsewhere.")
@@ -159,7 +159,7 @@ def block_scaled_matmul(a, b, alpha: jax.Array, *,
         f"implementation='triton' runs tl.dot_scaled on FP4 tensor cores, "
         f"which Triton compiles for compute capability "
         f"{', '.join(f'{a}.{b}' for a, b in BLOCK_SCALED_MMA_CCS)}; this GPU "
-        f"is {common.compute_capability()}. Use 'scaled_matmul' (cuDNN) or "
+        f"is {launch.compute_capability()}. Use 'scaled_matmul' (cuDNN) or "
         f"'pallas' (the exact emulation).")
   mx = isinstance(a, MXArray)
   if not ((isinstance(a, NVFP4Array) and isinstance(b, NVFP4Array)) or (
@@ -179,8 +179,8 @@ def block_scaled_matmul(a, b, alpha: jax.Array, *,
   bk = block_k
   while k % bk:
     bk //= 2
-  grid = (common.cdiv(m, block_m) * common.cdiv(n, block_n),)
-  cc = common.compute_capability()
+  grid = (launch.cdiv(m, block_m) * launch.cdiv(n, block_n),)
+  cc = launch.compute_capability()
   if mx:  # UE8M0 scales reach Triton as bytes; no tensor scale.
     operands = [a.data, _bytes(a.scales), b.data, _bytes(b.scales)]
     fmt = dict(FMT="e2m1" if a.fmt == "mxfp4" else "e4m3",

@@ -4,7 +4,7 @@ One read of the packed codes and E4M3 scales, one write of the exact bf16
 block values `fp4 * f32(scale)` that a Hopper GEMM consumes (the tensor factor
 is applied to the GEMM's FP32 output). The tile math is
 `nvfp4_jax.core.tile.block_values`, the reference's (on the GPU through
-`common.block_values`, its byte-permutation lowering).
+`e2m1_decode.block_values`, its byte-permutation lowering).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from jax.experimental import pallas as pl
 
 from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.core.arrays import NVFP4Array
-from pallas_kernels import common
+from pallas_kernels import e2m1_decode
+from pallas_kernels import launch
 from nvfp4_jax.ops.quantize.pallas_triton import QuantizeConfig
 from nvfp4_jax.ops.quantize.pallas_triton import default_config
 from nvfp4_jax.ops.quantize.pallas_triton import tile_masks
@@ -29,9 +30,9 @@ def _kernel(codes_ref, scales_ref, values_ref, *, m: int, nb_total: int,
             interpret: bool):
   rows, nb, _ = codes_ref.shape
   mask = tile_masks(rows, nb, m, nb_total)
-  values = common.block_values(common.load(codes_ref, mask[B // 2]),
-                               common.load(scales_ref, mask[0]), interpret)
-  common.store(values_ref, values, mask[B])
+  values = e2m1_decode.block_values(launch.load(codes_ref, mask[B // 2]),
+                                    launch.load(scales_ref, mask[0]), interpret)
+  launch.store(values_ref, values, mask[B])
 
 
 def block_values(q: NVFP4Array, *, config: QuantizeConfig | None = None
@@ -47,15 +48,15 @@ def block_values(q: NVFP4Array, *, config: QuantizeConfig | None = None
   if not isinstance(q, NVFP4Array):
     raise NotImplementedError(
         f"the Pallas dequantize kernel takes NVFP4Arrays, got {type(q)}.")
-  interpret = common.check_backend("block_values")
+  interpret = launch.check_backend("block_values")
   shape = q.shape
   k = shape[-1]
   m = q.codes.size * 2 // k
   nb_total = k // B
   cfg = config or default_config(m, k)
   br, bnb = cfg.block_rows, max(1, cfg.block_cols // B)
-  grid = (common.cdiv(m, br), common.cdiv(nb_total, bnb))
-  out = common.pallas_call(
+  grid = (launch.cdiv(m, br), launch.cdiv(nb_total, bnb))
+  out = launch.pallas_call(
       functools.partial(_kernel, m=m, nb_total=nb_total, interpret=interpret),
       interpret=interpret, num_warps=cfg.num_warps,
       num_stages=1, name="nvfp4_block_values", grid=grid,

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 from nvfp4_jax.ops.gather_rows.config import GatherConfig
 from nvfp4_jax.ops.gather_rows.config import default_config
-from pallas_kernels import common
+from pallas_kernels import launch
 
 
 def _kernel(index_ref, x_ref, o_ref, *, rows: int, m: int, d: int,
@@ -33,13 +33,13 @@ def _kernel(index_ref, x_ref, o_ref, *, rows: int, m: int, d: int,
   r = i * br + jnp.arange(br, dtype=jnp.int32)
   c = j * bc + jnp.arange(bc, dtype=jnp.int32)
   in_rows = r < m
-  index = common.load(index_ref, in_rows)
+  index = launch.load(index_ref, in_rows)
   found = in_rows & (index >= 0) & (index < rows)
   src = jnp.where(found, index, 0)
   cols = c < d
-  values = common.load(x_ref.at[src[:, None], c[None, :]],
+  values = launch.load(x_ref.at[src[:, None], c[None, :]],
                        found[:, None] & cols[None, :])
-  common.store(o_ref, values.astype(o_ref.dtype),
+  launch.store(o_ref, values.astype(o_ref.dtype),
                in_rows[:, None] & cols[None, :])
 
 
@@ -59,12 +59,12 @@ def gather_rows(x: jax.Array, index: jax.Array, *,
         f"{x.shape} and {index.dtype}{list(index.shape)}.")
   if jnp.dtype(x.dtype).itemsize == 1:
     raise NotImplementedError("the Pallas row gather skips 1-byte dtypes.")
-  interpret = common.check_backend("gather_rows")
+  interpret = launch.check_backend("gather_rows")
   rows, d = x.shape
   m = index.shape[0]
   cfg = config or default_config(d)
-  grid = (common.cdiv(m, cfg.block_rows), common.cdiv(d, cfg.block_cols))
-  return common.pallas_call(
+  grid = (launch.cdiv(m, cfg.block_rows), launch.cdiv(d, cfg.block_cols))
+  return launch.pallas_call(
       functools.partial(_kernel, rows=rows, m=m, d=d, config=cfg),
       interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
       name="nvfp4_gather_rows", grid=grid,

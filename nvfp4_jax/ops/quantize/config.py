@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from nvfp4_jax.core import numerics as nm
-from pallas_kernels import common
+from pallas_kernels import launch
 
 B = nm.NVFP4_BLOCK
 
@@ -27,7 +27,7 @@ class QuantizeConfig:
   num_warps: int = 4
 
   def __post_init__(self):
-    common.check_powers_of_two(self, ("block_rows", "block_cols", "num_warps"))
+    launch.check_powers_of_two(self, ("block_rows", "block_cols", "num_warps"))
     if self.block_cols < B:
       raise ValueError(
           f"QuantizeConfig.block_cols={self.block_cols} must be >= {B}.")
@@ -45,7 +45,7 @@ def default_config(rows: int, cols: int, block_2d: bool = False, *,
   8K tiles on Blackwell are chosen by instruction count (offline
   `nvfp4_jax.tools.sass_report --arch sm_100`), not measured on the device.
   """
-  bc = min(512 if wide else 256, common.next_pow2(cols))
-  br = max(B if block_2d else 1, min(16, common.next_pow2(rows),
+  bc = min(512 if wide else 256, launch.next_pow2(cols))
+  br = max(B if block_2d else 1, min(16, launch.next_pow2(rows),
                                      (8192 if wide else 4096) // bc))
   return QuantizeConfig(block_rows=br, block_cols=bc, num_warps=4)

@@ -11,7 +11,7 @@ The tile math is `nvfp4_jax.core.tile` (`block_amax`, `encode_blocks`) and
 `nvfp4_jax.core.prng.tile_words`, the functions the reference applies to the whole
 tensor: codes, scales and amax are the reference's by construction, and
 tests/test_kernels.py checks the plumbing. On the GPU the rounding and
-packing (step 4) is `common.block_encoder`'s assembly, bit for bit the
+packing (step 4) is `e2m1_encode.block_encoder`'s assembly, bit for bit the
 reference's (tests/test_encoder.py). Arguments are validated by
 `nvfp4_jax.quantize` before dispatch.
 """
@@ -29,7 +29,11 @@ from nvfp4_jax.core import prng
 from nvfp4_jax.core import tile
 from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.core.arrays import NVFP4Values
-from pallas_kernels import common
+from pallas_kernels import choose_four
+from pallas_kernels import e2m1_encode
+from pallas_kernels import fp32
+from pallas_kernels import launch
+from pallas_kernels import paired_words
 from nvfp4_jax.ops.quantize.config import QuantizeConfig
 from nvfp4_jax.ops.quantize.config import default_config
 
@@ -40,9 +44,9 @@ def tile_masks(rows: int, nb: int, m: int, nb_total: int):
   """Bounds masks of a `[rows, nb, ...]` tile (None where no tile is partial)."""
   row0, blk0 = pl.program_id(0) * rows, pl.program_id(1) * nb
   dims = ((0, row0, m, rows), (1, blk0, nb_total, nb))
-  return {w: common.bounds_mask((rows, nb, w), *dims)
+  return {w: launch.bounds_mask((rows, nb, w), *dims)
           for w in (B, B // 2, B // 4)} | {
-      0: common.bounds_mask((rows, nb), *dims)}
+      0: launch.bounds_mask((rows, nb), *dims)}
 
 
 def _tile_amax(a: jax.Array, block_2d: bool) -> jax.Array:
@@ -79,14 +83,14 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
   codes_ref, scales_ref = (refs.pop(0), refs.pop(0)) if with_codes else (
       None, None)
   values_ref = refs.pop(0) if with_values else None
-  divide = common.exact_divide(interpret)
+  divide = fp32.exact_divide(interpret)
   # Shape (1,), not scalars: the inline-asm division needs tensor operands.
   rows, nb, _ = x_ref.shape
   amax = amax_ref[...]
   if grouped:
     amax = amax.reshape(rows, 1)  # One tensor per row: [rows, 1] constants.
   if words:  # `nm.nvfp4_scale_constants`, 1 / S_enc by `rcp.rn`.
-    s_enc_over_6, inv_s_enc = common.words_scale_constants(
+    s_enc_over_6, inv_s_enc = paired_words.words_scale_constants(
         amax, interpret, four_over_six)
     if not grouped:
       # As scalars (the maximum of one element): Triton then computes them
@@ -112,18 +116,18 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
     # half the widened pairs, products and E2M1 conversion in one assembly.
     h = B // 4
     at = lambda ref, k: ref.at[:, :, pl.ds(k * h, h)]  # Half k of a block.
-    halves = [common.load(at(x_ref, k), mask[h]) for k in range(2)]
-    mxw = common.max_magnitude_words(interpret)
+    halves = [launch.load(at(x_ref, k), mask[h]) for k in range(2)]
+    mxw = paired_words.max_magnitude_words(interpret)
     pm = mxw(*halves)
     while pm.shape[-1] > 1:  # Halving the block's 4 word maxima.
       pm = mxw(*jnp.unstack(pm.reshape(*pm.shape[:-1], -1, 2), axis=-1))
-    lo, hi = common.widen_words(pm.reshape(rows, nb))
+    lo, hi = paired_words.widen_words(pm.reshape(rows, nb))
     # Flushed before the 16x16 tile's maximum: the flush is monotone in
     # the magnitude, so the same maximum.
-    bamax = _tile_amax(common.abs_flush(interpret)(
-        common.max_magnitude(interpret)(lo, hi)), block_2d)
-    scales, enc = common.words_block_scales(bamax, s_enc_over_6, inv_s_enc,
-                                            interpret)
+    bamax = _tile_amax(fp32.abs_flush(interpret)(
+        fp32.max_magnitude(interpret)(lo, hi)), block_2d)
+    scales, enc = paired_words.words_block_scales(bamax, s_enc_over_6,
+                                                  inv_s_enc, interpret)
     d = scales.astype(jnp.float32)
     if four_over_six:
       _words_four_over_six(at, halves, bamax, s_enc_over_6, inv_s_enc,
@@ -131,20 +135,20 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
                            mask, block_2d, interpret)
       return
     for k, w in enumerate(halves):
-      even, odd = common.widen_words(w)
-      if not with_codes:  # Values alone: `common.scale_encode_values`.
-        common.store(at(values_ref, k), common.scale_encode_values(
+      even, odd = paired_words.widen_words(w)
+      if not with_codes:  # Values alone: `paired_words.scale_encode_values`.
+        launch.store(at(values_ref, k), paired_words.scale_encode_values(
             even, odd, enc, d, interpret), mask[h])
         continue
-      packed = common.scale_encode_codes(even, odd, enc, interpret)
-      common.store(at(codes_ref, k), packed, mask[h])
-      if with_values:  # Decoded from the codes: `common.words_values`.
-        common.store(at(values_ref, k), common.words_values(
+      packed = paired_words.scale_encode_codes(even, odd, enc, interpret)
+      launch.store(at(codes_ref, k), packed, mask[h])
+      if with_values:  # Decoded from the codes: `paired_words.words_values`.
+        launch.store(at(values_ref, k), paired_words.words_values(
             packed, d, interpret), mask[h])
     if with_codes:
-      common.store(scales_ref, scales, mask[0])
+      launch.store(scales_ref, scales, mask[0])
     return
-  x = common.load(x_ref, mask[B]).astype(jnp.float32)  # Flushed when scaled.
+  x = launch.load(x_ref, mask[B]).astype(jnp.float32)  # Flushed when scaled.
   rwords = None
   if stochastic and grouped:
     # Each row's place in its own tensor's stream.
@@ -161,20 +165,20 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
                              origin_ref[1] + pl.program_id(1) * nb, nb,
                              words_per_row, seeds_ref[0], seeds_ref[1])
   packed, scales, values = tile.encode_blocks(
-      x, common.flushed_block_amax(x, block_2d), s_enc_over_6, inv_s_enc,
+      x, fp32.flushed_block_amax(x, block_2d), s_enc_over_6, inv_s_enc,
       divide=divide, rwords=rwords, with_values=with_values,
       with_codes=with_codes, values_as_pairs=True, split_pack=True,
       four_over_six=four_over_six, block_2d=block_2d,
-      multiply=common.ftz_multiply(interpret),
-      flush=common.flush(interpret),
+      multiply=fp32.ftz_multiply(interpret),
+      flush=fp32.flush(interpret),
       # NaN scaled values only in whole blocks (a NaN block amax or tensor
       # amax), each block's 16 elements loaded contiguously.
-      encoder=common.block_encoder(interpret, block_nan=True))
+      encoder=e2m1_encode.block_encoder(interpret, block_nan=True))
   if with_codes:
-    common.store(codes_ref, packed, mask[B // 2])
-    common.store(scales_ref, scales, mask[0])
+    launch.store(codes_ref, packed, mask[B // 2])
+    launch.store(scales_ref, scales, mask[0])
   if with_values:  # bf16 pairs as uint32 (see `tile.value_pairs`).
-    common.store(values_ref, values, mask[B // 2])
+    launch.store(values_ref, values, mask[B // 2])
 
 
 def _words_four_over_six(at, halves, bamax, s_enc_over_6, inv_s_enc, scales6,
@@ -182,29 +186,31 @@ def _words_four_over_six(at, halves, bamax, s_enc_over_6, inv_s_enc, scales6,
                          block_2d, interpret):
   """The word path's Four-over-Six (`tile.encode_blocks(four_over_six=
   True)`): both candidates' codes by the E2M1 conversion
-  (`common.scale_encode_codes`), the choice by `common.words_choose_four`
-  (error terms of the conversion's codes, decoded exactly), the chosen
-  codes, scales and (`common.words_values`) block values stored."""
+  (`paired_words.scale_encode_codes`), the choice by
+  `choose_four.words_choose_four` (error terms of the conversion's codes,
+  decoded exactly), the chosen codes, scales and
+  (`paired_words.words_values`) block values stored."""
   h = B // 4
-  scales4, enc4 = common.words_block_scales(
+  scales4, enc4 = paired_words.words_block_scales(
       bamax, s_enc_over_6, inv_s_enc, interpret, expansion=1.5)
   d4 = scales4.astype(jnp.float32)
-  pairs = [common.widen_words(w) for w in halves]
-  four = common.words_choose_four(pairs, enc6, d6, enc4, d4, block_2d,
-                                  interpret)
+  pairs = [paired_words.widen_words(w) for w in halves]
+  four = choose_four.words_choose_four(pairs, enc6, d6, enc4, d4, block_2d,
+                                       interpret)
   scales = jnp.where(four, scales4, scales6)
   d = jnp.where(four, d4, d6)
   for k, (even, odd) in enumerate(pairs):
-    packed = jnp.where(four[..., None],
-                       common.scale_encode_codes(even, odd, enc4, interpret),
-                       common.scale_encode_codes(even, odd, enc6, interpret))
+    packed = jnp.where(
+        four[..., None],
+        paired_words.scale_encode_codes(even, odd, enc4, interpret),
+        paired_words.scale_encode_codes(even, odd, enc6, interpret))
     if codes_ref is not None:
-      common.store(at(codes_ref, k), packed, mask[h])
+      launch.store(at(codes_ref, k), packed, mask[h])
     if values_ref is not None:
-      common.store(at(values_ref, k), common.words_values(
+      launch.store(at(values_ref, k), paired_words.words_values(
           packed, d, interpret), mask[h])
   if scales_ref is not None:
-    common.store(scales_ref, scales, mask[0])
+    launch.store(scales_ref, scales, mask[0])
 
 
 # Whether the interpreted kernel takes the word path of Blackwell's
@@ -223,7 +229,7 @@ def wide_tiles(stochastic: bool, with_values: bool,
   its 4K tiles to 80 for 25.6 (untimed: occupancy against the per-thread
   work)."""
   del with_values  # Decoded from the codes on that path.
-  return not (stochastic or four_over_six) and common.hardware_e2m1()
+  return not (stochastic or four_over_six) and e2m1_encode.hardware_e2m1()
 
 
 def outputs(m: int, nb_total: int, br: int, bnb: int, with_codes: bool,
@@ -268,7 +274,7 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
   Raises:
     NotImplementedError: on a backend the kernels do not support.
   """
-  interpret = common.check_backend("quantize")
+  interpret = launch.check_backend("quantize")
   shape = x.shape
   k = shape[-1]
   m = x.size // k
@@ -283,20 +289,20 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
         f"{cfg.block_rows}.")
   nb_total = k // B
   br, bnb = cfg.block_rows, max(1, cfg.block_cols // B)
-  grid = (common.cdiv(m, br), common.cdiv(nb_total, bnb))
+  grid = (launch.cdiv(m, br), launch.cdiv(nb_total, bnb))
 
   # The per-tensor constants are computed in the kernel, with its exact
   # division (XLA:GPU's FP32 division is not correctly rounded).
-  in_specs = [common.scalar_spec(1)]
+  in_specs = [launch.scalar_spec(1)]
   args = [amax.reshape(1)]
   origin, words_per_row = prng.stream_origin(placement, k)
   if stochastic:
-    in_specs += [common.scalar_spec(2), common.scalar_spec(2)]
+    in_specs += [launch.scalar_spec(2), launch.scalar_spec(2)]
     args += [prng.seeds_from_key(key), origin]
   # Blackwell's round-to-nearest codes read bf16 pairs as uint32 words
   # (`WORDS_INTERPRETED`: also interpreted, the assembly's software twins).
   # Codes, block values or both (the values decoded from the codes).
-  words = ((WORDS_INTERPRETED if interpret else common.hardware_e2m1())
+  words = ((WORDS_INTERPRETED if interpret else e2m1_encode.hardware_e2m1())
            and x.dtype == jnp.bfloat16 and not stochastic)
   if words:
     in_specs.append(pl.BlockSpec((br, bnb, B // 2), lambda i, j: (i, j, 0)))
@@ -315,7 +321,7 @@ def quantize(x: jax.Array, *, block_2d: bool = False,
       m=m, nb_total=nb_total, four_over_six=four_over_six,
       words_per_row=words_per_row, words=words)
   name = "nvfp4_quantize_2d" if block_2d else "nvfp4_quantize"
-  outs = list(common.pallas_call(
+  outs = list(launch.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
       name=name if with_codes else name + "_values",
       grid=grid, in_specs=in_specs, out_specs=out_specs,

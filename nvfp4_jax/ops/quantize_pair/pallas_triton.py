@@ -26,7 +26,7 @@ from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.core import prng
 from nvfp4_jax.core import spmd
 from nvfp4_jax.core import tile
-from pallas_kernels import common
+from pallas_kernels import e2m1_encode
 from nvfp4_jax.ops.quantize import pallas_triton as pallas_quantize
 from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pallas_rht
 from nvfp4_jax.ops.quantize_rht_t.pallas_triton import RHTConfig
@@ -39,7 +39,7 @@ def splits_on_blackwell(dtype, row_rounding: str | None,
                         t_rounding: str | None, rht_size: int,
                         four_over_six: bool, values_t: bool) -> bool:
   """Whether a round-to-nearest pair runs as two kernels where the E2M1
-  conversion exists (`common.hardware_e2m1`, sm_100a/sm_103a): the 1x16
+  conversion exists (`e2m1_encode.hardware_e2m1`, sm_100a/sm_103a): the 1x16
   quantizer's word path for `x` (codes or block values) and the columns
   kernel's packed path for `rht(x.T)` (bf16 `x`, its codes, 16-point RHT),
   with or without Four-over-Six (both word paths take it: 25.6 + 29.4
@@ -57,7 +57,7 @@ def splits_on_blackwell(dtype, row_rounding: str | None,
   del four_over_six  # Both kernels' word paths take it.
   return (row_rounding == "nearest" and t_rounding == "nearest"
           and dtype == jnp.bfloat16 and rht_size == 16
-          and not values_t and common.hardware_e2m1())
+          and not values_t and e2m1_encode.hardware_e2m1())
 
 
 def quantize_pair(x: jax.Array, *, row_rounding: str | None,

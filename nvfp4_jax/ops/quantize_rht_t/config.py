@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from nvfp4_jax.core import numerics as nm
-from pallas_kernels import common
+from pallas_kernels import launch
 
 B = nm.NVFP4_BLOCK
 
@@ -38,7 +38,7 @@ class RHTConfig:
   amax_stages: int = 1
 
   def __post_init__(self):
-    common.check_powers_of_two(self, ("block_tokens", "block_features",
+    launch.check_powers_of_two(self, ("block_tokens", "block_features",
                                       "num_warps", "amax_steps",
                                       "amax_stages"))
     if self.block_tokens < B or self.block_features < B:
@@ -46,8 +46,8 @@ class RHTConfig:
 
 
 def default_config(tokens: int, features: int, size: int = 16) -> RHTConfig:
-  bt = max(size, min(64, common.next_pow2(tokens)))
-  bf = max(B, min(64, common.next_pow2(features)))
+  bt = max(size, min(64, launch.next_pow2(tokens)))
+  bf = max(B, min(64, launch.next_pow2(features)))
   return RHTConfig(block_tokens=bt, block_features=bf, num_warps=4)
 
 
@@ -86,5 +86,5 @@ class ColumnsConfig:
   amax_steps: int = 16
 
   def __post_init__(self):
-    common.check_powers_of_two(self, ("blocks", "block_features",
+    launch.check_powers_of_two(self, ("blocks", "block_features",
                                       "num_warps", "amax_steps"))

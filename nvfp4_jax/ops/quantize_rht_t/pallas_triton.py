@@ -66,7 +66,12 @@ from nvfp4_jax.core.hadamard import default_sign_vector
 from nvfp4_jax.core.hadamard import rht_matrix
 from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.core.arrays import NVFP4Values
-from pallas_kernels import common
+from pallas_kernels import choose_four
+from pallas_kernels import e2m1_encode
+from pallas_kernels import fp32
+from pallas_kernels import fp32x2
+from pallas_kernels import launch
+from pallas_kernels import paired_words
 from nvfp4_jax.ops.quantize_rht_t.config import RHTConfig
 from nvfp4_jax.ops.quantize_rht_t.config import default_config
 from nvfp4_jax.ops.quantize_rht_t.config import check_size
@@ -89,8 +94,8 @@ def rht_sums_transposed(v: jax.Array, h: jax.Array) -> jax.Array:
 def _flush(x: jax.Array, interpret: bool) -> jax.Array:
   """`ftz(x)`, bf16 kept in bf16 (pairs at a time on the GPU), else FP32."""
   if x.dtype == jnp.bfloat16:
-    return common.flush_bf16(interpret)(x)
-  return common.flush(interpret)(x.astype(jnp.float32))
+    return fp32.flush_bf16(interpret)(x)
+  return fp32.flush(interpret)(x.astype(jnp.float32))
 
 
 def rht_transposed(x: jax.Array, h: jax.Array, interpret: bool) -> jax.Array:
@@ -103,7 +108,7 @@ def rht_transposed(x: jax.Array, h: jax.Array, interpret: bool) -> jax.Array:
   """
   t, f = x.shape
   y = rht_sums_transposed(_flush(x, interpret), h)
-  return common.round_hadamard(interpret)(y).reshape(f, t)
+  return fp32.round_hadamard(interpret)(y).reshape(f, t)
 
 
 def _amax_kernel(h_ref, x_ref, *out_refs, with_x: bool, tokens: int,
@@ -117,14 +122,15 @@ def _amax_kernel(h_ref, x_ref, *out_refs, with_x: bool, tokens: int,
   bt_all, bf = x_ref.shape
   bt = block_tokens
   i, j = pl.program_id(0), pl.program_id(1)
-  keep = common.max_magnitude(interpret)
+  keep = fp32.max_magnitude(interpret)
   h = h_ref[...]
 
   def body(k, carry):
     m_t, m_x = carry
-    mask = common.bounds_mask((bt, bf), (0, i * bt_all + k * bt, tokens, bt_all),
+    mask = launch.bounds_mask((bt, bf),
+                              (0, i * bt_all + k * bt, tokens, bt_all),
                               (1, j * bf, features, bf))
-    x = common.load_at(x_ref, (pl.ds(pl.multiple_of(k * bt, bt), bt),
+    x = launch.load_at(x_ref, (pl.ds(pl.multiple_of(k * bt, bt), bt),
                                slice(None)), mask)  # Out of bounds: 0.
     m_t = keep(m_t, rht_sums_transposed(_flush(x, interpret), h))
     return m_t, keep(m_x, x) if with_x else m_x
@@ -141,12 +147,12 @@ def _store_amax_partials(out_refs, m_t: jax.Array, m_x: jax.Array | None):
   sums' (`m_t`), flushed and rounded to bf16 once (`tile.round_hadamard` is
   monotone in the magnitude: the rounded maximum is the maximum rounded),
   and `x`'s (`m_x`, if given), flushed (the flushed maximum is the
-  maximum's flush); as uint32 bit patterns (`common.abs_max_bits`)."""
+  maximum's flush); as uint32 bit patterns (`fp32.abs_max_bits`)."""
   amax_t = tile.round_hadamard(tile.abs_max(m_t))
-  out_refs[0][...] = jnp.full((1, 1), common.abs_max_bits(amax_t), jnp.uint32)
+  out_refs[0][...] = jnp.full((1, 1), fp32.abs_max_bits(amax_t), jnp.uint32)
   if m_x is not None:
     amax_x = nm.ftz(tile.abs_max(m_x.astype(jnp.float32)))
-    out_refs[1][...] = jnp.full((1, 1), common.abs_max_bits(amax_x), jnp.uint32)
+    out_refs[1][...] = jnp.full((1, 1), fp32.abs_max_bits(amax_x), jnp.uint32)
 
 
 def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
@@ -165,9 +171,9 @@ def rht_amax(x: jax.Array, *, sign_vector: Sequence[int] | None = None,
     outs = _tensor_core_amax(x, sign_vector=sign_vector, size=size,
                              with_x=with_x, config=config)
   if with_x:  # Both from one reduction.
-    amax_t, amax_x = common.combine_partial_amax(*outs)
+    amax_t, amax_x = fp32.combine_partial_amax(*outs)
     return amax_x, amax_t
-  return common.combine_partial_amax(*outs)[0]
+  return fp32.combine_partial_amax(*outs)[0]
 
 
 def _amax_grid(units: int, unit_tile: int, features: int, bf: int,
@@ -176,17 +182,17 @@ def _amax_grid(units: int, unit_tile: int, features: int, bf: int,
   16-token blocks) in tiles of `unit_tile` x `bf`: tiles per program as
   configured, but no more than the tokens need, nor so many that fewer than
   `AMAX_PROGRAMS` programs remain."""
-  tiles = common.cdiv(units, unit_tile) * common.cdiv(features, bf)
-  steps = min(amax_steps, common.next_pow2(common.cdiv(units, unit_tile)),
+  tiles = launch.cdiv(units, unit_tile) * launch.cdiv(features, bf)
+  steps = min(amax_steps, launch.next_pow2(launch.cdiv(units, unit_tile)),
               1 << (max(1, tiles // AMAX_PROGRAMS).bit_length() - 1))
-  return steps, (common.cdiv(units, unit_tile * steps),
-                 common.cdiv(features, bf))
+  return steps, (launch.cdiv(units, unit_tile * steps),
+                 launch.cdiv(features, bf))
 
 
 def _tensor_core_amax(x, *, sign_vector, size: int, with_x: bool,
                       config: RHTConfig | None):
   """`rht_amax` by `_amax_kernel`: the per-program partials."""
-  interpret = common.check_backend("rht_amax")
+  interpret = launch.check_backend("rht_amax")
   t, f = x.shape
   cfg = config or default_config(t, f, size)
   bt, bf = cfg.block_tokens, cfg.block_features
@@ -196,7 +202,7 @@ def _tensor_core_amax(x, *, sign_vector, size: int, with_x: bool,
   n_out = 2 if with_x else 1
   kernel = functools.partial(_amax_kernel, with_x=with_x, tokens=t,
                              features=f, block_tokens=bt, interpret=interpret)
-  return common.pallas_call(
+  return launch.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps,
       num_stages=cfg.amax_stages, name="nvfp4_rht_amax", grid=grid,
       in_specs=[pl.BlockSpec((size, size), lambda i, j: (0, 0)),
@@ -217,7 +223,7 @@ def _quantize_kernel(*refs, fused_x: bool, sr_t: bool, sr_x: bool,
   # [row, block] of q(rht(x.T)), then of q(x).
   origin_ref = refs.pop(0) if (sr_t or sr_x) else None
   h_ref, x_ref = refs.pop(0), refs.pop(0)
-  divide = common.exact_divide(interpret)
+  divide = fp32.exact_divide(interpret)
   # Shape (1,), not scalars: the inline-asm division needs tensor operands.
   consts = lambda k, fos: nm.nvfp4_scale_constants(
       amax_refs[k][...], divide=divide, four_over_six=fos)
@@ -225,12 +231,12 @@ def _quantize_kernel(*refs, fused_x: bool, sr_t: bool, sr_x: bool,
   i, j = pl.program_id(0), pl.program_id(1)  # token tile, feature tile
   tok = lambda axis, n: (axis, i * n, tokens // (bt // n), n)
   feat = lambda axis, n: (axis, j * n, features // (bf // n), n)
-  x = common.load(x_ref, common.bounds_mask((bt, bf), tok(0, bt),
+  x = launch.load(x_ref, launch.bounds_mask((bt, bf), tok(0, bt),
                                             feat(1, bf)))
 
   # Wgrad operand: rht(x.T), [features, tokens], blocks along tokens.
   z = rht_transposed(x, h_ref[...], interpret).reshape(bf, bt // B, B)
-  encoder = common.block_encoder(interpret)
+  encoder = e2m1_encode.block_encoder(interpret)
   rwords = None
   if sr_t:
     rwords = prng.tile_words(origin_ref[0] + j * bf, bf,
@@ -239,7 +245,7 @@ def _quantize_kernel(*refs, fused_x: bool, sr_t: bool, sr_x: bool,
   packed, scales, vals = tile.encode_blocks(
       z, tile.block_amax(z, False), *consts(0, fos_t), divide=divide,
       rwords=rwords, split_pack=True, four_over_six=fos_t,
-      flush=common.flush(interpret), with_values=values_t,
+      flush=fp32.flush(interpret), with_values=values_t,
       with_codes=not values_t, values_as_pairs=True, encoder=encoder)
   _store_operand(refs, values_t, packed, scales, vals,
                  (feat(0, bf), tok(1, bt // B)), (feat(0, bf), tok(1, bt // 2)))
@@ -252,9 +258,9 @@ def _quantize_kernel(*refs, fused_x: bool, sr_t: bool, sr_x: bool,
                                origin_ref[3] + j * (bf // B), bf // B, words_x,
                                seeds_ref[2], seeds_ref[3])
     packed, scales, vals = tile.encode_blocks(
-        xf, common.flushed_block_amax(xf, False), *consts(1, fos_x),
-        divide=divide, multiply=common.ftz_multiply(interpret),
-        flush=common.flush(interpret),
+        xf, fp32.flushed_block_amax(xf, False), *consts(1, fos_x),
+        divide=divide, multiply=fp32.ftz_multiply(interpret),
+        flush=fp32.flush(interpret),
         rwords=rwords, split_pack=True, four_over_six=fos_x,
         with_values=values_x, with_codes=not values_x, values_as_pairs=True,
         encoder=encoder)
@@ -270,11 +276,11 @@ def _store_operand(refs, as_values: bool, packed, scales, vals, block_dims,
   as a 2-D tile of uint32 pairs (`value_dims`; see `tile.value_pairs`)."""
   if as_values:
     vals = vals.reshape(vals.shape[0], -1)
-    common.store(refs.pop(0), vals, common.bounds_mask(vals.shape,
+    launch.store(refs.pop(0), vals, launch.bounds_mask(vals.shape,
                                                        *value_dims))
     return
   for a in (packed, scales):
-    common.store(refs.pop(0), a, common.bounds_mask(a.shape, *block_dims))
+    launch.store(refs.pop(0), a, launch.bounds_mask(a.shape, *block_dims))
 
 
 # Whether the interpreted columns kernel takes the path of Blackwell's
@@ -292,8 +298,8 @@ COLUMNS = True
 def _columns_words_apply(sr: bool, values: bool) -> bool:
   """Whether the columns kernel takes `_columns_words` (Blackwell's
   round-to-nearest codes; `COLUMNS_WORDS_INTERPRETED` where interpreted)."""
-  on = (COLUMNS_WORDS_INTERPRETED if common.backend() == "cpu"
-        else common.hardware_e2m1())
+  on = (COLUMNS_WORDS_INTERPRETED if launch.backend() == "cpu"
+        else e2m1_encode.hardware_e2m1())
   return on and not (sr or values)
 
 
@@ -352,7 +358,7 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
   """
   refs = list(refs)
   # The word path's tensor constant `S_enc / 6` and encode-scale table
-  # (`common.encode_scale_table`), else the amax.
+  # (`paired_words.encode_scale_table`), else the amax.
   amax_ref = refs.pop(0)
   table_ref = refs.pop(0) if words and not four_over_six else None
   seeds_ref = refs.pop(0) if sr else None
@@ -364,7 +370,7 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
   blocks = tokens // B
   blk_dim = lambda axis: (axis, i * nb, blocks, nb)
   feat_dim = lambda axis: (axis, j * bf, features, bf)
-  mask = common.bounds_mask((nb, 1, bf), blk_dim(0), feat_dim(2))
+  mask = launch.bounds_mask((nb, 1, bf), blk_dim(0), feat_dim(2))
   if words:
     packed, scales = _columns_words(_load_rows(x_ref, 0, mask, nb, bf),
                                     amax_ref, table_ref, sign_vector,
@@ -376,16 +382,16 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
       dims = (feat_dim(0), (1, 2 * i * nb, 2 * blocks, 2 * nb))
     else:
       dims = (feat_dim(0), blk_dim(1))
-    common.store(out_ref, out, common.bounds_mask(out.shape, *dims))
-    common.store(scales_ref, scales.T, common.bounds_mask(
+    launch.store(out_ref, out, launch.bounds_mask(out.shape, *dims))
+    launch.store(scales_ref, scales.T, launch.bounds_mask(
         (bf, nb), feat_dim(0), blk_dim(1)))
     return
   sums = _butterfly(_load_rows(x_ref, 0, mask, nb, bf), sign_vector,
                     interpret)
   # The blocks as `[nb, bf, 16]`: the stacked axis stays in each thread's
   # registers, so what follows is the reference's tile math as it is.
-  z = common.round_hadamard(interpret)(_tree_stack(sums))
-  divide = common.exact_divide(interpret)
+  z = fp32.round_hadamard(interpret)(_tree_stack(sums))
+  divide = fp32.exact_divide(interpret)
   rwords = None
   if sr:
     row = origin_ref[0] + j * bf + jax.lax.broadcasted_iota(
@@ -399,11 +405,11 @@ def _columns_kernel(*refs, sr: bool, values: bool, interpret: bool,
       *nm.nvfp4_scale_constants(amax_ref[...], divide=divide), divide=divide,
       rwords=rwords, split_pack=True, with_values=values,
       with_codes=not values, values_as_pairs=True,
-      encoder=common.block_encoder(interpret))
+      encoder=e2m1_encode.block_encoder(interpret))
   out = jnp.transpose(vals if values else packed, (1, 0, 2))
-  common.store(out_ref, out, common.bounds_mask(out.shape, feat_dim(0),
+  launch.store(out_ref, out, launch.bounds_mask(out.shape, feat_dim(0),
                                                 blk_dim(1)))
-  common.store(scales_ref, scales.T, common.bounds_mask(
+  launch.store(scales_ref, scales.T, launch.bounds_mask(
       (bf, nb), feat_dim(0), blk_dim(1)))
 
 
@@ -411,35 +417,35 @@ def _columns_words(rows: list[jax.Array], amax, table,
                    sign_vector: tuple[int, ...], interpret: bool,
                    four_over_six: bool = False):
   """`_columns_kernel`'s round-to-nearest codes and scales where the E2M1
-  conversion exists (`common.hardware_e2m1`), bit for bit its default
+  conversion exists (`e2m1_encode.hardware_e2m1`), bit for bit its default
   path: the butterfly's FTZ products by `s / 4` and its additions two
-  lanes per packed FP32 instruction (`common.mul_ftz_const_x2`, `add_x2`,
+  lanes per packed FP32 instruction (`fp32x2.mul_ftz_const_x2`, `add_x2`,
   `sub_x2`: per lane the scalar instruction), each sum flushed and rounded
   to bf16, widened back in the same conversion
-  (`common.round_bf16_widened`), the block amax a tree of three-input
-  magnitude maxima of the 16 rounded values (`common.max_magnitude3`:
+  (`fp32x2.round_bf16_widened`), the block amax a tree of three-input
+  magnitude maxima of the 16 rounded values (`fp32x2.max_magnitude3`:
   exact, NaN if any is NaN), then the word encoder (the values are NaN in
   whole blocks, a NaN anywhere in a block's sums making its amax NaN):
-  the decode scales' E4M3 bytes (`common.e4m3_codes`), each block's
+  the decode scales' E4M3 bytes (`paired_words.e4m3_codes`), each block's
   encode scale looked up by its byte in the wrapper's table (`table`,
-  `common.encode_scale_table`: no reciprocal in the kernel) and the
-  codes as uint32 words (`common.scale_encode_words`). `amax` is the
+  `paired_words.encode_scale_table`: no reciprocal in the kernel) and the
+  codes as uint32 words (`paired_words.scale_encode_words`). `amax` is the
   wrapper's constants ref: `[S_enc / 6]`, and `[S_enc / 6, 1 / S_enc]`
   with `four_over_six`, which takes the quantize kernel's word-path
-  Four-over-Six (`common.words_block_scales` per candidate, both
+  Four-over-Six (`paired_words.words_block_scales` per candidate, both
   candidates' codes by the conversion, the choice by
-  `common.words_choose_four`).
+  `choose_four.words_choose_four`).
 
   Returns `(words uint32 [nb, bf, 2], scales e4m3 [nb, bf])`, or with
   `four_over_six` `(packed uint8 [nb, bf, 8], scales)`.
   """
-  mul = lambda v, c: common.mul_ftz_const_x2(interpret, c)(v)
+  mul = lambda v, c: fp32x2.mul_ftz_const_x2(interpret, c)(v)
   sums = tile.hadamard_butterfly(
       list(rows), sign_vector, multiply=mul,
-      add=common.add_x2(interpret), subtract=common.sub_x2(interpret))
-  rnd = common.round_bf16_widened(interpret)
+      add=fp32x2.add_x2(interpret), subtract=fp32x2.sub_x2(interpret))
+  rnd = fp32x2.round_bf16_widened(interpret)
   z = [rnd(v) for v in sums]
-  mx = common.max_magnitude3(interpret)
+  mx = fp32x2.max_magnitude3(interpret)
   m = z
   while len(m) > 2:  # 16 -> 6 -> 2 -> 1: 8 maxima per block.
     m = [mx(*m[k:k + 3]) if k + 1 < len(m) else m[k]
@@ -449,28 +455,28 @@ def _columns_words(rows: list[jax.Array], amax, table,
   odd = _tree_stack(z[1::2])
   s_enc_over_6 = amax[0]
   if not four_over_six:
-    scales, enc = common.words_block_scales_table(bamax, s_enc_over_6, table,
-                                                   interpret)
-    return common.scale_encode_words(even, odd, enc, interpret), scales
+    scales, enc = paired_words.words_block_scales_table(
+        bamax, s_enc_over_6, table, interpret)
+    return paired_words.scale_encode_words(even, odd, enc, interpret), scales
   # Four-over-Six: both constants given (`amax[1]` is `1 / S_enc`), each
   # candidate's reciprocal in the kernel (`rcp.rn.ftz`; two table
   # lookups per block compile to more instructions here).
-  (s6, e6), (s4, e4) = (common.words_block_scales(
+  (s6, e6), (s4, e4) = (paired_words.words_block_scales(
       bamax, s_enc_over_6, amax[1], interpret, expansion=x)
       for x in (None, 1.5))
-  four = common.words_choose_four(
+  four = choose_four.words_choose_four(
       [(even, odd)], e6, s6.astype(jnp.float32), e4, s4.astype(jnp.float32),
       False, interpret)
   packed = jnp.where(four[..., None],
-                     common.scale_encode_codes(even, odd, e4, interpret),
-                     common.scale_encode_codes(even, odd, e6, interpret))
+                     paired_words.scale_encode_codes(even, odd, e4, interpret),
+                     paired_words.scale_encode_codes(even, odd, e6, interpret))
   return packed, jnp.where(four, s4, s6)
 
 
 def _load_rows(x_ref, blk0, mask, nb: int, bf: int) -> list[jax.Array]:
   """Row `k` of each of `nb` 16-token blocks from block `blk0` of the tile
   `x_ref` (`[nb', 16, bf]`), as `[nb, bf]` arrays, for `k` = 0 .. 15."""
-  return [common.load_at(x_ref, (pl.ds(blk0, nb), pl.ds(k, 1), slice(None)),
+  return [launch.load_at(x_ref, (pl.ds(blk0, nb), pl.ds(k, 1), slice(None)),
                          mask).reshape(nb, bf) for k in range(B)]
 
 
@@ -479,13 +485,13 @@ def _butterfly(rows: list[jax.Array], sign_vector: tuple[int, ...],
   """`tile.hadamard_butterfly` of loaded rows, each operation the
   reference's (`tile.hadamard_rows`): each row multiplied by its sign and
   1/4 with an FTZ multiplication (the input's flush and the product's),
-  the sums with FTZ additions and subtractions (`common.ftz_add`,
+  the sums with FTZ additions and subtractions (`fp32.ftz_add`,
   `ftz_subtract`)."""
   return tile.hadamard_butterfly([r.astype(jnp.float32) for r in rows],
                                  sign_vector,
-                                 multiply=common.ftz_multiply(interpret),
-                                 add=common.ftz_add(interpret),
-                                 subtract=common.ftz_subtract(interpret))
+                                 multiply=fp32.ftz_multiply(interpret),
+                                 add=fp32.ftz_add(interpret),
+                                 subtract=fp32.ftz_subtract(interpret))
 
 
 def _columns_amax_kernel(x_ref, *out_refs, with_x: bool, tokens: int,
@@ -498,12 +504,12 @@ def _columns_amax_kernel(x_ref, *out_refs, with_x: bool, tokens: int,
   nb_all, _, bf = x_ref.shape
   nb = blocks
   i, j = pl.program_id(0), pl.program_id(1)
-  keep = common.max_magnitude(interpret)
+  keep = fp32.max_magnitude(interpret)
   n_blocks = tokens // B
 
   def body(k, carry):
     m_t, m_x = carry
-    mask = common.bounds_mask((nb, 1, bf), (0, i * nb_all + k * nb, n_blocks,
+    mask = launch.bounds_mask((nb, 1, bf), (0, i * nb_all + k * nb, n_blocks,
                                             nb_all),
                               (2, j * bf, features, bf))
     rows = _load_rows(x_ref, pl.multiple_of(k * nb, nb), mask, nb, bf)
@@ -523,12 +529,12 @@ def _columns_amax_kernel(x_ref, *out_refs, with_x: bool, tokens: int,
 def _columns_amax(x, *, sign_vector, with_x: bool,
                   config: ColumnsConfig | None):
   """`rht_amax` by `_columns_amax_kernel`: the per-program partials."""
-  interpret = common.check_backend("rht_amax")
+  interpret = launch.check_backend("rht_amax")
   t, f = x.shape
   cfg = config or ColumnsConfig()
   blocks = t // B
-  nb = min(cfg.blocks, common.next_pow2(blocks))
-  bf = max(B, min(cfg.block_features, common.next_pow2(f)))
+  nb = min(cfg.blocks, launch.next_pow2(blocks))
+  bf = max(B, min(cfg.block_features, launch.next_pow2(f)))
   steps, grid = _amax_grid(blocks, nb, f, bf, cfg.amax_steps)
   part = jax.ShapeDtypeStruct(grid, jnp.uint32)
   n_out = 2 if with_x else 1
@@ -536,7 +542,7 @@ def _columns_amax(x, *, sign_vector, with_x: bool,
       _columns_amax_kernel, with_x=with_x, tokens=t, features=f, blocks=nb,
       interpret=interpret,
       sign_vector=tuple(sign_vector or default_sign_vector(B)))
-  return common.pallas_call(
+  return launch.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
       name="nvfp4_rht_amax_columns", grid=grid,
       in_specs=[pl.BlockSpec((nb * steps, B, bf), lambda i, j: (i, 0, j))],
@@ -576,39 +582,39 @@ def _bounded(grid: tuple[int, ...]):
 def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
                   config: ColumnsConfig | None, four_over_six: bool = False):
   """`quantize_call` of the Wgrad operand alone by `_columns_kernel`."""
-  interpret = common.check_backend("quantize_rht_t")
+  interpret = launch.check_backend("quantize_rht_t")
   t, f = x.shape
   sr = key_t is not None
   # Blackwell's round-to-nearest codes take the packed path
   # (`COLUMNS_WORDS_INTERPRETED`: also interpreted, with software twins).
   words = _columns_words_apply(sr, values_t)
   cfg = config or columns_config(four_over_six, words)
-  nb = min(cfg.blocks, common.next_pow2(t // B))
-  bf = max(B, min(cfg.block_features, common.next_pow2(f)))
+  nb = min(cfg.blocks, launch.next_pow2(t // B))
+  bf = max(B, min(cfg.block_features, launch.next_pow2(f)))
   if words:
     a = jnp.reshape(jnp.asarray(amax_t, jnp.float32), ())
-    if interpret:  # As `common.pallas_call` keeps the kernels' operands:
+    if interpret:  # As `launch.pallas_call` keeps the kernels' operands:
       a = jax.lax.optimization_barrier(a)  # computed, not constant-folded.
     s_enc_over_6, inv_s_enc = nm.nvfp4_scale_constants(
         a, four_over_six=four_over_six)
     if four_over_six:
       args = [jnp.stack([s_enc_over_6, inv_s_enc])]
-      in_specs = [common.scalar_spec(2)]
+      in_specs = [launch.scalar_spec(2)]
     else:
       args = [jnp.reshape(s_enc_over_6, (1,)),
-              common.encode_scale_table(inv_s_enc)]
-      in_specs = [common.scalar_spec(1),
-                  common.scalar_spec(common.E4M3_CODES)]
+              paired_words.encode_scale_table(inv_s_enc)]
+      in_specs = [launch.scalar_spec(1),
+                  launch.scalar_spec(paired_words.E4M3_CODES)]
   else:
     args = [jnp.reshape(amax_t, (1,)).astype(jnp.float32)]
-    in_specs = [common.scalar_spec(1)]
+    in_specs = [launch.scalar_spec(1)]
   origin_t, words_t = prng.stream_origin(
       None if placement is None else placement.T, t)
   if sr:
     args += [prng.seeds_from_key(key_t), origin_t]
-    in_specs += [common.scalar_spec(2)] * 2
+    in_specs += [launch.scalar_spec(2)] * 2
   args.append(x.reshape(t // B, B, f))
-  grid = (common.cdiv(t // B, nb), common.cdiv(f, bf))
+  grid = (launch.cdiv(t // B, nb), launch.cdiv(f, bf))
   # The word path's index maps see the program ids bounded by the grid
   # (`_bounded`), so that one base address serves a thread's 16 row loads.
   index = _bounded(grid) if words else (lambda fn: fn)
@@ -632,7 +638,7 @@ def _columns_call(x, *, amax_t, key_t, sign_vector, placement, values_t,
       sign_vector=tuple(sign_vector or default_sign_vector(B)), words=words,
       four_over_six=four_over_six)
   name = "nvfp4_quantize_rht_t_columns" + ("_values" if values_t else "")
-  out, scales = common.pallas_call(
+  out, scales = launch.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
       name=name, grid=grid,
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape)(*args)
@@ -667,7 +673,7 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
                          sign_vector=sign_vector, placement=placement,
                          values_t=values_t, config=config,
                          four_over_six=four_over_six_t)
-  interpret = common.check_backend("quantize_rht_t")
+  interpret = launch.check_backend("quantize_rht_t")
   t, f = x.shape
   cfg = config or default_config(t, f, size)
   bt, bf = cfg.block_tokens, cfg.block_features
@@ -684,7 +690,7 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
            prng.seeds_from_key(key_x) if sr_x else zeros]
   args = [jnp.reshape(a, (1,)).astype(jnp.float32)
           for a in ([amax_t, amax_x] if fused_x else [amax_t])]
-  in_specs = [common.scalar_spec(1)] * len(args)
+  in_specs = [launch.scalar_spec(1)] * len(args)
   origin_t, words_t = prng.stream_origin(
       None if placement is None else placement.T, t)
   origin_x, words_x = prng.stream_origin(placement, f)
@@ -694,7 +700,7 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
     n = len(seeds) if fused_x else 1
     args += [jnp.concatenate(seeds[:n]),
              jnp.concatenate([origin_t, origin_x][:n])]
-    in_specs += [common.scalar_spec(2 * n)] * 2
+    in_specs += [launch.scalar_spec(2 * n)] * 2
   args += [jnp.asarray(rht_matrix(sign_vector, size)), x]
   in_specs += [pl.BlockSpec((size, size), lambda i, j: (0, 0)),
                pl.BlockSpec((bt, bf), lambda i, j: (i, j))]
@@ -725,9 +731,9 @@ def quantize_call(x, *, amax_t, key_t, amax_x=None, key_x=None, size,
   name = "nvfp4_quantize_x_and_rht_t" if fused_x else "nvfp4_quantize_rht_t"
   if values_t or values_x:
     name += "_values"
-  outs = list(common.pallas_call(
+  outs = list(launch.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
-      name=name, grid=(common.cdiv(t, bt), common.cdiv(f, bf)),
+      name=name, grid=(launch.cdiv(t, bt), launch.cdiv(f, bf)),
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape)(*args))
 
   def result(rows, cols, amax, fos, as_values):

@@ -13,9 +13,9 @@ Adapted from JAX's Hopper kernels (Apache-2.0):
 tiles straddling two groups computed once per group and stored row-masked
 through a ladder of power-of-two TMA stores) and
 `transposed_ragged_dot_mgpu` (the ragged contraction, the other groups'
-tokens masked in the first and last step of a group), on the pipeline of the
-project's dense kernel (`ops/block_scaled_matmul/pallas_mosaic_gpu.py`,
-from JAX's `hopper_matmul_mgpu`): TMA loads into swizzled shared memory, a
+tokens masked in the first and last step of a group), on the pipeline the
+project's dense kernel shares (`pallas_kernels.mosaic_gemm`, from JAX's
+`hopper_matmul_mgpu`): TMA loads into swizzled shared memory, a
 warp-specialized pipeline (one memory warpgroup, two wgmma warpgroups
 splitting N), a persistent grid, TMA-stored epilogue.
 
@@ -65,18 +65,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from nvfp4_jax.ops.block_scaled_matmul.pallas_mosaic_gpu import _check_device
 from nvfp4_jax.ops.ragged_dot.config import Config
+from pallas_kernels import mosaic_gemm
 
 
 def _check_dtypes(what, va, vb, out_dtype, group_sizes):
-  if va.dtype != jnp.bfloat16 or vb.dtype != jnp.bfloat16:
-    raise NotImplementedError(
-        f"{what}: bf16 operands only, got {va.dtype}, {vb.dtype}.")
-  if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32),
-                                  jnp.dtype(jnp.bfloat16)):
-    raise NotImplementedError(
-        f"{what}: out_dtype float32 or bfloat16, got {out_dtype}.")
+  mosaic_gemm.check_operands(what, va, vb, out_dtype)
   if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype,
                                                  jnp.integer):
     raise ValueError(f"{what}: group_sizes must be an integer [E] array, got "
@@ -89,27 +83,15 @@ def _alpha(alpha, num_groups):
   return jnp.broadcast_to(jnp.asarray(alpha, jnp.float32), (num_groups,))
 
 
-def _steps(c: Config, out_dtype) -> int:
-  return c.max_concurrent_steps or (4 if jnp.dtype(out_dtype).itemsize == 2
-                                    else 3)
-
-
-def _swizzled(plgpu, rows_bytes):
-  swizzle = plgpu.find_swizzle(rows_bytes * 8, "operand")
-  return (plgpu.TilingTransform((8, swizzle // 2)),
-          plgpu.SwizzleTransform(swizzle))
-
-
 def _out_smem(plgpu, c: Config, out_dtype, with_rows: bool):
   """The epilogue's shared memory: per compute warpgroup, two swizzled
-  `[e, e]` slots (`store_output`); with `with_rows`, aliased by an
-  unswizzled `[tile_m, e]` buffer per warpgroup for row-masked stores. Both
-  views hold warpgroup 0's part in their first half (equal sizes), so a
-  warpgroup waiting on its own stores never races the other's."""
-  from nvfp4_jax.ops.block_scaled_matmul.pallas_mosaic_gpu import output_smem  # pylint: disable=g-import-not-at-top
+  `[e, e]` slots (`mosaic_gemm.store_output`); with `with_rows`, aliased by
+  an unswizzled `[tile_m, e]` buffer per warpgroup for row-masked stores.
+  Both views hold warpgroup 0's part in their first half (equal sizes), so
+  a warpgroup waiting on its own stores never races the other's."""
   e = c.epi_tile
-  slots = min(2, (c.tile_m * c.tile_n) // (e * e))
-  swz = output_smem(slots, e, out_dtype)
+  slots = mosaic_gemm.epilogue_slots(c)
+  swz = mosaic_gemm.output_smem(slots, e, out_dtype)
   if not with_rows:
     return swz
   if slots * e != c.tile_m:
@@ -193,7 +175,7 @@ def ragged_values_matmul(va: jax.Array, vb: jax.Array, group_sizes: jax.Array,
   what = "ragged_values_matmul"
   c = config or Config()
   if num_sms is None:
-    num_sms = _check_device(what)
+    num_sms = mosaic_gemm.check_device(what)
   _check_dtypes(what, va, vb, out_dtype, group_sizes)
   if vb_layout not in ("kn", "nk"):
     raise ValueError(f"{what}: vb_layout 'kn' or 'nk', got {vb_layout!r}.")
@@ -219,7 +201,6 @@ def ragged_values_matmul(va: jax.Array, vb: jax.Array, group_sizes: jax.Array,
 def _fprop_call(seg, row0, lo, hi, va, vb, alpha, *, out_dtype, vb_kn,
                 config: Config, num_sms):
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
-  from nvfp4_jax.ops.block_scaled_matmul.pallas_mosaic_gpu import store_output  # pylint: disable=g-import-not-at-top
   c = config
   m, k = va.shape
   num_groups = vb.shape[0]
@@ -227,9 +208,10 @@ def _fprop_call(seg, row0, lo, hi, va, vb, alpha, *, out_dtype, vb_kn,
   tile_m, tile_n, tile_k = c.tile_m, c.tile_n, c.tile_k
   cta_n = c.cta_n
   t_iters, n_iters, k_iters = seg.shape[0], pl.cdiv(n, cta_n), k // tile_k
-  a_transforms = _swizzled(plgpu, tile_k * 2)
-  b_transforms = _swizzled(plgpu, (tile_n if vb_kn else tile_k) * 2)
-  steps = _steps(c, out_dtype)
+  a_transforms = mosaic_gemm.swizzled(tile_k * 2, "operand")
+  b_transforms = mosaic_gemm.swizzled((tile_n if vb_kn else tile_k) * 2,
+                                      "operand")
+  steps = mosaic_gemm.concurrent_steps(c, out_dtype)
   has_alpha = alpha is not None
 
   def kernel(seg_gmem, row0_gmem, lo_gmem, hi_gmem, a_gmem, b_gmem, *rest,
@@ -247,24 +229,17 @@ def _fprop_call(seg, row0, lo, hi, va, vb, alpha, *, out_dtype, vb_kn,
       else:
         b_spec = plgpu.BlockSpec((cta_n, tile_k), lambda s: (0, s),
                                  transforms=b_transforms)
-      return plgpu.emit_pipeline_warp_specialized(
-          body, grid=(k_iters,), memory_registers=40,
+      return mosaic_gemm.pipeline(
+          body, compute_context, grid=(k_iters,),
           in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda s: (0, s),
                                     transforms=a_transforms),
                     b_spec],
-          wg_axis="wg", num_compute_wgs=2,
-          max_concurrent_steps=steps,
-          compute_context=compute_context)
+          steps=steps)
 
-    ignore = lambda *_, **__: None
-
-    @functools.partial(
-        pl.run_scoped,
-        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
-            a_gmem.at[pl.ds(0, tile_m), :],
-            b_gmem.at[0, :, pl.ds(0, cta_n)] if vb_kn
-            else b_gmem.at[0, pl.ds(0, cta_n), :]),
-        collective_axes="wg")
+    @mosaic_gemm.with_allocations(
+        get_pipeline, a_gmem.at[pl.ds(0, tile_m), :],
+        b_gmem.at[0, :, pl.ds(0, cta_n)] if vb_kn
+        else b_gmem.at[0, pl.ds(0, cta_n), :])
     def _scope(pipeline_allocs):
       wg_idx = lax.axis_index("wg")
 
@@ -286,35 +261,29 @@ def _fprop_call(seg, row0, lo, hi, va, vb, alpha, *, out_dtype, vb_kn,
 
           @pl.when(size == tile_m)
           def _full():
-            store_output(acc, swz_smem, wg_idx, out_tile)
+            mosaic_gemm.store_output(acc, swz_smem, wg_idx, out_tile)
 
           @pl.when(size < tile_m)
           def _rows():
             _store_rows(plgpu, acc, rows_smem, wg_idx, out_tile, start, size)
 
-        def compute_context(eval_pipeline):
-          @functools.partial(pl.run_scoped,
-                             acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-          def _acc(acc_ref):
-            eval_pipeline(acc_ref)
-            acc = acc_ref[...]
-            if has_alpha:
-              acc = acc * alpha_gmem[g]
-            store(acc.astype(out_dtype))
+        def epilogue(acc):
+          if has_alpha:
+            acc = acc * alpha_gmem[g]
+          store(acc.astype(out_dtype))
 
         def mma_body(_, a_smem, b_smem, acc_ref):
           if vb_kn:
             b = b_smem.at[:, wg_n]
           else:
             b = b_smem.at[wg_n, :].transpose((1, 0))
-          plgpu.wgmma(acc_ref, a_smem, b)
-          plgpu.wgmma_wait(0)
-          return acc_ref
+          return mosaic_gemm.mma(acc_ref, a_smem, b)
 
         @pl.when((size > 0) & (g < num_groups))
         def _gemm():
           gc = jnp.minimum(g, num_groups - 1)
-          get_pipeline(mma_body, compute_context)(
+          get_pipeline(mma_body, mosaic_gemm.accumulate((tile_m, tile_n),
+                                                        epilogue))(
               a_gmem.at[cta_m, :],
               b_gmem.at[gc, :, cta_n_ds] if vb_kn else b_gmem.at[gc, cta_n_ds,
                                                                 :],
@@ -327,13 +296,9 @@ def _fprop_call(seg, row0, lo, hi, va, vb, alpha, *, out_dtype, vb_kn,
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  f = plgpu.kernel(
+  f = mosaic_gemm.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-      grid=(num_sms,), grid_names=("cluster_grid",),
-      num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      scratch_types=dict(out_smem=_out_smem(plgpu, c, out_dtype, True)))
+      num_sms=num_sms, out_smem=_out_smem(plgpu, c, out_dtype, True))
   args = (seg, row0, lo, hi, va, vb) + ((alpha,) if has_alpha else ())
   return f(*args)
 
@@ -356,7 +321,7 @@ def ragged_values_matmul_t(va: jax.Array, vb: jax.Array,
   what = "ragged_values_matmul_t"
   c = config or Config()
   if num_sms is None:
-    num_sms = _check_device(what)
+    num_sms = mosaic_gemm.check_device(what)
   _check_dtypes(what, va, vb, out_dtype, group_sizes)
   if tokens_last:
     (k, m), (n, m2) = va.shape, vb.shape
@@ -390,7 +355,6 @@ def ragged_values_matmul_t(va: jax.Array, vb: jax.Array,
 def _wgrad_call(starts, ends, va, vb, alpha, *, out_dtype, tokens_last,
                 config: Config, num_sms):
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
-  from nvfp4_jax.ops.block_scaled_matmul.pallas_mosaic_gpu import store_output  # pylint: disable=g-import-not-at-top
   c = config
   num_groups = starts.shape[0]
   if tokens_last:
@@ -401,9 +365,11 @@ def _wgrad_call(starts, ends, va, vb, alpha, *, out_dtype, tokens_last,
   cta_n = c.cta_n
   m_iters, n_iters = pl.cdiv(k, tile_m), pl.cdiv(n, cta_n)
   # Token-major tiles ([tk, tile]) are swizzled along their long side.
-  a_transforms = _swizzled(plgpu, (tk if tokens_last else tile_m) * 2)
-  b_transforms = _swizzled(plgpu, (tk if tokens_last else tile_n) * 2)
-  steps = _steps(c, out_dtype)
+  a_transforms = mosaic_gemm.swizzled((tk if tokens_last else tile_m) * 2,
+                                      "operand")
+  b_transforms = mosaic_gemm.swizzled((tk if tokens_last else tile_n) * 2,
+                                      "operand")
+  steps = mosaic_gemm.concurrent_steps(c, out_dtype)
   has_alpha = alpha is not None
 
   def specs(first, m_idx, n_idx):
@@ -424,22 +390,16 @@ def _wgrad_call(starts, ends, va, vb, alpha, *, out_dtype, tokens_last,
       alpha_gmem, (out_gmem,) = None, rest
 
     def get_pipeline(body, compute_context, grid, first, m_idx, n_idx):
-      return plgpu.emit_pipeline_warp_specialized(
-          body, grid=grid, memory_registers=40,
+      return mosaic_gemm.pipeline(
+          body, compute_context, grid=grid,
           in_specs=specs(first, m_idx, n_idx),
-          wg_axis="wg", num_compute_wgs=2,
-          max_concurrent_steps=steps,
-          compute_context=compute_context)
+          steps=steps)
 
-    ignore = lambda *_, **__: None
     zero = jnp.int32(0)
 
-    @functools.partial(
-        pl.run_scoped,
-        pipeline_allocs=get_pipeline(
-            ignore, ignore, (steps,), zero, zero, zero).get_allocations(
-                a_gmem, b_gmem),
-        collective_axes="wg")
+    @mosaic_gemm.with_allocations(
+        lambda body, context: get_pipeline(body, context, (steps,), zero,
+                                           zero, zero), a_gmem, b_gmem)
     def _scope(pipeline_allocs):
       wg_idx = lax.axis_index("wg")
 
@@ -459,15 +419,11 @@ def _wgrad_call(starts, ends, va, vb, alpha, *, out_dtype, tokens_last,
         out_tile = out_gmem.at[g, pl.ds(m_idx * tile_m, tile_m),
                                pl.ds(n_idx * cta_n, cta_n)].at[:, wg_n]
 
-        def compute_context(eval_pipeline):
-          @functools.partial(pl.run_scoped,
-                             acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-          def _acc(acc_ref):
-            eval_pipeline(acc_ref)
-            acc = acc_ref[...]
-            if has_alpha:
-              acc = acc * alpha_gmem[g]
-            store_output(acc.astype(out_dtype), out_smem, wg_idx, out_tile)
+        def epilogue(acc):
+          if has_alpha:
+            acc = acc * alpha_gmem[g]
+          mosaic_gemm.store_output(acc.astype(out_dtype), out_smem, wg_idx,
+                                   out_tile)
 
         def mask_tokens(b_smem, s):
           """Zeroes the tokens outside [start, end) of this warpgroup's half
@@ -500,28 +456,24 @@ def _wgrad_call(starts, ends, va, vb, alpha, *, out_dtype, tokens_last,
             b = b_smem.at[wg_n, :].transpose((1, 0))
           else:
             b = b_smem.at[:, wg_n]
-          plgpu.wgmma(acc_ref, a, b)
-          plgpu.wgmma_wait(0)
-          return acc_ref
+          return mosaic_gemm.mma(acc_ref, a, b)
 
         @pl.when(end > start)
         def _gemm():
-          get_pipeline(mma_body, compute_context, (num_steps,), first, m_idx,
-                       n_idx)(a_gmem, b_gmem, allocations=pipeline_allocs)
+          get_pipeline(mma_body,
+                       mosaic_gemm.accumulate((tile_m, tile_n), epilogue),
+                       (num_steps,), first, m_idx, n_idx)(
+                           a_gmem, b_gmem, allocations=pipeline_allocs)
 
         @pl.when((end <= start) & (wg_idx < 2))
         def _empty():
-          store_output(_zeros(plgpu, (tile_m, tile_n), out_dtype), out_smem,
-                       wg_idx, out_tile)
+          mosaic_gemm.store_output(_zeros(plgpu, (tile_m, tile_n), out_dtype),
+                                   out_smem, wg_idx, out_tile)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  f = plgpu.kernel(
+  f = mosaic_gemm.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
-      grid=(num_sms,), grid_names=("cluster_grid",),
-      num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      scratch_types=dict(out_smem=_out_smem(plgpu, c, out_dtype, False)))
+      num_sms=num_sms, out_smem=_out_smem(plgpu, c, out_dtype, False))
   args = (starts, ends, va, vb) + ((alpha,) if has_alpha else ())
   return f(*args)

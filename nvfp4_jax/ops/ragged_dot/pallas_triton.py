@@ -39,7 +39,9 @@ from nvfp4_jax.ops.quantize.pallas_triton import outputs
 from nvfp4_jax.ops.quantize.pallas_triton import quantize_kernel
 from nvfp4_jax.ops.quantize_rht_t import pallas_triton as rht_cols
 from nvfp4_jax.ops.quantize_rht_t.config import ColumnsConfig
-from pallas_kernels import common
+from pallas_kernels import e2m1_encode
+from pallas_kernels import fp32
+from pallas_kernels import launch
 
 B = nm.NVFP4_BLOCK
 
@@ -72,13 +74,13 @@ def quantize_rows(x: jax.Array, row_amax: jax.Array, *,
   Raises:
     NotImplementedError: on a backend the kernels do not support.
   """
-  interpret = common.check_backend("quantize_rows")
+  interpret = launch.check_backend("quantize_rows")
   m, c = x.shape
   nb_total = c // B
   stochastic = row_seeds is not None
   cfg = config or default_config(m, c, block_2d)
   br, bnb = cfg.block_rows, max(1, cfg.block_cols // B)
-  grid = (common.cdiv(m, br), common.cdiv(nb_total, bnb))
+  grid = (launch.cdiv(m, br), launch.cdiv(nb_total, bnb))
   rows_padded = grid[0] * br
 
   def per_row(v, dtype):
@@ -103,7 +105,7 @@ def quantize_rows(x: jax.Array, row_amax: jax.Array, *,
       with_codes=with_codes, with_values=with_values, interpret=interpret,
       m=m, nb_total=nb_total, four_over_six=four_over_six,
       words_per_row=c // 4, grouped=True)
-  outs = list(common.pallas_call(
+  outs = list(launch.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
       name="nvfp4_quantize_rows", grid=grid, in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape)(*args))
@@ -123,9 +125,9 @@ def quantize_rows(x: jax.Array, row_amax: jax.Array, *,
 
 def _token_tiles(t: int, f: int, config):
   cfg = config or ColumnsConfig()
-  nb = min(cfg.blocks, common.next_pow2(t // B))
-  bf = max(B, min(cfg.block_features, common.next_pow2(f)))
-  return cfg, nb, bf, (common.cdiv(t // B, nb), common.cdiv(f, bf))
+  nb = min(cfg.blocks, launch.next_pow2(t // B))
+  bf = max(B, min(cfg.block_features, launch.next_pow2(f)))
+  return cfg, nb, bf, (launch.cdiv(t // B, nb), launch.cdiv(f, bf))
 
 
 def _token_block_amax_kernel(x_ref, out_ref, *, tokens: int, features: int,
@@ -135,9 +137,9 @@ def _token_block_amax_kernel(x_ref, out_ref, *, tokens: int, features: int,
   rule, per block)."""
   nb, _, bf = x_ref.shape
   i, j = pl.program_id(0), pl.program_id(1)
-  mask = common.bounds_mask((nb, 1, bf), (0, i * nb, tokens // B, nb),
+  mask = launch.bounds_mask((nb, 1, bf), (0, i * nb, tokens // B, nb),
                             (2, j * bf, features, bf))
-  keep = common.max_magnitude(interpret)
+  keep = fp32.max_magnitude(interpret)
   m = None
   for y in rht_cols._butterfly(rht_cols._load_rows(x_ref, 0, mask, nb, bf),
                                sign_vector, interpret):
@@ -151,13 +153,13 @@ def token_block_amax(x: jax.Array, *, sign_vector=None, config=None
   """`max |rht(x_b.T)|` of every 16-token block `x_b` of `x [T, F]`, as
   uint32 bit patterns `[T // 16]` (the post-RHT amax of a block's group is
   the maximum over its blocks: `reference.segment_amax`)."""
-  interpret = common.check_backend("token_block_amax")
+  interpret = launch.check_backend("token_block_amax")
   t, f = x.shape
   cfg, nb, bf, grid = _token_tiles(t, f, config)
   kernel = functools.partial(
       _token_block_amax_kernel, tokens=t, features=f, interpret=interpret,
       sign_vector=tuple(sign_vector or default_sign_vector(B)))
-  parts = common.pallas_call(
+  parts = launch.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
       name="nvfp4_ragged_rht_amax", grid=grid,
       in_specs=[pl.BlockSpec((nb, B, bf), lambda i, j: (i, 0, j))],
@@ -185,11 +187,11 @@ def _tokens_kernel(*refs, sr: bool, values: bool, interpret: bool,
   blocks = tokens // B
   blk_dim = lambda axis: (axis, i * nb, blocks, nb)
   feat_dim = lambda axis: (axis, j * bf, features, bf)
-  mask = common.bounds_mask((nb, 1, bf), blk_dim(0), feat_dim(2))
+  mask = launch.bounds_mask((nb, 1, bf), blk_dim(0), feat_dim(2))
   sums = rht_cols._butterfly(rht_cols._load_rows(x_ref, 0, mask, nb, bf),
                              sign_vector, interpret)
-  z = common.round_hadamard(interpret)(rht_cols._tree_stack(sums))
-  divide = common.exact_divide(interpret)
+  z = fp32.round_hadamard(interpret)(rht_cols._tree_stack(sums))
+  divide = fp32.exact_divide(interpret)
   per_block = lambda ref: jnp.broadcast_to(ref[...].reshape(nb, 1), (nb, bf))
   rwords = None
   if sr:
@@ -204,12 +206,12 @@ def _tokens_kernel(*refs, sr: bool, values: bool, interpret: bool,
   packed, scales, vals = tile.encode_blocks(
       z, tile.block_amax(z, False), s6, inv, divide=divide, rwords=rwords,
       split_pack=True, with_values=values, with_codes=not values,
-      values_as_pairs=True, encoder=common.block_encoder(interpret))
+      values_as_pairs=True, encoder=e2m1_encode.block_encoder(interpret))
   out = jnp.transpose(vals if values else packed, (1, 0, 2))
-  common.store(out_ref, out, common.bounds_mask(out.shape, feat_dim(0),
+  launch.store(out_ref, out, launch.bounds_mask(out.shape, feat_dim(0),
                                                 blk_dim(1)))
   if scales_ref is not None:
-    common.store(scales_ref, scales.T, common.bounds_mask(
+    launch.store(scales_ref, scales.T, launch.bounds_mask(
         (bf, nb), feat_dim(0), blk_dim(1)))
 
 
@@ -234,7 +236,7 @@ def quantize_tokens(x: jax.Array, block_amax: jax.Array, *,
   Returns:
     `(packed, scales, None)` or `(None, None, values)`.
   """
-  interpret = common.check_backend("quantize_tokens")
+  interpret = launch.check_backend("quantize_tokens")
   t, f = x.shape
   cfg, nb, bf, grid = _token_tiles(t, f, config)
   sr = block_seeds is not None
@@ -265,7 +267,7 @@ def quantize_tokens(x: jax.Array, block_amax: jax.Array, *,
       features=f, sign_vector=tuple(sign_vector or default_sign_vector(B)))
   if values:  # No scales output: the kernel gets None in its place.
     kernel = functools.partial(_with_none_last, kernel)
-  outs = common.pallas_call(
+  outs = launch.pallas_call(
       kernel, interpret=interpret, num_warps=cfg.num_warps, num_stages=1,
       name="nvfp4_ragged_quantize_tokens" + ("_values" if values else ""),
       grid=grid, in_specs=in_specs, out_specs=out_specs,

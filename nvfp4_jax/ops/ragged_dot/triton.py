@@ -57,7 +57,7 @@ import jax.numpy as jnp
 
 from nvfp4_jax.ops.block_scaled_matmul import triton as dense
 from nvfp4_jax.ops.ragged_dot.pallas_mosaic_gpu import _tile_map
-from pallas_kernels import common
+from pallas_kernels import launch
 
 
 @functools.lru_cache(maxsize=None)
@@ -249,7 +249,7 @@ def _kernels():
 
 def _check(what: str, native: bool | None) -> bool:
   """Whether to run the block-scaled MMA (else the decode form)."""
-  if common.backend() != "gpu":
+  if launch.backend() != "gpu":
     raise NotImplementedError(
         f"{what}: the jax-triton grouped NVFP4 GEMM runs on NVIDIA GPUs only; "
         f"use implementation='xla' elsewhere.")
@@ -259,7 +259,7 @@ def _check(what: str, native: bool | None) -> bool:
           f"{what}: implementation='triton' runs tl.dot_scaled on FP4 tensor "
           f"cores, which Triton compiles for compute capability "
           f"{', '.join(f'{a}.{b}' for a, b in dense.BLOCK_SCALED_MMA_CCS)}; "
-          f"this GPU is {common.compute_capability()}. The grouped GEMM on "
+          f"this GPU is {launch.compute_capability()}. The grouped GEMM on "
           f"block values ('pallas', 'lax') runs elsewhere.")
     return True
   return False
@@ -340,7 +340,7 @@ def _alpha(alpha, num_groups: int) -> jax.Array:
 
 
 def _cc() -> int:
-  cc = common.compute_capability() or (9, 0)
+  cc = launch.compute_capability() or (9, 0)
   return cc[0] * 10 + cc[1]
 
 
@@ -393,7 +393,7 @@ def ragged_codes_matmul(a_codes: jax.Array, a_scales: jax.Array,
   while kp % bk:
     bk //= 2
   seg, row0, lo, hi = _tile_map(group_sizes, m, block_m)
-  grid = (seg.shape[0] * common.cdiv(n, block_n),)
+  grid = (seg.shape[0] * launch.cdiv(n, block_n),)
   kernel, _ = _kernels()
   return jt.triton_call(
       seg, row0, lo, hi, a_codes, a_scales, b_codes, b_scales,
@@ -444,7 +444,7 @@ def ragged_codes_matmul_t(a_codes: jax.Array, a_scales: jax.Array,
   gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
   ends = jnp.minimum(jnp.cumsum(gs), length)
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-  grid = (e * common.cdiv(k, block_m) * common.cdiv(n, block_n),)
+  grid = (e * launch.cdiv(k, block_m) * launch.cdiv(n, block_n),)
   _, kernel = _kernels()
   return jt.triton_call(
       starts, ends, a_codes, a_scales, b_codes, b_scales, _alpha(alpha, e),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from nvfp4_jax.core import numerics as nm
-from pallas_kernels import common
+from pallas_kernels import launch
 
 B = nm.NVFP4_BLOCK
 
@@ -36,7 +36,7 @@ class WeightOnlyConfig:
   swap_ab: bool = False
 
   def __post_init__(self):
-    common.check_powers_of_two(
+    launch.check_powers_of_two(
         self, ("block_m", "block_n", "block_k", "num_warps", "split_k"))
     if self.block_m < 16 or self.block_k < 2 * B:
       raise ValueError(f"WeightOnlyConfig needs block_m >= 16 and block_k >= "
@@ -64,18 +64,19 @@ def default_config(m: int, n: int, k: int) -> WeightOnlyConfig:
     fastest at 128 x 4096 x 14336 (117 us; the former 32-feature unsplit
     tile 240 us).
   """
-  k = common.cdiv(k, 2 * B) * 2 * B  # As `weight_only_matmul` pads it.
-  bk = min(256, common.next_pow2(k))
+  k = launch.cdiv(k, 2 * B) * 2 * B  # As `weight_only_matmul` pads it.
+  bk = min(256, launch.next_pow2(k))
   while k % bk:
     bk //= 2
-  bm = max(16, min(128, common.next_pow2(m)))
+  bm = max(16, min(128, launch.next_pow2(m)))
   if bm > 64:
     split = 4 if k % (4 * bk) == 0 else 1
-    return WeightOnlyConfig(block_m=bm, block_n=min(128, max(16, common.next_pow2(n))),
+    return WeightOnlyConfig(block_m=bm,
+                            block_n=min(128, max(16, launch.next_pow2(n))),
                             block_k=bk, num_warps=8,
                             split_k=split, swap_ab=True)
-  bn = min(64, max(16, common.next_pow2(n)))
-  tiles = common.cdiv(m, bm) * common.cdiv(n, bn)
+  bn = min(64, max(16, launch.next_pow2(n)))
+  tiles = launch.cdiv(m, bm) * launch.cdiv(n, bn)
   split, steps = 1, k // bk  # bk divides K (a multiple of 16).
   while tiles * split < TARGET_PROGRAMS and steps % (2 * split) == 0:
     split *= 2

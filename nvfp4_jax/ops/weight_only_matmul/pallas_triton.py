@@ -6,7 +6,7 @@ packed NVFP4 weight `w: [N, K]`, reading the packed codes and E4M3 scales
 owns `block_n` output features and walks K in chunks of `block_k`; a chunk's
 bytes are decoded in registers to the exact bf16 block values of their low
 and of their high nibbles (`nvfp4_jax.core.tile.block_value_pairs`, through its
-byte-permutation lowering `common.block_value_pairs` on the GPU: no nibble
+byte-permutation lowering `e2m1_decode.block_value_pairs` on the GPU: no nibble
 unpacking), which multiply the chunk's even and odd activations in two dots
 with FP32 accumulation on the tensor cores. With `swap_ab` (the default at
 decode shapes) the decoded tile is the dot's left operand (`values @ x^T`,
@@ -32,7 +32,8 @@ from jax.experimental import pallas as pl
 
 from nvfp4_jax.core import numerics as nm
 from nvfp4_jax.core.arrays import NVFP4Array
-from pallas_kernels import common
+from pallas_kernels import e2m1_decode
+from pallas_kernels import launch
 from nvfp4_jax.ops.weight_only_matmul.config import WeightOnlyConfig
 from nvfp4_jax.ops.weight_only_matmul.config import default_config
 
@@ -46,21 +47,21 @@ def _kernel(x_ref, codes_ref, scales_ref, amax_ref, o_ref, *, bk: int, m: int,
   i, j = pl.program_id(0), pl.program_id(1)
   first = pl.program_id(2) * steps
   half, nbk = bk // 2, bk // B
-  xmask = common.bounds_mask((bm, half), (0, i * bm, m, bm))
+  xmask = launch.bounds_mask((bm, half), (0, i * bm, m, bm))
   wdims = (0, j * bn, n, bn)
-  cmask = common.bounds_mask((bn, nbk, B // 2), wdims)
-  smask = common.bounds_mask((bn, nbk), wdims)
+  cmask = launch.bounds_mask((bn, nbk, B // 2), wdims)
+  smask = launch.bounds_mask((bn, nbk), wdims)
 
   def body(t, acc):
     step = first + t
-    codes = common.load_at(
+    codes = launch.load_at(
         codes_ref, (slice(None), pl.ds(step * nbk, nbk), slice(None)), cmask)
-    scales = common.load_at(scales_ref, (slice(None), pl.ds(step * nbk, nbk)),
+    scales = launch.load_at(scales_ref, (slice(None), pl.ds(step * nbk, nbk)),
                             smask)
     # The even and odd elements of the chunk: two dots of half its length.
     for parity, vals in enumerate(
-        common.block_value_pairs(codes, scales, interpret)):
-      xs = common.load_at(x_ref, (slice(None), pl.ds(step * half, half),
+        e2m1_decode.block_value_pairs(codes, scales, interpret)):
+      xs = launch.load_at(x_ref, (slice(None), pl.ds(step * half, half),
                                   jnp.int32(parity)), xmask).astype(jnp.bfloat16)
       vals = vals.reshape(bn, half)
       lhs, rhs = (vals, xs) if swap_ab else (xs, vals)
@@ -77,7 +78,7 @@ def _kernel(x_ref, codes_ref, scales_ref, amax_ref, o_ref, *, bk: int, m: int,
     factor = nm.global_decode_scale_div_rn(amax_ref[...],
                                            denominator=denominator)
     acc = (acc * factor).astype(o_ref.dtype)
-  common.store(o_ref, acc, common.bounds_mask(
+  launch.store(o_ref, acc, launch.bounds_mask(
       (bm, bn), (0, i * bm, m, bm), (1, j * bn, n, bn)))
 
 
@@ -94,7 +95,7 @@ def weight_only_matmul(x: jax.Array, w: NVFP4Array, *,
     NotImplementedError: a backend without Pallas-Triton.
     ValueError: a `config` whose tiles do not divide K.
   """
-  interpret = common.check_backend("weight_only_matmul")
+  interpret = launch.check_backend("weight_only_matmul")
   m, k = x.shape
   n = w.shape[0]
   codes, scales = w.codes.reshape(n, k // B, B // 2), w.scales
@@ -113,13 +114,13 @@ def weight_only_matmul(x: jax.Array, w: NVFP4Array, *,
     raise ValueError(f"block_k={bk} x split_k={split} must divide K={k}.")
   nb = k // B
   factor = split == 1
-  out = common.pallas_call(
+  out = launch.pallas_call(
       functools.partial(_kernel, bk=bk, m=m, n=n, steps=k // (bk * split),
                         swap_ab=cfg.swap_ab, interpret=interpret,
                         denominator=w.tensor_denominator if factor else None),
       interpret=interpret, num_warps=cfg.num_warps,
       num_stages=cfg.num_stages, name="nvfp4_weight_only_matmul",
-      grid=(common.cdiv(m, bm), common.cdiv(n, bn), split),
+      grid=(launch.cdiv(m, bm), launch.cdiv(n, bn), split),
       in_specs=[pl.BlockSpec((bm, k // 2, 2), lambda i, j, s: (i, 0, 0)),
                 pl.BlockSpec((bn, nb, B // 2), lambda i, j, s: (j, 0, 0)),
                 pl.BlockSpec((bn, nb), lambda i, j, s: (j, 0)),
