@@ -80,6 +80,7 @@ from nvfp4_jax.core.arrays import MXArray
 from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.ops.weight_only_matmul import api as wo_api
 from nvfp4_jax.ops.ragged_dot import api as ragged_api
+from nvfp4_jax.ops.ragged_quantize import api as rq_api
 from nvfp4_jax.tools import aot
 
 _OPS = {"quantize": quantize_api.QUANTIZE, "quantize_rht_t": rht_t_api.QUANTIZE_RHT_T,
@@ -240,8 +241,8 @@ def ragged_exactness(k: int, fmt: str = "nvfp4") -> list[dict]:
   x = jnp.asarray(rng.standard_t(3, (m, k)), jnp.float32)
   w = jnp.asarray(rng.standard_t(3, (e, n, k)) * .1, jnp.float32)
   op = Operand(format=fmt)
-  qa = ragged_api.quantize_rows(x, gs, op, None, values=False, codes=True)
-  qb = ragged_api.quantize_experts(
+  qa = rq_api.quantize_rows(x, gs, op, None, values=False, codes=True)
+  qb = rq_api.quantize_experts(
       w, Operand(block_2d=True) if fmt == "nvfp4" else op, None,
       values=False)
 
@@ -263,10 +264,10 @@ def ragged_exactness(k: int, fmt: str = "nvfp4") -> list[dict]:
   pad = -(-sizes // block) * block
   xt = jnp.asarray(rng.standard_t(3, (int(pad.sum()), 128)), jnp.float32)
   dt = jnp.asarray(rng.standard_t(3, (int(pad.sum()), n)), jnp.float32)
-  ta = ragged_api.quantize_tokens(xt, jnp.asarray(pad), op, None,
-                                  values=False, codes=True)
-  tb = ragged_api.quantize_tokens(dt, jnp.asarray(pad), op, None,
-                                  values=False, codes=True)
+  ta = rq_api.quantize_tokens(xt, jnp.asarray(pad), op, None,
+                              values=False, codes=True)
+  tb = rq_api.quantize_tokens(dt, jnp.asarray(pad), op, None,
+                              values=False, codes=True)
   talpha = alphas(ta, tb, e)
   vta, vtb = absvals(ta), absvals(tb)
   ends = np.cumsum(pad)

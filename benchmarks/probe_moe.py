@@ -41,7 +41,7 @@ import numpy as np
 import nvfp4_jax as nv
 from benchmarks import timing
 from nvfp4_jax.core import recipe as rc
-from nvfp4_jax.ops.ragged_dot import api
+from nvfp4_jax.ops.ragged_quantize import api
 from nvfp4_jax.training import ragged_dot as trd
 
 BF16 = jnp.bfloat16

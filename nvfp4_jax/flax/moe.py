@@ -51,9 +51,9 @@ from nvfp4_jax.flax.rules import PrecisionRules
 from nvfp4_jax.parallel import current_rules
 from nvfp4_jax.training.dot_general import explicit_mesh
 from nvfp4_jax.ops.gather_rows.api import gather_rows
-from nvfp4_jax.ops.ragged_dot.api import alignment
-from nvfp4_jax.ops.ragged_dot.api import padded_layout
-from nvfp4_jax.ops.ragged_dot.api import padded_length
+from nvfp4_jax.ops.ragged_quantize.api import alignment
+from nvfp4_jax.ops.ragged_quantize.api import padded_layout
+from nvfp4_jax.ops.ragged_quantize.api import padded_length
 from nvfp4_jax.training.ragged_dot import ragged_dot
 from jax.sharding import PartitionSpec as P
 
@@ -223,7 +223,7 @@ def group_starts(sizes: jax.Array, align: int) -> tuple[jax.Array, jax.Array]:
 
 def layout(routing: Routing, top_k: int, align: int = GROUP_ALIGN) -> Layout:
   """`routing`'s expert order with every group padded to `align` rows
-  (`ops.ragged_dot.api.padded_layout`, composed with the sort)."""
+  (`ops.ragged_quantize.api.padded_layout`, composed with the sort)."""
   del top_k
   rows = routing.order.shape[0]
   sources, padded, _ = padded_layout(routing.group_sizes, rows, align)
