@@ -39,7 +39,7 @@ from benchmarks.bench_moe import MODELS
 from benchmarks.bench_moe import group_sizes
 
 BF16 = jnp.bfloat16
-ALIGNED = 16  # `nvfp4_jax.flax.moe.GROUP_ALIGN`.
+ALIGNED = 16  # `nvfp4_jax.training.moe.GROUP_ALIGN`.
 
 
 def _fwd_bwd(f):

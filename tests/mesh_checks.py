@@ -2308,7 +2308,7 @@ def check_moe_expert_parallel(expert_only: bool = False,
   every GEMM in high precision, within the same FP32 bounds.
   """
   import nvfp4_jax as nv  # pylint: disable=g-import-not-at-top
-  from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.training import moe  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.flax.moe import NVFP4MoE  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.parallel import MeshRules  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.parallel import make_mesh  # pylint: disable=g-import-not-at-top
@@ -2396,7 +2396,7 @@ def check_ragged_all_to_all_model():
   receiver's row `output_offsets[i]`), written out in NumPy: a 2 x 4 mesh
   exchanging over its second axis, two slices per receiver, empty slices
   included; rows nobody writes keep the output's."""
-  from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.training import moe  # pylint: disable=g-import-not-at-top
   mesh = jax.make_mesh((2, 4), ("data", "expert"))
   n, per, rows, out_rows = 4, 2, 8, 32
   rng = np.random.default_rng(0)
@@ -2453,7 +2453,7 @@ def check_moe_expert_parallel_dense_default():
 
 
 def _buffered_exchange(slacks):
-  from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.training import moe  # pylint: disable=g-import-not-at-top
   default = moe.EXCHANGE_SLACK
   assert default is None, default
   moe.EXCHANGE = "buffered"
