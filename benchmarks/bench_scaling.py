@@ -91,7 +91,7 @@ class Config:
   # `MeshRules.sequence_parallel` and `collective_matmul`: "off", "on" or
   # "ring" (both).
   sequence_parallel: str = "off"
-  # `nvfp4_jax.flax.moe.EXCHANGE_SLACK` ("" the library's default;
+  # `nvfp4_jax.training.moe.EXCHANGE_SLACK` ("" the library's default;
   # "none": whole buffers, no fast path).
   exchange_slack: str = ""
 
@@ -148,7 +148,7 @@ def _child(cfg: Config, cache_dir: str, hold: bool = False) -> dict | None:
   if cache_dir:
     _cache(cache_dir)
   if cfg.exchange_slack:
-    from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
+    from nvfp4_jax.training import moe  # pylint: disable=g-import-not-at-top
     moe.EXCHANGE_SLACK = (None if cfg.exchange_slack == "none"
                           else float(cfg.exchange_slack))
   t0 = time.perf_counter()

@@ -40,7 +40,7 @@ import numpy as np
 
 import nvfp4_jax as nv
 from nvfp4_jax.core import recipe as rc
-from nvfp4_jax.ops.ragged_dot import api
+from nvfp4_jax.ops.ragged_quantize import api
 from nvfp4_jax.training import ragged_dot as trd
 from nvfp4_jax.tools import timing
 
@@ -130,7 +130,7 @@ def op_stages(stages, m: int, k: int, n: int, e: int, recipe: str) -> None:
       # (the reference), the kernel named, indices clamped and a select
       # after it, and the bf16 rows moved as uint32 words (the same bits).
       # The kernels' GPU time: `timing.gpu_kernels`.
-      from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
+      from nvfp4_jax.training import moe  # pylint: disable=g-import-not-at-top
       order = jnp.asarray(rng.permutation(m + m // 8)[:m].astype(np.int32))
       from nvfp4_jax.ops.gather_rows.api import gather_rows  # pylint: disable=g-import-not-at-top
       forms = {

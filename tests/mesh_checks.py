@@ -1082,10 +1082,11 @@ def _wgrad_bound(x, dy, gs, recipe, key):
   summed in another order: per expert `2 (n + 3) u alpha_e sum_t |a_t b_t|`
   over its tokens' exact block values."""
   from nvfp4_jax.ops.ragged_dot import api as rg  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.ragged_quantize import api as rq  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.training.ragged_dot import expert_keys  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.training.ragged_dot import per_expert_keys  # pylint: disable=g-import-not-at-top
   keys = expert_keys(recipe, per_expert_keys(key, gs.shape[0]))
-  q = [jax.jit(lambda a, k: rg.quantize_tokens(
+  q = [jax.jit(lambda a, k: rq.quantize_tokens(
       a, gs, op, k, rht_size=recipe.rht_size,
       sign_vector=recipe.rht_sign_vector))(a, keys[name])
        for a, op, name in ((x, recipe.wgrad_x, "wgrad_x"),
@@ -1102,11 +1103,11 @@ def _wgrad_bound(x, dy, gs, recipe, key):
 
 def _wgrad_operands(x, dy, gs, recipe, key):
   """The Wgrad operands `nv.ragged_dot` quantizes (codes, as it saves them)."""
-  from nvfp4_jax.ops.ragged_dot import api as rg  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.ragged_quantize import api as rq  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.training.ragged_dot import expert_keys  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.training.ragged_dot import per_expert_keys  # pylint: disable=g-import-not-at-top
   keys = expert_keys(recipe, per_expert_keys(key, gs.shape[0]))
-  return [rg.quantize_tokens(a, gs, op, keys[name], rht_size=recipe.rht_size,
+  return [rq.quantize_tokens(a, gs, op, keys[name], rht_size=recipe.rht_size,
                              sign_vector=recipe.rht_sign_vector, values=False,
                              codes=True)
           for a, op, name in ((x, recipe.wgrad_x, "wgrad_x"),
@@ -1214,6 +1215,7 @@ def check_auto_moe():
   """
   from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.ops.ragged_dot import api as rg  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.ragged_quantize import api as rq  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.ops.ragged_dot import reference as rref  # pylint: disable=g-import-not-at-top
   check_auto_moe_quick(backward=True)
   m = jax.make_mesh((4, 2), ("batch", "fsdp"),
@@ -1283,9 +1285,9 @@ def check_auto_moe():
   print("  grouped GEMM on 100 rows asked 8 ways: 4 shards of 25, equal")
   # On codes (the native FP4 kernels' rule): X's rows over "batch", the
   # experts' N over "fsdp".
-  qx = rg.quantize_rows(x, gs, nv.Recipe.nvfp4().fprop_x, None,
+  qx = rq.quantize_rows(x, gs, nv.Recipe.nvfp4().fprop_x, None,
                         values=False, codes=True)
-  qw = rg.quantize_experts(jnp.swapaxes(w, 1, 2), nv.Recipe.nvfp4().fprop_w,
+  qw = rq.quantize_experts(jnp.swapaxes(w, 1, 2), nv.Recipe.nvfp4().fprop_w,
                            None, values=False)
   args = (qx.data, qx.scales, qw.data, qw.scales)
   want = jax.jit(rref.ragged_codes_matmul)(*args, gs, alpha)
@@ -1361,21 +1363,21 @@ def _check_grouped_quantizers_2d(m):
   (the token blocks' post-RHT amaxes max-reduced over "fsdp"); stochastic
   rounding gathers the features (the kernels number stream positions from
   the first column). Either way the bytes are the whole call's."""
-  from nvfp4_jax.ops.ragged_dot import api as rg  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.ragged_quantize import api as rq  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.training.ragged_dot import expert_keys  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.training.ragged_dot import per_expert_keys  # pylint: disable=g-import-not-at-top
   gs, x, _, _ = _moe_case()
   recipe = nv.Recipe.nvfp4()
   keys = expert_keys(recipe, per_expert_keys(jax.random.key(3), 4))
   split = NamedSharding(m, P("batch", "fsdp"))
-  cases = (("tokens RTNE", lambda a: rg.quantize_tokens(
+  cases = (("tokens RTNE", lambda a: rq.quantize_tokens(
       a, gs, recipe.wgrad_x, None, values=False, codes=True)),
-           ("tokens SR", lambda a: rg.quantize_tokens(
+           ("tokens SR", lambda a: rq.quantize_tokens(
                a, gs, recipe.wgrad_dy, keys["wgrad_dy"], values=False,
                codes=True)),
-           ("rows RTNE", lambda a: rg.quantize_rows(
+           ("rows RTNE", lambda a: rq.quantize_rows(
                a, gs, recipe.fprop_x, None, values=False, codes=True)),
-           ("rows SR", lambda a: rg.quantize_rows(
+           ("rows SR", lambda a: rq.quantize_rows(
                a, gs, recipe.dgrad_dy, keys["dgrad_dy"], values=False,
                codes=True)))
   for name, fn in cases:
@@ -1393,7 +1395,7 @@ def _check_grouped_quantizers_2d(m):
 def _check_auto_moe_layer(m):
   """The `NVFP4MoE` part of `check_auto_moe`."""
   from nvfp4_jax.flax.moe import NVFP4MoE  # pylint: disable=g-import-not-at-top
-  from nvfp4_jax.ops.ragged_dot import pallas_triton as kernels  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.ops.ragged_quantize import pallas_triton as kernels  # pylint: disable=g-import-not-at-top
   d, t, num = 64, 128, 4
   x = jax.random.normal(jax.random.key(0), (8, t // 8, d))
   layer = NVFP4MoE(num_experts=num, hidden=32, top_k=2)
@@ -2306,7 +2308,7 @@ def check_moe_expert_parallel(expert_only: bool = False,
   every GEMM in high precision, within the same FP32 bounds.
   """
   import nvfp4_jax as nv  # pylint: disable=g-import-not-at-top
-  from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.training import moe  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.flax.moe import NVFP4MoE  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.parallel import MeshRules  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.parallel import make_mesh  # pylint: disable=g-import-not-at-top
@@ -2394,7 +2396,7 @@ def check_ragged_all_to_all_model():
   receiver's row `output_offsets[i]`), written out in NumPy: a 2 x 4 mesh
   exchanging over its second axis, two slices per receiver, empty slices
   included; rows nobody writes keep the output's."""
-  from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.training import moe  # pylint: disable=g-import-not-at-top
   mesh = jax.make_mesh((2, 4), ("data", "expert"))
   n, per, rows, out_rows = 4, 2, 8, 32
   rng = np.random.default_rng(0)
@@ -2451,7 +2453,7 @@ def check_moe_expert_parallel_dense_default():
 
 
 def _buffered_exchange(slacks):
-  from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.training import moe  # pylint: disable=g-import-not-at-top
   default = moe.EXCHANGE_SLACK
   assert default is None, default
   moe.EXCHANGE = "buffered"

@@ -624,7 +624,7 @@ def test_bench_scaling_exchange_slack(monkeypatch):
   `moe.EXCHANGE_SLACK` (none on meshes without an expert axis), and the
   child process sets it before building the step."""
   from benchmarks import bench_scaling
-  from nvfp4_jax.flax import moe
+  from nvfp4_jax.training import moe
   events = _fake_children(monkeypatch, lambda c, f: {"ms": 1.0,
                                                      "ms_sync": 1.0})
   bench_scaling.main(["--presets", "moe-small", "--precisions", "bf16",

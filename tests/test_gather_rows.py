@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nvfp4_jax.core import dispatch
-from nvfp4_jax.flax import moe
+from nvfp4_jax.training import moe
 from nvfp4_jax.ops.gather_rows import pallas_triton
 from nvfp4_jax.ops.gather_rows import reference
 from nvfp4_jax.ops.gather_rows.api import gather_rows

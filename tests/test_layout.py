@@ -205,7 +205,7 @@ def test_one_folder_per_op():
   assert folders == ["block_scaled_matmul", "block_values", "gather_rows",
                      "quantize",
                      "quantize_pair", "quantize_rht_t", "ragged_dot",
-                     "weight_only_matmul"]
+                     "ragged_quantize", "weight_only_matmul"]
   for name in folders:
     files = {p.stem for p in (ops / name).glob("*.py")}
     assert {"__init__", "api", "reference"} <= files, name

@@ -1,6 +1,7 @@
-"""The mixture-of-experts layers (`nvfp4_jax.flax.moe`): routing, dispatch,
-combine, the load-balancing loss, precision rules by path, NNX, the GPT
-presets. Expert parallelism: `tests/test_mesh.py`."""
+"""The mixture-of-experts layers (`nvfp4_jax.flax.moe`; their math,
+`nvfp4_jax.training.moe`): routing, dispatch, combine, the load-balancing
+loss, precision rules by path, NNX, the GPT presets. Expert parallelism:
+`tests/test_mesh.py`."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,8 @@ import pytest
 from flax import nnx
 
 import nvfp4_jax as nv
-from nvfp4_jax.flax import moe
+from nvfp4_jax.flax import moe as moe_layers
+from nvfp4_jax.training import moe
 
 U = 2.0 ** -24
 
@@ -50,10 +52,10 @@ def test_layer_is_routing_then_experts_then_combine(capacity_factor):
   definition (float64) within FP32 rounding: a few chained FP32 sums of at
   most 2H = 64 terms, relative 2^-24 * 64 per sum; 1e-5 of the output scale
   covers them. Dropless and with capacity 0.5 (some copies dropped)."""
-  layer = moe.NVFP4MoE(num_experts=4, hidden=32, top_k=2,
-                       capacity_factor=capacity_factor, recipe="bf16",
-                       precision=jax.lax.Precision.HIGHEST,
-                       router_init=jax.nn.initializers.normal(1.0))
+  layer = nv.NVFP4MoE(num_experts=4, hidden=32, top_k=2,
+                      capacity_factor=capacity_factor, recipe="bf16",
+                      precision=jax.lax.Precision.HIGHEST,
+                      router_init=jax.nn.initializers.normal(1.0))
   x = jax.random.normal(jax.random.key(0), (48, 32))
   params = _params(layer, x)
   y = layer.apply({"params": params}, x)
@@ -98,7 +100,7 @@ def test_permutation_vjp_is_the_inverse_gather():
 def test_rules_address_expert_gemms_by_path_and_report_lists_them():
   """A rule on ".../experts/down" keeps that projection in BF16 while "up"
   is NVFP4; the router is reported as FP32, never quantized."""
-  layer = moe.NVFP4MoE(num_experts=4, hidden=32, top_k=2)
+  layer = nv.NVFP4MoE(num_experts=4, hidden=32, top_k=2)
   x = jnp.zeros((32, 32))
   params = _params(layer, x)
   rules = nv.PrecisionRules(rules=((r"experts/down$", nv.Recipe.bf16()),))
@@ -119,10 +121,10 @@ def test_nnx_layer_equals_linen():
   """`NNXMoE` with the linen layer's parameters computes the same numbers
   (round-to-nearest NVFP4: no keys), its expert paths set by apply_rules."""
   recipe = nv.Recipe.nvfp4(stochastic_rounding=False)
-  layer = moe.NVFP4MoE(num_experts=4, hidden=32, top_k=2, recipe=recipe)
+  layer = nv.NVFP4MoE(num_experts=4, hidden=32, top_k=2, recipe=recipe)
   x = jax.random.normal(jax.random.key(0), (32, 64))
   params = _params(layer, x)
-  m = moe.NNXMoE(64, 4, 32, top_k=2, recipe=recipe, rngs=nnx.Rngs(0))
+  m = nv.NNXMoE(64, 4, 32, top_k=2, recipe=recipe, rngs=nnx.Rngs(0))
   m.router[...] = params["router"]
   m.up[...] = params["experts"]["up"]["kernel"]
   m.down[...] = params["experts"]["down"]["kernel"]
@@ -144,7 +146,7 @@ def test_nnx_layer_equals_linen():
 ])
 def test_bad_configuration_names_the_value(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    moe.NVFP4MoE(**kwargs).init(jax.random.key(0), jnp.zeros((16, 32)))
+    nv.NVFP4MoE(**kwargs).init(jax.random.key(0), jnp.zeros((16, 32)))
 
 
 def test_gpt_moe_config_errors():
@@ -191,7 +193,7 @@ def test_padded_dispatch_feeds_the_op_aligned_groups_with_the_same_bits():
   keys = {"up": jax.random.key(4), "down": jax.random.key(5)}
   seen = []
 
-  class Spy(moe.ExpertGemm):
+  class Spy(moe_layers.ExpertGemm):
     def __call__(self, x, w, gs, **kw):
       seen.append(kw["aligned"])
       return super().__call__(x, w, gs, **kw)
@@ -245,7 +247,7 @@ def test_expert_parallel_on_two_gpus_equals_one(exchange, slack,
   from nvfp4_jax.parallel import make_mesh  # pylint: disable=g-import-not-at-top
   d, t = 64, 256
   x = jax.random.normal(jax.random.key(0), (2, t // 2, d))
-  layer = moe.NVFP4MoE(num_experts=8, hidden=64, top_k=2, recipe="bf16")
+  layer = nv.NVFP4MoE(num_experts=8, hidden=64, top_k=2, recipe="bf16")
   params = _params(layer, x)
 
   def loss(p, x):

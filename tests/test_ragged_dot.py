@@ -21,6 +21,7 @@ import pytest
 import nvfp4_jax as nv
 from nvfp4_jax.core.recipe import Operand
 from nvfp4_jax.ops.ragged_dot import api as rg
+from nvfp4_jax.ops.ragged_quantize import api as rq
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -173,10 +174,10 @@ def test_operands_are_each_experts_own_quantization():
 
   @jax.jit
   def grouped(x, gs, keys):
-    q = rg.quantize_rows(x, gs, Operand(rounding="stochastic"), keys,
+    q = rq.quantize_rows(x, gs, Operand(rounding="stochastic"), keys,
                          codes=True)
-    sources, padded, length = rg.padded_layout(gs, m, 16)
-    qt = rg.quantize_tokens(rg.to_padded(x, sources), padded,
+    sources, padded, length = rq.padded_layout(gs, m, 16)
+    qt = rq.quantize_tokens(rq.to_padded(x, sources), padded,
                             Operand(rounding="stochastic", rht=True), keys,
                             codes=True)
     return q, qt, padded

@@ -1,4 +1,5 @@
-"""The grouped row quantizer's Pallas kernel (`ops/ragged_dot/pallas_triton`).
+"""The grouped row quantizer's Pallas kernel
+(`ops/ragged_quantize/pallas_triton`).
 
 `api.quantize_rows` reduces each group's amax, then quantizes every row with
 its group's constants and stream (`QUANTIZE_ROWS`). The kernel ("pallas",
@@ -17,7 +18,7 @@ import pytest
 
 import nvfp4_jax as nv
 from nvfp4_jax.core.recipe import Operand
-from nvfp4_jax.ops.ragged_dot import api as rg
+from nvfp4_jax.ops.ragged_quantize import api as rq
 
 
 def heavy(rng, shape):
@@ -52,7 +53,7 @@ def test_kernel_equals_reference(sizes, m, rounding, four_over_six):
   keys = _keys(len(sizes))
 
   def run(impl):
-    return jax.jit(lambda x: rg.quantize_rows(
+    return jax.jit(lambda x: rq.quantize_rows(
         x, gs, op, keys, values=True, codes=True, implementation=impl))(x)
 
   got, want = run("pallas"), run("xla")
@@ -70,7 +71,7 @@ def test_kernel_uses_each_rows_own_group():
   gs = jnp.asarray([16, 32], jnp.int32)
   op = Operand(rounding="stochastic")
   keys = _keys(2)
-  q = jax.jit(lambda x: rg.quantize_rows(x, gs, op, keys, codes=True,
+  q = jax.jit(lambda x: rq.quantize_rows(x, gs, op, keys, codes=True,
                                         implementation="pallas"))(x)
   sr = jax.jit(lambda x: nv.quantize(x, rounding="stochastic", key=keys[0]))
   whole, first = sr(x), sr(x[:16])
@@ -93,7 +94,7 @@ def test_token_kernels_equal_reference(sizes, rounding, values):
   keys = _keys(len(sizes))
 
   def run(impl):
-    return jax.jit(lambda x: rg.quantize_tokens(
+    return jax.jit(lambda x: rq.quantize_tokens(
         x, gs, op, keys, values=values, codes=not values,
         implementation=impl))(x)
 
@@ -157,7 +158,7 @@ def test_expert_weights_kernel_equals_reference(rounding):
 
   def run(impl):
     with dispatch.default_implementation(impl):
-      return jax.jit(lambda w: rg.quantize_experts(w, op, keys))(w)
+      return jax.jit(lambda w: rq.quantize_experts(w, op, keys))(w)
 
   got, want = run("pallas"), run("xla")
   for field in ("data", "scales", "values", "amax"):

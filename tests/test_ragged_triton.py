@@ -27,6 +27,8 @@ from nvfp4_jax.core import dispatch
 from nvfp4_jax.core.recipe import Operand
 from nvfp4_jax.ops.ragged_dot import api as rg
 from nvfp4_jax.ops.ragged_dot import reference as ref
+from nvfp4_jax.ops.ragged_quantize import api as rq
+from nvfp4_jax.ops.ragged_quantize import reference as rqref
 from nvfp4_jax.tools import aot
 from quantizer_checks import on_cpu
 
@@ -157,10 +159,10 @@ def test_mx_recipes_take_the_codes_path_on_blackwell(fmt, monkeypatch):
 def test_codes_gemms_refuse_operands_of_two_formats():
   """One GEMM multiplies codes of one format: NVFP4 with MXFP4 (or an
   operand without codes) is an error naming both, not a wrong product."""
-  q = rg.Grouped(jnp.zeros((32, 16), jnp.uint8),
+  q = rq.Grouped(jnp.zeros((32, 16), jnp.uint8),
                  jnp.zeros((32, 2), jnp.float8_e4m3fn), None,
                  jnp.ones((1,), jnp.float32))
-  mx = rg.Grouped(q.data, jnp.zeros((32, 1), jnp.float8_e8m0fnu), None,
+  mx = rq.Grouped(q.data, jnp.zeros((32, 1), jnp.float8_e8m0fnu), None,
                   None, fmt="mxfp4")
   gs = jnp.array([32], jnp.int32)
   with pytest.raises(ValueError, match="'nvfp4' and 'mxfp4'"):
@@ -314,7 +316,7 @@ def test_kernels_in_tritons_interpreter(native, monkeypatch):
   gs = jnp.asarray([37, 0, 200, 50], jnp.int32)        # 287 of 300 rows.
   qa = _quantized_rows(rng, m, k, gs)
   w = jnp.asarray(rng.standard_t(3, (e, n, k)) * .1, jnp.float32)
-  qb = rg.quantize_experts(w, Operand(block_2d=True), None, values=False)
+  qb = rq.quantize_experts(w, Operand(block_2d=True), None, values=False)
   alpha = rg.group_alpha(qa, qb)
   want = np.asarray(ref.ragged_codes_matmul(qa.data, qa.scales, qb.data,
                                             qb.scales, gs, alpha))
@@ -331,7 +333,7 @@ def test_kernels_in_tritons_interpreter(native, monkeypatch):
       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NATIVE=native, HAS_ALPHA=True)
   va = np.abs(np.asarray(ref.codes_values(qa.data, qa.scales), np.float64))
   vb = np.abs(np.asarray(ref.codes_values(qb.data, qb.scales), np.float64))
-  rows = np.asarray(ref.group_of(gs, m))
+  rows = np.asarray(rqref.group_of(gs, m))
   for g in range(e):
     r = rows == g
     tol = _bound(va[r], vb[g].T, float(alpha[g]), k)
@@ -343,8 +345,8 @@ def test_kernels_in_tritons_interpreter(native, monkeypatch):
     gs = jnp.asarray(sizes, jnp.int32)
     x = jnp.asarray(rng.standard_t(3, (length, kk)), jnp.float32)
     dy = jnp.asarray(rng.standard_t(3, (length, nn)), jnp.float32)
-    qa = rg.quantize_tokens(x, gs, Operand(), None, values=False, codes=True)
-    qb = rg.quantize_tokens(dy, gs, Operand(), None, values=False,
+    qa = rq.quantize_tokens(x, gs, Operand(), None, values=False, codes=True)
+    qb = rq.quantize_tokens(dy, gs, Operand(), None, values=False,
                             codes=True)
     alpha = rg.group_alpha(qa, qb)
     want = np.asarray(ref.ragged_codes_matmul_t(qa.data, qa.scales, qb.data,
@@ -398,9 +400,9 @@ def test_mx_kernels_in_tritons_interpreter(fmt, native, monkeypatch):
   m, k, n, e = 200, 96, 48, 4
   gs = jnp.asarray([37, 0, 120, 30], jnp.int32)        # 187 of 200 rows.
   x = jnp.asarray(rng.standard_t(3, (m, k)), jnp.float32)
-  qa = rg.quantize_rows(x, gs, op, None, values=False, codes=True)
+  qa = rq.quantize_rows(x, gs, op, None, values=False, codes=True)
   w = jnp.asarray(rng.standard_t(3, (e, n, k)) * .1, jnp.float32)
-  qb = rg.quantize_experts(w, op, None, values=False)
+  qb = rq.quantize_experts(w, op, None, values=False)
   want = np.asarray(ref.ragged_codes_matmul(qa.data, qa.scales, qb.data,
                                             qb.scales, gs, fmt=fmt))
   kp = dense.padded_k(k, mx=True)
@@ -417,7 +419,7 @@ def test_mx_kernels_in_tritons_interpreter(fmt, native, monkeypatch):
                          np.float64))
   vb = np.abs(np.asarray(ref.codes_values(qb.data, qb.scales, fmt),
                          np.float64))
-  rows = np.asarray(ref.group_of(gs, m))
+  rows = np.asarray(rqref.group_of(gs, m))
   for g in range(e):
     r = rows == g
     tol = _bound(va[r], vb[g].T, 1.0, k)
@@ -429,8 +431,8 @@ def test_mx_kernels_in_tritons_interpreter(fmt, native, monkeypatch):
     gs = jnp.asarray(sizes, jnp.int32)
     x = jnp.asarray(rng.standard_t(3, (length, kk)), jnp.float32)
     dy = jnp.asarray(rng.standard_t(3, (length, nn)), jnp.float32)
-    qa = rg.quantize_tokens(x, gs, op, None, values=False, codes=True)
-    qb = rg.quantize_tokens(dy, gs, op, None, values=False, codes=True)
+    qa = rq.quantize_tokens(x, gs, op, None, values=False, codes=True)
+    qb = rq.quantize_tokens(dy, gs, op, None, values=False, codes=True)
     want = np.asarray(ref.ragged_codes_matmul_t(
         qa.data, qa.scales, qb.data, qb.scales, gs, fmt=fmt))
     ends = np.cumsum(sizes)
@@ -471,7 +473,7 @@ def _forms():
 
 def _quantized_rows(rng, m, k, gs, fmt="nvfp4"):
   x = jnp.asarray(rng.standard_t(3, (m, k)), jnp.float32)
-  return rg.quantize_rows(x, gs, Operand(format=fmt), None, values=False,
+  return rq.quantize_rows(x, gs, Operand(format=fmt), None, values=False,
                           codes=True)
 
 
@@ -505,7 +507,7 @@ def test_fprop_kernel_equals_the_reference_on_gpu(sizes, m, fmt):
   gs = jnp.asarray(sizes, jnp.int32)
   qa = _quantized_rows(rng, m, k, gs, fmt)
   w = jnp.asarray(rng.standard_t(3, (e, n, k)) * .1, jnp.float32)
-  qb = rg.quantize_experts(w, Operand(format=fmt, block_2d=fmt == "nvfp4"),
+  qb = rq.quantize_experts(w, Operand(format=fmt, block_2d=fmt == "nvfp4"),
                            None, values=False)
   alpha = rg.group_alpha(qa, qb)
   want = np.asarray(ref.ragged_codes_matmul(qa.data, qa.scales, qb.data,
@@ -545,8 +547,8 @@ def test_wgrad_kernel_equals_the_reference_on_gpu(sizes, length, fmt):
   gs = jnp.asarray(sizes, jnp.int32)
   x = jnp.asarray(rng.standard_t(3, (length, k)), jnp.float32)
   dy = jnp.asarray(rng.standard_t(3, (length, n)), jnp.float32)
-  qa = rg.quantize_tokens(x, gs, op, None, values=False, codes=True)
-  qb = rg.quantize_tokens(dy, gs, op, None, values=False, codes=True)
+  qa = rq.quantize_tokens(x, gs, op, None, values=False, codes=True)
+  qb = rq.quantize_tokens(dy, gs, op, None, values=False, codes=True)
   alpha = rg.group_alpha(qa, qb)
   want = np.asarray(ref.ragged_codes_matmul_t(
       qa.data, qa.scales, qb.data, qb.scales, gs, alpha, fmt=fmt))

@@ -83,6 +83,7 @@ from nvfp4_jax.ops.quantize.mx import quantize_mx
 from nvfp4_jax.ops.quantize_pair import api as pair_api
 from nvfp4_jax.ops.quantize_rht_t import api as rht_t_api
 from nvfp4_jax.ops.ragged_dot import api as ragged_api
+from nvfp4_jax.ops.ragged_quantize import api as rq_api
 from nvfp4_jax.ops.weight_only_matmul import api as wo_api
 from nvfp4_jax.ops.weight_only_matmul.api import weight_only_matmul
 from nvfp4_jax.tools import aot
@@ -277,8 +278,8 @@ def ragged_exactness(k: int, fmt: str = "nvfp4") -> list[dict]:
   x = jnp.asarray(rng.standard_t(3, (m, k)), jnp.float32)
   w = jnp.asarray(rng.standard_t(3, (e, n, k)) * .1, jnp.float32)
   op = Operand(format=fmt)
-  qa = ragged_api.quantize_rows(x, gs, op, None, values=False, codes=True)
-  qb = ragged_api.quantize_experts(
+  qa = rq_api.quantize_rows(x, gs, op, None, values=False, codes=True)
+  qb = rq_api.quantize_experts(
       w, Operand(block_2d=True) if fmt == "nvfp4" else op, None,
       values=False)
 
@@ -300,10 +301,10 @@ def ragged_exactness(k: int, fmt: str = "nvfp4") -> list[dict]:
   pad = -(-sizes // block) * block
   xt = jnp.asarray(rng.standard_t(3, (int(pad.sum()), 128)), jnp.float32)
   dt = jnp.asarray(rng.standard_t(3, (int(pad.sum()), n)), jnp.float32)
-  ta = ragged_api.quantize_tokens(xt, jnp.asarray(pad), op, None,
-                                  values=False, codes=True)
-  tb = ragged_api.quantize_tokens(dt, jnp.asarray(pad), op, None,
-                                  values=False, codes=True)
+  ta = rq_api.quantize_tokens(xt, jnp.asarray(pad), op, None,
+                              values=False, codes=True)
+  tb = rq_api.quantize_tokens(dt, jnp.asarray(pad), op, None,
+                              values=False, codes=True)
   talpha = alphas(ta, tb, e)
   vta, vtb = absvals(ta), absvals(tb)
   ends = np.cumsum(pad)

@@ -45,7 +45,7 @@ from nvfp4_jax.ops.weight_only_matmul.api import weight_only_matmul
 from nvfp4_jax.flax.linen import NVFP4Dense
 from nvfp4_jax.flax.linen import nvfp4_layer_paths
 from nvfp4_jax.ops.quantize.api import quantize
-from nvfp4_jax.ops.ragged_dot.api import quantize_experts
+from nvfp4_jax.ops.ragged_quantize.api import quantize_experts
 from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.core.arrays import check_nvfp4_array
 from nvfp4_jax.core import numerics as nm

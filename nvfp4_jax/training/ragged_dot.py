@@ -54,6 +54,7 @@ from nvfp4_jax.core.recipe import Recipe
 from nvfp4_jax.core.recipe import as_recipe
 from nvfp4_jax.ops.quantize.api import block_size
 from nvfp4_jax.ops.ragged_dot import api as rg
+from nvfp4_jax.ops.ragged_quantize import api as rq
 from nvfp4_jax.training.dot_general import _named
 from nvfp4_jax.training.dot_general import _residual
 from nvfp4_jax.training.dot_general import layer_scope
@@ -100,7 +101,7 @@ def _codes(recipe: Recipe, gemm: str) -> bool:
           and rg.multiplies_codes())
 
 
-def _codes_t(q: rg.Grouped) -> rg.Grouped:
+def _codes_t(q: rq.Grouped) -> rq.Grouped:
   """Each expert's 16x16-tiled codes transposed (`NVFP4Array.T`: the codes
   of the transposed weight's quantization, code for code)."""
   t = NVFP4Array(q.data, q.scales, q.amax, block_2d=True).T
@@ -109,16 +110,16 @@ def _codes_t(q: rg.Grouped) -> rg.Grouped:
 
 def _layout(recipe: Recipe, group_sizes, m: int, align: str):
   """`(sources, sizes, length)` of the Wgrad operands' token layout (see
-  `rg.padded_layout`); with "check"/"assume" the tokens stay in place."""
-  need = rg.alignment(recipe.wgrad_x, recipe.rht_size)
+  `rq.padded_layout`); with "check"/"assume" the tokens stay in place."""
+  need = rq.alignment(recipe.wgrad_x, recipe.rht_size)
   if align == "pad":
-    return rg.padded_layout(group_sizes, m, need)
+    return rq.padded_layout(group_sizes, m, need)
   length = -(-m // need) * need
   return None, group_sizes.astype(jnp.int32), length
 
 
 def _tokens(x, sources, length, align):
-  return rg.to_padded(x, sources) if align == "pad" else jnp.pad(
+  return rq.to_padded(x, sources) if align == "pad" else jnp.pad(
       x, ((0, length - x.shape[0]), (0, 0)))
 
 
@@ -143,15 +144,15 @@ def _fprop(x, w, gs, key, recipe: Recipe, precision, out_dtype, align):
   qw_dgrad = None
   if recipe.fprop_x.quantized and _codes(recipe, "fprop"):
     # Native FP4: the GEMM multiplies codes (`[E, N, K]` for Fprop).
-    qx = _named("nvfp4_quantize_x", lambda x, k: rg.quantize_rows(
+    qx = _named("nvfp4_quantize_x", lambda x, k: rq.quantize_rows(
         x, gs, recipe.fprop_x, k, values=False, codes=True))(
             x, keys["fprop_x"])
     if _weight_in_kernel_layout(recipe):
-      qw = _named("nvfp4_quantize_w", lambda w: rg.quantize_experts(
+      qw = _named("nvfp4_quantize_w", lambda w: rq.quantize_experts(
           w, recipe.fprop_w, None, values=False))(w)
       qw_dgrad, qw_nk = qw, _codes_t(qw)
     else:
-      qw_nk = _named("nvfp4_quantize_w", lambda w, k: rg.quantize_experts(
+      qw_nk = _named("nvfp4_quantize_w", lambda w, k: rq.quantize_experts(
           jnp.swapaxes(w, 1, 2), recipe.fprop_w, k, values=False))(
               w, keys["fprop_w"])
       if recipe.dgrad_w == recipe.fprop_w and recipe.fprop_w.block_2d:
@@ -160,15 +161,15 @@ def _fprop(x, w, gs, key, recipe: Recipe, precision, out_dtype, align):
         a, b, gs, alpha, out_dtype=out_dtype))(qx, qw_nk,
                                                rg.group_alpha(qx, qw_nk))
   elif recipe.fprop_x.quantized:
-    qx = _named("nvfp4_quantize_x", lambda x, k: rg.quantize_rows(
+    qx = _named("nvfp4_quantize_x", lambda x, k: rq.quantize_rows(
         x, gs, recipe.fprop_x, k))(x, keys["fprop_x"])
     if _weight_in_kernel_layout(recipe):
-      qw = _named("nvfp4_quantize_w", lambda w: rg.quantize_experts(
+      qw = _named("nvfp4_quantize_w", lambda w: rq.quantize_experts(
           w, recipe.fprop_w, None))(w)
       vb, layout = qw.values, "kn"
       qw_dgrad = qw.without_values()
     else:
-      qw = _named("nvfp4_quantize_w", lambda w, k: rg.quantize_experts(
+      qw = _named("nvfp4_quantize_w", lambda w, k: rq.quantize_experts(
           jnp.swapaxes(w, 1, 2), recipe.fprop_w, k))(w, keys["fprop_w"])
       vb, layout = qw.values, "nk"
       if recipe.dgrad_w == recipe.fprop_w and recipe.fprop_w.block_2d:
@@ -184,7 +185,7 @@ def _fprop(x, w, gs, key, recipe: Recipe, precision, out_dtype, align):
   if recipe.gemm_format("wgrad") != "bf16":
     sources, sizes, length = _layout(recipe, gs, x.shape[0], align)
     saved_x = _residual(_named(
-        "nvfp4_quantize_x", lambda x, k: rg.quantize_tokens(
+        "nvfp4_quantize_x", lambda x, k: rq.quantize_tokens(
             _tokens(x, sources, length, align), sizes, recipe.wgrad_x, k,
             rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector,
             values=False, codes=True))(x, keys["wgrad_x"]))
@@ -211,17 +212,17 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, align, res, dy):
   m = dy.shape[0]
   keys = expert_keys(recipe, key)
   if recipe.gemm_format("dgrad") != "bf16" and _codes(recipe, "dgrad"):
-    qdy = _named("nvfp4_quantize_dy", lambda dy, k: rg.quantize_rows(
+    qdy = _named("nvfp4_quantize_dy", lambda dy, k: rq.quantize_rows(
         dy, gs, recipe.dgrad_dy, k, values=False, codes=True))(
             dy, keys["dgrad_dy"])
     qw = qw_dgrad  # Fprop's `[E, K, N]` codes: Dgrad contracts N.
     if qw is None:
-      qw = _named("nvfp4_quantize_w", lambda w, k: rg.quantize_experts(
+      qw = _named("nvfp4_quantize_w", lambda w, k: rq.quantize_experts(
           w, recipe.dgrad_w, k, values=False))(w, keys["dgrad_w"])
     dx = _named("nvfp4_dgrad", lambda a, b, alpha: rg.ragged_codes_matmul(
         a, b, gs, alpha, out_dtype=x_dtype))(qdy, qw, rg.group_alpha(qdy, qw))
   elif recipe.gemm_format("dgrad") != "bf16":
-    qdy = _named("nvfp4_quantize_dy", lambda dy, k: rg.quantize_rows(
+    qdy = _named("nvfp4_quantize_dy", lambda dy, k: rq.quantize_rows(
         dy, gs, recipe.dgrad_dy, k))(dy, keys["dgrad_dy"])
     if qw_dgrad is not None:
       qw = qw_dgrad
@@ -230,7 +231,7 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, align, res, dy):
       # `[E, N, K]` read as it is (contract its first): no transpose pass.
       layout = "nk" if _weight_in_kernel_layout(recipe) else "kn"
     else:
-      qw = _named("nvfp4_quantize_w", lambda w, k: rg.quantize_experts(
+      qw = _named("nvfp4_quantize_w", lambda w, k: rq.quantize_experts(
           w, recipe.dgrad_w, k, codes=False))(w, keys["dgrad_w"])
       vw, layout = qw.values, "nk"
     # dX in x's dtype straight from the FP32 accumulator, as the dense layer.
@@ -244,7 +245,7 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, align, res, dy):
   if recipe.gemm_format("wgrad") != "bf16":
     sources, sizes, length = _layout(recipe, gs, m, align)
     codes = _codes(recipe, "wgrad")
-    qdyt = _named("nvfp4_quantize_dy", lambda dy, k: rg.quantize_tokens(
+    qdyt = _named("nvfp4_quantize_dy", lambda dy, k: rq.quantize_tokens(
         _tokens(dy, sources, length, align), sizes, recipe.wgrad_dy, k,
         rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector,
         values=not codes, codes=codes))(dy, keys["wgrad_dy"])
@@ -391,7 +392,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   out_dtype = jnp.dtype(preferred_element_type
                         or jnp.result_type(lhs, rhs))
   if align == "check" and recipe.gemm_format("wgrad") != "bf16":
-    need = rg.alignment(recipe.wgrad_x, recipe.rht_size)
+    need = rq.alignment(recipe.wgrad_x, recipe.rht_size)
     if sizes is not None:
       _raise_misaligned(sizes, need, prefix)
     else:

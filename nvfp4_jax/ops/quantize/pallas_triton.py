@@ -67,7 +67,7 @@ def quantize_kernel(*refs, block_2d: bool, stochastic: bool,
 
   With `words`, Blackwell's round-to-nearest codes (and block values) from
   bf16 pairs (see below). With `grouped`, each row is quantized as a row of its own tensor
-  (the grouped quantizer of `nvfp4_jax.ops.ragged_dot.pallas_triton`): the
+  (the grouped quantizer of `nvfp4_jax.ops.ragged_quantize.pallas_triton`): the
   amax ref holds one tensor amax per row `[rows]`, and with stochastic
   rounding the seeds refs one pair per row (`[rows]` each) and the origin
   ref each row's index within its tensor.

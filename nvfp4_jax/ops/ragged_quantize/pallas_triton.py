@@ -38,7 +38,7 @@ from nvfp4_jax.ops.quantize.config import default_config
 from nvfp4_jax.ops.quantize.pallas_triton import outputs
 from nvfp4_jax.ops.quantize.pallas_triton import quantize_kernel
 from nvfp4_jax.ops.quantize_rht_t import pallas_triton as rht_cols
-from nvfp4_jax.ops.quantize_rht_t.config import ColumnsConfig
+from nvfp4_jax.ops.ragged_quantize.config import token_tiles
 from pallas_kernels import e2m1_encode
 from pallas_kernels import fp32
 from pallas_kernels import launch
@@ -123,13 +123,6 @@ def quantize_rows(x: jax.Array, row_amax: jax.Array, *,
 # ----------------------------------------------------------------------------
 
 
-def _token_tiles(t: int, f: int, config):
-  cfg = config or ColumnsConfig()
-  nb = min(cfg.blocks, launch.next_pow2(t // B))
-  bf = max(B, min(cfg.block_features, launch.next_pow2(f)))
-  return cfg, nb, bf, (launch.cdiv(t // B, nb), launch.cdiv(f, bf))
-
-
 def _token_block_amax_kernel(x_ref, out_ref, *, tokens: int, features: int,
                              interpret: bool, sign_vector: tuple[int, ...]):
   """Each 16-token block's `max |rht|` over the tile's features, as the
@@ -155,7 +148,7 @@ def token_block_amax(x: jax.Array, *, sign_vector=None, config=None
   the maximum over its blocks: `reference.segment_amax`)."""
   interpret = launch.check_backend("token_block_amax")
   t, f = x.shape
-  cfg, nb, bf, grid = _token_tiles(t, f, config)
+  cfg, nb, bf, grid = token_tiles(t, f, config)
   kernel = functools.partial(
       _token_block_amax_kernel, tokens=t, features=f, interpret=interpret,
       sign_vector=tuple(sign_vector or default_sign_vector(B)))
@@ -238,7 +231,7 @@ def quantize_tokens(x: jax.Array, block_amax: jax.Array, *,
   """
   interpret = launch.check_backend("quantize_tokens")
   t, f = x.shape
-  cfg, nb, bf, grid = _token_tiles(t, f, config)
+  cfg, nb, bf, grid = token_tiles(t, f, config)
   sr = block_seeds is not None
   nblk = grid[0] * nb
 
