@@ -33,7 +33,7 @@ from nvfp4_jax.flax.nnx import NVFP4Linear
 from nvfp4_jax.flax.nnx import apply_rules
 from nvfp4_jax.training.dot_general import dot_general
 from nvfp4_jax.training.ragged_dot import ragged_dot
-from nvfp4_jax.training.dot_general import remat_policy
+from nvfp4_jax.training.names import remat_policy
 from nvfp4_jax.training.master_weights import MasterWeightsState
 from nvfp4_jax.training.master_weights import master_params
 from nvfp4_jax.training.master_weights import master_weights
@@ -47,10 +47,10 @@ from nvfp4_jax.flax.rules import LateSwitch
 from nvfp4_jax.flax.rules import PrecisionRules
 from nvfp4_jax.flax.rules import paper_rules
 from nvfp4_jax.flax.rules import precision_rules
-from nvfp4_jax import parallel as sharding
-from nvfp4_jax.parallel import LinearSharding
-from nvfp4_jax.parallel import MeshRules
-from nvfp4_jax.parallel import mesh_rules
+from nvfp4_jax import sharding
+from nvfp4_jax.sharding import LinearSharding
+from nvfp4_jax.sharding import MeshRules
+from nvfp4_jax.sharding import mesh_rules
 from nvfp4_jax.core.arrays import MXArray
 from nvfp4_jax.ops.quantize.mx import quantize_mx
 from nvfp4_jax.core.numerics import E2M1_MAX

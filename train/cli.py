@@ -38,10 +38,10 @@ from models.gpt import MLP_KINDS
 from models.gpt import REMAT_KINDS
 from nvfp4_jax.core.recipe import FOUR_OVER_SIX_MODES
 from nvfp4_jax.core.recipe import RESIDUALS
-from nvfp4_jax.parallel.mesh import AMAX_SCOPES
-from nvfp4_jax.parallel.mesh import PARTIAL_SUMS
-from nvfp4_jax.parallel.mesh import WGRAD_SCHEDULES
-from nvfp4_jax.parallel.mesh import WGRAD_SUMS
+from nvfp4_jax.sharding.mesh import AMAX_SCOPES
+from nvfp4_jax.sharding.mesh import PARTIAL_SUMS
+from nvfp4_jax.sharding.mesh import WGRAD_SCHEDULES
+from nvfp4_jax.sharding.mesh import WGRAD_SUMS
 from train.config import MAX_SEED
 from train.config import MAX_STEPS
 from train.config import ABLATIONS
@@ -285,7 +285,7 @@ def make_mesh(args):
   """The run's device mesh: `--mesh`, else all devices on `data`; None on a
   single device without `--mesh` (the unsharded step)."""
   import jax  # pylint: disable=g-import-not-at-top
-  from nvfp4_jax import parallel as sharding  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax import sharding  # pylint: disable=g-import-not-at-top
   if args.mesh is None and jax.device_count() == 1:
     return None
   try:

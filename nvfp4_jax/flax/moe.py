@@ -48,8 +48,8 @@ from nvfp4_jax.flax.linen import layer_call
 from nvfp4_jax.flax.linen import observe_input
 from nvfp4_jax.core import spmd
 from nvfp4_jax.flax.rules import PrecisionRules
-from nvfp4_jax.parallel import current_rules
-from nvfp4_jax.training.dot_general import explicit_mesh
+from nvfp4_jax.sharding import current_rules
+from nvfp4_jax.sharding.operands import explicit_mesh
 from nvfp4_jax.ops.gather_rows.api import gather_rows
 from nvfp4_jax.ops.ragged_dot.api import alignment
 from nvfp4_jax.ops.ragged_dot.api import padded_layout
