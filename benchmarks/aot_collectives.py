@@ -40,7 +40,7 @@ def sent_bytes(c) -> float:
   """Bytes one device sends for collective `c` (ring estimate; for a
   ragged all-to-all the bound: every row of its operand to another
   device; what it sends is data-dependent)."""
-  from nvfp4_jax.parallel import hlo  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.sharding import hlo  # pylint: disable=g-import-not-at-top
   n = c.group_size or 2
   operand = sum(hlo._nbytes(d, s) for d, s in c.operands)  # pylint: disable=protected-access
   return {"all-gather": c.result_bytes * (n - 1) / n,
@@ -130,7 +130,7 @@ def compile_step(preset, precision, batch, seq, mesh_sizes, target="h100",
 def report(text: str, verbose: bool = True) -> str:
   """The collectives of `text` (scheduled HLO) as Markdown."""
   from nvfp4_jax.tools import timing  # pylint: disable=g-import-not-at-top
-  from nvfp4_jax.parallel import hlo  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.sharding import hlo  # pylint: disable=g-import-not-at-top
   over = overlap(text)
   rows, totals = [], collections.defaultdict(lambda: [0, 0.0, 0])
   for c in hlo.collectives(text):

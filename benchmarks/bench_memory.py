@@ -512,7 +512,7 @@ def _model_trainer(c: MeshConfig, rung: str):
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  from nvfp4_jax import parallel as sharding  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax import sharding  # pylint: disable=g-import-not-at-top
   from train import data  # pylint: disable=g-import-not-at-top
   from train.config import TrainConfig  # pylint: disable=g-import-not-at-top
   from train.loop import Trainer  # pylint: disable=g-import-not-at-top

@@ -85,7 +85,7 @@ def layer_ops(hlo_text: str, kernels: dict[str, tuple[float, float]]
   Looks each kernel up in the compiled HLO (the trace names a fusion
   `loop_add_fusion_3` where the HLO has `%loop_add_fusion.3`) and reads the
   `op_name` its source path left: ops under an `nvfp4_layer[...]` scope
-  (`training.dot_general.layer_scope`) are keyed by the path after it, named regions
+  (`training.names.layer_scope`) are keyed by the path after it, named regions
   unwrapped (`nvfp4_quantize_w/transpose`), with "bwd " in the backward
   pass. The library's Pallas kernels (named `nvfp4_*`) are keyed by name.
 

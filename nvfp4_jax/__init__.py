@@ -54,7 +54,7 @@ from nvfp4_jax.ops.weight_only_matmul.api import weight_only_matmul
 
 # Training: the quantized GEMMs' custom VJPs, remat and FP32 master weights.
 from nvfp4_jax.training.dot_general import dot_general
-from nvfp4_jax.training.dot_general import remat_policy
+from nvfp4_jax.training.names import remat_policy
 from nvfp4_jax.training.master_weights import MasterWeightsState
 from nvfp4_jax.training.master_weights import master_params
 from nvfp4_jax.training.master_weights import master_weights
@@ -69,10 +69,10 @@ from nvfp4_jax.flax.rules import paper_rules
 from nvfp4_jax.flax.rules import precision_rules
 
 # Sharding: device meshes, per-layer shardings.
-from nvfp4_jax import parallel as sharding
-from nvfp4_jax.parallel import LinearSharding
-from nvfp4_jax.parallel import MeshRules
-from nvfp4_jax.parallel import mesh_rules
+from nvfp4_jax import sharding
+from nvfp4_jax.sharding import LinearSharding
+from nvfp4_jax.sharding import MeshRules
+from nvfp4_jax.sharding import mesh_rules
 
 # Numerics: the E2M1 / E4M3 constants and codecs.
 from nvfp4_jax.core.hadamard import TE_SIGN_VECTOR_16

@@ -49,7 +49,10 @@ DEPRECATED: dict[str, str | tuple[str, ...]] = {
     "nvfp4_jax.nnx_layers": "nvfp4_jax.flax.nnx",
     "nvfp4_jax.interop": "nvfp4_jax.flax.inject",
     "nvfp4_jax.rules": "nvfp4_jax.flax.rules",
-    "nvfp4_jax.hlo": "nvfp4_jax.parallel.hlo",
+    "nvfp4_jax.hlo": "nvfp4_jax.sharding.hlo",
+    "nvfp4_jax.parallel": "nvfp4_jax.sharding",
+    "nvfp4_jax.parallel.mesh": "nvfp4_jax.sharding.mesh",
+    "nvfp4_jax.parallel.hlo": "nvfp4_jax.sharding.hlo",
     "nvfp4_jax.sensitivity": "nvfp4_jax.tools.sensitivity",
     "nvfp4_jax.safetensors": "nvfp4_jax.tools.safetensors",
     "nvfp4_jax.export": "nvfp4_jax.tools.export",
@@ -77,20 +80,12 @@ DEPRECATED: dict[str, str | tuple[str, ...]] = {
     # package.
     "nvfp4_jax.ops:dot_general": "nvfp4_jax.training.dot_general:dot_general",
     "nvfp4_jax.ops:remat_policy":
-        "nvfp4_jax.training.dot_general:remat_policy",
-    "nvfp4_jax.ops:layer_scope": "nvfp4_jax.training.dot_general:layer_scope",
-    "nvfp4_jax.ops:LAYER_SCOPE": "nvfp4_jax.training.dot_general:LAYER_SCOPE",
+        "nvfp4_jax.training.names:remat_policy",
+    "nvfp4_jax.ops:layer_scope": "nvfp4_jax.training.names:layer_scope",
+    "nvfp4_jax.ops:LAYER_SCOPE": "nvfp4_jax.training.names:LAYER_SCOPE",
     "nvfp4_jax.ops:RESIDUAL_NAME":
-        "nvfp4_jax.training.dot_general:RESIDUAL_NAME",
+        "nvfp4_jax.training.names:RESIDUAL_NAME",
 }
-
-# Module paths that are another spelling of a current public name, served
-# by the same finder without a warning: `import nvfp4_jax.sharding` is the
-# package's `nv.sharding`.
-ALIASES: dict[str, str] = {
-    "nvfp4_jax.sharding": "nvfp4_jax.parallel",
-}
-
 
 def _warn(old: str, new: str) -> None:
   """Warns that `old` is deprecated, at the user's line that used it."""
@@ -170,7 +165,7 @@ class _Loader(importlib.abc.Loader):
     self._spec = None
 
   def create_module(self, spec):
-    new = DEPRECATED.get(spec.name, ALIASES.get(spec.name))
+    new = DEPRECATED.get(spec.name)
     if isinstance(new, tuple):
       return _SplitModule(spec.name, new)
     if spec.name in DEPRECATED:
@@ -189,7 +184,7 @@ class _Loader(importlib.abc.Loader):
 class _Finder(importlib.abc.MetaPathFinder):
 
   def find_spec(self, fullname, path=None, target=None):
-    if fullname in DEPRECATED or fullname in ALIASES:
+    if fullname in DEPRECATED:
       return importlib.util.spec_from_loader(fullname, _Loader())
     return None
 

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import nvfp4_jax as nv  # noqa: E402
-from nvfp4_jax import parallel as shd  # noqa: E402
+from nvfp4_jax import sharding as shd  # noqa: E402
 from conftest import make_heavy_tailed  # noqa: E402
 
 U = 2.0 ** -24
@@ -857,7 +857,7 @@ def _no_f32_gather_of(compiled, shapes, what):
 def check_auto_gather_rows():
   """Auto mode with the row gather kernel (`nvfp4_jax.ops.gather_rows`,
   interpreted on CPU): under `jax.jit` shardings each device gathers the
-  rows of its shard of the index (`spmd.gather_per_shard`), so the result
+  rows of its shard of the index (`sharded.gather_per_shard`), so the result
   is split as the index is and equals the whole gather bit for bit; the
   compiled program runs the kernel on `[M / 8, D]` (off, on the whole
   `[M, D]`)."""
@@ -946,7 +946,7 @@ def check_auto_kernels():
   compiled program gathers neither X nor dY in FP32. Also the Wgrad
   quantizer alone on a 2-D split (transposed result), and the values
   GEMM's and the native FP4 GEMM's per-shard rule
-  (`spmd.matmul_per_shard`: the Mosaic GPU kernel's on Hopper, Triton's
+  (`sharded.matmul_per_shard`: the Mosaic GPU kernel's on Hopper, Triton's
   and cuDNN's on Blackwell) around stand-in kernels: per shard, with the
   XLA fallback for a shard the kernel turns down, equal to the whole
   GEMM."""
@@ -2310,8 +2310,8 @@ def check_moe_expert_parallel(expert_only: bool = False,
   import nvfp4_jax as nv  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.training import moe  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.flax.moe import NVFP4MoE  # pylint: disable=g-import-not-at-top
-  from nvfp4_jax.parallel import MeshRules  # pylint: disable=g-import-not-at-top
-  from nvfp4_jax.parallel import make_mesh  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.sharding import MeshRules  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.sharding import make_mesh  # pylint: disable=g-import-not-at-top
   d, t = 64, 128
   x = jax.random.normal(jax.random.key(0), (8, t // 8, d))
   cases = ((dict(expert=8), None, 0.5), (dict(data=2, expert=4), "bf16", None),

@@ -706,7 +706,7 @@ def test_fsdp_step_on_two_h100s_gathers_weights_once_not_activations():
   gathers depends on its version: jax 0.10.2's issues one async gather per
   weight, jax 0.11.2's combines them into one gather of every weight.)"""
   from benchmarks import aot_collectives
-  from nvfp4_jax.parallel import hlo
+  from nvfp4_jax.sharding import hlo
   text = aot_collectives.compile_step("tiny", "bf16", 4, 64, {"fsdp": 2})
   cs = [c for c in hlo.collectives(text) if not c.trivial]
   assert len(aot.topology_devices("h100", 2)) == 2

@@ -167,7 +167,8 @@ def test_layer_bit_equal_to_the_codes_path(monkeypatch, recipe):
   got = run()
   plan = ops.gemm_plan
   monkeypatch.setattr(ops, "gemm_plan", lambda *a, **k: dataclasses.replace(
-      plan(*a, **k), values=False, residuals="codes"))
+      plan(*a, **k), values=False))
+  monkeypatch.setattr(ops, "saved_residuals", lambda *a: "codes")
   want = run()
   for g, wv in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(g, np.float32),
@@ -221,18 +222,20 @@ def test_residuals_choice_is_validated():
 
 
 def test_residuals_choice_is_resolved_with_the_gemm_backend():
-  """`gemm_plan` decides once, from the platform it is given: the emulation
-  (Hopper, CPU) multiplies values and saves them on request; a native FP4
-  GEMM (Blackwell) multiplies codes, so "values" saves codes and says so."""
-  hopper = gemm_api.gemm_plan("values", platform="gpu", cc=(9, 0))
-  assert (hopper.backend, hopper.values, hopper.residuals) == (
-      "pallas", True, "values")
-  cpu = gemm_api.gemm_plan("values", platform="cpu", cc=None)
-  assert (cpu.backend, cpu.values, cpu.residuals) == ("xla", True, "values")
+  """`gemm_plan` decides once, from the platform it is given, and the layer
+  its residuals from it (`saved_residuals`): the emulation (Hopper, CPU)
+  multiplies values and saves them on request; a native FP4 GEMM
+  (Blackwell) multiplies codes, so "values" saves codes and says so."""
+  hopper = gemm_api.gemm_plan(platform="gpu", cc=(9, 0))
+  assert (hopper.backend, hopper.values,
+          ops.saved_residuals("values", hopper)) == ("pallas", True, "values")
+  cpu = gemm_api.gemm_plan(platform="cpu", cc=None)
+  assert (cpu.backend, cpu.values, ops.saved_residuals("values", cpu)) == (
+      "xla", True, "values")
+  b200 = gemm_api.gemm_plan(platform="gpu", cc=(10, 0))
   with pytest.warns(UserWarning, match="residuals='values'.*saves codes"):
-    b200 = gemm_api.gemm_plan("values", platform="gpu", cc=(10, 0))
-  assert (b200.backend, b200.values, b200.residuals) == (
+    b200_residuals = ops.saved_residuals("values", b200)
+  assert (b200.backend, b200.values, b200_residuals) == (
       "scaled_matmul", False, "codes")
   # A default_implementation block overrides the platform's preference.
-  assert gemm_api.gemm_plan("codes", platform="gpu", cc=(10, 0),
-                            impl="xla").values
+  assert gemm_api.gemm_plan(platform="gpu", cc=(10, 0), impl="xla").values

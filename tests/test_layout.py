@@ -2,7 +2,7 @@
 
 Layers, bottom up (README, "Layout"): `nvfp4_jax.core` and `pallas_kernels`
 (the shared numerics and Pallas plumbing) < `nvfp4_jax.ops` (one folder per
-op) < `nvfp4_jax.parallel` < `nvfp4_jax.training` < `nvfp4_jax.flax` <
+op) < `nvfp4_jax.sharding` < `nvfp4_jax.training` < `nvfp4_jax.flax` <
 `nvfp4_jax.tools` < the package's `__init__` and its table of deprecated
 paths (`_compat`). A module imports only from its own layer or below, by an
 import statement or by a string (`importlib.import_module("...")`, a
@@ -24,7 +24,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("nvfp4_jax", "pallas_kernels")
 LAYERS = (("nvfp4_jax.core", 0), ("pallas_kernels", 0), ("nvfp4_jax.ops", 1),
-          ("nvfp4_jax.parallel", 2), ("nvfp4_jax.training", 3),
+          ("nvfp4_jax.sharding", 2), ("nvfp4_jax.training", 3),
           ("nvfp4_jax.flax", 4), ("nvfp4_jax.tools", 5))
 # The package's entry points and the table of deprecated paths (`_compat`,
 # which serves old module paths from their new homes) sit above everything.

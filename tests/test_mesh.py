@@ -409,7 +409,7 @@ def test_sequence_parallel_on_two_gpus_equals_tensor_parallel(style):
   import dataclasses  # pylint: disable=g-import-not-at-top
   import nvfp4_jax as nv  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-  from nvfp4_jax import parallel as shd  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax import sharding as shd  # pylint: disable=g-import-not-at-top
   from conftest import make_heavy_tailed  # pylint: disable=g-import-not-at-top
   m = shd.make_mesh(jax.devices()[:2], model=2)
   t, k, n = 512, 256, 512

@@ -243,8 +243,8 @@ def test_expert_parallel_on_two_gpus_equals_one(exchange, slack,
   logits per token shard move by at most `2 D u max sum_d |x_d r_d|`, an
   output by `2 dz max|y|` plus its own rounding; gradients sum `t` terms in
   another order (`2 t u t max|g|`)."""
-  from nvfp4_jax.parallel import MeshRules  # pylint: disable=g-import-not-at-top
-  from nvfp4_jax.parallel import make_mesh  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.sharding import MeshRules  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.sharding import make_mesh  # pylint: disable=g-import-not-at-top
   d, t = 64, 256
   x = jax.random.normal(jax.random.key(0), (2, t // 2, d))
   layer = nv.NVFP4MoE(num_experts=8, hidden=64, top_k=2, recipe="bf16")

@@ -258,6 +258,7 @@ def test_weight_in_kernel_layout_is_the_transposed_quantization(monkeypatch):
   GEMM's path) gives the operands, outputs and gradients of quantizing
   `kernel^T` for Fprop and transposing those codes for Dgrad."""
   from nvfp4_jax.ops.quantize import api as quantize_api
+  from nvfp4_jax.sharding import per_shard
   from nvfp4_jax.training import dot_general as ops
   t, k, n = 64, 128, 96  # k != n: a transposed layout would not fit.
   x = heavy(jax.random.key(0), (t, k), jnp.bfloat16)
@@ -281,7 +282,7 @@ def test_weight_in_kernel_layout_is_the_transposed_quantization(monkeypatch):
     (_, y), g = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, w)
     return y, *g
   plan = ops.gemm_plan(platform=jax.default_backend(), cc=None)
-  assert ops._weight_in_kernel_layout(recipe, plan, ops._WHOLE) == (
+  assert ops._weight_in_kernel_layout(recipe, plan, per_shard.WHOLE) == (
       plan.values)
   new = jax.jit(run)()
   monkeypatch.setattr(ops, "_weight_in_kernel_layout", lambda *a: False)
@@ -311,18 +312,19 @@ def test_data_parallel_layer_quantizes_its_whole_weight_in_place():
   kernel-layout pass: codes and Fprop's values at once, no dequantize
   before Fprop); an FSDP or tensor-parallel split gathers codes instead."""
   from jax.sharding import AbstractMesh
+  from nvfp4_jax.sharding import per_shard
   from nvfp4_jax.training import dot_general as ops
   mesh = AbstractMesh((2, 1, 1), ("data", "fsdp", "model"))
   split = AbstractMesh((1, 2, 1), ("data", "fsdp", "model"))
   recipe = nv.Recipe.nvfp4()
   plan = ops.gemm_plan(platform=jax.default_backend(), cc=None)
-  dp = ops._Shard(nv.LinearSharding(mesh=mesh, tokens=("data", "fsdp"),
-                                    fsdp="fsdp"))
-  fsdp = ops._Shard(nv.LinearSharding(mesh=split, tokens=("data", "fsdp"),
-                                      fsdp="fsdp"))
+  dp = per_shard.Shard(nv.LinearSharding(
+      mesh=mesh, tokens=("data", "fsdp"), fsdp="fsdp"))
+  fsdp = per_shard.Shard(nv.LinearSharding(
+      mesh=split, tokens=("data", "fsdp"), fsdp="fsdp"))
   assert dp.whole_w and not fsdp.whole_w
   assert ops._weight_in_kernel_layout(recipe, plan, dp) == (
-      ops._weight_in_kernel_layout(recipe, plan, ops._WHOLE))
+      ops._weight_in_kernel_layout(recipe, plan, per_shard.WHOLE))
   assert not ops._weight_in_kernel_layout(recipe, plan, fsdp)
   assert not ops._weight_kernel_layout_native(recipe, plan, fsdp)
 

@@ -102,12 +102,12 @@ def test_sequence_parallel_reaches_the_trainers_mesh_rules(monkeypatch):
   and the trainer's `MeshRules` (off without the flags); the collective
   matmul alone is refused, naming both flags."""
   import jax  # pylint: disable=g-import-not-at-top
-  from nvfp4_jax import parallel  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax import sharding  # pylint: disable=g-import-not-at-top
   from tiny_training import small_corpus  # pylint: disable=g-import-not-at-top
   from train.loop import Trainer  # pylint: disable=g-import-not-at-top
   # The mesh rules are what is checked: no step is traced or compiled.
   monkeypatch.setattr(Trainer, "_shard", lambda self, mr: None)
-  mesh = parallel.make_mesh(jax.devices()[:1], data=1)
+  mesh = sharding.make_mesh(jax.devices()[:1], data=1)
   parser = cli.build_parser()
   for flags, want in (([], (False, False)),
                       (["--sequence-parallel"], (True, False)),

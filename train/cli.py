@@ -225,7 +225,7 @@ def make_mesh(args):
   """The run's device mesh: `--mesh`, else all devices on `data`; None on a
   single device without `--mesh` (the unsharded step)."""
   import jax  # pylint: disable=g-import-not-at-top
-  from nvfp4_jax import parallel as sharding  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax import sharding  # pylint: disable=g-import-not-at-top
   if args.mesh is None and jax.device_count() == 1:
     return None
   try:

@@ -11,10 +11,10 @@ from models import PRESETS
 from models import MLP_KINDS
 from models.gpt import ATTENTION_KINDS
 from models.gpt import REMAT_KINDS
-from nvfp4_jax.parallel.mesh import AMAX_SCOPES
-from nvfp4_jax.parallel.mesh import PARTIAL_SUMS
-from nvfp4_jax.parallel.mesh import WGRAD_SCHEDULES
-from nvfp4_jax.parallel.mesh import WGRAD_SUMS
+from nvfp4_jax.sharding.mesh import AMAX_SCOPES
+from nvfp4_jax.sharding.mesh import PARTIAL_SUMS
+from nvfp4_jax.sharding.mesh import WGRAD_SCHEDULES
+from nvfp4_jax.sharding.mesh import WGRAD_SUMS
 from nvfp4_jax.core.recipe import FOUR_OVER_SIX_MODES
 from nvfp4_jax.core.recipe import RESIDUALS
 from nvfp4_jax.core.recipe import check_field

@@ -19,12 +19,12 @@ import argparse
 import dataclasses
 from typing import Any
 
-from nvfp4_jax.parallel.mesh import AMAX_SCOPES
-from nvfp4_jax.parallel.mesh import AXES
-from nvfp4_jax.parallel.mesh import EXPERT_AXIS
-from nvfp4_jax.parallel.mesh import PARTIAL_SUMS
-from nvfp4_jax.parallel.mesh import WGRAD_SCHEDULES
-from nvfp4_jax.parallel.mesh import WGRAD_SUMS
+from nvfp4_jax.sharding.mesh import AMAX_SCOPES
+from nvfp4_jax.sharding.mesh import AXES
+from nvfp4_jax.sharding.mesh import EXPERT_AXIS
+from nvfp4_jax.sharding.mesh import PARTIAL_SUMS
+from nvfp4_jax.sharding.mesh import WGRAD_SCHEDULES
+from nvfp4_jax.sharding.mesh import WGRAD_SUMS
 
 MESH_AXES = AXES + (EXPERT_AXIS,)
 MESH_HELP = ("device mesh, e.g. data=2,fsdp=2,model=2 (axes data: batch; "

@@ -199,8 +199,8 @@ class Recipe:
       memory for speed, and applies where the GEMM is the exact emulation
       (Hopper, CPU) and to NVFP4 operands. Where a native FP4 GEMM runs
       (Blackwell) the codes are saved and a `UserWarning` says so: the
-      choice is resolved once, with the GEMM backend
-      (`nvfp4_jax.ops.block_scaled_matmul.api.gemm_plan`).
+      choice is resolved once per layer call, against the GEMM backend
+      (`nvfp4_jax.training.dot_general.saved_residuals`).
     name: a label for tables and plots.
   """
 

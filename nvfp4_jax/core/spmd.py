@@ -319,7 +319,7 @@ STATIC = ("mesh", "spec", "implementation")
 AUTO_PARTITION = True
 
 
-def _auto_partitions(tree: Any) -> bool:
+def auto_partitions(tree: Any) -> bool:
   """Whether a kernel call on the arrays of `tree` may be partitioned by
   XLA: traced (under `jit`) in a process with several devices, outside
   `shard_map`, on arrays whose types carry no Explicit mesh axes (sharding
@@ -470,7 +470,7 @@ def blockwise(fn: Callable, operand: Any, *, grid: Sequence[int],
   if (not big or any(jnp.ndim(l) not in (0, 1, 2) for l in leaves)
       or any(s % n for l in big for s, n in zip(jnp.shape(l), grid))
       or any(jnp.shape(l)[0] % grid[0] for l in leaves if jnp.ndim(l) == 1)
-      or not _auto_partitions((operand, kwargs))):
+      or not auto_partitions((operand, kwargs))):
     return fn(operand, **kwargs)
   from jax.experimental.custom_partitioning import custom_partitioning  # pylint: disable=g-import-not-at-top
   first_big = next(i for i, l in enumerate(leaves) if jnp.ndim(l) == 2)
@@ -560,79 +560,52 @@ def blockwise(fn: Callable, operand: Any, *, grid: Sequence[int],
   return out
 
 
-def matmul_per_shard(fn: Callable, a: Any, b: Any, *args: jax.Array,
-                     b_kn: bool = False, fallback: Callable | None = None,
-                     **kwargs) -> Any:
-  """`fn(a, b, *args, **kwargs)`, a GEMM kernel `a @ b.T` (`a @ b` with
-  `b_kn`) -> `[M, N]`, run per shard under `jax.jit` shardings.
+def partitioned(fn: Callable, flat: Sequence[Any], *, shardings: Callable,
+                rule: Any, fallback: Callable | None = None) -> Any:
+  """`fn(*flat)` as a `custom_partitioning` whose every shard runs `fn` on
+  its own operands: the scaffolding the per-shard rules share
+  (`grouped_matmul_per_shard`, the GEMM's and the row gather's in their
+  ops' `sharded.py`).
 
-  `a` and `b` are arrays or quantized arrays (pytrees whose non-scalar
-  leaves are 2-D with rows first: codes, scales; `[K, N]` leaves with
-  `b_kn`). The result's rows are split as `a`'s rows, its columns as `b`'s
-  `N` (less axes already splitting the rows); the contraction K is
-  gathered where split (each output element's sum stays on one device, in
-  the kernel's order, so no partial sums cross devices). `args` (an alpha)
-  and scalar leaves (amaxes) are replicated. A shard the kernel turns down
-  (`NotImplementedError` on its local shape) runs `fallback` (same
-  signature) instead. Where `blockwise` calls its kernel as it is, this is
-  `fn(a, b, *args, **kwargs)`.
+  Args:
+    fn: the kernel's call on the flat operands (arrays).
+    flat: the operands.
+    shardings: `shardings(mesh, arg_shapes)` -> `(arg_shardings,
+      out_sharding, local)`: the sharding of each operand and of the result,
+      and `local(flat)`, a shard's operands for `fn` from the ones it holds
+      (None: as they are).
+    rule: Shardy's `SdyShardingRule` for the call (`pass_through_rule`).
+    fallback: what a shard the kernel turns down (`NotImplementedError` on
+      its local shape) runs instead, called as `fn`; None: the error
+      propagates.
+
+  Returns:
+    `fn(*flat)`; under `jax.vmap`, `fn` vmapped, unpartitioned
+    (`_batchable`).
   """
-  a_leaves, a_tree = jax.tree.flatten(a)
-  b_leaves, b_tree = jax.tree.flatten(b)
-  ops = a_leaves + b_leaves
-  if (any(jnp.ndim(l) not in (0, 2) for l in ops)
-      or not any(jnp.ndim(l) == 2 for l in a_leaves)
-      or not any(jnp.ndim(l) == 2 for l in b_leaves)
-      or not _auto_partitions((a, b, args))):
-    return fn(a, b, *args, **kwargs)
-  from jax.experimental.custom_partitioning import SdyShardingRule  # pylint: disable=g-import-not-at-top
   from jax.experimental.custom_partitioning import custom_partitioning  # pylint: disable=g-import-not-at-top
-  na, nb = len(a_leaves), len(b_leaves)
-  first_a = next(i for i, l in enumerate(a_leaves) if jnp.ndim(l) == 2)
-  first_b = na + next(i for i, l in enumerate(b_leaves) if jnp.ndim(l) == 2)
-  n_dim = 1 if b_kn else 0
-
-  def unflat(flat):
-    return (jax.tree.unflatten(a_tree, flat[:na]),
-            jax.tree.unflatten(b_tree, flat[na:na + nb]), flat[na + nb:])
 
   def whole(*flat):
-    a, b, rest = unflat(flat)
-    return fn(a, b, *rest, **kwargs)
+    return fn(*flat)
 
   def call(*flat):
+    # A nested jit keeps the kernel's constants inside its own jaxpr
+    # (`custom_partitioning` takes none).
     return jax.jit(whole)(*flat)
-
-  def shardings(mesh, arg_shapes):
-    shapes = jax.tree.leaves(arg_shapes)
-
-    def dim(shape, d):
-      spec = getattr(shape.sharding, "spec", None) or ()
-      return [x for x in (entry_axes(spec[d]) if d < len(spec) else ())
-              if x in mesh.shape]
-    m = entry(dim(shapes[first_a], 0))
-    n = entry([x for x in dim(shapes[first_b], n_dim)
-               if x not in entry_axes(m)])
-    b_spec = P(None, n) if b_kn else P(n, None)
-    args_sh = tuple(
-        NamedSharding(mesh, P() if not s.shape else
-                      P(m, None) if i < na else b_spec)
-        for i, s in enumerate(shapes[:na + nb])) + tuple(
-            NamedSharding(mesh, P()) for _ in args)
-    return args_sh, NamedSharding(mesh, P(m, n))
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    args_sh, out_sh = shardings(mesh, arg_shapes)
+    args_sh, out_sh, local_operands = shardings(mesh, arg_shapes)
 
     def shard(*flat):
-      a, b, rest = unflat(flat)
+      if local_operands is not None:
+        flat = local_operands(flat)
       try:
-        return fn(a, b, *rest, **kwargs)
+        return fn(*flat)
       except NotImplementedError:
         if fallback is None:
           raise
-        return fallback(a, b, *rest, **kwargs)
+        return fallback(*flat)
 
     def local(*flat):
       return jax.jit(shard)(*flat)
@@ -642,71 +615,34 @@ def matmul_per_shard(fn: Callable, a: Any, b: Any, *args: jax.Array,
     del result_shape
     return shardings(mesh, arg_shapes)[1]
 
-  # Rows `m` and `n` pass through; every other dimension is replicated.
-  replicated = []
-
-  def mapping(x, row, row_dim=0):
-    dims = []
-    for d in range(jnp.ndim(x)):
-      if row is not None and d == row_dim:
-        dims.append(row)
-      else:
-        replicated.append(f"r{len(replicated)}")
-        dims.append(replicated[-1])
-    return tuple(dims)
-  rule = SdyShardingRule(
-      tuple(mapping(l, "m") for l in a_leaves)
-      + tuple(mapping(l, "n", n_dim) for l in b_leaves)
-      + tuple(mapping(x, None) for x in args),
-      (("m", "n"),), need_replication_factors=tuple(replicated))
   cp = custom_partitioning(call)
   cp.def_partition(partition, infer_sharding_from_operands=infer,
                    sharding_rule=rule)
-  return _batchable(cp, whole)(*ops, *args)
+  return _batchable(cp, whole)(*flat)
 
 
-def gather_per_shard(fn: Callable, x: jax.Array, index: jax.Array,
-                     **kwargs) -> jax.Array:
-  """`fn(x, index, **kwargs)`, a row gather kernel (`x [rows, D]`, `index
-  [M]` -> `[M, D]`), run per shard under `jax.jit` shardings: each device
-  gathers the rows of its shard of `index` from the whole `x` (gathered
-  where split: an index may name any row), so the result's rows are split
-  as `index` is and no device computes another's rows. Where `blockwise`
-  calls its kernel as it is, this is `fn(x, index, **kwargs)`."""
-  if (jnp.ndim(x) != 2 or jnp.ndim(index) != 1
-      or not _auto_partitions((x, index))):
-    return fn(x, index, **kwargs)
+def pass_through_rule(operands: Sequence[tuple[Any, str | None, int]],
+                      results: tuple, replicated: Sequence[str] = ()) -> Any:
+  """Shardy's rule for a `partitioned` call whose operands each pass at
+  most one factor through: `(array, factor, dim)` names dimension `dim`'s
+  factor (None: none), and every other dimension is a replicated factor of
+  its own. `results` are the result's factors (as `SdyShardingRule`'s),
+  `replicated` more replicated ones among them."""
   from jax.experimental.custom_partitioning import SdyShardingRule  # pylint: disable=g-import-not-at-top
-  from jax.experimental.custom_partitioning import custom_partitioning  # pylint: disable=g-import-not-at-top
+  factors = []
 
-  def whole(x, index):
-    return fn(x, index, **kwargs)
-
-  def call(x, index):
-    return jax.jit(whole)(x, index)
-
-  def shardings(mesh, arg_shapes):
-    spec = getattr(arg_shapes[1].sharding, "spec", None) or ()
-    m = entry([a for a in (entry_axes(spec[0]) if spec else ())
-               if a in mesh.shape])
-    return ((NamedSharding(mesh, P(None, None)), NamedSharding(mesh, P(m))),
-            NamedSharding(mesh, P(m, None)))
-
-  def partition(mesh, arg_shapes, result_shape):
-    del result_shape
-    args_sh, out_sh = shardings(mesh, arg_shapes)
-    return mesh, call, out_sh, args_sh
-
-  def infer(mesh, arg_shapes, result_shape):
-    del result_shape
-    return shardings(mesh, arg_shapes)[1]
-
-  rule = SdyShardingRule((("r", "d"), ("m",)), (("m", "d2"),),
-                         need_replication_factors=("r", "d", "d2"))
-  cp = custom_partitioning(call)
-  cp.def_partition(partition, infer_sharding_from_operands=infer,
-                   sharding_rule=rule)
-  return _batchable(cp, whole)(x, index)
+  def mapping(x, name, d):
+    dims = []
+    for i in range(jnp.ndim(x)):
+      if name is not None and i == d:
+        dims.append(name)
+      else:
+        factors.append(f"r{len(factors)}")
+        dims.append(factors[-1])
+    return tuple(dims)
+  mapped = tuple(mapping(*o) for o in operands)
+  return SdyShardingRule(mapped, results, need_replication_factors=tuple(
+      factors) + tuple(replicated))
 
 
 def local_group_sizes(group_sizes: jax.Array, axes: Sequence[str],
@@ -759,22 +695,15 @@ def grouped_matmul_per_shard(fn: Callable, a: Any, b: Any, rest: Any, *,
   b_rank = 2 if contract_tokens else 3
   if (any(jnp.ndim(l) != 2 for l in a_leaves)
       or any(jnp.ndim(l) != b_rank for l in b_leaves)
-      or not _auto_partitions((a_leaves, b_leaves, rest_leaves))):
+      or not auto_partitions((a_leaves, b_leaves, rest_leaves))):
     return fn(*a_leaves, *b_leaves, *rest, **kwargs)
-  from jax.experimental.custom_partitioning import SdyShardingRule  # pylint: disable=g-import-not-at-top
-  from jax.experimental.custom_partitioning import custom_partitioning  # pylint: disable=g-import-not-at-top
   na, nb = len(a_leaves), len(b_leaves)
 
-  def unflat(flat):
-    return (list(flat[:na + nb]),
-            jax.tree.unflatten(rest_tree, flat[na + nb:]))
-
-  def whole(*flat):
-    ops, r = unflat(flat)
-    return fn(*ops, *r, **kwargs)
-
-  def call(*flat):
-    return jax.jit(whole)(*flat)
+  def flat_call(g: Callable) -> Callable:
+    def run(*flat):
+      r = jax.tree.unflatten(rest_tree, flat[na + nb:])
+      return g(*flat[:na + nb], *r, **kwargs)
+    return run
 
   def shardings(mesh, arg_shapes):
     shapes = jax.tree.leaves(arg_shapes)
@@ -799,55 +728,23 @@ def grouped_matmul_per_shard(fn: Callable, a: Any, b: Any, rest: Any, *,
         for i in range(na + nb)) + tuple(
             NamedSharding(mesh, P()) for _ in rest_leaves)
     out = P(m, n) if not contract_tokens else P(None, m, n)
-    return args_sh, NamedSharding(mesh, out), entry_axes(m)
-
-  def partition(mesh, arg_shapes, result_shape):
-    del result_shape
-    args_sh, out_sh, m_axes = shardings(mesh, arg_shapes)
-
-    def shard(*flat):
-      ops, r = unflat(flat)
-      if not contract_tokens and m_axes:
-        r = list(r)
-        r[0] = local_group_sizes(r[0], m_axes, ops[0].shape[0])
-      try:
-        return fn(*ops, *r, **kwargs)
-      except NotImplementedError:
-        if fallback is None:
-          raise
-        return fallback(*ops, *r, **kwargs)
-
-    def local(*flat):
-      return jax.jit(shard)(*flat)
-    return mesh, local, out_sh, args_sh
-
-  def infer(mesh, arg_shapes, result_shape):
-    del result_shape
-    return shardings(mesh, arg_shapes)[1]
+    m_axes = entry_axes(m)
+    local = None
+    if not contract_tokens and m_axes:
+      # The first of `rest` is the group sizes: the shard's own.
+      def local(flat):
+        flat = list(flat)
+        flat[na + nb] = local_group_sizes(flat[na + nb], m_axes,
+                                          flat[0].shape[0])
+        return tuple(flat)
+    return args_sh, NamedSharding(mesh, out), local
 
   # `m` and `n` pass through; every other dimension is replicated.
-  replicated = []
-
-  def mapping(x, name, d):
-    dims = []
-    for i in range(jnp.ndim(x)):
-      if name is not None and i == d:
-        dims.append(name)
-      else:
-        replicated.append(f"r{len(replicated)}")
-        dims.append(replicated[-1])
-    return tuple(dims)
-  operands = (tuple(mapping(l, "m", a_dim) for l in a_leaves)
-              + tuple(mapping(l, "n", b_dim) for l in b_leaves)
-              + tuple(mapping(l, None, 0) for l in rest_leaves))
-  if contract_tokens:
-    replicated.append("e")
-    result = (("e", "m", "n"),)
-  else:
-    result = (("m", "n"),)
-  rule = SdyShardingRule(operands, result,
-                         need_replication_factors=tuple(replicated))
-  cp = custom_partitioning(call)
-  cp.def_partition(partition, infer_sharding_from_operands=infer,
-                   sharding_rule=rule)
-  return _batchable(cp, whole)(*a_leaves, *b_leaves, *rest_leaves)
+  rule = pass_through_rule(
+      [(l, "m", a_dim) for l in a_leaves] + [(l, "n", b_dim) for l in b_leaves]
+      + [(l, None, 0) for l in rest_leaves],
+      (("e", "m", "n"),) if contract_tokens else (("m", "n"),),
+      ("e",) if contract_tokens else ())
+  return partitioned(flat_call(fn), [*a_leaves, *b_leaves, *rest_leaves],
+                     shardings=shardings, rule=rule,
+                     fallback=None if fallback is None else flat_call(fallback))

@@ -33,6 +33,7 @@ from nvfp4_jax.core.recipe import Recipe
 from nvfp4_jax.core.recipe import as_recipe
 from nvfp4_jax.flax.rules import PrecisionRules
 from nvfp4_jax.flax.rules import current_scope
+from nvfp4_jax.sharding.operands import apply_out_sharding
 
 RNG_STREAM = "nvfp4"
 
@@ -218,7 +219,7 @@ def layer_dot_general(lhs, rhs, dimension_numbers, *, recipe: Recipe | None,
     return ops.dot_general(a, b, dimension_numbers, precision,
                            dtype, recipe=r, key=key,
                            out_sharding=out_sharding, name=path or "<root>")
-  return layer_call(run, recipe=recipe, path=path, key=key, rules=rules)
+  return _layer_call(run, recipe=recipe, path=path, key=key, rules=rules)
 
 
 def layer_call(run: Callable[[Recipe, jax.Array | None], Any], *,
@@ -234,7 +235,16 @@ def layer_call(run: Callable[[Recipe, jax.Array | None], Any], *,
   (every linear layer) and the mixture-of-experts layers'
   expert GEMMs (`nvfp4_jax.flax.moe`) call it.
   """
-  recipe = as_recipe(recipe, f"layer {path or '<root>'!r}: ")
+  return _layer_call(run, recipe=as_recipe(
+      recipe, f"layer {path or '<root>'!r}: "), path=path, key=key,
+                     rules=rules)
+
+
+def _layer_call(run: Callable[[Recipe, jax.Array | None], Any], *,
+                recipe: Recipe | None, path: str, key: jax.Array | None,
+                rules: PrecisionRules | None) -> Any:
+  """`layer_call` with the layer's own recipe resolved (a `Recipe` or
+  None)."""
   scope = current_scope()
   if rules is None:
     rules = scope.rules if scope is not None else _DEFAULT_RULES
@@ -425,7 +435,7 @@ def einsum_layer(inputs, kernel, equation: str, *, recipe, path: str, key,
       rules=rules, on_unsupported=on_unsupported)
   if perm != tuple(range(y.ndim)):
     y = jnp.transpose(y, perm)
-  return ops.apply_out_sharding(y, out_sharding)
+  return apply_out_sharding(y, out_sharding)
 
 
 def linen_einsum(module: nn.Einsum, inputs, einsum_str=None, *, recipe,

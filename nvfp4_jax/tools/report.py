@@ -13,7 +13,7 @@ decomposition (`compiled_report` does both steps on this process's device).
 `report` traces the function (`jax.make_jaxpr`: no FLOPs) and reads the
 program, not the configuration: each NVFP4 layer's GEMMs carry a name scope
 with the layer's path and the recipe they were traced with (see
-`training.dot_general.layer_scope`), each GEMM and quantizer region its name, and the kernels
+`training.names.layer_scope`), each GEMM and quantizer region its name, and the kernels
 inside them their own names. Every other `dot_general` of the program is a
 high-precision GEMM that no NVFP4 layer owns (embeddings, a plain head,
 attention's batched GEMMs) and is counted with its reason.
@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 import jax
 
-from nvfp4_jax.training.dot_general import LAYER_SCOPE
+from nvfp4_jax.training.names import LAYER_SCOPE
 
 _ROUTER = "moe_router"  # `nvfp4_jax.training.moe.ROUTER_SCOPE`.
 _GEMM_REGION = re.compile(r"^(nvfp4|bf16)_(fprop|dgrad|wgrad)$")

@@ -41,8 +41,8 @@ from nvfp4_jax.core import spmd
 from nvfp4_jax.ops.gather_rows.api import gather_rows
 from nvfp4_jax.ops.ragged_quantize.api import padded_layout
 from nvfp4_jax.ops.ragged_quantize.api import padded_length
-from nvfp4_jax.parallel import current_rules
-from nvfp4_jax.training.dot_general import explicit_mesh
+from nvfp4_jax.sharding import current_rules
+from nvfp4_jax.sharding.operands import explicit_mesh
 
 
 # ----------------------------------------------------------------------------

@@ -55,9 +55,9 @@ from nvfp4_jax.core.recipe import as_recipe
 from nvfp4_jax.ops.quantize.api import block_size
 from nvfp4_jax.ops.ragged_dot import api as rg
 from nvfp4_jax.ops.ragged_quantize import api as rq
-from nvfp4_jax.training.dot_general import _named
-from nvfp4_jax.training.dot_general import _residual
-from nvfp4_jax.training.dot_general import layer_scope
+from nvfp4_jax.training.names import layer_scope
+from nvfp4_jax.training.names import named
+from nvfp4_jax.training.names import residual
 
 
 ALIGN_MODES = ("pad", "check", "assume")
@@ -144,52 +144,52 @@ def _fprop(x, w, gs, key, recipe: Recipe, precision, out_dtype, align):
   qw_dgrad = None
   if recipe.fprop_x.quantized and _codes(recipe, "fprop"):
     # Native FP4: the GEMM multiplies codes (`[E, N, K]` for Fprop).
-    qx = _named("nvfp4_quantize_x", lambda x, k: rq.quantize_rows(
+    qx = named("nvfp4_quantize_x", lambda x, k: rq.quantize_rows(
         x, gs, recipe.fprop_x, k, values=False, codes=True))(
             x, keys["fprop_x"])
     if _weight_in_kernel_layout(recipe):
-      qw = _named("nvfp4_quantize_w", lambda w: rq.quantize_experts(
+      qw = named("nvfp4_quantize_w", lambda w: rq.quantize_experts(
           w, recipe.fprop_w, None, values=False))(w)
       qw_dgrad, qw_nk = qw, _codes_t(qw)
     else:
-      qw_nk = _named("nvfp4_quantize_w", lambda w, k: rq.quantize_experts(
+      qw_nk = named("nvfp4_quantize_w", lambda w, k: rq.quantize_experts(
           jnp.swapaxes(w, 1, 2), recipe.fprop_w, k, values=False))(
               w, keys["fprop_w"])
       if recipe.dgrad_w == recipe.fprop_w and recipe.fprop_w.block_2d:
         qw_dgrad = _codes_t(qw_nk)
-    y = _named("nvfp4_fprop", lambda a, b, alpha: rg.ragged_codes_matmul(
+    y = named("nvfp4_fprop", lambda a, b, alpha: rg.ragged_codes_matmul(
         a, b, gs, alpha, out_dtype=out_dtype))(qx, qw_nk,
                                                rg.group_alpha(qx, qw_nk))
   elif recipe.fprop_x.quantized:
-    qx = _named("nvfp4_quantize_x", lambda x, k: rq.quantize_rows(
+    qx = named("nvfp4_quantize_x", lambda x, k: rq.quantize_rows(
         x, gs, recipe.fprop_x, k))(x, keys["fprop_x"])
     if _weight_in_kernel_layout(recipe):
-      qw = _named("nvfp4_quantize_w", lambda w: rq.quantize_experts(
+      qw = named("nvfp4_quantize_w", lambda w: rq.quantize_experts(
           w, recipe.fprop_w, None))(w)
       vb, layout = qw.values, "kn"
       qw_dgrad = qw.without_values()
     else:
-      qw = _named("nvfp4_quantize_w", lambda w, k: rq.quantize_experts(
+      qw = named("nvfp4_quantize_w", lambda w, k: rq.quantize_experts(
           jnp.swapaxes(w, 1, 2), recipe.fprop_w, k))(w, keys["fprop_w"])
       vb, layout = qw.values, "nk"
       if recipe.dgrad_w == recipe.fprop_w and recipe.fprop_w.block_2d:
         qw_dgrad = qw.without_values()  # `[E, N, K]`: transposed in Dgrad.
-    y = _named("nvfp4_fprop", lambda a, b, alpha: rg.ragged_values_matmul(
+    y = named("nvfp4_fprop", lambda a, b, alpha: rg.ragged_values_matmul(
         a, b, gs, alpha, out_dtype=out_dtype, vb_layout=layout))(
             qx.values, vb, rg.group_alpha(qx, qw))
   else:
-    y = _named("bf16_fprop", lambda x, w: rg.ragged_values_matmul(
+    y = named("bf16_fprop", lambda x, w: rg.ragged_values_matmul(
         x.astype(out_dtype), w.astype(out_dtype), gs, out_dtype=out_dtype,
         precision=precision))(x, w)
   saved_x = x
   if recipe.gemm_format("wgrad") != "bf16":
     sources, sizes, length = _layout(recipe, gs, x.shape[0], align)
-    saved_x = _residual(_named(
+    saved_x = residual(named(
         "nvfp4_quantize_x", lambda x, k: rq.quantize_tokens(
             _tokens(x, sources, length, align), sizes, recipe.wgrad_x, k,
             rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector,
             values=False, codes=True))(x, keys["wgrad_x"]))
-  return y, (saved_x, w, None if qw_dgrad is None else _residual(qw_dgrad),
+  return y, (saved_x, w, None if qw_dgrad is None else residual(qw_dgrad),
              gs, key)
 
 
@@ -212,17 +212,17 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, align, res, dy):
   m = dy.shape[0]
   keys = expert_keys(recipe, key)
   if recipe.gemm_format("dgrad") != "bf16" and _codes(recipe, "dgrad"):
-    qdy = _named("nvfp4_quantize_dy", lambda dy, k: rq.quantize_rows(
+    qdy = named("nvfp4_quantize_dy", lambda dy, k: rq.quantize_rows(
         dy, gs, recipe.dgrad_dy, k, values=False, codes=True))(
             dy, keys["dgrad_dy"])
     qw = qw_dgrad  # Fprop's `[E, K, N]` codes: Dgrad contracts N.
     if qw is None:
-      qw = _named("nvfp4_quantize_w", lambda w, k: rq.quantize_experts(
+      qw = named("nvfp4_quantize_w", lambda w, k: rq.quantize_experts(
           w, recipe.dgrad_w, k, values=False))(w, keys["dgrad_w"])
-    dx = _named("nvfp4_dgrad", lambda a, b, alpha: rg.ragged_codes_matmul(
+    dx = named("nvfp4_dgrad", lambda a, b, alpha: rg.ragged_codes_matmul(
         a, b, gs, alpha, out_dtype=x_dtype))(qdy, qw, rg.group_alpha(qdy, qw))
   elif recipe.gemm_format("dgrad") != "bf16":
-    qdy = _named("nvfp4_quantize_dy", lambda dy, k: rq.quantize_rows(
+    qdy = named("nvfp4_quantize_dy", lambda dy, k: rq.quantize_rows(
         dy, gs, recipe.dgrad_dy, k))(dy, keys["dgrad_dy"])
     if qw_dgrad is not None:
       qw = qw_dgrad
@@ -231,21 +231,21 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, align, res, dy):
       # `[E, N, K]` read as it is (contract its first): no transpose pass.
       layout = "nk" if _weight_in_kernel_layout(recipe) else "kn"
     else:
-      qw = _named("nvfp4_quantize_w", lambda w, k: rq.quantize_experts(
+      qw = named("nvfp4_quantize_w", lambda w, k: rq.quantize_experts(
           w, recipe.dgrad_w, k, codes=False))(w, keys["dgrad_w"])
       vw, layout = qw.values, "nk"
     # dX in x's dtype straight from the FP32 accumulator, as the dense layer.
-    dx = _named("nvfp4_dgrad", lambda a, b, alpha: rg.ragged_values_matmul(
+    dx = named("nvfp4_dgrad", lambda a, b, alpha: rg.ragged_values_matmul(
         a, b, gs, alpha, out_dtype=x_dtype, vb_layout=layout))(
             qdy.values, vw, rg.group_alpha(qdy, qw))
   else:
-    dx = _named("bf16_dgrad", lambda dy, w: rg.ragged_values_matmul(
+    dx = named("bf16_dgrad", lambda dy, w: rg.ragged_values_matmul(
         dy.astype(out_dtype), w.astype(out_dtype), gs, out_dtype=out_dtype,
         vb_layout="nk", precision=precision))(dy, w)
   if recipe.gemm_format("wgrad") != "bf16":
     sources, sizes, length = _layout(recipe, gs, m, align)
     codes = _codes(recipe, "wgrad")
-    qdyt = _named("nvfp4_quantize_dy", lambda dy, k: rq.quantize_tokens(
+    qdyt = named("nvfp4_quantize_dy", lambda dy, k: rq.quantize_tokens(
         _tokens(dy, sources, length, align), sizes, recipe.wgrad_dy, k,
         rht_size=recipe.rht_size, sign_vector=recipe.rht_sign_vector,
         values=not codes, codes=codes))(dy, keys["wgrad_dy"])
@@ -257,14 +257,14 @@ def _backward(recipe: Recipe, precision, out_dtype, x_dtype, align, res, dy):
       gemm = lambda a, b, alpha: rg.ragged_values_matmul_t(
           a, b, sizes, alpha, out_dtype=jnp.float32)
       operands = (saved_x.block_values(), qdyt.values)
-    dw = _named("nvfp4_wgrad", gemm)(*operands,
+    dw = named("nvfp4_wgrad", gemm)(*operands,
                                      rg.group_alpha(saved_x, qdyt))
   else:
     # FP32 accumulation of the operands' own products (widening bf16 to
     # FP32 first, as the dense layer does, gives the same exact products),
     # so bf16 operands reach the bf16 grouped kernel.
     common = jnp.result_type(saved_x, dy)
-    dw = _named("bf16_wgrad", lambda x, dy: rg.ragged_values_matmul_t(
+    dw = named("bf16_wgrad", lambda x, dy: rg.ragged_values_matmul_t(
         x.astype(common), dy.astype(common), gs, out_dtype=jnp.float32,
         tokens_last=False, precision=precision))(saved_x, dy)
   return dx, dw

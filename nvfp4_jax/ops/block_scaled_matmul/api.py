@@ -16,14 +16,11 @@ Blackwell) and `cudnn.py` (`jax.nn.scaled_matmul`, native FP4 on Blackwell).
 from __future__ import annotations
 
 import dataclasses
-import warnings
-
 
 import jax
 import jax.numpy as jnp
 
 from nvfp4_jax.core import dispatch
-from nvfp4_jax.core import spmd
 from nvfp4_jax.core.arrays import MXArray
 from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.core.arrays import NVFP4Values
@@ -37,6 +34,7 @@ from nvfp4_jax.ops.block_scaled_matmul.cudnn import native as cudnn_native
 from nvfp4_jax.ops.block_scaled_matmul.reference import _matmul_xla
 from nvfp4_jax.ops.block_scaled_matmul.reference import _values_matmul_xla
 from nvfp4_jax.ops.block_scaled_matmul.reference import gemm_alpha
+from nvfp4_jax.ops.block_scaled_matmul.sharded import matmul_per_shard
 from nvfp4_jax.ops.block_values.api import BLOCK_VALUES
 
 
@@ -111,29 +109,20 @@ class GemmPlan:
     values: the backend is the exact emulation, which multiplies bf16 block
       values: a quantizer may hand it `NVFP4Values` (no dequantize pass).
       A native FP4 GEMM (Blackwell) multiplies codes.
-    residuals: "codes" or "values": how the backward pass's NVFP4 operands
-      are saved. "values" only where `values` holds.
   """
 
   impl: str | None
   backend: str
   values: bool
-  residuals: str
 
 
-def gemm_plan(residuals: str = "codes", *, platform: str,
-              cc: tuple[int, int] | None,
+def gemm_plan(*, platform: str, cc: tuple[int, int] | None,
               impl: str | None = None,
               cudnn: tuple[int, int] | None = None) -> GemmPlan:
   """The GEMM backend on `platform` (compute capability `cc`), and what it
-  means for the operands and the residuals.
-
-  `residuals="values"` (`Recipe(residuals="values")`) where a native FP4
-  GEMM runs saves codes, since that GEMM multiplies codes; a `UserWarning`
-  says so, once per call site.
+  means for the operands: block values or codes.
 
   Args:
-    residuals: the recipe's choice, "codes" or "values".
     platform: "cpu", "gpu" or "tpu".
     cc: the GPU's compute capability, None elsewhere.
     impl: a `default_implementation` name in force, or None.
@@ -144,16 +133,7 @@ def gemm_plan(residuals: str = "codes", *, platform: str,
   names = tuple(n for n in names if n in BLOCK_SCALED_MATMUL.implementations
                 and n != "xla") + ("xla",)
   backend = names[0]
-  values = backend in EMULATIONS
-  if residuals == "values" and not values:
-    warnings.warn(
-        f"Recipe(residuals='values') saves codes here: the GEMM runs "
-        f"{backend!r}, a native FP4 GEMM that multiplies codes, not bf16 "
-        f"block values. Use residuals='codes' on this device (it saves "
-        f"memory and is what runs).", UserWarning, stacklevel=3)
-    residuals = "codes"
-  return GemmPlan(impl=impl, backend=backend, values=values,
-                  residuals=residuals)
+  return GemmPlan(impl=impl, backend=backend, values=backend in EMULATIONS)
 
 
 def consumes_values() -> bool:
@@ -227,13 +207,13 @@ def block_values_matmul(va: jax.Array, vb: jax.Array, alpha: jax.Array, *,
 
 def _values_per_shard(kernel, va, vb, alpha, *, out_dtype, vb_kn):
   """The GEMM kernel per shard under `jax.jit` shardings
-  (`spmd.matmul_per_shard`): output rows split as `va`'s rows, columns as
+  (`sharded.matmul_per_shard`): output rows split as `va`'s rows, columns as
   `vb`'s N; a split K is gathered (no partial sums across devices). A shard
   too small for the kernel's tiles runs XLA's GEMM (exact products too;
   only the FP32 summation order differs)."""
-  return spmd.matmul_per_shard(kernel, va, vb, alpha, b_kn=vb_kn,
-                               fallback=_values_matmul_xla,
-                               out_dtype=out_dtype, vb_kn=vb_kn)
+  return matmul_per_shard(kernel, va, vb, alpha, b_kn=vb_kn,
+                          fallback=_values_matmul_xla,
+                          out_dtype=out_dtype, vb_kn=vb_kn)
 
 
 VALUES_MATMUL = dispatch.Op("block_values_matmul", {
@@ -286,15 +266,15 @@ def gemm_preference(platform: str, cc: tuple[int, int] | None,
 
 def _native_per_shard(kernel, a, b, *, out_dtype):
   """A native FP4 GEMM (Triton, cuDNN) per shard under `jax.jit`
-  shardings (`spmd.matmul_per_shard`): output rows split as `a`'s rows,
+  shardings (`sharded.matmul_per_shard`): output rows split as `a`'s rows,
   columns as `b`'s; a split K is gathered. A shard the kernel turns down
   runs the reference (exact products; only the FP32 summation order
   differs). The emulation ("pallas") is its kernels' composition, each
   per shard already."""
   if kernel is _matmul_pallas:
     return kernel(a, b, out_dtype=out_dtype)
-  return spmd.matmul_per_shard(kernel, a, b, fallback=_matmul_xla,
-                               out_dtype=out_dtype)
+  return matmul_per_shard(kernel, a, b, fallback=_matmul_xla,
+                          out_dtype=out_dtype)
 
 
 BLOCK_SCALED_MATMUL = dispatch.Op("block_scaled_matmul", {

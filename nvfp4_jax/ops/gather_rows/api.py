@@ -7,15 +7,15 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax.core import dispatch
-from nvfp4_jax.core import spmd
+from nvfp4_jax.ops.gather_rows import sharded
 
 # Under `jax.jit` shardings the kernel runs per shard of the index
-# (`spmd.gather_per_shard`); the reference is XLA's gather, which XLA
+# (`sharded.gather_per_shard`); the reference is XLA's gather, which XLA
 # partitions itself.
 GATHER_ROWS = dispatch.Op("gather_rows", {
     "xla": "nvfp4_jax.ops.gather_rows.reference:gather_rows",
     "pallas": "nvfp4_jax.ops.gather_rows.pallas_triton:gather_rows",
-}, per_shard=spmd.gather_per_shard)
+}, per_shard=sharded.gather_per_shard)
 
 
 def gather_rows(x: jax.Array, index: jax.Array, *,
