@@ -178,6 +178,9 @@ def default_implementation(name: str) -> Iterator[None]:
   `with default_implementation("xla"): step(...)` runs the pure-jnp reference
   everywhere (for comparisons and benchmarks) without touching model code.
   Ops without that implementation, or that cannot run it, fall back to "xla".
+
+  Args:
+    name: an implementation's name ("xla", "pallas", ...).
   """
   with _OVERRIDE.push(name):
     yield

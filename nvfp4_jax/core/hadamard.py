@@ -20,6 +20,12 @@ def default_sign_vector(size: int) -> tuple[int, ...]:
   For 16 it is TE's vector. For other sizes (the paper also tried 4 and 128)
   there is no TE default; this returns a fixed vector drawn once from
   `numpy.random.default_rng(size)` (PCG64, stable across numpy versions).
+
+  Args:
+    size: the RHT size, a power of two.
+
+  Returns:
+    A tuple of `size` entries, each +1 or -1.
   """
   _check_size(size)
   if size == 16:
@@ -49,6 +55,17 @@ def rht_matrix(sign_vector: Sequence[int] | None = None,
 
   Exact for sizes that are powers of 4 (4, 16, 64, ...), whose entries are
   powers of two.
+
+  Args:
+    sign_vector: the `size` signs (+1/-1) of `diag(s)`; None takes
+      `default_sign_vector(size)`.
+    size: the Hadamard size.
+
+  Returns:
+    A float32 `numpy` array `[size, size]`.
+
+  Raises:
+    ValueError: a sign vector that is not `size` entries of +1/-1.
   """
   s = default_sign_vector(size) if sign_vector is None else tuple(sign_vector)
   if len(s) != size or any(v not in (1, -1) for v in s):

@@ -340,6 +340,12 @@ def pack_e2m1(codes: jax.Array, *, split: bool = False) -> jax.Array:
       Pallas kernels' form) instead of a shift-and-sum over each pair. Same
       bytes; XLA:CPU runs the `unstack` form ~20x slower when it is fused
       after the encoder, so the reference uses the sum.
+
+  Returns:
+    uint8 bytes `[..., K//2]`.
+
+  Raises:
+    ValueError: an odd last axis.
   """
   if codes.shape[-1] % 2:
     raise ValueError(
@@ -353,7 +359,15 @@ def pack_e2m1(codes: jax.Array, *, split: bool = False) -> jax.Array:
 
 
 def unpack_e2m1(packed: jax.Array) -> jax.Array:
-  """Inverse of `pack_e2m1`: bytes `[..., K//2]` to codes `[..., K]`."""
+  """Inverse of `pack_e2m1`: bytes `[..., K//2]` to codes `[..., K]`.
+
+  Args:
+    packed: bytes `[..., K//2]` (cast to uint8), element `2k` in the low
+      nibble.
+
+  Returns:
+    uint8 codes `[..., K]` in [0, 16).
+  """
   packed = packed.astype(jnp.uint8)
   lo = packed & 0xF
   hi = packed >> 4

@@ -473,6 +473,13 @@ class NVFP4Einsum(nn.Einsum):
   Same arguments, parameters and automatic names ("Einsum_0") as `nn.Einsum`,
   plus `recipe` (as `NVFP4Dense.recipe`). The equation must be a linear
   layer: it contracts the input with the kernel and shares no batch axes.
+
+  Attributes:
+    shape, einsum_str, use_bias, dtype, param_dtype, precision, kernel_init,
+      bias_init, promote_dtype, preferred_element_type: as `nn.Einsum`
+      (`einsum_str` explicit, with "->" and exactly two operands).
+    recipe: the layer's `Recipe`, or a preset's name; None (default) takes
+      it from the active `precision_rules` by module path.
   """
 
   recipe: Recipe | None = None
@@ -494,6 +501,14 @@ def nvfp4_layer_paths(model: nn.Module, *args, **kwargs) -> list[str]:
   precision because their shapes cannot be quantized, nor convolutions,
   embeddings or attention's batched GEMMs). Pass the result to
   `PrecisionRules.resolve`/`summary(params, layer_paths=...)`.
+
+  Args:
+    model: the linen model.
+    *args: `model.init`'s inputs (arrays or `jax.ShapeDtypeStruct`s).
+    **kwargs: `model.init`'s keyword arguments.
+
+  Returns:
+    The sorted, distinct module paths ("block_0/mlp/Dense_0").
   """
   outer = getattr(_RECORDER, "paths", None)
   _RECORDER.paths = paths = []

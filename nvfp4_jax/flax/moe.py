@@ -201,6 +201,25 @@ class NNXMoE(nnx.Module):
   rounding come from an "nvfp4" RNG stream if `rngs` has one, else from the
   step of `precision_rules` and the paths `apply_rules` sets
   (".../experts/up", ".../experts/down").
+
+  Args:
+    features: the model width D (input and output).
+    num_experts: E.
+    hidden: each expert's hidden width H.
+    top_k: experts per token.
+    capacity_factor: None (dropless) or the capacity factor, as
+      `NVFP4MoE.capacity_factor`.
+    recipe: the expert GEMMs' `Recipe` or a preset's name; None for the
+      rules' by path.
+    kernel_init: each expert's `[in, out]` initializer.
+    router_init: the FP32 router's `[D, E]` initializer.
+    param_dtype: of the expert kernels (FP32 master weights).
+    precision: of high-precision expert GEMMs.
+    rngs: `nnx.Rngs`; its "params" stream initializes the state, an "nvfp4"
+      stream (if any) seeds stochastic rounding.
+
+  Raises:
+    ValueError: `num_experts`, `top_k` or `capacity_factor` out of range.
   """
 
   def __init__(self, features: int, num_experts: int, hidden: int, *,

@@ -92,6 +92,13 @@ class NNXEinsumOp(NNXDotGeneral):
 
   An equation that is not a linear layer runs `jnp.einsum` in high precision
   with a warning.
+
+  Attributes:
+    path: the layer's attribute path; None until `inject_nnx`/`apply_rules`
+      sets it.
+    recipe: the layer's own recipe, overriding the rules' choice.
+    rules: the `PrecisionRules` the layer was switched with; None takes the
+      active `precision_rules`'.
   """
 
   def __call__(self, equation, inputs, kernel, precision=None,
@@ -197,6 +204,11 @@ def apply_rules(model: nnx.Module, rules) -> dict[str, Recipe]:
 
   Paths are the attribute names joined by "/", e.g. "blocks/0/mlp/up". (To
   switch an unmodified model's `nnx.Linear` layers, use `inject_nnx`.)
+
+  Args:
+    model: the NNX model; its layers are updated in place.
+    rules: the `PrecisionRules` (`recipe_for(path)` picks each layer's
+      recipe; a rule that matches no layer is an error).
 
   Returns:
     The resolved `{path: Recipe}` of every NVFP4 layer.

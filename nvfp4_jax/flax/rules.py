@@ -242,6 +242,10 @@ def paper_rules(num_blocks: int, *, first: int = 2, last_fraction: float = 0.15,
     recipe: the recipe of every other layer (default `Recipe.nvfp4()`).
     late_switch: optional `LateSwitch`.
 
+  Returns:
+    The `PrecisionRules`: one rule giving those blocks `Recipe.bf16()` (none
+    if no block is kept), `recipe` as the default.
+
   Raises:
     TypeError: an argument of the wrong type.
     ValueError: out-of-range counts, or a `block_name` without exactly one
@@ -305,6 +309,12 @@ def precision_rules(rules: PrecisionRules, *, step: Any = None):
     step: the training step (a traced int32 or a Python int). Needed by a
       `late_switch`, and it also seeds the stochastic rounding of layers that
       get no "nvfp4" RNG stream.
+
+  Yields:
+    `rules`.
+
+  Raises:
+    TypeError: `rules` is not a `PrecisionRules`.
   """
   if not isinstance(rules, PrecisionRules):
     raise TypeError(f"precision_rules needs PrecisionRules, got {rules!r}.")

@@ -86,6 +86,9 @@ def make_mesh(devices: Sequence[jax.Device] | None = None,
     **sizes: `data=`, `fsdp=`, `model=`, `expert=`; missing axes get size 1
       except `data`, which takes the devices left over.
 
+  Returns:
+    A `jax.sharding.Mesh` of those axes (all `AxisType.Auto`).
+
   Raises:
     ValueError: an unknown axis, or sizes that do not multiply to the
       device count.
@@ -827,6 +830,15 @@ def mesh_rules(rules: MeshRules) -> Iterator[MeshRules]:
   expect, so the block is correct with any input sharding; shard the batch
   with `rules.batch_spec` and the parameters with `rules.param_specs` to
   avoid the copies.
+
+  Args:
+    rules: the `MeshRules`.
+
+  Yields:
+    `rules`.
+
+  Raises:
+    TypeError: `rules` is not a `MeshRules`.
   """
   if not isinstance(rules, MeshRules):
     raise TypeError(f"mesh_rules takes a MeshRules, got {rules!r}.")
@@ -835,5 +847,10 @@ def mesh_rules(rules: MeshRules) -> Iterator[MeshRules]:
 
 
 def current_rules() -> MeshRules | None:
-  """The innermost `mesh_rules` in force, or None."""
+  """The innermost `mesh_rules` in force, or None.
+
+  Returns:
+    The `MeshRules` of the innermost `mesh_rules` block, or None outside
+    one.
+  """
   return _SCOPE.current()

@@ -235,6 +235,13 @@ def load(path: str | pathlib.Path) -> dict[str, Any]:
   float32 scalar amax and tensor factor (the factor that amax gives), the
   weight shape recorded at export.
 
+  Args:
+    path: the file `save` wrote.
+
+  Returns:
+    The nested parameter tree (`{"Dense_0": {"packed": ..., "bias": ...}}`):
+    each packed weight an `NVFP4Array`, every other parameter a `jax.Array`.
+
   Raises:
     SafetensorsError: a truncated, damaged, edited or foreign file.
   """
@@ -327,6 +334,22 @@ def apply(model: nn.Module, packed: dict[str, Any], *args,
 
   The NVFP4 layers that were not packed run in high precision, as their
   Fprop did in training; other modules run as trained.
+
+  Args:
+    model: the linen model the file was exported from.
+    packed: `load`'s tree.
+    *args: `model.apply`'s inputs.
+    mode: "w4a4" or "weight_only" (above).
+    implementation: of the GEMMs (and the activation quantizer), as the ops'
+      `implementation=`.
+    **kwargs: `model.apply`'s keyword arguments.
+
+  Returns:
+    What `model.apply` returns.
+
+  Raises:
+    ValueError: an unknown `mode`, or a packed layer whose shape is not the
+      model's.
   """
   if mode not in MODES:
     raise ValueError(f"unknown mode {mode!r}; use one of {MODES}.")
@@ -383,6 +406,17 @@ def generate(logits_fn: Callable[[jax.Array], jax.Array], prompt: jax.Array,
   `logits_fn(tokens) -> [batch, seq, vocab]`, e.g. `lambda t: apply(model,
   packed, t, mode="weight_only")`; the context is the whole sequence so far
   (no cache: for small models and examples).
+
+  Args:
+    logits_fn: tokens `[batch, seq]` to logits `[batch, seq, vocab]`.
+    prompt: int tokens `[batch, seq]`.
+    steps: the number of tokens to sample.
+    key: PRNG key; step `i` samples with `fold_in(key, i)`.
+    temperature: the softmax temperature; 0 or less samples greedily
+      (argmax).
+
+  Returns:
+    The tokens `[batch, seq + steps]`, prompt first.
   """
   tokens = prompt
   for i in range(steps):

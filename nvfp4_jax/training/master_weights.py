@@ -157,6 +157,13 @@ def master_weights(inner: optax.GradientTransformation
 def master_params(opt_state: Any) -> optax.Params:
   """The FP32 master parameters held in `opt_state` (found at any depth).
 
+  Args:
+    opt_state: the optimizer state of a `master_weights(...)` optimizer, or
+      any pytree holding its `MasterWeightsState`.
+
+  Returns:
+    The `master` tree of the first `MasterWeightsState` found.
+
   Raises:
     ValueError: if `opt_state` holds no `MasterWeightsState`.
   """

@@ -26,6 +26,10 @@ def remat_policy():
   or `nn.remat(Block, policy=...)`) the backward pass keeps the NVFP4
   layers' quantized Wgrad operands and weights (4.5 bits per element) and
   recomputes everything else from the block's input.
+
+  Returns:
+    The policy, `jax.checkpoint_policies.save_only_these_names` of the
+    library's residual name.
   """
   return jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME)
 

@@ -61,6 +61,16 @@ def block_dequantize(q: QArray) -> tuple[jax.Array, jax.Array]:
   The product of the two is `dequantize(q)`; a GEMM on the bf16 values with the
   factors applied to its FP32 output is the exact emulation of a block-scaled
   GEMM on hardware without FP4 tensor cores.
+
+  Args:
+    q: an `NVFP4Array`, `MXArray` or `NVFP4Values`.
+
+  Returns:
+    `(values, tensor_factor)`: the bf16 block values (codes times block
+    scales) of `q`'s shape and the FP32 scalar tensor factor (1 for MX).
+
+  Raises:
+    TypeError: `q` is not one of the quantized arrays.
   """
   check_nvfp4_array(q, "block_dequantize")
   if isinstance(q, NVFP4Array):

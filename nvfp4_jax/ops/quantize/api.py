@@ -151,6 +151,15 @@ def quantize_with_values(x: jax.Array, *, block_2d: bool = False,
   (`nvfp4_jax.block_values_matmul`). The Pallas kernel writes them in
   the same pass as the codes, saving the dequantize pass of the GEMM.
 
+  Args:
+    x: as `quantize`.
+    block_2d: as `quantize`.
+    rounding: as `quantize`.
+    key: as `quantize`.
+    amax: as `quantize`.
+    four_over_six: as `quantize`.
+    implementation: as `quantize`.
+
   Returns:
     `(NVFP4Array, bf16 values of x's shape)`.
   """

@@ -28,6 +28,16 @@ def quantize(x: jax.Array, mesh: Mesh, spec: P, *, block_2d: bool = False,
   at its global offset: codes, scales and amax equal `nvfp4_jax.quantize(x)`
   bit for bit.
 
+  Args:
+    x: `[rows, K]` float array.
+    mesh: the device mesh.
+    spec: the `PartitionSpec` of `x` over `mesh`.
+    block_2d: as `nvfp4_jax.quantize`.
+    rounding: as `nvfp4_jax.quantize`.
+    key: as `nvfp4_jax.quantize` (one key for the whole tensor).
+    implementation: as `nvfp4_jax.quantize`, for each shard; None takes the
+      `default_implementation` block's.
+
   Returns:
     An `NVFP4Array` whose codes and scales are split like `x`.
 

@@ -26,6 +26,17 @@ def quantize_pair(x: jax.Array, mesh: Mesh, spec: P, row: Operand,
   """`nvfp4_jax.quantize_pair` of a sharded `x: [tokens, features]`: both
   GEMM operands of X (or dY), each bit for bit the whole tensor's.
 
+  Args:
+    x: `[tokens, features]`.
+    mesh: the device mesh.
+    spec: the `PartitionSpec` of `x` over `mesh`.
+    row, wgrad: the two `Operand`s, as `nvfp4_jax.quantize_pair`.
+    key_row, key_t: their stochastic-rounding keys (one each for the whole
+      tensor).
+    rht_size, sign_vector: the RHT of the Wgrad operand.
+    implementation: as `nvfp4_jax.quantize_pair`, for each shard; None
+      takes the `default_implementation` block's.
+
   Returns:
     `(q_row split like x, q_t split by the transposed spec)`; None for an
     operand in bf16.

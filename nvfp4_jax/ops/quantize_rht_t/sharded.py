@@ -25,6 +25,16 @@ def quantize_rht_t(x: jax.Array, mesh: Mesh, spec: P, *,
   """`nvfp4_jax.quantize_rht_t(x)` (the Wgrad operand) of a sharded
   `x: [tokens, features]`; bit for bit the whole tensor's.
 
+  Args:
+    x: `[tokens, features]` float array.
+    mesh: the device mesh.
+    spec: the `PartitionSpec` of `x` over `mesh`.
+    rounding: as `nvfp4_jax.quantize_rht_t`.
+    key: as `nvfp4_jax.quantize_rht_t` (one key for the whole tensor).
+    sign_vector, size: the RHT's signs and size.
+    implementation: as `nvfp4_jax.quantize_rht_t`, for each shard; None
+      takes the `default_implementation` block's.
+
   Returns:
     An `NVFP4Array` `[features, tokens]` split by the transposed `spec`.
 
