@@ -2287,6 +2287,9 @@ def _norm_rows(compiled, seq: int) -> int:
   return rows.pop()
 
 
+_MOE_WHOLE = {}  # (recipe, capacity factor) -> one device's params, results.
+
+
 def check_moe_expert_parallel(expert_only: bool = False,
                               explicit: bool = True):
   """The MoE layer on an `expert` mesh equals one device.
@@ -2319,14 +2322,19 @@ def check_moe_expert_parallel(expert_only: bool = False,
   for sizes, recipe, cf in cases[:2] if expert_only else cases:
     layer = NVFP4MoE(num_experts=8, hidden=32, top_k=2, capacity_factor=cf,
                      recipe=recipe)
-    params = layer.init(jax.random.key(1), x)["params"]
 
     def loss(p, x, layer=layer):
       y, st = layer.apply({"params": p}, x, rngs={"nvfp4": jax.random.key(2)},
                           mutable=["losses"])
       return jnp.sum(y * y) + st["losses"]["moe_aux_loss"][0], y
     grad = jax.value_and_grad(loss, has_aux=True)
-    (l1, y1), g1 = jax.jit(grad)(params, x)
+    # The one-device layer runs no exchange (no mesh rules: every expert
+    # here), so its parameters and results for this layer are computed once
+    # per process, whatever `moe.EXCHANGE` and `moe.EXCHANGE_SLACK` are.
+    if (recipe, cf) not in _MOE_WHOLE:
+      params = layer.init(jax.random.key(1), x)["params"]
+      _MOE_WHOLE[recipe, cf] = params, jax.jit(grad)(params, x)
+    params, ((l1, y1), g1) = _MOE_WHOLE[recipe, cf]
     rules = MeshRules(mesh=make_mesh(**sizes))
 
     def sharded(p, x, rules=rules, grad=grad):
@@ -2474,12 +2482,25 @@ CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()
 
 
 def main(names):
+  """Runs the checks `names` in order, each after the others' failures too
+  (`tests/test_mesh.py` runs several tests' checks in one process): prints
+  `[NAME]`, what it measured and `[NAME] ok in ...` or `[NAME] FAILED` with
+  the traceback; exits with status 1 if any failed."""
+  import traceback  # pylint: disable=g-import-not-at-top
   assert len(jax.devices()) == 8, jax.devices()
+  failed = []
   for name in names:
     t0 = time.perf_counter()
-    print(f"[{name}]")
-    CHECKS[name]()
-    print(f"[{name}] ok in {time.perf_counter() - t0:.1f}s", flush=True)
+    print(f"[{name}]", flush=True)
+    try:
+      CHECKS[name]()
+    except Exception:  # pylint: disable=broad-except
+      failed.append(name)
+      print(f"[{name}] FAILED\n{traceback.format_exc()}", flush=True)
+    else:
+      print(f"[{name}] ok in {time.perf_counter() - t0:.1f}s", flush=True)
+  if failed:
+    sys.exit(f"mesh checks failed: {' '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Training on a device mesh (issue 11), on 8 host CPU devices.
 
-Each check runs in a fresh process (`tests/mesh_checks.py`, which documents
-the derived tolerances): the host device count must be set in `XLA_FLAGS`
-before jax is imported, and pytest workers have imported it. Checked:
+The checks run in a fresh process (`tests/mesh_checks.py`, which documents
+the derived tolerances; the fast tier's all in one, the slow tier's one for
+each test): the host device count must be set in `XLA_FLAGS` before jax is
+imported, and pytest workers have imported it. Checked:
 sharded quantization (1x16, 16x16, RHT, SR; reference and Pallas kernels)
 equals the whole tensor's bit for bit; a split block raises an error naming
 the dimension and the mesh axes; `dot_general` forward and gradients on data,
@@ -41,20 +42,64 @@ def run_checks(*names: str, timeout: int = 600) -> str:
   return proc.stdout
 
 
-def test_sharded_quantizers_equal_whole_tensor_and_split_blocks_raise():
-  out = run_checks("quantize", "errors")
+# The fast tier's checks, in the order the tests list them, run in one
+# process for the module (a process of its own for each test would start
+# jax and this library again, ~2.5 s of CPU each, and compile again the
+# one-device layers that several checks compare against); each test reads
+# its own checks' output (`checks`), and fails if one of them failed (a
+# failed check does not stop the others: `mesh_checks.main`).
+_FAST = ("quantize", "errors", "dot_general_xla", "user_mesh_quick",
+         "auto_kernels_quick", "auto_moe_quick", "auto_gather_rows",
+         "wgrad_schedule", "dot_general_pallas", "gpt_tp_layout",
+         "ragged_all_to_all_model", "moe_expert_parallel",
+         "moe_expert_parallel_dense")
+
+
+@pytest.fixture(scope="module")
+def fast_checks():
+  """`(stdout, stderr)` of `tests/mesh_checks.py` running `_FAST`."""
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(
+          os.pathsep) if p]))
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "tests" / "mesh_checks.py"), *_FAST],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  return proc.stdout, proc.stderr
+
+
+def checks(fast_checks, *names: str) -> str:
+  """The output of the checks `names` (in `_FAST`), each from its `[NAME]`
+  line to its `[NAME] ok` line; fails the test if one of them failed."""
+  stdout, stderr = fast_checks
+  parts = []
+  for name in names:
+    assert name in _FAST, name
+    start = stdout.find(f"[{name}]\n")
+    end = stdout.find(f"[{name}] ok in ", start)
+    if start < 0 or end < 0:
+      pytest.fail(f"mesh check {name} failed:\n"
+                  f"{stdout[max(start, 0):][:6000]}\n{stderr[-6000:]}")
+    parts.append(stdout[start:end])
+  print("".join(parts))
+  return "".join(parts)
+
+
+def test_sharded_quantizers_equal_whole_tensor_and_split_blocks_raise(
+    fast_checks):
+  out = checks(fast_checks, "quantize", "errors")
   assert "straddle" in out
 
 
-def test_sharded_dot_general_reference():
+def test_sharded_dot_general_reference(fast_checks):
   """The layer under `MeshRules`' layouts with its defaults, and under a mesh
   the library did not make: sharding in types on FSDP with tensor
   parallelism (`mesh_checks.check_user_mesh`; the slow tier runs every
   layout, Explicit and auto, and README's example), auto mode with the
   kernels per shard. The opt-in knobs are checked in the slow tier
   (`test_opt_in_mesh_knobs`)."""
-  out = run_checks("dot_general_xla", "user_mesh_quick", "auto_kernels_quick",
-                   "auto_moe_quick", "auto_gather_rows", "wgrad_schedule")
+  out = checks(fast_checks, "dot_general_xla", "user_mesh_quick",
+               "auto_kernels_quick", "auto_moe_quick", "auto_gather_rows",
+               "wgrad_schedule")
   assert "3.97x fewer" in out  # FSDP weights travel as 4-bit codes.
   assert out.count('tied 1x with "layer"') == 4  # NVFP4 and BF16, 2 FSDP.
   assert "fsdp of size 1: not tied" in out
@@ -96,8 +141,8 @@ def test_opt_in_mesh_knobs():
     assert f"collective matmul {style} on model=4: as sequence" in out
 
 
-def test_sharded_dot_general_pallas():
-  run_checks("dot_general_pallas")
+def test_sharded_dot_general_pallas(fast_checks):
+  checks(fast_checks, "dot_general_pallas")
 
 
 @pytest.mark.slow  # ~40 s on 2 cores.
@@ -152,14 +197,15 @@ def test_third_party_models_sharded_the_users_way():
   assert "logical explicit fsdp:" in out and "logical auto fsdp:" in out
 
 
-def test_gpt_tensor_parallel_reshards_nothing_in_attention_or_the_mlp():
+def test_gpt_tensor_parallel_reshards_nothing_in_attention_or_the_mlp(
+    fast_checks):
   """The GPT on `data=4, model=2`, compiled: no all-to-all, collective-
   permute or activation all-gather inside attention or the MLP with the
   fused kernels' "interleaved" layout; the same check finds them with the
   "concatenated" layout of earlier versions (`mesh_checks.
   check_gpt_tp_layout`; the slow tier's GPT steps on the `tp` and `mixed`
   meshes assert it too, equal to one device)."""
-  out = run_checks("gpt_tp_layout")
+  out = checks(fast_checks, "gpt_tp_layout")
   assert "interleaved: 0 reshards" in out
 
 
@@ -271,22 +317,22 @@ def test_cli_mesh_run_matches_one_device(tmp_path):
   assert abs(val["mesh"] - val["one"]) <= 0.1 * progress, (val, progress)
 
 
-def test_moe_expert_parallel_equals_one_device():
+def test_moe_expert_parallel_equals_one_device(fast_checks):
   """The MoE layer on `expert=8` (NVFP4, with a capacity), `data=2 x
   expert=4`, `data=8` (dropless) and a user's Explicit mesh equals one
   device (mesh_checks: the derivation)."""
-  out = run_checks("ragged_all_to_all_model", "moe_expert_parallel")
+  out = checks(fast_checks, "ragged_all_to_all_model", "moe_expert_parallel")
   assert "ragged all-to-all model: equal" in out
   assert sum(line.startswith("moe {") for line in out.splitlines()) == 3
   assert "moe explicit batch=8" in out
 
 
-def test_moe_expert_parallel_dense_exchange_equals_one_device():
+def test_moe_expert_parallel_dense_exchange_equals_one_device(fast_checks):
   """The buffered exchange (`all_to_all`, `moe.EXCHANGE = "buffered"`,
   what GPUs run by default) gives the same results through both branches
   of its fast-path `cond` (whole buffers, and `EXCHANGE_SLACK` times an
   even share), on `expert=8`."""
-  out = run_checks("moe_expert_parallel_dense")
+  out = checks(fast_checks, "moe_expert_parallel_dense")
   assert sum(line.startswith("moe {") for line in out.splitlines()) == 4
 
 

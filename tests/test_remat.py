@@ -2,6 +2,7 @@
 `remat="full"`: only their inputs."""
 
 import contextlib
+import functools
 import io
 import re
 
@@ -22,37 +23,67 @@ _BYTES = {"f32": 4, "bf16": 2, "u8": 1, "f8_e4m3fn": 1, "s32": 4, "u32": 4,
 _LAYERS, _D_FF, _BATCH = 2, 352, (4, 64)
 
 
-def _setup(remat, rules, dtype="bfloat16"):
-  cfg = preset("tiny", d_model=128, num_layers=_LAYERS, num_heads=2,
-               d_ff=_D_FF, dtype=dtype, remat=remat)
-  model = GPT(cfg)
-  tokens = jax.random.randint(jax.random.key(0), _BATCH, 0, 256)
+# The precision rules the tests use, by name. The parameters, gradients and
+# residuals below are computed once and shared by the tests that ask for the
+# same ones (the unrematerialized FP32 gradients and the quantized policy's
+# residuals are each two tests' reference).
+_RULES = {"nvfp4": nv.PrecisionRules,  # Every projection NVFP4.
+          "high_precision": nv.PrecisionRules.high_precision}
+
+
+def _model(remat, dtype):
+  return GPT(preset("tiny", d_model=128, num_layers=_LAYERS, num_heads=2,
+                    d_ff=_D_FF, dtype=dtype, remat=remat))
+
+
+def _tokens():
+  return jax.random.randint(jax.random.key(0), _BATCH, 0, 256)
+
+
+@functools.cache
+def _params(dtype="bfloat16"):
+  """The parameters every policy's loss is evaluated at: the model's
+  without rematerialization, initialized in high precision."""
   with nv.precision_rules(nv.PrecisionRules.high_precision()):
-    params = jax.jit(model.init)(jax.random.key(0), tokens[:, :16])
+    return jax.jit(_model("none", dtype).init)(jax.random.key(0),
+                                               _tokens()[:, :16])
+
+
+def _loss(remat, rules, dtype="bfloat16"):
+  model, tokens, rules = _model(remat, dtype), _tokens(), _RULES[rules]()
 
   def loss(p):
     with nv.precision_rules(rules, step=0):
       logits = model.apply(p, tokens, rngs={"nvfp4": jax.random.key(1)})
     return logits.astype(jnp.float32).mean()
-  return loss, params
+  return loss
 
 
-def _residuals(loss, params):
-  """`(dtype, shape, description)` of the activations autodiff saves."""
+@functools.cache
+def _residuals(remat, rules):
+  """`(dtype, shape, description)` of the activations autodiff saves (bf16
+  model) under policy `remat`, at `_params()`."""
   buf = io.StringIO()
   with contextlib.redirect_stdout(buf):
-    print_saved_residuals(loss, params)
+    print_saved_residuals(_loss(remat, rules), _params())
   out = []
   for line in buf.getvalue().splitlines():
     m = re.match(r"(\w+)\[([\d,]*)\]\s*(.*)", line)
     if m and "from the argument" not in line:
       shape = tuple(int(s) for s in m.group(2).split(",") if s)
       out.append((m.group(1), shape, m.group(3)))
-  return out
+  return tuple(out)
 
 
 def _bytes(res):
   return sum(_BYTES[d] * int(np.prod(s)) for d, s, _ in res)
+
+
+@functools.cache
+def _grads(remat, rules):
+  """The FP32 model's gradients under policy `remat`, at `_params`."""
+  return jax.jit(jax.grad(_loss(remat, rules, "float32")))(
+      _params("float32"))
 
 
 def _same_grads(rules, remat="quantized"):
@@ -63,19 +94,14 @@ def _same_grads(rules, remat="quantized"):
   # so two programs sum in different orders: the claim is checked on CPU.
   if jax.default_backend() != "cpu":
     return
-  loss0, params = _setup("none", rules, "float32")
-  loss1, _ = _setup(remat, rules, "float32")
-  g0 = jax.jit(jax.grad(loss0))(params)
-  g1 = jax.jit(jax.grad(loss1))(params)
+  g0 = _grads("none", rules)
+  g1 = _grads(remat, rules)
   chex.assert_trees_all_equal(g0, g1)  # Same ops, recomputed.
 
 
 def test_quantized_remat_keeps_gradients_and_saves_only_fp4():
-  rules = nv.PrecisionRules()  # Every projection NVFP4.
-  _same_grads(rules)
-  loss0, params = _setup("none", rules)
-  loss1, _ = _setup("quantized", rules)
-  none, quant = _residuals(loss0, params), _residuals(loss1, params)
+  _same_grads("nvfp4")
+  none, quant = _residuals("none", "nvfp4"), _residuals("quantized", "nvfp4")
   named = [r for r in quant if "nvfp4_residual" in r[2]]
   # Per quantized layer: the Wgrad operand (codes, scales, amax) and the
   # 16x16 weight reused by Dgrad (codes, scales, amax).
@@ -96,10 +122,9 @@ def test_quantized_remat_keeps_gradients_and_saves_only_fp4():
 
 
 def test_quantized_remat_saves_nothing_for_high_precision_layers():
-  loss, params = _setup("quantized", nv.PrecisionRules.high_precision())
-  res = _residuals(loss, params)
+  res = _residuals("quantized", "high_precision")
   assert not [r for r in res if "nvfp4_residual" in r[2]]
-  _same_grads(nv.PrecisionRules.high_precision())
+  _same_grads("high_precision")
 
 
 def test_full_remat_keeps_gradients_and_saves_only_block_inputs():
@@ -107,10 +132,9 @@ def test_full_remat_keeps_gradients_and_saves_only_block_inputs():
   same values: the rounding keys are inputs), so the gradients are the
   unrematerialized ones bit for bit and a block keeps only its input, less
   than the `quantized` policy's FP4 residuals."""
-  rules = nv.PrecisionRules()  # Every projection NVFP4.
-  _same_grads(rules, "full")
-  full = _residuals(*_setup("full", rules))
-  quant = _residuals(*_setup("quantized", rules))
+  _same_grads("nvfp4", "full")
+  full = _residuals("full", "nvfp4")
+  quant = _residuals("quantized", "nvfp4")
   assert not [r for r in full if "nvfp4_residual" in r[2]]
   blocks = [r for r in full if "Block" in r[2]]
   assert blocks and all(d == "bf16" and s == (*_BATCH, 128)
