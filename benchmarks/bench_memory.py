@@ -334,7 +334,7 @@ def _gib(b) -> str:
 LADDER = ("512x8,768x18,1024x28,1536x24,2048x24,2560x32,3072x32,3584x32,"
           "4096x32,4608x36,5120x40,5120x48,6144x48,7168x48,8192x48")
 # `--smoke`: 8 CPU devices, shapes that compile in seconds, and a limit
-# that the ladder's top is over (its peaks: tests/test_bench_memory.py).
+# that the ladder's top is over (its peaks: tests/benchmarks/test_bench_memory.py).
 SMOKE = {"ladder": "128x1,128x2,256x2,256x4,384x4,512x4", "mesh": "fsdp=8",
          "seq": 32, "batch": 1, "limit_gib": 0.03, "precisions": "bf16,nvfp4"}
 MESH_AXES = mesh_flags.MESH_AXES

@@ -1,7 +1,7 @@
 """Writes docs/api.md from the groups of `nvfp4_jax.__all__`.
 
 Run after changing `__all__`: `JAX_PLATFORMS=cpu python docs/gen_api.py`
-(tests/test_docs.py checks that api.md lists every public name in order).
+(tests/docs/test_docs.py checks that api.md lists every public name in order).
 """
 
 import inspect

@@ -13,7 +13,7 @@ the thing lives now (optax's `deprecation_getattr` pattern):
 it) puts the finder for the old module paths on `sys.meta_path` and the
 look-up of old names on the modules that held them; `module_getattr` is the
 package's own `__getattr__` (`nv.layers`). The table names modules of every
-layer, so this file sits above them all (tests/test_layout.py reads its
+layer, so this file sits above them all (tests/docs/test_layout.py reads its
 strings as imports): a module below that needs a moved name imports its new
 path.
 """

@@ -2,7 +2,7 @@
 
 `block_values` / `block_value_pairs` (a block's codes times its scale, in
 bf16) are inline PTX on the GPU, byte permutations bit for bit the
-`nvfp4_jax.core.tile` functions they replace (tests/test_kernels.py);
+`nvfp4_jax.core.tile` functions they replace (tests/kernels/test_kernels.py);
 interpreted, they are those functions.
 """
 
@@ -71,7 +71,7 @@ def block_values(packed: jax.Array, scales: jax.Array, interpret: bool
 
   Interpreted, it is that function; on the GPU the same values come from
   `_DECODE_ASM` (about 3.5 instructions per element after unpacking, instead
-  of ~15 integer and float operations), bit for bit: tests/test_kernels.py
+  of ~15 integer and float operations), bit for bit: tests/kernels/test_kernels.py
   checks all 256 code bytes under all 256 E4M3 scales on the GPU.
   """
   if interpret or not ASM_DECODE:
@@ -125,7 +125,7 @@ def block_value_pairs(packed: jax.Array, scales: jax.Array, interpret: bool
                       ) -> tuple[jax.Array, jax.Array]:
   """`tile.block_value_pairs(packed, scales)` (bf16 `[..., nb, 8]` each) in a
   kernel: interpreted that function, on the GPU `_DECODE_PAIRS_ASM`, bit for
-  bit (tests/test_kernels.py: all 256 code bytes under all 256 scales)."""
+  bit (tests/kernels/test_kernels.py: all 256 code bytes under all 256 scales)."""
   if interpret or not ASM_DECODE:
     return tile.block_value_pairs(packed, scales)
   packed = packed.astype(jnp.uint8)

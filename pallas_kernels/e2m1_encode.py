@@ -3,7 +3,7 @@ conversion is used.
 
 `block_encoder` (`tile.encode_blocks`' rounding, packing and block values)
 is inline PTX on the GPU, bit for bit the `nvfp4_jax.core.tile` functions it
-replaces (tests/test_encoder.py, tests/test_kernels.py); interpreted, it is
+replaces (tests/kernels/test_encoder.py, tests/kernels/test_kernels.py); interpreted, it is
 those functions. Where the GPU converts FP32 to E2M1 in hardware
 (`hardware_e2m1`: `HW_E2M1_CCS`, else a compile probe,
 `e2m1_conversion_compiles`), round-to-nearest codes come from that
@@ -46,7 +46,7 @@ from pallas_kernels import launch
 # and 7 (saturation), taken on the bit patterns (FP32 order = uint32 order
 # for positive numbers): `2^23 + base + code`. An IMAD chain packs 8 codes'
 # low nibbles into one word; a funnel-shift chain gathers the signs' bits
-# into bit 3 of each nibble. tests/test_encoder.py checks a model of each
+# into bit 3 of each nibble. tests/kernels/test_encoder.py checks a model of each
 # FP32 rounding against `numerics` on the CPU (all of its cases), and on the
 # GPU the assembly itself.
 _NEAREST = (0, (("c1", "0f41800000", "0f4B000000"),   # 16u + 2^23: 2|y|
@@ -225,7 +225,7 @@ def _encode_codes_cvt_signed_asm() -> str:
   conversion it keeps the sign, also of results that round to zero (-0.1
   and -0 give 0x8, E2M1's -0): the code is `sign | magnitude code`,
   `numerics.e2m1_encode_nearest`'s, which takes the sign from bit 31 of `y`
-  (`e2m1x2_cvt_model`, tested against it in tests/test_encoder.py).
+  (`e2m1x2_cvt_model`, tested against it in tests/kernels/test_encoder.py).
   Subnormal inputs round to +-0 in both. The ISA does not say which code a
   NaN input gets (E2M1 has no NaN), so NaNs are not converted: the kernels
   that take this encoder have NaN scaled values exactly in the blocks whose
@@ -401,7 +401,7 @@ def block_encoder(interpret: bool, block_nan: bool = False
   `_encode_codes_cvt_signed_asm`) and its tile keeps at least 8
   consecutive elements of a block in one thread (`y` from a `[rows, nb,
   16]` load of contiguous blocks: 8 per thread, read from the TTGIR by
-  tests/test_aot.py), so an assembly instance's 4 pairs lie in one block:
+  tests/tools/test_aot.py), so an assembly instance's 4 pairs lie in one block:
   then, where the E2M1 conversion exists, round-to-nearest codes convert
   the signed values directly (one conversion per pair, one NaN test per 8
   elements).

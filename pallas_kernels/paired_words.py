@@ -126,7 +126,7 @@ def scale_encode_codes(xe: jax.Array, xo: jax.Array, enc: jax.Array,
 
   Interpreted, its software twin: the FTZ product, `numerics.
   e2m1_encode_nearest` and code 0 for NaN (`e2m1x2_cvt_model`'s, which
-  tests/test_encoder.py checks against the reference; a NaN block's codes
+  tests/kernels/test_encoder.py checks against the reference; a NaN block's codes
   are the GPU's, 0: the reference allows 0 or 8).
   """
   if interpret:

@@ -1,16 +1,24 @@
 """Shared test configuration: hypothesis profile and heavy-tailed test data.
 
-Tests compare against `tests/te_reference.py`, an independent NumPy model of
-TransformerEngine's arithmetic; they import it as a top-level module (pytest
-puts this directory on `sys.path`).
+The tests live in one folder per package (`tests/core`, `tests/ops`, ...);
+their helpers live in `tests/support` (e.g. `te_reference.py`, an
+independent NumPy model of TransformerEngine's arithmetic, and the vendored
+third-party models): this file puts that folder on `sys.path`, so tests
+import the helpers as top-level modules (`import te_reference`). It is
+also importable itself as `conftest` (pytest puts this directory on
+`sys.path`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import types
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "support"))
 
 # README runs the suite on a GPU with several processes (`pytest -n 4`). By
 # default JAX preallocates 75% of the GPU's memory in each process, so the
@@ -105,7 +113,7 @@ def pytest_configure(config):
 # They go first: under `pytest -n 2` each worker then starts on one while
 # the other works beside it, instead of one worker running the last of them
 # alone at the end of the session.
-_FIRST = ("tests/test_mesh.py",)
+_FIRST = ("tests/sharding/test_mesh.py",)
 
 
 def pytest_collection_modifyitems(config, items):

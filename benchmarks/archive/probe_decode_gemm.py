@@ -29,7 +29,7 @@ its Triton GEMM fusion, same run):
       [--configs 0,2] [--no-stock]
 
 Mosaic GPU kernels have no CPU interpret mode: on the CPU the kernel is only
-lowered (tests/test_bench_tools.py), its decode checked in jnp.
+lowered (tests/benchmarks/test_bench_tools.py), its decode checked in jnp.
 """
 
 from __future__ import annotations

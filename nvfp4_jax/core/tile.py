@@ -310,7 +310,7 @@ def hadamard_rows(v: jax.Array, sign_vector: Sequence[int]) -> jax.Array:
   their summation orders differ, and so do the signs of the zeros that
   flushed products leave, as an `fma` chain keeps the last product's). The
   columns kernels run the butterfly on one array per element (the same
-  operations on the same pairs: `tests/test_hadamard.py` holds the two
+  operations on the same pairs: `tests/core/test_hadamard.py` holds the two
   layouts to the same bits); the tensor-core kernels `hadamard_sums`.
 
   Args:

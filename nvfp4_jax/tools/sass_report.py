@@ -27,7 +27,7 @@ Run:
 `--out-dir` keeps each kernel's .ttir, .ptx, .cubin, .sass and ptxas log.
 
 How: `launch.backend`/`compute_capability` are patched at runtime to claim an
-sm_90 GPU (as tests/test_kernels.py does), `jax.jit(...).lower(...)` runs on
+sm_90 GPU (as tests/kernels/test_kernels.py does), `jax.jit(...).lower(...)` runs on
 `jax.ShapeDtypeStruct`s (nothing is computed), and the TTIR is captured by
 wrapping `jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module`,
 which `pallas_call_registration` calls on jax 0.10 and 0.11; warps and stages

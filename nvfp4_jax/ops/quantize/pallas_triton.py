@@ -10,9 +10,9 @@ reduction.
 The tile math is `nvfp4_jax.core.tile` (`block_amax`, `encode_blocks`) and
 `nvfp4_jax.core.prng.tile_words`, the functions the reference applies to the whole
 tensor: codes, scales and amax are the reference's by construction, and
-tests/test_kernels.py checks the plumbing. On the GPU the rounding and
+tests/kernels/test_kernels.py checks the plumbing. On the GPU the rounding and
 packing (step 4) is `e2m1_encode.block_encoder`'s assembly, bit for bit the
-reference's (tests/test_encoder.py). Arguments are validated by
+reference's (tests/kernels/test_encoder.py). Arguments are validated by
 `nvfp4_jax.quantize` before dispatch.
 """
 

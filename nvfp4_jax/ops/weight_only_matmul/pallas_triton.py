@@ -17,7 +17,7 @@ Decoding has few output tiles (N / block_n programs for one M tile), fewer
 than the GPU has SMs for most layers, so K is also split over `split_k`
 programs whose FP32 partial sums XLA adds before applying the tensor factor
 (the order of an FP32 sum of K terms changes, within the reference's bound:
-tests/test_export.py). Unsplit, the kernel applies the factor (computed from
+tests/tools/test_export.py). Unsplit, the kernel applies the factor (computed from
 the amax with `numerics.global_decode_scale_div_rn`, the reference's
 division) and writes `out_dtype` itself: one kernel per matmul.
 """
