@@ -1,4 +1,4 @@
-"""`python -m train` with two hooks, for tests/test_preemption.py.
+"""`python -m train` with two hooks, for tests/train/test_preemption.py.
 
     python tests/support/signal_driver.py [--signal-at STEP:NAME] [--hold STEP:SECONDS]
         -- CLI FLAGS...
