@@ -85,6 +85,10 @@ DEPRECATED: dict[str, str | tuple[str, ...]] = {
     "nvfp4_jax.ops:LAYER_SCOPE": "nvfp4_jax.training.names:LAYER_SCOPE",
     "nvfp4_jax.ops:RESIDUAL_NAME":
         "nvfp4_jax.training.names:RESIDUAL_NAME",
+    # The expert exchange's knobs, read and set (`_MovedNames`).
+    "nvfp4_jax.flax.moe:EXCHANGE": "nvfp4_jax.training.moe:EXCHANGE",
+    "nvfp4_jax.flax.moe:EXCHANGE_SLACK":
+        "nvfp4_jax.training.moe:EXCHANGE_SLACK",
 }
 
 def _warn(old: str, new: str) -> None:
@@ -130,6 +134,22 @@ def module_getattr(module: str):
       return _resolve(new)
     raise AttributeError(f"module {module!r} has no attribute {name!r}")
   return __getattr__
+
+
+class _MovedNames(types.ModuleType):
+  """A module that stays, some of whose names moved: a write of a moved name
+  (a knob such as `nvfp4_jax.flax.moe.EXCHANGE`) warns and sets it in its
+  new home, where it is read, instead of setting a name nothing reads.
+  Reads go through the module's `__getattr__` (`module_getattr`)."""
+
+  def __setattr__(self, name: str, value) -> None:
+    new = DEPRECATED.get(f"{self.__name__}:{name}")
+    if new is None:
+      super().__setattr__(name, value)
+      return
+    _warn(f"{self.__name__}.{name}", new.replace(":", "."))
+    home, _, attr = new.partition(":")
+    setattr(importlib.import_module(home), attr, value)
 
 
 class _SplitModule(types.ModuleType):
@@ -194,5 +214,7 @@ def install() -> None:
   look-up of old names on each module that stays (`nvfp4_jax.ops`)."""
   if not any(isinstance(f, _Finder) for f in sys.meta_path):
     sys.meta_path.insert(0, _Finder())
-  for module in sorted({k.partition(":")[0] for k in DEPRECATED if ":" in k}):
-    importlib.import_module(module).__getattr__ = module_getattr(module)
+  for name in sorted({k.partition(":")[0] for k in DEPRECATED if ":" in k}):
+    module = importlib.import_module(name)
+    module.__getattr__ = module_getattr(name)
+    module.__class__ = _MovedNames

@@ -16,10 +16,7 @@ BF16 applies, and the late switch. `nvfp4_jax.report` lists them.
 from __future__ import annotations
 
 import dataclasses
-import sys
-import types
 from typing import Any
-import warnings
 
 import flax.linen as nn
 from flax import nnx
@@ -35,7 +32,6 @@ from nvfp4_jax.flax.linen import layer_call
 from nvfp4_jax.flax.linen import observe_input
 from nvfp4_jax.flax.rules import PrecisionRules
 from nvfp4_jax.ops.ragged_quantize.api import alignment
-from nvfp4_jax.training import moe as _training_moe
 from nvfp4_jax.training.moe import check_moe
 from nvfp4_jax.training.moe import moe_forward
 from nvfp4_jax.training.moe import whole
@@ -261,37 +257,3 @@ class NNXMoE(nnx.Module):
     self.aux_loss = nnx.Intermediate(aux)
     return restore(y.reshape(shape))
 
-
-class _Module(types.ModuleType):
-  """This module, with the exchange's knobs forwarded where they now live.
-
-  `EXCHANGE` and `EXCHANGE_SLACK` moved to `nvfp4_jax.training.moe` (the
-  framework-free MoE); a read or a write of them here reaches that module,
-  with a DeprecationWarning, instead of setting a name nothing reads.
-  """
-
-  def __getattr__(self, name):
-    if name in _MOVED_KNOBS:
-      _warn_moved(name)
-      return getattr(_training_moe, name)
-    raise AttributeError(
-        f"module {__name__!r} has no attribute {name!r}")
-
-  def __setattr__(self, name, value):
-    if name in _MOVED_KNOBS:
-      _warn_moved(name)
-      setattr(_training_moe, name, value)
-      return
-    super().__setattr__(name, value)
-
-
-_MOVED_KNOBS = ("EXCHANGE", "EXCHANGE_SLACK")
-
-
-def _warn_moved(name):
-  warnings.warn(
-      f"nvfp4_jax.flax.moe.{name} is deprecated: it moved to "
-      f"nvfp4_jax.training.moe.{name}", DeprecationWarning, stacklevel=3)
-
-
-sys.modules[__name__].__class__ = _Module

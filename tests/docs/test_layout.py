@@ -281,6 +281,19 @@ def test_each_deprecated_path_warns_naming_its_new_path(old, monkeypatch):
       assert got is getattr(home, name)
 
 
+def test_a_moved_knob_set_at_its_old_path_reaches_its_new_home(monkeypatch):
+  """`nvfp4_jax.flax.moe.EXCHANGE = ...` (the knob before it moved) warns
+  and sets the one the exchange reads, `nvfp4_jax.training.moe.EXCHANGE`."""
+  from nvfp4_jax.flax import moe  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.training import moe as training_moe  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(training_moe, "EXCHANGE", training_moe.EXCHANGE)
+  with pytest.warns(DeprecationWarning,
+                    match=re.escape("to nvfp4_jax.training.moe.EXCHANGE.")):
+    moe.EXCHANGE = "ragged"
+  assert training_moe.EXCHANGE == "ragged"
+  assert "EXCHANGE" not in vars(moe)
+
+
 def test_current_names_do_not_warn():
   import nvfp4_jax as nv  # pylint: disable=g-import-not-at-top
   with warnings.catch_warnings():
