@@ -48,7 +48,16 @@ _SIGN_BIT = 8
 
 def ftz(v: jax.Array) -> jax.Array:
   """Flushes FP32 subnormals to (signed) zero, as XLA:CPU does implicitly."""
-  return jnp.where(jnp.abs(v) < F32_TINY, v * 0.0, v)
+  v = jnp.asarray(v)
+  if not jnp.issubdtype(v.dtype, jnp.floating):
+    return jnp.where(jnp.abs(v) < F32_TINY, v * 0.0, v)
+  # `jnp.where(jnp.abs(v) < F32_TINY, v * 0.0, v)` in `lax` ops (the
+  # constants in `v`'s dtype, as `jnp` takes Python scalars): called for
+  # every operand of the exact arithmetic, its `jnp` wrappers were a
+  # quarter of an NVFP4 step's trace.
+  tiny, zero = np.asarray(F32_TINY, v.dtype), np.asarray(0.0, v.dtype)
+  return jax.lax.select(jax.lax.lt(jax.lax.abs(v), tiny),
+                        jax.lax.mul(v, zero), v)
 
 
 @jax.jit  # One compiled op in eager code, instead of ~150 dispatches.
@@ -78,10 +87,16 @@ def div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
   r = jnp.where(small, ma << 1, ma)
   e = ea - eb + 127 - small.astype(jnp.int32)
   q = jnp.zeros_like(ma)
+  # The 24 steps in `lax` ops (the same operations as the `jnp` ones, on
+  # arrays of one shape and dtype): without `jnp`'s promotion and `jit`
+  # wrappers, each division traces in a third of the time.
+  one = np.uint32(1)
   for _ in range(24):
-    bit = r >= mb
-    q = (q << 1) | bit.astype(jnp.uint32)
-    r = jnp.where(bit, r - mb, r) << 1  # r = 2 * remainder
+    bit = jax.lax.ge(r, mb)
+    q = jax.lax.bitwise_or(jax.lax.shift_left(q, one),
+                           jax.lax.convert_element_type(bit, jnp.uint32))
+    r = jax.lax.shift_left(jax.lax.select(bit, jax.lax.sub(r, mb), r),
+                           one)  # r = 2 * remainder
   up = (r > mb) | ((r == mb) & ((q & 1) == 1))
   q = q + up.astype(jnp.uint32)
   carry = q >> 24  # Rounded up to 2^24: renormalise.
@@ -318,15 +333,21 @@ def e2m1_decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
   Returns:
     The values, shaped as `codes`.
   """
-  c = codes.astype(jnp.int32)
-  m = c & 7
+  # In `lax` ops on int32 and FP32 (every value exact): traced once per
+  # decoded operand, `jnp`'s wrappers cost more than the arithmetic.
+  lax, f32 = jax.lax, np.float32
+  c = lax.convert_element_type(codes, jnp.int32)
+  m = lax.bitwise_and(c, np.int32(7))
+  mf = lax.convert_element_type(m, jnp.float32)
   # 0, .5, 1, 1.5 step by 0.5; 2, 3 by 1; 4, 6 by 2.
-  mag = jnp.where(m < 4, 0.5 * m, jnp.where(m < 6, m - 2.0, 2.0 * m - 8.0))
-  mag = mag.astype(jnp.float32)
+  mag = lax.select(lax.lt(m, np.int32(4)), lax.mul(mf, f32(0.5)),
+                   lax.select(lax.lt(m, np.int32(6)), lax.sub(mf, f32(2.0)),
+                              lax.sub(lax.mul(mf, f32(2.0)), f32(8.0))))
   # Multiply rather than negate: Pallas-Triton lowers `-x` to `0 - x`, which
   # turns code 8 (-0) into +0.
-  sign = jnp.where((c & _SIGN_BIT) != 0, jnp.float32(-1.0), jnp.float32(1.0))
-  return (sign * mag).astype(dtype)
+  negative = lax.ne(lax.bitwise_and(c, np.int32(_SIGN_BIT)), np.int32(0))
+  sign = lax.select(negative, lax.full_like(mf, -1.0), lax.full_like(mf, 1.0))
+  return lax.convert_element_type(lax.mul(sign, mag), dtype)
 
 
 def pack_e2m1(codes: jax.Array, *, split: bool = False) -> jax.Array:

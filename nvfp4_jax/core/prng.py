@@ -15,6 +15,14 @@ wrap-around, and `mix32` is the `lowbias32` integer finaliser
 (xor-shift 16, multiply 0x7FEB352D, xor-shift 15, multiply 0x846CA68B,
 xor-shift 16). Both steps are bijections of the counter, so no two words of one
 tensor share a hash input; tensors must hold fewer than 2^34 elements.
+
+Keys. A layer draws all its operands' seed words with one threefry call
+(`operand_seeds`) and hands each quantizer a *seeds key*: a typed JAX key
+(`jax.random.wrap_key_data(words, impl=SEEDS)`) whose data are the stream's
+two seed words, so `seeds_from_key` returns them without hashing again. Any
+threefry key works too (its seeds are `jax.random.bits(key, (2,), uint32)`).
+One call per layer instead of one per operand and split: the threefry rounds
+were half of an NVFP4 step's optimized instructions.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.extend.random  # noqa: F401 - jax.extend.random.define_prng_impl.
 import jax.numpy as jnp
 
 _M1 = 0x7FEB352D
@@ -44,21 +53,54 @@ def sr_hash(word: jax.Array, seed0: jax.Array, seed1: jax.Array) -> jax.Array:
   return mix32(mix32(word ^ seed0) + seed1)
 
 
+def _seeds_bits(data: jax.Array, bit_width: int, shape) -> jax.Array:
+  if bit_width != 32 or tuple(shape) != (2,):
+    raise TypeError(
+        f"A stochastic-rounding seeds key holds its stream's two uint32 seed "
+        f"words and draws nothing else (asked for {tuple(shape)} of "
+        f"{bit_width}-bit values): draw other random numbers from a "
+        f"jax.random.key.")
+  return data
+
+
+_THREEFRY = jax.extend.random.threefry_prng_impl
+
+SEEDS = jax.extend.random.define_prng_impl(
+    key_shape=(2,), seed=_THREEFRY.seed, split=_THREEFRY.split,
+    random_bits=_seeds_bits, fold_in=_THREEFRY.fold_in,
+    name="nvfp4_sr_seeds", tag="sr")
+"""The PRNG implementation of seeds keys: `jax.random.bits(key, (2,),
+uint32)` is the key's data itself (split and fold_in are threefry's)."""
+
+
+def seeds_key(words: jax.Array) -> jax.Array:
+  """The seeds key whose stream has the seed words `words` (uint32 `[2]`)."""
+  return jax.random.wrap_key_data(words.astype(jnp.uint32), impl=SEEDS)
+
+
+def operand_seeds(key: jax.Array, n: int) -> list[jax.Array]:
+  """`n` seeds keys drawn from `key` with one threefry call: the `i`-th
+  streams with the seed words `jax.random.bits(key, (n, 2), uint32)[i]`."""
+  words = jax.random.bits(key, (n, 2), jnp.uint32)
+  return [seeds_key(words[i]) for i in range(n)]
+
+
 def pair_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The keys of a tensor's two quantized operands, `(k_row, k_rht_t)`.
+  """The keys of a tensor's two quantized operands, `(k_row, k_rht_t)`:
+  `operand_seeds(key, 2)`.
 
   A tensor quantized twice (dY: along its rows for Dgrad and, after the RHT,
-  along tokens for Wgrad) rounds each copy with its own stream. The only place
-  a key is split for a pair; `Recipe.operand_keys` builds on it.
+  along tokens for Wgrad) rounds each copy with its own stream.
   """
-  k_row, k_t = jax.random.split(key)
+  k_row, k_t = operand_seeds(key, 2)
   return k_row, k_t
 
 
 def seeds_from_key(key: jax.Array) -> jax.Array:
   """The two uint32 seeds of the stream, `jax.random.bits(key, (2,), uint32)`.
 
-  Works for typed keys (`jax.random.key`) and raw `uint32[2]` keys alike.
+  Works for typed keys (`jax.random.key`), raw `uint32[2]` keys and seeds
+  keys (`seeds_key`: their data, no hashing) alike.
   """
   return jax.random.bits(key, (2,), jnp.uint32)
 

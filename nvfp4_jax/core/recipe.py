@@ -297,18 +297,13 @@ class Recipe:
     """The stochastic-rounding key of every operand; None where it rounds to
     nearest (or no key is given). The one place a layer's key is split.
 
-    dY's pair takes `prng.pair_keys(key)`, X's pair `pair_keys(fold_in(key,
-    1))`, the weight `fold_in(key, 2)` (Fprop, and Dgrad where it reuses
-    Fprop's quantized weight) and `fold_in(key, 3)` (a Dgrad weight quantized
-    on its own).
+    One threefry call draws every operand's seed words: operand `OPERANDS[i]`
+    gets the seeds key (`prng.seeds_key`) of `jax.random.bits(key, (6, 2),
+    uint32)[i]`, whether or not the others round stochastically.
     """
     if key is None or not self.needs_key:
       return dict.fromkeys(OPERANDS)
-    keys = {}
-    keys["dgrad_dy"], keys["wgrad_dy"] = prng.pair_keys(key)
-    keys["fprop_x"], keys["wgrad_x"] = prng.pair_keys(jax.random.fold_in(key, 1))
-    keys["fprop_w"] = jax.random.fold_in(key, 2)
-    keys["dgrad_w"] = jax.random.fold_in(key, 3)
+    keys = dict(zip(OPERANDS, prng.operand_seeds(key, len(OPERANDS))))
     return {op: keys[op] if getattr(self, op).rounding == "stochastic"
             else None for op in OPERANDS}
 

@@ -22,6 +22,7 @@ from nvfp4_jax.ops.quantize_pair import api as pair_api
 from nvfp4_jax.ops.quantize_rht_t import api as rht_t_api
 from nvfp4_jax.ops.quantize import reference as quantize_ref
 from nvfp4_jax.core import prng
+from nvfp4_jax.core.recipe import OPERANDS
 from nvfp4_jax.core.recipe import Operand
 from nvfp4_jax.ops.quantize_rht_t import config as rht_config
 from nvfp4_jax.ops.quantize_rht_t import pallas_triton as pallas_rht
@@ -119,12 +120,20 @@ def test_operand_keys_are_distinct_and_none_for_nearest():
   data = [tuple(np.asarray(jax.random.key_data(k)))
           for k in every.operand_keys(jax.random.key(0)).values()]
   assert len(set(data)) == 6
-  # dY's pair keys are the pair-split of the layer key (the fused kernel's).
-  k_row, k_t = prng.pair_keys(jax.random.key(0))
-  assert np.array_equal(jax.random.key_data(keys["dgrad_dy"]),
-                        jax.random.key_data(k_row))
-  assert np.array_equal(jax.random.key_data(keys["wgrad_dy"]),
-                        jax.random.key_data(k_t))
+  # Operand i streams with row i of one draw of the layer key's bits: the
+  # seeds key's data are the seed words the quantizers use, unhashed.
+  words = np.asarray(jax.random.bits(jax.random.key(0), (6, 2), jnp.uint32))
+  every_keys = every.operand_keys(jax.random.key(0))
+  for i, op in enumerate(OPERANDS):
+    k = every_keys[op]
+    assert jax.random.key_impl(k) == jax.random.key_impl(prng.seeds_key(
+        jnp.zeros(2, jnp.uint32)))
+    assert np.array_equal(np.asarray(prng.seeds_from_key(k)), words[i]), op
+  assert np.array_equal(np.asarray(prng.seeds_from_key(keys["dgrad_dy"])),
+                        words[2])
+  # A seeds key draws nothing but its seed words.
+  with pytest.raises(TypeError, match="draws nothing else"):
+    jax.random.uniform(keys["dgrad_dy"], (3,))
 
 
 # -- The pair op: one dispatch, the kernel refuses what it cannot fuse. ------
