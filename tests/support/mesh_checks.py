@@ -1195,7 +1195,7 @@ def check_auto_moe():
 
   - `check_auto_moe_quick` with the backward pass (dX bit for bit, dW
     within the derived bound, both Wgrad operands bit for bit).
-  - The grouped GEMMs' per-shard rules (`spmd.grouped_matmul_per_shard`:
+  - The grouped GEMMs' per-shard rules (`ragged_dot.sharded.grouped_matmul_per_shard`:
     the Mosaic GPU kernels' on Hopper, Triton's on Blackwell) around
     stand-in kernels (the reference), which record each shard's shape and
     turn shards down in a second run (the reference runs them then):

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 
 from nvfp4_jax.core import dispatch
 from nvfp4_jax.core import numerics as nm
-from nvfp4_jax.core import spmd
 from nvfp4_jax.ops.ragged_dot import reference as ref
+from nvfp4_jax.ops.ragged_dot import sharded
 from nvfp4_jax.ops.ragged_quantize.api import Grouped
 from nvfp4_jax.ops.ragged_quantize.reference import group_of
 
@@ -90,7 +90,7 @@ def _preference(platform: str) -> tuple[str, ...]:
 
 def _values_per_shard(kernel, va, vb, group_sizes, alpha=None, **kwargs):
   """The grouped GEMM kernel per shard under `jax.jit` shardings
-  (`spmd.grouped_matmul_per_shard`): the result's rows split as `va`'s
+  (`sharded.grouped_matmul_per_shard`): the result's rows split as `va`'s
   (each shard with its own rows' group sizes), its columns as `vb`'s N;
   the experts and K gathered. A shard the kernel turns down runs the
   reference (exact products; only the FP32 summation order differs).
@@ -98,14 +98,14 @@ def _values_per_shard(kernel, va, vb, group_sizes, alpha=None, **kwargs):
   if kernel is _lax_matmul:
     return kernel(va, vb, group_sizes, alpha, **kwargs)
   n_dim = 2 if kwargs.get("vb_layout", "kn") == "kn" else 1
-  return spmd.grouped_matmul_per_shard(
+  return sharded.grouped_matmul_per_shard(
       kernel, (va,), (vb,), (group_sizes, alpha), a_dim=0, b_dim=n_dim,
       contract_tokens=False, fallback=ref.ragged_values_matmul, **kwargs)
 
 
 def _values_t_per_shard(kernel, va, vb, group_sizes, alpha=None, **kwargs):
   """The Wgrad grouped GEMM kernel per shard under `jax.jit` shardings
-  (`spmd.grouped_matmul_per_shard`): the result `[E, K, N]` split as `va`'s
+  (`sharded.grouped_matmul_per_shard`): the result `[E, K, N]` split as `va`'s
   K and `vb`'s N; the tokens, the contraction, are gathered where split (a
   sum over shards would change the FP32 summation order: not the whole
   call's bits). A shard the kernel turns down runs the reference. XLA's
@@ -113,7 +113,7 @@ def _values_t_per_shard(kernel, va, vb, group_sizes, alpha=None, **kwargs):
   if kernel is _lax_matmul_t:
     return kernel(va, vb, group_sizes, alpha, **kwargs)
   d = 0 if kwargs.get("tokens_last", True) else 1
-  return spmd.grouped_matmul_per_shard(
+  return sharded.grouped_matmul_per_shard(
       kernel, (va,), (vb,), (group_sizes, alpha), a_dim=d, b_dim=d,
       contract_tokens=True, fallback=ref.ragged_values_matmul_t, **kwargs)
 
@@ -242,7 +242,7 @@ def _codes_per_shard(kernel, a_codes, a_scales, b_codes, b_scales,
                      group_sizes, alpha=None, **kwargs):
   """`_values_per_shard` on codes: `a`'s rows split (their own group
   sizes), `b [E, N, K]`'s N split; the experts and K gathered."""
-  return spmd.grouped_matmul_per_shard(
+  return sharded.grouped_matmul_per_shard(
       kernel, (a_codes, a_scales), (b_codes, b_scales), (group_sizes, alpha),
       a_dim=0, b_dim=1, contract_tokens=False,
       fallback=ref.ragged_codes_matmul, **kwargs)
@@ -252,7 +252,7 @@ def _codes_t_per_shard(kernel, a_codes, a_scales, b_codes, b_scales,
                        group_sizes, alpha=None, **kwargs):
   """`_values_t_per_shard` on codes (`a [K, L]`, `b [N, L]`): K and N
   split, the tokens gathered."""
-  return spmd.grouped_matmul_per_shard(
+  return sharded.grouped_matmul_per_shard(
       kernel, (a_codes, a_scales), (b_codes, b_scales), (group_sizes, alpha),
       a_dim=0, b_dim=0, contract_tokens=True,
       fallback=ref.ragged_codes_matmul_t, **kwargs)
