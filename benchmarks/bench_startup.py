@@ -14,7 +14,9 @@ from the process's start (the interpreter's, before any import) to the
 first step's result; `xla_compile` sums JAX's backend-compile events of the
 process (the initial state's programs too; a cache hit counts its load).
 The table reports medians over the rounds and each phase's ratio to the
-first configuration's.
+first configuration's. `--profile N` runs one cold process per configuration
+under `cProfile` instead and prints the N functions of the trace and the
+lowering with the most cumulative time (where start-up goes, by function).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class StartConfig:
   batch: int
   seq: int
   cache_dir: str = ""
+  profile: int = 0
 
   @property
   def label(self) -> str:
@@ -80,6 +83,29 @@ def _child(cfg: StartConfig) -> dict:
     batch = jax.device_put(batch, jax.devices()[0])
   jax.block_until_ready((state, batch))
   t["build"] = time.perf_counter() - t0
+  if cfg.profile:
+    import cProfile  # pylint: disable=g-import-not-at-top
+    import io  # pylint: disable=g-import-not-at-top
+    import pstats  # pylint: disable=g-import-not-at-top
+    for stage in ("trace", "lower"):
+      prof = cProfile.Profile()
+      t0 = time.perf_counter()
+      prof.enable()
+      if stage == "trace":
+        traced = trainer.train_step.trace(state, batch)
+      else:
+        traced.lower()
+      prof.disable()
+      out = io.StringIO()
+      stats = pstats.Stats(prof, stream=out)
+      # The library's and Pallas' own functions by cumulative time, then
+      # every function by its own time.
+      stats.sort_stats("cumulative").print_stats(
+          "nvfp4_jax|pallas|triton|mosaic", cfg.profile)
+      stats.sort_stats("tottime").print_stats(cfg.profile)
+      print(f"== {cfg.label} {stage}: {time.perf_counter() - t0:.1f} s "
+            f"under cProfile\n{out.getvalue()}", file=sys.stderr)
+    return {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
   t0 = time.perf_counter()
   traced = trainer.train_step.trace(state, batch)
   t["trace"] = time.perf_counter() - t0
@@ -142,9 +168,20 @@ def main(argv=None):
   p.add_argument("--seq", type=int, default=1024)
   p.add_argument("--precisions", default="bf16,nvfp4")
   p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--profile", type=int, default=0, metavar="N",
+                 help="profile the trace and the lowering of one cold process "
+                 "per configuration; print the N costliest functions")
   a = p.parse_args(argv)
   if a.child:
     print(json.dumps(_child(StartConfig(**json.loads(a.child)))))
+    return
+  if a.profile:
+    import subprocess  # pylint: disable=g-import-not-at-top
+    for prec in a.precisions.split(","):
+      c = StartConfig(a.preset, prec, a.batch, a.seq, profile=a.profile)
+      subprocess.run([sys.executable, "-m", "benchmarks.bench_startup",
+                      "--child", json.dumps(dataclasses.asdict(c))],
+                     check=True, stdout=subprocess.DEVNULL)
     return
   from nvfp4_jax.tools import timing  # pylint: disable=g-import-not-at-top
   configs = [StartConfig(a.preset, prec, a.batch, a.seq)

@@ -11,6 +11,10 @@ call and its partial tiles.
   (interpret mode pads instead, which hid this on CPU).
 - `check_powers_of_two`, `next_pow2` and `cdiv`: the tile configs' checks
   and the grids' arithmetic.
+- `register_triton_dialect_module`, run on import: lets MLIR's Python
+  bindings find the Triton dialect's module, which they otherwise search
+  for again, and fail to import, at every Triton op a kernel's lowering
+  builds (below).
 """
 
 from __future__ import annotations
@@ -24,6 +28,36 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from nvfp4_jax.core import dispatch
+
+
+def register_triton_dialect_module() -> bool:
+  """Makes jaxlib's Triton dialect module importable as
+  `jaxlib.mlir.dialects.tt`; returns whether it did.
+
+  MLIR's Python bindings look up an op's dialect module by its namespace
+  ("tt") under their search prefixes (`jaxlib.mlir.dialects`,
+  `jaxlib.mosaic.python`) each time an op is built, and remember only a
+  success. jaxlib keeps the Triton dialect in `jaxlib.triton.dialect`, under
+  neither, so every Triton op built while lowering a Pallas-Triton kernel
+  failed six imports: GPT base's NVFP4 step built 31,512 such ops, 189,073
+  failed imports in a 12.3 s lowering (H200, jax 0.11.2, 2026-12-02). The
+  module is the one jaxlib already imported (its ops are registered); this
+  only tells the lookup where it is. Nothing changes where `jaxlib.triton`
+  is absent or the name is taken.
+  """
+  import sys  # pylint: disable=g-import-not-at-top
+  name = "jaxlib.mlir.dialects.tt"
+  if name in sys.modules:
+    return False
+  try:
+    from jaxlib.triton import dialect  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  sys.modules[name] = dialect
+  return True
+
+
+register_triton_dialect_module()
 
 
 def backend() -> str:
