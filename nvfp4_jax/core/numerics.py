@@ -53,8 +53,8 @@ def ftz(v: jax.Array) -> jax.Array:
     return jnp.where(jnp.abs(v) < F32_TINY, v * 0.0, v)
   # `jnp.where(jnp.abs(v) < F32_TINY, v * 0.0, v)` in `lax` ops (the
   # constants in `v`'s dtype, as `jnp` takes Python scalars): called for
-  # every operand of the exact arithmetic, its `jnp` wrappers were a
-  # quarter of an NVFP4 step's trace.
+  # every operand of the exact arithmetic, its `jnp` wrappers were 1,702 of
+  # the 9,254 traced in the tiny GPT's NVFP4 train step.
   tiny, zero = np.asarray(F32_TINY, v.dtype), np.asarray(0.0, v.dtype)
   return jax.lax.select(jax.lax.lt(jax.lax.abs(v), tiny),
                         jax.lax.mul(v, zero), v)
@@ -88,8 +88,8 @@ def div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
   e = ea - eb + 127 - small.astype(jnp.int32)
   q = jnp.zeros_like(ma)
   # The 24 steps in `lax` ops (the same operations as the `jnp` ones, on
-  # arrays of one shape and dtype): without `jnp`'s promotion and `jit`
-  # wrappers, each division traces in a third of the time.
+  # arrays of one shape and dtype), without `jnp`'s promotion and `jit`
+  # wrappers: 144 wrapper calls fewer per traced division.
   one = np.uint32(1)
   for _ in range(24):
     bit = jax.lax.ge(r, mb)
