@@ -44,10 +44,12 @@ class NVFP4Array:
 
   @property
   def shape(self) -> tuple[int, ...]:
+    """The logical shape: the codes' with the last axis unpacked (2 per byte)."""
     return (*self.codes.shape[:-1], 2 * self.codes.shape[-1])
 
   @property
   def ndim(self) -> int:
+    """The number of logical axes."""
     return self.codes.ndim
 
   @property
@@ -111,8 +113,10 @@ class NVFP4Values:
   amax: jax.Array
   four_over_six: bool = False
 
-  shape = property(lambda self: tuple(self.values.shape))
-  ndim = property(lambda self: self.values.ndim)
+  shape = property(lambda self: tuple(self.values.shape),
+                   doc="The logical shape (the bf16 values').")
+  ndim = property(lambda self: self.values.ndim,
+                  doc="The number of logical axes.")
   tensor_denominator = NVFP4Array.tensor_denominator
   tensor_scale = NVFP4Array.tensor_scale
 
@@ -290,11 +294,13 @@ class MXArray:
 
   @property
   def shape(self) -> tuple[int, ...]:
+    """The logical shape: MXFP4's last axis unpacked (2 per byte)."""
     k = self.data.shape[-1] * (2 if self.fmt == "mxfp4" else 1)
     return (*self.data.shape[:-1], k)
 
   @property
   def ndim(self) -> int:
+    """The number of logical axes."""
     return self.data.ndim
 
 

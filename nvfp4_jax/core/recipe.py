@@ -171,6 +171,7 @@ class Operand:
 
   @property
   def quantized(self) -> bool:
+    """Whether this operand is quantized (its format is not "bf16")."""
     return self.format != "bf16"
 
 
@@ -308,6 +309,7 @@ class Recipe:
             else None for op in OPERANDS}
 
   def replace(self, **changes) -> "Recipe":
+    """This recipe with the given fields changed (`dataclasses.replace`)."""
     return dataclasses.replace(self, **changes)
 
   def with_bf16_forward(self) -> "Recipe":

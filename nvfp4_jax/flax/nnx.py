@@ -163,10 +163,12 @@ class NVFP4Linear(nnx.Linear):
 
   @property
   def recipe(self) -> Recipe | None:
+    """The recipe the layer was built with (None: the rules in scope decide)."""
     return self.dot_general.recipe
 
   @property
   def path(self) -> str | None:
+    """The layer's path, the name precision rules match (None: unnamed)."""
     return self.dot_general.path
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:

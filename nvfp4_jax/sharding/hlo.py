@@ -53,6 +53,7 @@ class Collective:
 
   @property
   def dtypes(self) -> tuple[str, ...]:
+    """The operands' element types as HLO names them ("u8", "f32", ...)."""
     return tuple(d for d, _ in self.operands)
 
   @property

@@ -306,6 +306,7 @@ class LinearSharding:
 
   @property
   def sizes(self) -> Mapping[str, int]:
+    """The mesh's axis sizes by axis name."""
     return dict(self.mesh.shape)
 
   @property
@@ -650,6 +651,7 @@ class MeshRules:
 
   @property
   def sizes(self) -> Mapping[str, int]:
+    """The mesh's axis sizes by axis name."""
     return dict(self.mesh.shape)
 
   @property

@@ -64,6 +64,7 @@ class Gemm:
 
   @property
   def quantized(self) -> bool:
+    """Whether this GEMM ran with quantized operands."""
     return self.precision != "bf16"
 
 
@@ -86,10 +87,12 @@ class Report:
 
   @property
   def quantized(self) -> tuple[Gemm, ...]:
+    """The GEMMs that ran with quantized operands, in trace order."""
     return tuple(g for g in self.gemms if g.quantized)
 
   @property
   def high_precision(self) -> tuple[Gemm, ...]:
+    """The GEMMs that ran in high precision, each with its `Gemm.reason`."""
     return tuple(g for g in self.gemms if not g.quantized)
 
   def count(self, gemm: str | None = None, *, quantized: bool = True) -> int:

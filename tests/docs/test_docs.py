@@ -149,6 +149,33 @@ def test_every_public_name_is_documented():
   assert not done, f"documented now, remove from KNOWN_INCOMPLETE: {done}"
 
 
+def _fields(cls) -> set[str]:
+  """A class's declared fields (dataclass, flax module), which document
+  themselves in its `Attributes:`; their defaults may be functions."""
+  names = set(getattr(cls, "__dataclass_fields__", {}))
+  return names | set(getattr(cls, "__annotations__", {}))
+
+
+def test_every_public_method_and_property_has_a_docstring():
+  """The classes' own public methods and properties (what autodoc lists
+  under each class), not only the classes."""
+  missing = []
+  for name, obj in _public_objects():
+    if not inspect.isclass(obj):
+      continue
+    for member, value in list(vars(obj).items()):
+      if member.startswith("_") or member in _fields(obj):
+        continue
+      fn = value.fget if isinstance(value, property) else getattr(
+          value, "__func__", value)
+      if not (isinstance(value, property) or inspect.isfunction(fn)):
+        continue
+      doc = value.__doc__ if isinstance(value, property) else fn.__doc__
+      if not (doc or "").strip():
+        missing.append(f"{name}.{member}")
+  assert not missing, f"methods and properties without a docstring: {missing}"
+
+
 def test_pages_are_in_the_toctree():
   index = (DOCS / "index.md").read_text()
   listed = set(re.findall(r"^(\w+)$", index, re.M))
