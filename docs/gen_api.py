@@ -35,7 +35,14 @@ DATA = {
 }
 MODULE_MEMBERS = {
   'export': ['save', 'load', 'apply', 'generate', 'quantized_weights'],
-  'sharding': ['make_mesh', 'current_rules', 'linear_sharding_for', 'quantize', 'quantize_pair', 'quantize_rht_t', 'collectives', 'Collective'],
+  # Its `__all__`, less the objects `nv.__all__` documents at the top.
+  'sharding': [m for m in nv.sharding.__all__
+               if getattr(nv, m, None) is not getattr(nv.sharding, m)],
+}
+MODULE_DATA = {
+  'AXES': 'The mesh axes `MeshRules` knows: data parallelism, FSDP, tensor parallelism.',
+  'TENSOR_STYLES': "A tensor-parallel layer's styles: Megatron's column (output features split) and row (input features split).",
+  'GPT_TENSOR_PARALLEL': "The GPT's tensor-parallel layout, `(path regex, style)` pairs: Megatron's column/row pairs of attention and the MLP.",
 }
 TITLES = {
   'Layers': 'Layers', 'Quantized arrays.': 'Quantized arrays', 'Ops:': 'Ops',
@@ -62,6 +69,9 @@ for desc, names in groups:
       out.append("\n")
       for m in MODULE_MEMBERS[n]:
         o = getattr(obj, m)
+        if m in MODULE_DATA:
+          out.append(f".. py:data:: nvfp4_jax.{n}.{m}\n   :value: {o!r}\n\n   {MODULE_DATA[m]}\n\n")
+          continue
         kind = 'autoclass' if inspect.isclass(o) else 'autofunction'
         out.append(f".. {kind}:: nvfp4_jax.{n}.{m}\n" + ("   :members:\n" if kind == 'autoclass' else '') + "\n")
       out.append(".. currentmodule:: nvfp4_jax\n```\n\n")

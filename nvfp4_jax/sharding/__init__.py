@@ -23,3 +23,15 @@ from nvfp4_jax.sharding.mesh import current_rules
 from nvfp4_jax.sharding.mesh import linear_sharding_for
 from nvfp4_jax.sharding.mesh import make_mesh
 from nvfp4_jax.sharding.mesh import mesh_rules
+
+__all__ = (
+    # Meshes and what each axis splits.
+    "make_mesh", "MeshRules", "mesh_rules", "current_rules", "AXES",
+    "TENSOR_STYLES", "GPT_TENSOR_PARALLEL",
+    # One layer's split.
+    "LinearSharding", "linear_sharding_for",
+    # The sharded quantizers.
+    "quantize", "quantize_pair", "quantize_rht_t",
+    # What a compiled program communicates.
+    "collectives", "Collective",
+)

@@ -86,6 +86,19 @@ def _public_objects():
   return out
 
 
+def test_api_reference_lists_every_name_of_the_sharding_package():
+  """`nvfp4_jax.sharding.__all__`: each name in the reference, under the
+  package or (the same object) at the top."""
+  import nvfp4_jax as nv  # pylint: disable=g-import-not-at-top
+  text = (DOCS / "api.md").read_text()
+  listed = set(re.findall(r"^\.\. (?:auto(?:class|function)|py:data):: "
+                          r"nvfp4_jax\.sharding\.(\w+)", text, re.M))
+  missing = [m for m in nv.sharding.__all__ if m not in listed and not (
+      m in nv.__all__ and getattr(nv, m) is getattr(nv.sharding, m))]
+  assert not missing, f"not in docs/api.md (run docs/gen_api.py): {missing}"
+  assert all(hasattr(nv.sharding, m) for m in nv.sharding.__all__)
+
+
 def _gives_a_value(fn) -> tuple[bool, bool]:
   """Whether `fn`'s own body returns a value, and whether it yields one."""
   fn = inspect.unwrap(fn)
