@@ -1,15 +1,20 @@
 """The public ops' bad inputs: each gets a clear error that names the
 offending value and says what to do.
 
-Two parts: named cases (shapes, dtypes, roundings, keys and amaxes that a
-user gets wrong, each with its message), then a property sweep (issue 14,
-item 3): for generated shapes, dtypes and arguments each public op either
-returns the documented result (checked by shape) or raises a
-TypeError/ValueError whose message names the offending value and says what
-to do. The sweep is traced abstractly (`jax.eval_shape`: the checks run at
-trace time, no FLOPs needed) and needs `hypothesis` (the `test` extra);
-without it only the sweep skips. The layers', configs', rules' and export
-files' tables are `tests/training/test_bad_inputs.py`; the CLI's,
+Three parts:
+- named cases: shapes, dtypes, roundings, keys and amaxes a user gets wrong,
+  each with its message;
+- the ops' table (issue 42): each call, the error it raises and the
+  fragments its message must hold;
+- a property sweep (issue 14, item 3): for generated shapes, dtypes and
+  arguments each public op either returns the documented result (checked
+  by shape) or raises a TypeError/ValueError whose message names the
+  offending value and says what to do. It is traced abstractly
+  (`jax.eval_shape`: the checks run at trace time, no FLOPs needed) and
+  needs `hypothesis` (the `test` extra); without it only the sweep skips.
+
+The layers', configs', rules' and export files' tables are
+`tests/training/test_bad_inputs.py`; the CLI's,
 `tests/train/test_train_cli_errors.py`.
 """
 
@@ -25,6 +30,7 @@ import pytest
 
 import nvfp4_jax as nv
 from nvfp4_jax.core import prng
+from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
 from nvfp4_jax.ops.quantize_rht_t import api as rht_t_api
 
@@ -193,6 +199,115 @@ def _quantize(fn, x):
   if fn == "nvfp4":
     return nv.quantize(x)
   return nv.quantize_mx(x, fn)
+
+# -- The ops' table (issue 42): a call, the error it raises, the fragments
+# its message holds (the offending value and the fix). --------------------
+
+X = jax.random.normal(jax.random.key(0), (32, 64))
+W = jax.random.normal(jax.random.key(1), (64, 32))
+DN = (((1,), (0,)), ((), ()))
+Q = nv.quantize(X)
+KEY = jax.random.key(2)
+
+OPS = {
+    "amax negative": (lambda: nv.quantize(X, amax=-1.0), ValueError,
+                      ["amax=-1.0", ">= 0", "amax=None"]),
+    "amax NaN": (lambda: nv.quantize(X, amax=jnp.nan), ValueError,
+                 ["amax=nan", "finite", "amax=None"]),
+    "amax Inf": (lambda: nv.quantize(X, amax=jnp.inf), ValueError,
+                 ["amax=inf", "finite", "amax=None"]),
+    "amax zero with nonzero data": (
+        lambda: nv.quantize(X, amax=0.0), ValueError,
+        ["amax=0.0", "nonzero elements", "amax=None"]),
+    "amax not a scalar": (lambda: nv.quantize(X, amax=jnp.ones(2)),
+                          ValueError, ["shape (2,)", "FP32 scalar"]),
+    "amax of quantize_with_values": (
+        lambda: nv.quantize_with_values(X, amax=-2.0), ValueError,
+        ["quantize_with_values", "amax=-2.0", "amax=None"]),
+    "key an int": (
+        lambda: nv.quantize(X, rounding="stochastic", key=0), TypeError,
+        ["got int 0", "key=jax.random.key(0)"]),
+    "key a batch of keys": (
+        lambda: nv.quantize(X, rounding="stochastic",
+                            key=jax.random.split(KEY, 2)), TypeError,
+        ["shape (2,)", "key=jax.random.key(0)"]),
+    "key a string for MX": (
+        lambda: nv.quantize_mx(X, "mxfp4", rounding="stochastic", key="k"),
+        TypeError, ["'k'", "key=jax.random.key(0)"]),
+    "stochastic without key": (
+        lambda: nv.quantize(X, rounding="stochastic"), ValueError,
+        ["rounding='stochastic' needs a key", "key=jax.random.key(0)"]),
+    "unknown rounding": (lambda: nv.quantize(X, rounding="round"), ValueError,
+                         ["'round'", "'nearest'"]),
+    "integer input": (lambda: nv.quantize(X.astype(jnp.int32)), TypeError,
+                      ["int32", "x.astype(jnp.float32)"]),
+    "NVFP4Array with inconsistent shapes": (
+        lambda: nv.dequantize(NVFP4Array(Q.codes, Q.scales[:, :3], Q.amax)),
+        ValueError, ["(32, 32)", "(32, 3)", "nvfp4_jax.quantize"]),
+    "NVFP4Array with int32 codes": (
+        lambda: nv.block_scaled_matmul(
+            NVFP4Array(Q.codes.astype(jnp.int32), Q.scales, Q.amax), Q),
+        ValueError, ["block_scaled_matmul", "int32", "uint8",
+                     "nvfp4_jax.quantize"]),
+    "NVFP4Array with a vector amax": (
+        lambda: nv.block_dequantize(NVFP4Array(Q.codes, Q.scales,
+                                               jnp.ones(2))),
+        ValueError, ["amax", "shape (2,)", "float32 scalar"]),
+    "weight_only_matmul with a hand-built weight": (
+        lambda: nv.weight_only_matmul(X, NVFP4Array(Q.codes[:, :8], Q.scales,
+                                                    Q.amax)),
+        ValueError, ["weight_only_matmul", "(32, 8)", "nvfp4_jax.quantize"]),
+    "dimension_numbers without batch dims": (
+        lambda: nv.dot_general(X, W, ((1,), (0,)), recipe="nvfp4"),
+        ValueError, ["got ((1,), (0,))", "(((x.ndim - 1,), (0,)), ((), ()))"]),
+    "dimension_numbers an int": (
+        lambda: nv.dot_general(X, W, 1, recipe="nvfp4"), ValueError,
+        ["got 1", "((lhs_contracting, rhs_contracting)"]),
+    "dimension_numbers out of range": (
+        lambda: nv.dot_general(X, W, (((5,), (0,)), ((), ())), recipe="nvfp4"),
+        ValueError, ["(((5,), (0,)), ((), ()))", "lhs (32, 64)",
+                     "(((x.ndim - 1,), (0,)), ((), ()))"]),
+    "dimension_numbers repeating an axis": (
+        lambda: nv.dot_general(X, W, (((1, 1), (0, 0)), ((), ())),
+                               recipe="bf16"),
+        ValueError, ["(((1, 1), (0, 0)), ((), ()))", "distinct axes"]),
+    "contracted sizes differ": (
+        lambda: nv.dot_general(X, W[:48], DN, recipe="nvfp4"), ValueError,
+        ["lhs (32, 64)", "rhs (48, 32)", "kernel's sizes"]),
+    "K not a multiple of 16": (
+        lambda: nv.dot_general(X[:, :40], W[:40], DN, recipe="nvfp4",
+                               key=KEY),
+        ValueError, ["is 40, not a multiple of 16", "pad it to 48",
+                     "keep this layer in bf16"]),
+    "recipe an unknown preset": (
+        lambda: nv.dot_general(X, W, DN, recipe="fp8"), ValueError,
+        ["recipe='fp8'", "'nvfp4'", "'mxfp8'"]),
+    "recipe an int": (
+        lambda: nv.dot_general(X, W, DN, recipe=3), TypeError,
+        ["got 3 (int)", "recipe=Recipe.nvfp4()", "recipe='bf16'"]),
+    "integer operands of a quantized GEMM": (
+        lambda: nv.dot_general(X.astype(jnp.int32), W, DN, recipe="nvfp4"),
+        TypeError, ["int32", "lhs.astype(jnp.float32)", "Recipe.bf16()"]),
+    "backward pass without a key": (
+        lambda: jax.grad(lambda w: nv.dot_general(
+            X, w, DN, recipe="nvfp4").sum())(W), ValueError,
+        ["no key was given", "pass key="]),
+}
+
+
+@pytest.mark.parametrize("call, error, fragments",
+                         [pytest.param(*OPS[name], id=name) for name in OPS])
+def test_ops_name_the_value_and_the_fix(call, error, fragments):
+  with pytest.raises(error) as info:
+    call()
+  message = str(info.value)
+  for fragment in fragments:
+    assert fragment in message, (fragment, message)
+
+
+def test_the_ops_table_holds_its_cases():
+  assert len(OPS) >= 26, len(OPS)
+
 
 # -- The property sweep. -------------------------------------------------------
 
