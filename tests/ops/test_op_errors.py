@@ -317,8 +317,9 @@ DTYPES = ["float32", "bfloat16", "float16", "float64", "int32", "uint8",
 FLOATS = {"float32", "bfloat16", "float16", "float64"}
 SIZES = [0, 1, 3, 15, 16, 17, 32, 40, 48, 64]
 # A fix is an instruction: these words start one in the library's messages.
+# ("e.g." ends in a dot, after which `\b` cannot match before a space.)
 FIX = re.compile(r"\b(pad|use|cast|pass|keep|set|flatten|split|fix|disable|"
-                 r"raise|e\.g\.)\b", re.I)
+                 r"raise)\b|\be\.g\.", re.I)
 
 
 def _spec(shape, dtype):
