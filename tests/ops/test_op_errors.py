@@ -29,6 +29,8 @@ import numpy as np
 import pytest
 
 import nvfp4_jax as nv
+from error_tables import assert_error
+from error_tables import table_params
 from nvfp4_jax.core import prng
 from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.ops.block_scaled_matmul import api as gemm_api
@@ -295,14 +297,9 @@ OPS = {
 }
 
 
-@pytest.mark.parametrize("call, error, fragments",
-                         [pytest.param(*OPS[name], id=name) for name in OPS])
+@pytest.mark.parametrize("call, error, fragments", table_params(OPS))
 def test_ops_name_the_value_and_the_fix(call, error, fragments):
-  with pytest.raises(error) as info:
-    call()
-  message = str(info.value)
-  for fragment in fragments:
-    assert fragment in message, (fragment, message)
+  assert_error(call, error, fragments)
 
 
 def test_the_ops_table_holds_its_cases():

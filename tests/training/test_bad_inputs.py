@@ -26,6 +26,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import nvfp4_jax as nv
+from error_tables import assert_error
+from error_tables import table_params
 from models import GPTConfig
 from nvfp4_jax import export
 from nvfp4_jax.tools import safetensors
@@ -370,37 +372,25 @@ EXPORTS = {
 }
 
 
-def _assert_error(call, error, fragments):
-  with pytest.raises(error) as info:
-    call()
-  message = str(info.value)
-  for fragment in fragments:
-    assert fragment in message, (fragment, message)
-
-
-def _params(table):
-  return [pytest.param(*table[name], id=name) for name in table]
-
-
-@pytest.mark.parametrize("call, error, fragments", _params(LAYERS))
+@pytest.mark.parametrize("call, error, fragments", table_params(LAYERS))
 def test_layers_name_the_value_and_the_fix(call, error, fragments):
-  _assert_error(call, error, fragments)
+  assert_error(call, error, fragments)
 
 
-@pytest.mark.parametrize("call, error, fragments", _params(CONFIGS))
+@pytest.mark.parametrize("call, error, fragments", table_params(CONFIGS))
 def test_configs_check_their_field_types(call, error, fragments):
-  _assert_error(call, error, fragments)
+  assert_error(call, error, fragments)
 
 
-@pytest.mark.parametrize("call, error, fragments", _params(RULES))
+@pytest.mark.parametrize("call, error, fragments", table_params(RULES))
 def test_rules_and_meshes_name_the_value_and_the_fix(call, error, fragments):
-  _assert_error(call, error, fragments)
+  assert_error(call, error, fragments)
 
 
-@pytest.mark.parametrize("call, error, fragments", _params(EXPORTS))
+@pytest.mark.parametrize("call, error, fragments", table_params(EXPORTS))
 def test_export_files_are_checked_against_metadata_and_model(
     call, error, fragments, exported, tmp_path):
-  _assert_error(lambda: call(exported, tmp_path), error, fragments)
+  assert_error(lambda: call(exported, tmp_path), error, fragments)
 
 
 def test_export_cli_refuses_a_directory_as_output(tmp_path):
