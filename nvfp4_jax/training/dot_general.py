@@ -180,7 +180,9 @@ class LinearCall:
     precision: the high-precision GEMMs' `precision`.
     out_dtype: the result's dtype.
     x_dtype: the input's dtype (dX's).
-    name: the prefix of error messages ("layer 'mlp/up': ", or "").
+    name: the prefix of error messages ("layer 'mlp/up': ", or ""); not
+      compared, so that layers of one configuration share one traced
+      program (`_layer`), whose errors then name the first of them traced.
     plan: the GEMM backend and the `default_implementation` in force when
       the layer was called (`gemm_plan`).
     residuals: how the backward pass's NVFP4 operands are saved, "codes" or
@@ -192,7 +194,8 @@ class LinearCall:
   precision: Any
   out_dtype: Any
   x_dtype: Any
-  name: str
+  # Not compared: layers that differ only by name share one traced program.
+  name: str = dataclasses.field(compare=False)
   plan: GemmPlan
   residuals: str
   shard: LinearSharding | None
@@ -220,6 +223,15 @@ def saved_residuals(residuals: str, plan: GemmPlan) -> str:
 def _linear(x, w, key, call: LinearCall):
   y, _ = _linear_fwd(x, w, key, call)
   return y
+
+
+# The layer as one jitted function of its static `LinearCall`: JAX traces it,
+# differentiates it (`jvp`, partial evaluation and transposition of a
+# `jit` are cached by its jaxpr) and lowers it (one MLIR function per
+# distinct jaxpr in a module) once per configuration, however many layers
+# share it: a GPT's blocks are one program, not one per block. XLA inlines
+# the calls before it optimizes, so the compiled program is the same.
+_layer = jax.jit(_linear, static_argnums=(3,))
 
 
 def _gemm(name: str, out_dtype):
@@ -637,7 +649,7 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
                    cc=dispatch.compute_capability(),
                    impl=dispatch.current_default(),
                    cudnn=dispatch.cudnn_version())
-  y = _linear(x, w, key, LinearCall(
+  y = _layer(x, w, key, LinearCall(
       recipe=recipe, precision=precision, out_dtype=out_dtype,
       x_dtype=x.dtype, name=f"layer {name!r}: " if name else "", plan=plan,
       residuals=saved_residuals(recipe.residuals, plan), shard=shard))

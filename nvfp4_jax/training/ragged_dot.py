@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -123,20 +124,51 @@ def _tokens(x, sources, length, align):
       x, ((0, length - x.shape[0]), (0, 0)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
-def _ragged(x, w, group_sizes, key, recipe: Recipe, precision, out_dtype,
-            x_dtype, name: str, impl: str | None, align: str):
-  y, _ = _ragged_fwd(x, w, group_sizes, key, recipe, precision, out_dtype,
-                     x_dtype, name, impl, align)
+@dataclasses.dataclass(frozen=True)
+class RaggedCall:
+  """What one call of the grouped layer's `custom_vjp` runs with, decided
+  at `ragged_dot`: its one static (hashable) argument.
+
+  Attributes:
+    recipe: the layer's `Recipe`.
+    precision: the high-precision GEMMs' `precision`.
+    out_dtype: the result's dtype.
+    x_dtype: the input's dtype (dX's).
+    name: the prefix of error messages ("layer 'moe/up': ", or
+      "ragged_dot: "); not compared, so that layers of one configuration
+      share one traced program (`_layer`), whose errors then name the first
+      of them traced.
+    impl: the `default_implementation` in force when the layer was called
+      (the backward pass may be traced outside its block).
+    align: how the groups are aligned to the recipe's blocks, "pad" or
+      "check".
+  """
+
+  recipe: Recipe
+  precision: Any
+  out_dtype: Any
+  x_dtype: Any
+  name: str = dataclasses.field(compare=False)
+  impl: str | None
+  align: str
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ragged(x, w, group_sizes, key, call: RaggedCall):
+  y, _ = _ragged_fwd(x, w, group_sizes, key, call)
   return y
 
 
-def _ragged_fwd(x, w, group_sizes, key, recipe, precision, out_dtype,
-                x_dtype, name, impl, align):
-  del x_dtype, name
-  with dispatch.maybe_default_implementation(impl):
-    return _fprop(x, w, group_sizes, key, recipe, precision, out_dtype,
-                  align)
+# The grouped layer as one jitted function of its static `RaggedCall`, as
+# `dot_general`'s `_layer`: traced, differentiated and lowered once per
+# configuration, however many MoE blocks share it.
+_layer = jax.jit(_ragged, static_argnums=(4,))
+
+
+def _ragged_fwd(x, w, group_sizes, key, call: RaggedCall):
+  with dispatch.maybe_default_implementation(call.impl):
+    return _fprop(x, w, group_sizes, key, call.recipe, call.precision,
+                  call.out_dtype, call.align)
 
 
 def _fprop(x, w, gs, key, recipe: Recipe, precision, out_dtype, align):
@@ -193,8 +225,8 @@ def _fprop(x, w, gs, key, recipe: Recipe, precision, out_dtype, align):
              gs, key)
 
 
-def _ragged_bwd(recipe: Recipe, precision, out_dtype, x_dtype, name, impl,
-                align, res, dy):
+def _ragged_bwd(call: RaggedCall, res, dy):
+  recipe, name, x_dtype = call.recipe, call.name, call.x_dtype
   _, w, _, _, key = res
   if recipe.needs_key and key is None:
     raise ValueError(
@@ -202,8 +234,9 @@ def _ragged_bwd(recipe: Recipe, precision, out_dtype, x_dtype, name, impl,
         f"no key was given: pass key= to nvfp4_jax.ragged_dot, or "
         f"rngs={{'nvfp4': key}} to the MoE layer's apply (a new key every "
         f"step).")
-  with dispatch.maybe_default_implementation(impl):
-    dx, dw = _backward(recipe, precision, out_dtype, x_dtype, align, res, dy)
+  with dispatch.maybe_default_implementation(call.impl):
+    dx, dw = _backward(recipe, call.precision, call.out_dtype, x_dtype,
+                       call.align, res, dy)
   return dx.astype(x_dtype), dw.astype(w.dtype), None, None
 
 
@@ -402,6 +435,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     keys = None
     if key is not None and recipe.needs_key:
       keys = per_expert_keys(key, num_experts, first_expert)
-    return _ragged(lhs, rhs, group_sizes.astype(jnp.int32), keys, recipe,
-                   precision, out_dtype, lhs.dtype, prefix,
-                   dispatch.current_default(), align)
+    return _layer(lhs, rhs, group_sizes.astype(jnp.int32), keys, RaggedCall(
+        recipe=recipe, precision=precision, out_dtype=out_dtype,
+        x_dtype=lhs.dtype, name=prefix, impl=dispatch.current_default(),
+        align=align))

@@ -83,13 +83,20 @@ def test_codes_path_equals_the_values_path(recipe, monkeypatch):
     for op in (rg.RAGGED_CODES_MATMUL, rg.RAGGED_CODES_MATMUL_T):
       impl = op.implementations["xla"]
       monkeypatch.setitem(op.implementations, "xla", functools.partial(
-          lambda impl, *a, **kw: (calls.append(kw.get("fmt")),
-                                  impl(*a, **kw))[1], impl))
+          lambda op, impl, *a, **kw: (calls.append((op, kw.get("fmt"))),
+                                      impl(*a, **kw))[1], op.name, impl))
     jax.clear_caches()
     with nv.default_implementation("triton"):
       got = _step(recipe, gs)(x, w, dy)
     jax.clear_caches()
-    assert calls == [recipe.fprop_x.format] * 3  # Fprop, Dgrad, Wgrad.
+    # Fprop and Dgrad multiply with `ragged_codes_matmul`, Wgrad with its
+    # transposed twin. The layer is one jitted program (`_layer`): its
+    # primal trace and the forward pass autodiff traces both run Fprop.
+    fmt = recipe.fprop_x.format
+    assert set(calls) == {("ragged_codes_matmul", fmt),
+                          ("ragged_codes_matmul_t", fmt)}, calls
+    assert calls[-2:] == [("ragged_codes_matmul", fmt),  # Dgrad, Wgrad.
+                          ("ragged_codes_matmul_t", fmt)], calls
     for g, h in zip(got, want):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
 
@@ -152,8 +159,11 @@ def test_mx_recipes_take_the_codes_path_on_blackwell(fmt, monkeypatch):
     finally:
       jax.clear_caches()
     seen[cc] = list(calls)
-  assert seen[(10, 0)] == [("codes", fmt)] * 3, seen
-  assert seen[(9, 0)] == [("values", None)] * 3, seen
+  # Fprop, Fprop, Dgrad, Wgrad: the layer is one jitted program
+  # (`_layer`), whose primal trace and autodiff's forward trace both run
+  # Fprop.
+  assert seen[(10, 0)] == [("codes", fmt)] * 4, seen
+  assert seen[(9, 0)] == [("values", None)] * 4, seen
 
 
 def test_codes_gemms_refuse_operands_of_two_formats():

@@ -10,6 +10,7 @@ import pytest
 
 import nvfp4_jax as nv
 from models import GPT, GPTConfig, MLP, PRESETS, param_count, preset
+import jaxprs
 
 CFG = GPTConfig(d_model=64, num_layers=6, num_heads=2, d_ff=128)
 TOKENS = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
@@ -31,10 +32,10 @@ _apply_jit = jax.jit(_apply, static_argnums=(1, 3))
 
 
 def _named_regions(fn, *args):
-  """Counts of the recipe's named GEMM regions in the jaxpr of `fn`."""
-  text = str(jax.make_jaxpr(fn)(*args))
-  names = re.findall(r"name=((?:nvfp4|bf16)_(?:fprop|dgrad|wgrad))\b", text)
-  return {n: names.count(n) for n in set(names)}
+  """Counts of the recipe's named GEMM regions in the jaxpr of `fn`, one
+  per call (the blocks' layers share their traced programs)."""
+  return {n: c for n, c in jaxprs.jit_names(fn, *args).items()
+          if re.fullmatch(r"(?:nvfp4|bf16)_(?:fprop|dgrad|wgrad)", n)}
 
 
 def test_gpt_structure_every_projection_is_nvfp4dense_without_bias():
