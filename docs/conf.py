@@ -1,8 +1,12 @@
 """Sphinx configuration of the nvfp4-jax documentation.
 
 Build: `sphinx-build -b html docs docs/_build` (`pip install -e ".[docs]"`).
-Markdown pages are parsed by myst-parser; the API reference (`api.md`) is
-autodoc over `nvfp4_jax.__all__` with Google-style docstrings (napoleon).
+Markdown pages are parsed by myst-parser and the notebooks rendered by myst-nb
+(copied from `notebooks/` into `docs/notebooks/` at each build; rendered as
+committed, without outputs: `tests/docs/test_notebooks.py` runs them, and
+`NVFP4_DOCS_EXECUTE=1` executes them into the site); the API reference
+(`api.md`) is autodoc over `nvfp4_jax.__all__` with Google-style docstrings
+(napoleon).
 Links to the JAX, Flax and optax references (intersphinx) need the network:
 they are configured only when `NVFP4_DOCS_INTERSPHINX=1`, so an offline build,
 as the test suite runs it with `-W`, fetches nothing.
@@ -11,6 +15,7 @@ as the test suite runs it with `-W`, fetches nothing.
 import os
 import pathlib
 import re
+import shutil
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -24,15 +29,28 @@ copyright = "2026, nvfp4-jax authors"  # pylint: disable=redefined-builtin
 release = "0.1.0"
 
 extensions = [
-    "myst_parser",
+    "myst_nb",  # Registers myst-parser for the Markdown pages too.
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
     "sphinx.ext.intersphinx",
 ]
-source_suffix = {".md": "markdown"}
+source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
 root_doc = "index"
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+
+# The notebooks live in `notebooks/` (Colab opens them there); the site
+# renders copies of them, refreshed at every build (`docs/notebooks/` is
+# ignored by git). They are committed without outputs and run by the test
+# suite, so the site shows them as committed unless asked to execute them.
+_NOTEBOOKS = pathlib.Path(__file__).resolve().parent / "notebooks"
+shutil.rmtree(_NOTEBOOKS, ignore_errors=True)
+_NOTEBOOKS.mkdir()
+for _nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+  shutil.copyfile(_nb, _NOTEBOOKS / _nb.name)
+nb_execution_mode = ("cache" if os.environ.get("NVFP4_DOCS_EXECUTE") == "1"
+                     else "off")
+nb_execution_timeout = 1800
 
 # Markdown: `#section` links resolve to headings down to level 3 (GitHub's
 # slugs), `{eval-rst}` blocks hold the autodoc directives.

@@ -4,6 +4,7 @@ Run after changing `__all__`: `JAX_PLATFORMS=cpu python docs/gen_api.py`
 (tests/docs/test_docs.py checks that api.md lists every public name in order).
 """
 
+import importlib
 import inspect
 import pathlib
 import sys
@@ -83,4 +84,18 @@ for desc, names in groups:
     else:
       value = DATA[n][1] if len(DATA[n]) > 1 else repr(obj)
       out.append(f"```{{eval-rst}}\n.. py:data:: {n}\n   :value: {value}\n\n   {DATA[n][0]}\n```\n\n")
+SUBPACKAGES = ('core', 'ops', 'training', 'flax', 'tools')
+out.append("## Subpackages\n\nThe library's layers, lowest first (the layout: [layout](layout.md)). "
+           "Their public names are the ones above; each subpackage's `__all__` lists "
+           "its modules, named here for readers of the source and of tracebacks.\n\n")
+for sub in SUBPACKAGES:
+  pkg = importlib.import_module(f'nvfp4_jax.{sub}')
+  doc = ' '.join((inspect.getdoc(pkg) or '').split('\n\n')[0].split())
+  out.append(f"### `nvfp4_jax.{sub}`\n\n{doc}\n\n| module | what it holds |\n| --- | --- |\n")
+  for m in pkg.__all__:
+    mod = importlib.import_module(f'nvfp4_jax.{sub}.{m}')
+    first = ' '.join((inspect.getdoc(mod) or '').split('\n\n')[0].split())
+    first = first.replace('|', r'\|')
+    out.append(f"| `nvfp4_jax.{sub}.{m}` | {first} |\n")
+  out.append("\n")
 (R/'docs/api.md').write_text(''.join(out).rstrip('\n') + '\n')

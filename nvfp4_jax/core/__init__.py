@@ -9,3 +9,18 @@ shard_map, and the `custom_partitioning` scaffolding the ops' per-shard
 rules share).
 Nothing here imports from `nvfp4_jax.ops` or above.
 """
+
+# The public names are `nvfp4_jax`'s (`nvfp4_jax.__all__`, the API
+# reference); this package's modules are listed for the reference's
+# "Subpackages" section and for `from ... import *`.
+__all__ = (
+    "arrays",
+    "dispatch",
+    "hadamard",
+    "numerics",
+    "prng",
+    "recipe",
+    "scope",
+    "spmd",
+    "tile",
+)

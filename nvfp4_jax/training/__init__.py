@@ -4,3 +4,14 @@ experts' grouped GEMM (`ragged_dot`), the mixture-of-experts layer's
 framework-free math (`moe`: routing, dispatch, the expert-parallel
 exchange), the names the ops give their traces (`names`: `remat_policy`,
 the layer scope) and the FP32 master weights."""
+
+# The public names are `nvfp4_jax`'s (`nvfp4_jax.__all__`, the API
+# reference); this package's modules are listed for the reference's
+# "Subpackages" section and for `from ... import *`.
+__all__ = (
+    "dot_general",
+    "master_weights",
+    "moe",
+    "names",
+    "ragged_dot",
+)

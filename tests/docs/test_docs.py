@@ -198,9 +198,10 @@ def test_pages_are_in_the_toctree():
 
 @pytest.mark.skipif(
     importlib.util.find_spec("sphinx") is None
-    or importlib.util.find_spec("myst_parser") is None,
-    reason="sphinx and myst-parser are not installed (pip install -e "
-    "'.[docs]')")
+    or importlib.util.find_spec("myst_parser") is None
+    or importlib.util.find_spec("myst_nb") is None,
+    reason="sphinx, myst-parser and myst-nb are not installed (pip install "
+    "-e '.[docs]')")
 def test_site_builds_without_warnings(tmp_path):
   # Offline: intersphinx is configured only with NVFP4_DOCS_INTERSPHINX=1,
   # so every warning left is the pages' or the docstrings' own.
@@ -215,3 +216,36 @@ def test_site_builds_without_warnings(tmp_path):
   assert proc.returncode == 0, proc.stderr[-6000:]
   html = (tmp_path / "html" / "api.html").read_text()
   assert "nvfp4_jax.NVFP4Dense" in html and "nvfp4_jax.master_weights" in html
+  # The notebooks rendered (myst-nb), each with its code cells.
+  for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+    page = (tmp_path / "html" / "notebooks" / f"{nb.stem}.html").read_text()
+    assert "NVFP4Dense" in page or "nvfp4_jax" in page, nb.name
+    assert page.count('class="cell docutils container"') >= 5, nb.name
+
+
+SUBPACKAGES = ("core", "ops", "training", "flax", "tools")
+
+
+@pytest.mark.parametrize("sub", SUBPACKAGES)
+def test_every_subpackage_lists_its_modules_and_the_reference_names_them(sub):
+  """Each subpackage's `__all__` is exactly its public modules (every
+  `*.py` and op folder not starting with `_`), each with a module
+  docstring, and the API reference's "Subpackages" section names them in
+  that order (docs/gen_api.py writes it)."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  pkg = importlib.import_module(f"nvfp4_jax.{sub}")
+  folder = ROOT / "nvfp4_jax" / sub
+  modules = sorted([p.stem for p in folder.glob("*.py")
+                    if not p.stem.startswith("_")]
+                   + [p.name for p in folder.iterdir() if p.is_dir()
+                      and (p / "__init__.py").is_file()
+                      and not p.name.startswith("_")])
+  assert sorted(pkg.__all__) == modules, (sub, pkg.__all__)
+  text = (DOCS / "api.md").read_text()
+  section = text[text.index(f"### `nvfp4_jax.{sub}`"):]
+  section = section[:section.find("\n### ", 1) % len(section) or None]
+  listed = re.findall(rf"^\| `nvfp4_jax\.{sub}\.(\w+)` \| \S", section, re.M)
+  assert listed == list(pkg.__all__), (sub, listed)
+  for m in pkg.__all__:
+    assert (importlib.import_module(f"nvfp4_jax.{sub}.{m}").__doc__ or
+            "").strip(), f"nvfp4_jax.{sub}.{m} has no module docstring"

@@ -51,8 +51,7 @@ def run_checks(*names: str, timeout: int = 600) -> str:
 _FAST = ("quantize", "errors", "dot_general_xla", "user_mesh_quick",
          "auto_kernels_quick", "auto_moe_quick", "auto_gather_rows",
          "wgrad_schedule", "dot_general_pallas", "gpt_tp_layout",
-         "ragged_all_to_all_model", "moe_expert_parallel",
-         "moe_expert_parallel_dense")
+         "ragged_all_to_all_model", "moe_expert_parallel")
 
 
 @pytest.fixture(scope="module")
@@ -327,16 +326,20 @@ def test_moe_expert_parallel_equals_one_device(fast_checks):
   assert "moe explicit batch=8" in out
 
 
-def test_moe_expert_parallel_dense_exchange_equals_one_device(fast_checks):
+# The fast tier checks the exchange CPUs run (`moe_expert_parallel`, with
+# the buffered exchange's bookkeeping shared); the buffered exchange itself
+# (all_to_all) is what GPUs run, and the GPU suite runs its slow tier.
+@pytest.mark.slow  # ~35 s on 2 cores.
+def test_moe_expert_parallel_dense_exchange_equals_one_device():
   """The buffered exchange (`all_to_all`, `moe.EXCHANGE = "buffered"`,
   what GPUs run by default) gives the same results through both branches
   of its fast-path `cond` (whole buffers, and `EXCHANGE_SLACK` times an
   even share), on `expert=8`."""
-  out = checks(fast_checks, "moe_expert_parallel_dense")
+  out = run_checks("moe_expert_parallel_dense")
   assert sum(line.startswith("moe {") for line in out.splitlines()) == 4
 
 
-@pytest.mark.slow  # ~15 s on 2 cores; the fast tier runs both branches.
+@pytest.mark.slow  # ~15 s on 2 cores.
 def test_moe_expert_parallel_dense_exchange_default_on_every_mesh():
   """The buffered exchange at its default `EXCHANGE_SLACK` (whole buffers,
   no `cond`) on `expert=8`, `data=2 x expert=4` and `data=8`."""
@@ -351,14 +354,19 @@ def _free_port() -> int:
     return sock.getsockname()[1]
 
 
-# The default tier (CI) trains in BF16: the same processes, mesh, batches,
-# collectives over processes (the gradients' sums) and checkpoints, at half
-# an NVFP4 run's compile time in each of the four processes (35 s alone on
-# 2 cores). The slow tier trains NVFP4 with the paper's rules on a mesh with
-# `model`: the quantized layers' collectives over processes too (the
-# amaxes' maxima, the codes' gathers).
+# Four training processes, three of them at once: 86 s of the fast tier's
+# wall time on 2 cores, so both runs are in the slow tier (the GPU suite
+# runs it). The fast tier keeps each process's share of the data
+# (`tests/train/test_tokenize.py`, every process computes the same global
+# batch) and a later process writing no run files (`tests/train/
+# test_train.py`). BF16: the same processes, mesh, batches, collectives
+# over processes (the gradients' sums) and checkpoints, at half an NVFP4
+# run's compile time. NVFP4 with the paper's rules on a mesh with `model`:
+# the quantized layers' collectives over processes too (the amaxes'
+# maxima, the codes' gathers).
 @pytest.mark.parametrize("mesh, steps, every, precision", [
-    pytest.param("data=4,fsdp=2", 2, 1, "bf16", id="data=4,fsdp=2"),
+    pytest.param("data=4,fsdp=2", 2, 1, "bf16", marks=pytest.mark.slow,
+                 id="data=4,fsdp=2"),
     pytest.param("data=2,fsdp=2,model=2", 8, 4, "nvfp4",  # 49 s alone.
                  marks=pytest.mark.slow, id="data=2,fsdp=2,model=2")])
 def test_cli_two_processes_match_one_and_resume_on_one_device(
