@@ -326,9 +326,9 @@ def test_moe_expert_parallel_equals_one_device(fast_checks):
   assert "moe explicit batch=8" in out
 
 
-# The fast tier checks the exchange CPUs run (`moe_expert_parallel`, with
-# the buffered exchange's bookkeeping shared); the buffered exchange itself
-# (all_to_all) is what GPUs run, and the GPU suite runs its slow tier.
+# The fast tier checks the exchange CPUs run by default
+# (`moe_expert_parallel`: "ragged"); the buffered exchange (all_to_all), the
+# GPUs' default, runs in the slow tier, which the GPU suite runs too.
 @pytest.mark.slow  # ~35 s on 2 cores.
 def test_moe_expert_parallel_dense_exchange_equals_one_device():
   """The buffered exchange (`all_to_all`, `moe.EXCHANGE = "buffered"`,
