@@ -239,7 +239,7 @@ def test_expert_parallel_on_two_gpus_equals_one(exchange, slack,
   `jax.lax.ragged_all_to_all` ("ragged"): the
   BF16 layer's output and gradients equal one GPU's within FP32 bounds. A
   misplaced row would be off by O(1). The bounds, as
-  `mesh_checks.check_moe_expert_parallel` derives them: the router's
+  `mesh_checks.moe.check_moe_expert_parallel` derives them: the router's
   logits per token shard move by at most `2 D u max sum_d |x_d r_d|`, an
   output by `2 dz max|y|` plus its own rounding; gradients sum `t` terms in
   another order (`2 t u t max|g|`)."""

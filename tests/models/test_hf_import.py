@@ -365,7 +365,8 @@ def test_init_from_continues_training_a_saved_llama(ckpts, capsys):
 
 _MESH_SCRIPT = r'''
 import sys, time
-import mesh_checks as mc  # Sets 8 host devices before jax starts.
+import mesh_checks  # Sets 8 host devices before jax starts.
+from mesh_checks import common, gpt_step as mc
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding
 import models
@@ -377,7 +378,7 @@ from train.loop import Trainer
 # groups, so XLA adds no reshard inside attention; the concatenated one
 # needs them (the check sees a wrong split).
 for layout in ("interleaved", "concatenated"):
-  tr = mc._trainer(mc.GPT_MESHES["tp"], mc.GPT_HIGH_PRECISION, num_layers=1,
+  tr = mc.gpt_trainer(mc.GPT_MESHES["tp"], mc.GPT_HIGH_PRECISION, num_layers=1,
                    num_heads=4, num_kv_heads=2, fused_layout=layout)
   st = jax.eval_shape(tr.fns.init_state)
   params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(
@@ -388,14 +389,14 @@ for layout in ("interleaved", "concatenated"):
                              tr.mesh_rules.batch_spec(3, axis=1)))
   fn = jax.jit(tr.fns.loss_and_grads).lower(
       params, batch, jax.ShapeDtypeStruct((), jnp.int32)).compile()
-  reshards = mc._block_reshards(fn, st.params)
+  reshards = mc.block_reshards(fn, st.params)
   print(layout, len(reshards), "reshards")
   assert bool(reshards) == (layout == "concatenated"), reshards
 
 # --init-from on the same mesh: the state is the checkpoint's, sharded.
 path = sys.argv[1]
 tr = Trainer(config(init_from=path, steps=2, warmup_steps=1),
-             small_corpus(), mesh=mc.mesh(data=4, model=2))
+             small_corpus(), mesh=common.mesh(data=4, model=2))
 state = tr.init_state()
 want = models.load_hf(path)[1]
 jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b),

@@ -1,9 +1,10 @@
 """Training on a device mesh (issue 11), on 8 host CPU devices.
 
-The checks run in a fresh process (`tests/support/mesh_checks.py`, which documents
-the derived tolerances; the fast tier's all in one, the slow tier's one for
-each test): the host device count must be set in `XLA_FLAGS` before jax is
-imported, and pytest workers have imported it. Checked:
+The checks run in a fresh process (`tests/support/mesh_checks`, whose
+modules derive the tolerances; `tests/support/mesh_run.py` runs them: the
+fast tier's all in one for the session, the slow tier's one for each test):
+the host device count must be set in `XLA_FLAGS` before jax is imported,
+and pytest workers have imported it. Checked:
 sharded quantization (1x16, 16x16, RHT, SR; reference and Pallas kernels)
 equals the whole tensor's bit for bit; a split block raises an error naming
 the dimension and the mesh axes; `dot_general` forward and gradients on data,
@@ -24,81 +25,28 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mesh_run import run_checks
+from mesh_run import section
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def run_checks(*names: str, timeout: int = 600) -> str:
-  """Runs `tests/support/mesh_checks.py NAME...` and returns its output."""
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(
-          os.pathsep) if p]))
-  proc = subprocess.run(
-      [sys.executable, str(ROOT / "tests" / "support" / "mesh_checks.py"), *names],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-  if proc.returncode:
-    pytest.fail(f"mesh checks {names} failed (exit {proc.returncode}):\n"
-                f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
-  print(proc.stdout)
-  return proc.stdout
-
-
-# The fast tier's checks, in the order the tests list them, run in one
-# process for the module (a process of its own for each test would start
-# jax and this library again, ~2.5 s of CPU each, and compile again the
-# one-device layers that several checks compare against); each test reads
-# its own checks' output (`checks`), and fails if one of them failed (a
-# failed check does not stop the others: `mesh_checks.main`).
-_FAST = ("quantize", "errors", "dot_general_xla", "user_mesh_quick",
-         "auto_kernels_quick", "auto_moe_quick", "auto_gather_rows",
-         "wgrad_schedule", "dot_general_pallas", "gpt_tp_layout",
-         "ragged_all_to_all_model", "moe_expert_parallel")
-
-
-@pytest.fixture(scope="module")
-def fast_checks():
-  """`(stdout, stderr)` of `tests/support/mesh_checks.py` running `_FAST`."""
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(
-          os.pathsep) if p]))
-  proc = subprocess.run(
-      [sys.executable, str(ROOT / "tests" / "support" / "mesh_checks.py"), *_FAST],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-  return proc.stdout, proc.stderr
-
-
-def checks(fast_checks, *names: str) -> str:
-  """The output of the checks `names` (in `_FAST`), each from its `[NAME]`
-  line to its `[NAME] ok` line; fails the test if one of them failed."""
-  stdout, stderr = fast_checks
-  parts = []
-  for name in names:
-    assert name in _FAST, name
-    start = stdout.find(f"[{name}]\n")
-    end = stdout.find(f"[{name}] ok in ", start)
-    if start < 0 or end < 0:
-      pytest.fail(f"mesh check {name} failed:\n"
-                  f"{stdout[max(start, 0):][:6000]}\n{stderr[-6000:]}")
-    parts.append(stdout[start:end])
-  print("".join(parts))
-  return "".join(parts)
-
-
 def test_sharded_quantizers_equal_whole_tensor_and_split_blocks_raise(
-    fast_checks):
-  out = checks(fast_checks, "quantize", "errors")
+    mesh_fast_checks):
+  out = section(mesh_fast_checks, "quantize", "errors")
   assert "straddle" in out
 
 
-def test_sharded_dot_general_reference(fast_checks):
+def test_sharded_dot_general_reference(mesh_fast_checks):
   """The layer under `MeshRules`' layouts with its defaults, and under a mesh
   the library did not make: sharding in types on FSDP with tensor
-  parallelism (`mesh_checks.check_user_mesh`; the slow tier runs every
+  parallelism (`mesh_checks.user_mesh.check_user_mesh`; the slow tier runs every
   layout, Explicit and auto, and README's example), auto mode with the
   kernels per shard. The opt-in knobs are checked in the slow tier
   (`test_opt_in_mesh_knobs`)."""
-  out = checks(fast_checks, "dot_general_xla", "user_mesh_quick",
-               "auto_kernels_quick", "auto_moe_quick", "auto_gather_rows",
-               "wgrad_schedule")
+  out = section(mesh_fast_checks, "dot_general_xla", "user_mesh_quick",
+                "auto_kernels_quick", "auto_moe_quick", "auto_gather_rows",
+                "wgrad_schedule")
   assert "3.97x fewer" in out  # FSDP weights travel as 4-bit codes.
   assert out.count('tied 1x with "layer"') == 4  # NVFP4 and BF16, 2 FSDP.
   assert "fsdp of size 1: not tied" in out
@@ -140,14 +88,14 @@ def test_opt_in_mesh_knobs():
     assert f"collective matmul {style} on model=4: as sequence" in out
 
 
-def test_sharded_dot_general_pallas(fast_checks):
-  checks(fast_checks, "dot_general_pallas")
+def test_sharded_dot_general_pallas(mesh_fast_checks):
+  section(mesh_fast_checks, "dot_general_pallas")
 
 
 @pytest.mark.slow  # ~40 s on 2 cores.
 def test_dot_general_under_the_users_mesh_every_layout():
   """Every user layout in Explicit and auto mode; README's example; auto
-  mode with the Pallas kernels per shard (`mesh_checks.check_auto_kernels`:
+  mode with the Pallas kernels per shard (`mesh_checks.auto.check_auto_kernels`:
   data + FSDP, Y and dX bit for bit, no FP32 activation gathered)."""
   out = run_checks("user_mesh", "readme_explicit", "auto_kernels")
   assert "explicit sequence" in out and "auto weight_only" in out
@@ -157,7 +105,7 @@ def test_dot_general_under_the_users_mesh_every_layout():
 
 @pytest.mark.slow  # ~40 s on 2 cores.
 def test_moe_ops_under_the_users_mesh():
-  """Auto mode on the grouped (MoE) ops (`mesh_checks.check_auto_moe`):
+  """Auto mode on the grouped (MoE) ops (`mesh_checks.moe.check_auto_moe`):
   the op's gradients with the quantizers per shard (dX bit for bit, dW
   within the derived bound), the grouped GEMMs' per-shard rules around
   stand-in kernels, the grouped quantizers on a 2-D split (stochastic
@@ -184,7 +132,7 @@ def test_third_party_models_sharded_the_users_way():
   `inject_nnx`), data- and FSDP-sharded the user's way, under Explicit
   axes and in auto mode: every NVFP4 layer equals the single-device op on
   its operands within the derived bound, the loss the model's on one
-  device (`mesh_checks.check_third_party`); under Explicit axes the
+  device (`mesh_checks.third_party.check_third_party`); under Explicit axes the
   compiled step gathers no activation, and weights only as quantized
   bytes. Also a MaxText-style linen block (logical axis names and
   constraints, column- and row-parallel with FSDP)."""
@@ -197,14 +145,14 @@ def test_third_party_models_sharded_the_users_way():
 
 
 def test_gpt_tensor_parallel_reshards_nothing_in_attention_or_the_mlp(
-    fast_checks):
+    mesh_fast_checks):
   """The GPT on `data=4, model=2`, compiled: no all-to-all, collective-
   permute or activation all-gather inside attention or the MLP with the
   fused kernels' "interleaved" layout; the same check finds them with the
   "concatenated" layout of earlier versions (`mesh_checks.
-  check_gpt_tp_layout`; the slow tier's GPT steps on the `tp` and `mixed`
+  gpt_step.check_gpt_tp_layout`; the slow tier's GPT steps on the `tp` and `mixed`
   meshes assert it too, equal to one device)."""
-  out = checks(fast_checks, "gpt_tp_layout")
+  out = section(mesh_fast_checks, "gpt_tp_layout")
   assert "interleaved: 0 reshards" in out
 
 
@@ -213,7 +161,7 @@ def test_gpt_tensor_parallel_reshards_nothing_in_attention_or_the_mlp(
 def test_gpt_step_on_a_mixed_mesh_and_resumed_on_another():
   """Data-parallel and data x FSDP x tensor-parallel; resumed on both. On
   the mixed mesh nothing is resharded inside attention or the MLP
-  (`mesh_checks._block_reshards`)."""
+  (`mesh_checks.gpt_step.block_reshards`)."""
   out = run_checks("gpt_step")
   assert "resumed on dp" in out and "resumed on mixed" in out
 
@@ -243,7 +191,7 @@ def test_gpt_step_with_sequence_parallelism():
 def test_high_precision_gpt_step_on_fsdp_gathers_weights_not_activations():
   """Every projection in high precision (XLA partitions the whole step):
   equal to one device, and every all-gather is of a whole parameter, with
-  no all-to-all (`mesh_checks._check_weights_gathered`)."""
+  no all-to-all (`mesh_checks.gpt_step.assert_weights_gathered`)."""
   out = run_checks("gpt_step_high_precision_fsdp")
   assert "all of whole parameters; no all-to-all" in out
 
@@ -270,7 +218,7 @@ def test_cli_mesh_run_matches_one_device(tmp_path):
 
   Step 1 starts both runs from the same state: its loss may differ only by
   the order of FP32 sums, at most `2u((N-1) + D F) * loss` (derived in
-  `mesh_checks.check_gpt_step`; here N = 8 x 32 tokens, D = 2 (6 x 6 + 3)
+  `mesh_checks.gpt_step.check_gpt_step`; here N = 8 x 32 tokens, D = 2 (6 x 6 + 3)
   sums along a token's path through the 6-block tiny GPT, F = 704, the
   widest feature axis). From step 2 on the runs start from states that
   differ in the last bits, and training amplifies that chaotically: a value
@@ -316,11 +264,12 @@ def test_cli_mesh_run_matches_one_device(tmp_path):
   assert abs(val["mesh"] - val["one"]) <= 0.1 * progress, (val, progress)
 
 
-def test_moe_expert_parallel_equals_one_device(fast_checks):
+def test_moe_expert_parallel_equals_one_device(mesh_fast_checks):
   """The MoE layer on `expert=8` (NVFP4, with a capacity), `data=2 x
   expert=4`, `data=8` (dropless) and a user's Explicit mesh equals one
   device (mesh_checks: the derivation)."""
-  out = checks(fast_checks, "ragged_all_to_all_model", "moe_expert_parallel")
+  out = section(mesh_fast_checks, "ragged_all_to_all_model",
+                "moe_expert_parallel")
   assert "ragged all-to-all model: equal" in out
   assert sum(line.startswith("moe {") for line in out.splitlines()) == 3
   assert "moe explicit batch=8" in out
@@ -448,13 +397,13 @@ def test_cli_two_processes_match_one_and_resume_on_one_device(
 def test_sequence_parallel_on_two_gpus_equals_tensor_parallel(style):
   """Sequence parallelism over two GPUs (`model=2`), with the library's GPU
   kernels, against the tensor-parallel layer without it. The GEMMs see the
-  same quantized bytes (`mesh_checks.check_sequence_parallel` shows the
+  same quantized bytes (`mesh_checks.dot_general.check_sequence_parallel` shows the
   layers bit for bit on CPU devices), but on the GPU XLA picks each
   program's GEMM kernel for its own operand layout, and a gathered operand
   may get another kernel whose K sums run in another order (on an H100,
   jax 0.11.2: 420 of 262144 column-parallel Y entries differed by one ulp).
   So Y and dX, with and without the collective matmul's rings (GEMMs of half
-  the rows), are held to `2 (K + 3) u (|A| @ |B|)` (`mesh_checks.gemm_bound`:
+  the rows), are held to `2 (K + 3) u (|A| @ |B|)` (`mesh_checks.common.gemm_bound`:
   two FP32 sums of the same K exact products in any order, `|A|`, `|B|` the
   dequantized operands), and so is dW (K = the tokens; its operands the
   Wgrad quantizers' Hadamard-rotated ones): a second run of the same test

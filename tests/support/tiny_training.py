@@ -1,6 +1,6 @@
 """Shared by the training tests: a small GPT, a small corpus and a short run's
 `TrainConfig` (tests import it as a top-level module; so does
-`tests/support/mesh_checks.py`)."""
+`tests/support/mesh_checks`)."""
 
 import numpy as np
 
