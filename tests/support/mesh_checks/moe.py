@@ -366,8 +366,11 @@ def _check_auto_moe_layer(m):
   with nv.default_implementation("pallas"):
     (_, y1), g1 = jax.jit(grad)(params, x)
     kernels.quantize_rows = recorded
+    # Traced again with the recording kernel: the layer's inner jitted
+    # functions keep their traces by argument types, which the shardings
+    # of auto mode do not change.
+    jax.clear_caches()
     try:
-      # A function of its own: traced again, with the recording kernel.
       (_, y2), g2 = jax.jit(lambda p, x: grad(p, x), in_shardings=(
           p_sh, NamedSharding(m, P(("batch", "fsdp")))))(params, x)
     finally:

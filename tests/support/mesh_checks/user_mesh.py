@@ -151,7 +151,7 @@ def check_readme_explicit():
   """The docs' sharding-in-types example runs as written: the kernel's
   gradient keeps the kernel's FSDP sharding."""
   import pathlib  # pylint: disable=g-import-not-at-top
-  readme = pathlib.Path(__file__).resolve().parents[2] / "docs" / "sharding.md"
+  readme = pathlib.Path(__file__).resolve().parents[3] / "docs" / "sharding.md"
   blocks = [b for b in re.findall(r"```python\n(.*?)```", readme.read_text(),
                                   re.S) if "AxisType.Explicit" in b]
   assert len(blocks) == 1, len(blocks)
