@@ -156,9 +156,11 @@ def check_auto_moe():
     "batch" x "fsdp" and its expert weights over "batch" along E: the
     experts' weights are quantized per shard (the kernel sees `E / 4`
     experts), and the expert weights' gradients equal one device's bit for
-    bit. The FP32 router runs on token shards in another shape (its
-    logits move, as `check_moe_expert_parallel` derives): y and the
-    router's gradient within those bounds. The layer's dispatch (a gather
+    bit (inputs and router weights on coarse grids, so that the FP32
+    router's logits are exact in any shape and the routing is one
+    device's on every host). The router's gradient sums over token shards
+    (as `check_moe_expert_parallel` derives): y and the router's gradient
+    within those bounds. The layer's dispatch (a gather
     by the routing's sort) leaves the token copies replicated, so their
     quantizers run whole on each device here; the op alone, on sorted
     tokens split by the user, runs them per shard (above).
@@ -347,9 +349,19 @@ def _check_auto_moe_layer(m):
   from nvfp4_jax.flax.moe import NVFP4MoE  # pylint: disable=g-import-not-at-top
   from nvfp4_jax.ops.ragged_quantize import pallas_triton as kernels  # pylint: disable=g-import-not-at-top
   d, t, num = 64, 128, 4
-  x = jax.random.normal(jax.random.key(0), (8, t // 8, d))
+  # Tokens in multiples of 1/8 within +-4 and router weights in multiples of
+  # 1/64 within +-1/2: each product is a multiple of 2^-9 below 2 and a
+  # logit's 64 terms sum below 128, 16 significant bits, so the FP32 router
+  # is exact in any order and shape. The routing is then one device's on
+  # every host, whatever its dot library (YNNPACK's FP32 dots, the default
+  # on AVX-512 hosts, round differently by the shard's shape: the routing
+  # weights moved in the last bit, SR codes of the down projection's dY
+  # flipped, 30 of its 8192 weight gradients differed on the H200 host).
+  x = jnp.clip(jnp.round(jax.random.normal(jax.random.key(0),
+                                           (8, t // 8, d)) * 8), -32, 32) / 8
   layer = NVFP4MoE(num_experts=num, hidden=32, top_k=2)
   params = layer.init(jax.random.key(1), x)["params"]
+  params["router"] = jnp.clip(jnp.round(params["router"] * 64), -32, 32) / 64
 
   def loss(p, x):
     y, _ = layer.apply({"params": p}, x, rngs={"nvfp4": jax.random.key(2)},
