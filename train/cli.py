@@ -449,11 +449,14 @@ def run(argv: Sequence[str] | None = None) -> int:
           f"not enough memory for batches of --batch-size {cfg.batch_size} "
           f"x --seq-len {cfg.seq_len} tokens; use smaller values") from None
     print(f"\n[{cfg.precision}] {trainer.describe()} -> {out}")
-    # From the traced step, not the configuration: what really runs.
+    # From the traced step, not the configuration: what really runs. The
+    # jitted functions themselves, so that the run reuses these traces
+    # (jit's cache: the same function and argument types) instead of
+    # tracing its train step a second time.
     batch = jax.ShapeDtypeStruct(
         (cfg.grad_accum, cfg.micro_batch, cfg.seq_len + 1), jax.numpy.int32)
     print(f"[{cfg.precision}] " + gemm_report(
-        trainer.fns.train_step, jax.eval_shape(trainer.fns.init_state),
+        trainer.train_step, jax.eval_shape(trainer.init_state),
         batch).summary())
     t0 = time.perf_counter()
     try:
