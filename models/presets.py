@@ -19,6 +19,8 @@ precision; the others are for GPUs (`python -m train --preset base`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,6 +51,7 @@ def preset(name: str, **overrides) -> GPTConfig:
   return PRESETS[name].replace(**overrides)
 
 
+@functools.lru_cache(maxsize=64)  # The CLI prints it twice per run.
 def param_count(cfg: GPTConfig) -> int:
   """Number of parameters of `GPT(cfg)`, from shapes only (nothing allocated)."""
   # Traced with every layer in high precision: the same parameters, without
