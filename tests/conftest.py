@@ -126,7 +126,8 @@ def pytest_configure(config):
 # They go first: under `pytest -n 2` each worker then starts on one while
 # the other works beside it, instead of one worker running the last of them
 # alone at the end of the session.
-_FIRST = ("tests/sharding/test_mesh.py", "tests/sharding/test_explicit_reshard.py")
+_FIRST = ("tests/sharding/test_mesh.py",
+          "tests/sharding/test_explicit_reshard.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -367,8 +367,7 @@ _MESH_SCRIPT = r'''
 import sys, time
 import mesh_checks  # Sets 8 host devices before jax starts.
 from mesh_checks import common, gpt_step as mc
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import NamedSharding
+import jax, numpy as np
 import models
 from tiny_training import config, small_corpus
 from train.loop import Trainer
@@ -378,18 +377,8 @@ from train.loop import Trainer
 # groups, so XLA adds no reshard inside attention; the concatenated one
 # needs them (the check sees a wrong split).
 for layout in ("interleaved", "concatenated"):
-  tr = mc.gpt_trainer(mc.GPT_MESHES["tp"], mc.GPT_HIGH_PRECISION, num_layers=1,
-                   num_heads=4, num_kv_heads=2, fused_layout=layout)
-  st = jax.eval_shape(tr.fns.init_state)
-  params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(
-      s.shape, s.dtype, sharding=sh), st.params, tr.state_shardings.params)
-  batch = jax.ShapeDtypeStruct(
-      (1, tr.cfg.micro_batch, tr.cfg.seq_len + 1), jnp.int32,
-      sharding=NamedSharding(tr.mesh_rules.mesh,
-                             tr.mesh_rules.batch_spec(3, axis=1)))
-  fn = jax.jit(tr.fns.loss_and_grads).lower(
-      params, batch, jax.ShapeDtypeStruct((), jnp.int32)).compile()
-  reshards = mc.block_reshards(fn, st.params)
+  reshards = mc.tp_block_reshards(num_heads=4, num_kv_heads=2,
+                                  fused_layout=layout)
   print(layout, len(reshards), "reshards")
   assert bool(reshards) == (layout == "concatenated"), reshards
 

@@ -431,6 +431,23 @@ def check_gpt_step(names=("dp", "mixed"), resume=True, gpt_rules=GPT_RULES,
 GPT_HIGH_PRECISION = ((r".*", "bf16"),)
 
 
+def tp_block_reshards(**gpt):
+  """`block_reshards` of the gradient of a one-block GPT (`gpt` overriding
+  `GPT`'s fields), every projection in high precision, compiled (not run)
+  on the tensor-parallel mesh `GPT_MESHES["tp"]`."""
+  tr = gpt_trainer(GPT_MESHES["tp"], GPT_HIGH_PRECISION, num_layers=1, **gpt)
+  st = jax.eval_shape(tr.fns.init_state)
+  params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(
+      s.shape, s.dtype, sharding=sh), st.params, tr.state_shardings.params)
+  batch = jax.ShapeDtypeStruct(
+      (1, tr.cfg.micro_batch, tr.cfg.seq_len + 1), jnp.int32,
+      sharding=NamedSharding(tr.mesh_rules.mesh,
+                             tr.mesh_rules.batch_spec(3, axis=1)))
+  fn = jax.jit(tr.fns.loss_and_grads).lower(
+      params, batch, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+  return block_reshards(fn, st.params)
+
+
 def check_gpt_tp_layout():
   """The GPT's fused kernels on a tensor-parallel mesh (`data=4, model=2`),
   compiled only (one block, every projection in high precision: what
@@ -442,18 +459,7 @@ def check_gpt_tp_layout():
   runs the NVFP4 step on `model=2` and mixed meshes against one device."""
   for layout in ("interleaved", "concatenated"):
     t0 = time.perf_counter()
-    tr = gpt_trainer(GPT_MESHES["tp"], GPT_HIGH_PRECISION, num_layers=1,
-                  fused_layout=layout)
-    st = jax.eval_shape(tr.fns.init_state)
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(
-        s.shape, s.dtype, sharding=sh), st.params, tr.state_shardings.params)
-    batch = jax.ShapeDtypeStruct(
-        (1, tr.cfg.micro_batch, tr.cfg.seq_len + 1), jnp.int32,
-        sharding=NamedSharding(tr.mesh_rules.mesh,
-                               tr.mesh_rules.batch_spec(3, axis=1)))
-    fn = jax.jit(tr.fns.loss_and_grads).lower(
-        params, batch, jax.ShapeDtypeStruct((), jnp.int32)).compile()
-    reshards = block_reshards(fn, st.params)
+    reshards = tp_block_reshards(fused_layout=layout)
     kinds = sorted({r.split()[0] for r in reshards})
     print(f"  {layout}: {len(reshards)} reshards in attention and MLP "
           f"{kinds} ({time.perf_counter() - t0:.1f}s)")
