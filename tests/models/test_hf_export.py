@@ -39,21 +39,21 @@ from models import save_hf, to_hf_tensors
 from nvfp4_jax.tools import safetensors
 from train import export as export_cli
 from train.loop import Trainer
+from lazy_import import lazy, skip_unless
 from tiny_training import MODEL, config, small_corpus
 
-torch = pytest.importorskip("torch", reason="the [hf] extra (torch) is not "
-                            "installed: pip install -e .[hf]")
-transformers = pytest.importorskip("transformers", reason="the [hf] extra "
-                                   "(transformers) is not installed")
-pytest.importorskip("compressed_tensors", reason="the [hf] extra "
-                    "(compressed-tensors) is not installed")
-# pylint: disable=g-import-not-at-top,g-bad-import-order
-from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
-from compressed_tensors.entrypoints.convert import convert_checkpoint
-from compressed_tensors.entrypoints.convert.converters import modelopt_nvfp4
-from compressed_tensors.quantization import QuantizationConfig
-from safetensors.torch import load_file
-# pylint: enable=g-import-not-at-top,g-bad-import-order
+# The [hf] extra's modules, imported when a test first uses them
+# (tests/support/lazy_import.py: not in every xdist worker's collection).
+pytestmark = skip_unless("torch", "transformers", "compressed_tensors",
+                         reason="needs the [hf] extra: pip install -e .[hf]")
+torch = lazy("torch")
+transformers = lazy("transformers")
+_ct_nvfp4 = lazy("compressed_tensors.compressors.nvfp4.base")
+_ct_convert = lazy("compressed_tensors.entrypoints.convert")
+_ct_modelopt = lazy(
+    "compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4")
+_ct_quantization = lazy("compressed_tensors.quantization")
+_st_torch = lazy("safetensors.torch")
 
 U = 2.0**-24
 WEIGHT_RTOL = 2.0**-8 + 2.0**-20
@@ -186,11 +186,11 @@ def test_moe_exports_in_the_mixtral_layout(tmp_path):
   rules = nv.PrecisionRules()
   save_hf(tmp_path / "w4a16", model, params, format="compressed-tensors",
           rules=rules, activations="bf16")
-  qc = QuantizationConfig.model_validate(json.loads(
+  qc = _ct_quantization.QuantizationConfig.model_validate(json.loads(
       (tmp_path / "w4a16" / "config.json").read_text())["quantization_config"])
   scheme = qc.config_groups["group_0"]
   assert scheme.input_activations is None  # W4A16.
-  stored = load_file(tmp_path / "w4a16" / "model.safetensors")
+  stored = _st_torch.load_file(tmp_path / "w4a16" / "model.safetensors")
   q = nv.export.quantized_weights(model, params, rules,
                                   jnp.zeros((1, 32), jnp.int32))
   # Each expert's codes are the grouped GEMM's (`quantize_experts`: as
@@ -207,7 +207,7 @@ def test_moe_exports_in_the_mixtral_layout(tmp_path):
       for e, qe in enumerate(q[layer]):
         ours = np.asarray(nv.dequantize(qe), np.float64)
         for name, rows in linear_rows(cfg, layer, e):
-          got = NVFP4PackedCompressor.decompress(
+          got = _ct_nvfp4.NVFP4PackedCompressor.decompress(
               {k: stored[f"{name}.{k}"] for k in (
                   "weight_packed", "weight_scale", "weight_global_scale")},
               scheme)["weight"].float().numpy()
@@ -327,9 +327,10 @@ def test_compressed_tensors_and_modelopt_of_a_trained_run(run, tmp_path,
   # compressed-tensors' own ModelOpt NVFP4 converter validates and converts
   # the ModelOpt directory; transformers loads the result, the same model.
   conv = tmp_path / "converted"
-  converter = modelopt_nvfp4.ModelOptNvfp4Converter(
+  converter = _ct_modelopt.ModelOptNvfp4Converter(
       ignore=hq["quantization"]["exclude_modules"], targets=["Linear"])
-  convert_checkpoint(mo, conv, converter, max_workers=1, device="cpu")
+  _ct_convert.convert_checkpoint(mo, conv, converter, max_workers=1,
+                                 device="cpu")
   m2, logits2 = _theirs(conv, val)
   state2 = _state(m2)
   for layer in (f"block_2/{p}" for p in quantized):

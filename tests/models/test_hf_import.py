@@ -18,9 +18,13 @@ import models
 from models import GPT, GPTConfig
 from models.gpt import fused_permutation
 
-torch = pytest.importorskip("torch", reason="needs the [hf] extra (torch)")
-transformers = pytest.importorskip(
-    "transformers", reason="needs the [hf] extra (transformers)")
+from lazy_import import lazy, skip_unless  # pylint: disable=g-bad-import-order
+
+# Imported when a test first uses them (tests/support/lazy_import.py).
+pytestmark = skip_unless("torch", "transformers",
+                         reason="needs the [hf] extra: pip install -e .[hf]")
+torch = lazy("torch")
+transformers = lazy("transformers")
 
 HP = nv.PrecisionRules.high_precision()
 U = 2.0**-24  # FP32 unit roundoff.

@@ -10,10 +10,10 @@ split: it equals one device's, as in auto mode. A split that cuts nothing
 runs as before: no gather appears.
 
 `LinearSharding.fitted` is checked here on abstract meshes. The layer and a
-model on 8 host CPU devices are checked in the session's mesh-checks
-process (`tests/support/mesh_checks/explicit_reshard.py`, which derives the
-tolerances; `mesh_run`): the device count is set before jax is imported,
-and the pytest worker has imported jax already.
+model on 8 host CPU devices are checked by `tests/sharding/test_mesh.py`
+(`test_explicit_reshard*`: `tests/support/mesh_checks/explicit_reshard.py`
+derives the tolerances): the device count is set before jax is imported,
+and a pytest worker has imported jax already.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import pytest
 from jax.sharding import AxisType
 
-from mesh_run import section
 
 
 def _fit_cases():
@@ -84,7 +83,3 @@ def test_fitted_split_keeps_every_block_whole(case):
   got.check(recipe, tokens, k, n)
 
 
-
-@pytest.mark.parametrize("name", ["layer_tokens", "layer_tile", "vit"])
-def test_explicit_reshard(mesh_fast_checks, name):
-  section(mesh_fast_checks, name)

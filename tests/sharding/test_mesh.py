@@ -156,6 +156,23 @@ def test_gpt_tensor_parallel_reshards_nothing_in_attention_or_the_mlp(
   assert "interleaved: 0 reshards" in out
 
 
+@pytest.mark.parametrize("name", ["layer_tokens", "layer_tile"])
+def test_explicit_reshard(mesh_fast_checks, name):
+  """Sharding in types fits a split that would cut blocks, as auto mode
+  does (`tests/sharding/test_explicit_reshard.py` checks
+  `LinearSharding.fitted` itself): a token shard of 20, weight splits that
+  cut 16x16 tiles; the layer equals one device's."""
+  section(mesh_fast_checks, name)
+
+
+@pytest.mark.slow  # ~15 s on 2 cores; the fast tier keeps the layer-level
+# checks above, the mechanism the model's layers run (20 tokens a shard).
+def test_explicit_reshard_vit():
+  """The vendored ViT under Explicit axes with 20 tokens a shard in every
+  NVFP4 layer (`mesh_checks.explicit_reshard.check_vit`)."""
+  run_checks("vit")
+
+
 @pytest.mark.slow  # ~60 s on 2 cores; the fast tier keeps the sharded
 # layers and quantizers equal to one device (above).
 def test_gpt_step_on_a_mixed_mesh_and_resumed_on_another():

@@ -9,8 +9,8 @@ a line `tests/support/signal_driver.py` prints while it holds a save in flight):
   meanwhile; the run waits for that write, saves the step it reached (its
   metrics up to it, nothing after), prints one line naming the step, its
   checkpoint and `--resume`, and exits 143; both checkpoints are whole.
-- SIGINT: status 130, with its checkpoint; a SIGTERM during that save is
-  ignored. A second SIGINT during the save ends the process at once: the
+- SIGINT (slow tier; the fast tier stops the Python API with it): status
+  130, with its checkpoint; a SIGTERM during that save is ignored. A second SIGINT during the save ends the process at once: the
   step being written is left as orbax's temporary directory and the
   previous checkpoint survives.
 - The resumed run's metrics then equal an uninterrupted run's, bit for bit
@@ -19,7 +19,8 @@ a line `tests/support/signal_driver.py` prints while it holds a save in flight):
   later a SIGINT to the other; both stop at the same step each time and the
   resumed runs equal an uninterrupted two-process run bit for bit.
 
-The fast tier also stops `Trainer.run(handle_signals=True)` in-process.
+The fast tier also stops `Trainer.run(handle_signals=True)` in-process, with
+SIGTERM and with SIGINT.
 Without the handlers (`handle_signals=False`, or before this feature) a
 SIGTERM kills the process with no checkpoint and no line: every test here
 fails.
@@ -188,17 +189,14 @@ def expected(corpus, tmp_path_factory):
   return recs
 
 
-def test_signals_mid_run_and_mid_save_then_resume_bit_identically(
-    tmp_path, corpus, expected):
-  out = tmp_path / "runs"
+def _sigterm_mid_save(corpus, out, tmp_path) -> int:
+  """SIGTERM from outside while the asynchronous save of step 4 is being
+  written (held open by the driver): training goes on meanwhile (a
+  synchronous save would hold the loop at step 4 and stop it there), the
+  run waits for that write, then saves the step it reached and its
+  metrics, nothing after it. Returns that step."""
   run_dir = out / "tiny-bf16"
   ckpt = run_dir / "checkpoints"
-
-  # SIGTERM from outside while the asynchronous save of step 4 is being
-  # written (held open by the driver): training goes on meanwhile (a
-  # synchronous save would hold the loop at step 4 and stop it there), the
-  # run waits for that write, then saves the step it reached and its
-  # metrics, nothing after it.
   run = cli(corpus, out, tmp_path, "a", hooks=("--hold", f"{EVERY}:3"))
   run.wait_for(run.printed(f"holding the save of step {EVERY}"),
                f"the save of step {EVERY}")
@@ -213,6 +211,35 @@ def test_signals_mid_run_and_mid_save_then_resume_bit_identically(
   whole(ckpt, EVERY)
   whole(ckpt, s)
   assert records(run_dir)[-1]["step"] == s
+  return s
+
+
+def _resume_to_the_end(corpus, out, tmp_path, expected) -> None:
+  """Resumed from the newest complete checkpoint (a partial save is
+  discarded) to the end: the metrics equal the uninterrupted run's, bit
+  for bit, no line twice."""
+  run_dir = out / "tiny-bf16"
+  run = cli(corpus, out, tmp_path, "d", "--resume")
+  assert run.finish() == 0, run.stderr()
+  assert records(run_dir) == expected
+  assert on_disk(run_dir / "checkpoints")[-1] == str(STEPS)
+
+
+def test_sigterm_mid_save_then_resume_bit_identically(tmp_path, corpus,
+                                                       expected):
+  out = tmp_path / "runs"
+  _sigterm_mid_save(corpus, out, tmp_path)
+  _resume_to_the_end(corpus, out, tmp_path, expected)
+
+
+@pytest.mark.slow  # Two training processes more than the test above.
+def test_signals_mid_run_and_mid_save_then_resume_bit_identically(
+    tmp_path, corpus, expected):
+  """The SIGTERM above, then SIGINT with a repeated SIGTERM, then a second
+  SIGINT during a save, then the resumption to the end."""
+  out = tmp_path / "runs"
+  ckpt = out / "tiny-bf16" / "checkpoints"
+  s = _sigterm_mid_save(corpus, out, tmp_path)
 
   # Resumed; SIGINT after the next step, and a SIGTERM while its save is
   # held: ignored (schedulers repeat SIGTERM), the save completes, status
@@ -248,12 +275,8 @@ def test_signals_mid_run_and_mid_save_then_resume_bit_identically(
   assert on_disk(ckpt)[-1] == f"{s + 3} (partial)", on_disk(ckpt)
   whole(ckpt, s + 1)
 
-  # The partial save is discarded; the run resumes from s + 1 to the end:
-  # the metrics equal the uninterrupted run's, bit for bit, no line twice.
-  run = cli(corpus, out, tmp_path, "d", "--resume")
-  assert run.finish() == 0, run.stderr()
-  assert records(run_dir) == expected
-  assert on_disk(ckpt)[-1] == str(STEPS)
+  # The partial save is discarded; the run resumes from s + 1.
+  _resume_to_the_end(corpus, out, tmp_path, expected)
 
 
 def test_trainer_run_handle_signals(tmp_path):
@@ -284,6 +307,16 @@ def test_trainer_run_handle_signals(tmp_path):
   resumed = trainer.run(tmp_path / "run", resume=True, progress=False)
   assert resumed.stopped is None
   jax.tree.map(np.testing.assert_array_equal, resumed.params, full.params)
+
+  # SIGINT (Ctrl-C) stops it the same way, instead of KeyboardInterrupt.
+  before = signal.getsignal(signal.SIGINT)
+  result = trainer.run(
+      tmp_path / "interrupted", progress=False, handle_signals=True,
+      on_step=lambda done: done == 3 and os.kill(os.getpid(),
+                                                 signal.SIGINT))
+  assert signal.getsignal(signal.SIGINT) is before
+  assert (result.stopped, result.step) == ("SIGINT", 3)
+  whole(tmp_path / "interrupted" / "checkpoints", 3)
 
 
 def _free_port() -> int:
