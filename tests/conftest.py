@@ -121,8 +121,10 @@ def pytest_configure(config):
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-# README's command runs the suite with `--dist loadfile` (pyproject's
-# addopts): each test file runs whole on one xdist worker, so what a file's
+# Under `-n` (README's command), the suite runs as `--dist loadfile
+# --no-loadscope-reorder` unless `--dist` says otherwise
+# (`pytest_cmdline_main` below): each test file runs whole on one xdist
+# worker, so what a file's
 # tests share (module fixtures, `functools.cache`d traces, compiled programs,
 # the mesh-checks process) is computed once, not once per worker that draws
 # one of its tests: 1,149 -> 926 s of CPU for the same suite on 2 cores.
@@ -143,6 +145,17 @@ _LONGEST_FIRST = (
     "tests/models/test_models.py",             # ~29 s.
     "tests/train/test_run_safety.py",          # ~25 s.
 )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+  """`-n N` alone means `--dist loadfile --no-loadscope-reorder` here (set
+  before pytest-xdist reads them; a run without xdist is unaffected)."""
+  if (config.pluginmanager.hasplugin("xdist")
+      and config.getoption("numprocesses", None)
+      and config.getoption("dist", "no") == "no"):
+    config.option.dist = "loadfile"
+    config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
