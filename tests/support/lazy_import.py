@@ -22,6 +22,11 @@ class lazy:  # pylint: disable=invalid-name
     self._module = module
 
   def __getattr__(self, name: str):
+    # Private and special names are pytest's probes while it collects a
+    # module's globals (`__test__`, `_fixture_function_marker`, ...), not a
+    # test's use: answering them would import the module at collection.
+    if name.startswith("_"):
+      raise AttributeError(name)
     return getattr(importlib.import_module(self._module), name)
 
   def __repr__(self) -> str:
