@@ -39,7 +39,7 @@ from benchmarks.bench_moe import group_sizes
 from nvfp4_jax.tools import timing
 
 BF16 = jnp.bfloat16
-ALIGNED = 16  # `nvfp4_jax.training.moe.GROUP_ALIGN`.
+ALIGNED = 16  # `nvfp4_jax.training.moe_routing.GROUP_ALIGN`.
 
 
 def _fwd_bwd(f):

@@ -20,7 +20,7 @@ seconds, the first call's and the mean of five calls' wall milliseconds:
 - `step`: the trainer's step for `--preset` (build, lower, compile, median
   of ten steps);
 - `permute`: the MoE dispatch's row permutation of the `[M, K]` tokens
-  (`moe.permute`: `gather_rows`, a Pallas kernel on GPUs) against XLA's
+  (`moe_routing.permute`: `gather_rows`, a Pallas kernel on GPUs) against XLA's
   gather with a fill, the same with clamped indices and a select, and on
   uint32 words (the same bits): GPU time and bandwidth (a GPU only).
 
@@ -125,16 +125,16 @@ def op_stages(stages, m: int, k: int, n: int, e: int, recipe: str) -> None:
       timed(st, lambda x, w: _fwd_bwd(layers)(x, w, x), x, wk)
     elif st.startswith("permute"):
       # A row permutation as the MoE layer's dispatch runs it
-      # (`moe.permute`: `gather_rows`, the Pallas kernel on a GPU), and
+      # (`moe_routing.permute`: `gather_rows`, the Pallas kernel on a GPU), and
       # forms of the same gather to compare: XLA's `jnp.take(mode="fill")`
       # (the reference), the kernel named, indices clamped and a select
       # after it, and the bf16 rows moved as uint32 words (the same bits).
       # The kernels' GPU time: `timing.gpu_kernels`.
-      from nvfp4_jax.training import moe  # pylint: disable=g-import-not-at-top
+      from nvfp4_jax.training import moe_routing  # pylint: disable=g-import-not-at-top
       order = jnp.asarray(rng.permutation(m + m // 8)[:m].astype(np.int32))
       from nvfp4_jax.ops.gather_rows.api import gather_rows  # pylint: disable=g-import-not-at-top
       forms = {
-          "permute": lambda x, o: moe.permute(x, o, o),
+          "permute": lambda x, o: moe_routing.permute(x, o, o),
           "fill": lambda x, o: gather_rows(x, o, implementation="xla"),
           "kernel": lambda x, o: gather_rows(x, o, implementation="pallas"),
           "clip": lambda x, o: jnp.where(

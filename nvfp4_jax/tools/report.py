@@ -29,7 +29,7 @@ import jax
 
 from nvfp4_jax.training.names import LAYER_SCOPE
 
-_ROUTER = "moe_router"  # `nvfp4_jax.training.moe.ROUTER_SCOPE`.
+_ROUTER = "moe_router"  # `nvfp4_jax.training.moe_routing.ROUTER_SCOPE`.
 _GEMM_REGION = re.compile(r"^(nvfp4|bf16)_(fprop|dgrad|wgrad)$")
 _QUANT_REGION = re.compile(r"^nvfp4_quantize_(x|dy|w)$")
 _SCOPE = re.compile(re.escape(LAYER_SCOPE) + r"\[(.*?)\|(.*?)\]")

@@ -1,7 +1,8 @@
 """The training ops: the NVFP4 linear layer's `custom_vjp` (`dot_general`:
 three GEMMs, their operands and residuals), the same for a mixture of
 experts' grouped GEMM (`ragged_dot`), the mixture-of-experts layer's
-framework-free math (`moe`: routing, dispatch, the expert-parallel
+framework-free math (`moe`, the layer's forward pass; `moe_routing`:
+routing, dispatch and combine; `moe_exchange`: the expert-parallel
 exchange), the names the ops give their traces (`names`: `remat_policy`,
 the layer scope) and the FP32 master weights."""
 
@@ -12,6 +13,8 @@ __all__ = (
     "dot_general",
     "master_weights",
     "moe",
+    "moe_exchange",
+    "moe_routing",
     "names",
     "ragged_dot",
 )

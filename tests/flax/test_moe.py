@@ -1,5 +1,5 @@
 """The mixture-of-experts layers (`nvfp4_jax.flax.moe`; their math,
-`nvfp4_jax.training.moe`): routing, dispatch, combine, the load-balancing
+`nvfp4_jax.training.moe`, `moe_routing`, `moe_exchange`): routing, dispatch, combine, the load-balancing
 loss, precision rules by path, NNX, the GPT presets. Expert parallelism:
 `tests/sharding/test_mesh.py`."""
 
@@ -12,6 +12,8 @@ from flax import nnx
 import nvfp4_jax as nv
 from nvfp4_jax.flax import moe as moe_layers
 from nvfp4_jax.training import moe
+from nvfp4_jax.training import moe_exchange
+from nvfp4_jax.training import moe_routing
 
 U = 2.0 ** -24
 
@@ -59,7 +61,7 @@ def test_layer_is_routing_then_experts_then_combine(capacity_factor):
   x = jax.random.normal(jax.random.key(0), (48, 32))
   params = _params(layer, x)
   y = layer.apply({"params": params}, x)
-  cap = moe.capacity(48, 4, 2, capacity_factor)
+  cap = moe_routing.capacity(48, 4, 2, capacity_factor)
   want = token_by_token(params, x, 2, cap)
   np.testing.assert_allclose(y, want, atol=1e-5 * np.abs(want).max())
   if capacity_factor is not None:   # Some copies were dropped.
@@ -70,7 +72,7 @@ def test_load_balancing_loss():
   """Switch Transformer's loss: E * sum_e f_e P_e (f_e: the fraction of
   copies routed to e; P_e: e's mean router probability)."""
   logits = jax.random.normal(jax.random.key(0), (64, 4)) * 3
-  r = moe.route(logits, 2)
+  r = moe_routing.route(logits, 2)
   probs = np.asarray(jax.nn.softmax(logits, axis=-1))
   counts = np.bincount(np.asarray(r.experts).ravel(), minlength=4)
   want = 4 * np.sum(counts / (64 * 2) * probs.mean(0))
@@ -87,13 +89,13 @@ def test_permutation_vjp_is_the_inverse_gather():
   """The dispatch's gradient is a gather by the inverse order (no
   scatter-add), equal to autodiff of the plain gather."""
   x = jax.random.normal(jax.random.key(0), (16, 8))
-  r = moe.route(jax.random.normal(jax.random.key(1), (16, 4)), 2)
+  r = moe_routing.route(jax.random.normal(jax.random.key(1), (16, 4)), 2)
   g = jax.random.normal(jax.random.key(2), (32, 8))
-  ours = jax.vjp(lambda x: moe.dispatch(x, r, 2), x)[1](g)[0]
+  ours = jax.vjp(lambda x: moe_routing.dispatch(x, r, 2), x)[1](g)[0]
   plain = jax.vjp(lambda x: jnp.repeat(x, 2, axis=0)[r.order], x)[1](g)[0]
   np.testing.assert_allclose(ours, plain, rtol=1e-6)
   jaxpr = str(jax.make_jaxpr(jax.grad(
-      lambda x: moe.dispatch(x, r, 2).sum()))(x))
+      lambda x: moe_routing.dispatch(x, r, 2).sum()))(x))
   assert "scatter-add" not in jaxpr and "scatter_add" not in jaxpr
 
 
@@ -187,7 +189,8 @@ def test_padded_dispatch_feeds_the_op_aligned_groups_with_the_same_bits():
   experts' output and all gradients are those of the unpadded dispatch bit
   for bit (NVFP4 with SR and RHT, a capacity that drops copies)."""
   x = jax.random.normal(jax.random.key(0), (40, 32))
-  r = moe.route(jax.random.normal(jax.random.key(1), (40, 4)) * 2, 2, 0.75)
+  r = moe_routing.route(jax.random.normal(jax.random.key(1), (40, 4)) * 2, 2,
+                        0.75)
   w = {"up": jax.random.normal(jax.random.key(2), (4, 32, 64)) * 0.1,
        "down": jax.random.normal(jax.random.key(3), (4, 32, 32)) * 0.1}
   keys = {"up": jax.random.key(4), "down": jax.random.key(5)}
@@ -203,13 +206,13 @@ def test_padded_dispatch_feeds_the_op_aligned_groups_with_the_same_bits():
   def run(padded):
     def f(x, w):
       if padded:
-        lay = moe.layout(r, 2)
-        out = moe._experts(moe.dispatch(x, r, 2, lay), lay.group_sizes, w,
-                           keys, gemms)
-        return moe.combine(out, r, 2, lay)
-      out = moe._experts(moe.dispatch(x, r, 2), r.group_sizes, w, keys,
+        lay = moe_routing.layout(r, 2)
+        out = moe._experts(moe_routing.dispatch(x, r, 2, lay),
+                           lay.group_sizes, w, keys, gemms)
+        return moe_routing.combine(out, r, 2, lay)
+      out = moe._experts(moe_routing.dispatch(x, r, 2), r.group_sizes, w, keys,
                          gemms, aligned=1)
-      return moe.combine(out, r, 2)
+      return moe_routing.combine(out, r, 2)
     @jax.jit
     def g(x, w):
       y, vjp = jax.vjp(f, x, w)
@@ -220,7 +223,7 @@ def test_padded_dispatch_feeds_the_op_aligned_groups_with_the_same_bits():
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
   assert seen[0] == 16
-  padded_sizes = np.asarray(moe.layout(r, 2).group_sizes)
+  padded_sizes = np.asarray(moe_routing.layout(r, 2).group_sizes)
   assert np.all(padded_sizes % 16 == 0)
   assert padded_sizes.sum() > r.group_sizes.sum()   # Zero rows were added.
 
@@ -310,10 +313,10 @@ def _forward_cond_outputs(loss, d):
 
 @pytest.mark.parametrize("pred", [True, False])
 def test_cond_keeping_first_residuals(pred):
-  """`moe.cond_keeping_first_residuals` (the buffered exchange's fast-path
-  `cond`) gives `lax.cond`'s value and gradients bit for bit through either
-  branch (the second branch's by running its forward again in the backward
-  pass), and its forward `cond` hands the backward pass only the first
+  """`moe_exchange.cond_keeping_first_residuals` (the buffered exchange's
+  fast-path `cond`) gives `lax.cond`'s value and gradients bit for bit
+  through either branch (the second branch's by running its forward again in
+  the backward pass), and its forward `cond` hands the backward pass only the first
   branch's residuals: none of the second branch's `[64, 48]` arrays. A
   plain `lax.cond` returns them, zero-filled by the first branch (the
   whole-buffer residuals the fast path wrote: BENCHMARKS.md, "Expert
@@ -327,7 +330,7 @@ def test_cond_keeping_first_residuals(pred):
   p = jnp.asarray(pred)
 
   def ours(d):
-    return jnp.sum(jnp.sin(moe.cond_keeping_first_residuals(
+    return jnp.sum(jnp.sin(moe_exchange.cond_keeping_first_residuals(
         p, first, second, d, f)))
 
   def plain(d):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nvfp4_jax.core import dispatch
-from nvfp4_jax.training import moe
+from nvfp4_jax.training import moe_routing
 from nvfp4_jax.ops.gather_rows import pallas_triton
 from nvfp4_jax.ops.gather_rows import reference
 from nvfp4_jax.ops.gather_rows.api import gather_rows
@@ -66,8 +66,9 @@ def test_moe_permutation_runs_the_kernel_on_gpus():
   platform is a GPU (the jaxpr names it), the reference elsewhere."""
   # Shapes of this test alone: jax caches traces per shape, not platform.
   x = jax.random.normal(jax.random.key(0), (24, 40), jnp.bfloat16)
-  r = moe.route(jax.random.normal(jax.random.key(1), (24, 4)), 2)
-  grad = jax.grad(lambda x: moe.dispatch(x, r, 2).astype(jnp.float32).sum())
+  r = moe_routing.route(jax.random.normal(jax.random.key(1), (24, 4)), 2)
+  grad = jax.grad(
+      lambda x: moe_routing.dispatch(x, r, 2).astype(jnp.float32).sum())
   with dispatch.target_device("gpu", (9, 0)):
     jaxpr = str(jax.make_jaxpr(grad)(x))
   assert "nvfp4_gather_rows" in jaxpr and jaxpr.count("pallas_call[") == 2

@@ -461,7 +461,8 @@ def check_moe_expert_parallel(expert_only: bool = False,
         return grad(p, x)
     (l2, y2), g2 = jax.jit(sharded)(params, x)
     # The exchange moves only the copies that exist (`moe.EXCHANGE`
-    # "ragged"; on CPU devices `moe.ragged_all_to_all`'s all-gather form),
+    # "ragged"; on CPU devices `moe_exchange.ragged_all_to_all`'s
+    # all-gather form),
     # or whole `[n, T_local * k, D]` buffers through `all_to_all`.
     jaxpr = str(jax.make_jaxpr(sharded)(params, x))
     buffers = [m for m in re.findall(r":\w+\[([\d,]+)\] = all_to_all",
@@ -518,12 +519,12 @@ def check_moe_expert_parallel(expert_only: bool = False,
 
 
 def check_ragged_all_to_all_model():
-  """`moe.ragged_all_to_all`'s CPU form against the semantics JAX documents
-  for `jax.lax.ragged_all_to_all` (slice `i` to device `i // per`, at the
-  receiver's row `output_offsets[i]`), written out in NumPy: a 2 x 4 mesh
+  """`moe_exchange.ragged_all_to_all`'s CPU form against the semantics JAX
+  documents for `jax.lax.ragged_all_to_all` (slice `i` to device `i // per`,
+  at the receiver's row `output_offsets[i]`), written out in NumPy: a 2 x 4 mesh
   exchanging over its second axis, two slices per receiver, empty slices
   included; rows nobody writes keep the output's."""
-  from nvfp4_jax.training import moe  # pylint: disable=g-import-not-at-top
+  from nvfp4_jax.training import moe_exchange  # pylint: disable=g-import-not-at-top
   mesh = jax.make_mesh((2, 4), ("data", "expert"))
   n, per, rows, out_rows = 4, 2, 8, 32
   rng = np.random.default_rng(0)
@@ -543,8 +544,8 @@ def check_ragged_all_to_all_model():
   spec = P(("data", "expert"))
 
   def body(o, out, of, sz, pl):
-    return moe.ragged_all_to_all(o[0], out[0], of[0], sz[0], pl[0], sz[0],
-                                 "expert", "cpu")[None]
+    return moe_exchange.ragged_all_to_all(o[0], out[0], of[0], sz[0], pl[0],
+                                          sz[0], "expert", "cpu")[None]
   put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))
   got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 5,
                               out_specs=spec, check_vma=False))(
