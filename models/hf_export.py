@@ -67,17 +67,6 @@ SHARDED_INDEX = "model.safetensors.index.json"
 _EXAMPLE_SHAPE = (1, 32)
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for k, v in tree.items():
-    path = f"{prefix}/{k}" if prefix else str(k)
-    if isinstance(v, dict):
-      out.update(_flat(v, path))
-    else:
-      out[path] = v
-  return out
-
-
 def _unwrap(params: Any) -> Any:
   if isinstance(params, dict) and set(params) == {"params"}:
     params = params["params"]
@@ -447,7 +436,7 @@ def save_hf(directory: str | os.PathLike, model, params: Any, *,
     if activations == "nvfp4":
       amax = (calibration if isinstance(calibration, dict) else
               calibrate(model, master, rules, calibration, step=step))
-    flat_fwd = _flat(fwd)
+    flat_fwd = safetensors.flatten(fwd)
     for layer, q in weights.items():
       if amax is not None and layer not in amax:
         raise ValueError(

@@ -56,28 +56,6 @@ FORMAT = "nvfp4-jax/packed-v1"
 MODES = ("w4a4", "weight_only")
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for k, v in tree.items():
-    path = f"{prefix}/{k}" if prefix else str(k)
-    if isinstance(v, dict):
-      out.update(_flat(v, path))
-    else:
-      out[path] = v
-  return out
-
-
-def _unflat(flat: dict[str, Any]) -> dict[str, Any]:
-  tree: dict[str, Any] = {}
-  for path, v in flat.items():
-    node = tree
-    *parents, leaf = path.split("/")
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = v
-  return tree
-
-
 def _check_rules(rules: Any) -> None:
   if not isinstance(rules, PrecisionRules):
     raise TypeError(
@@ -135,7 +113,7 @@ def quantized_weights(model: nn.Module, params: Any, rules: PrecisionRules,
       on the step's keys: no single export is the forward's).
   """
   _check_rules(rules)
-  flat = _flat(_params(params))
+  flat = safetensors.flatten(_params(params))
   out = {}
   if layers is None:
     layers = nvfp4_layer_paths(model, *example_args)
@@ -188,7 +166,7 @@ def save(path: str | pathlib.Path, model: nn.Module, params: Any,
   """
   _check_rules(rules)
   params = _params(params)
-  flat = _flat(params)
+  flat = safetensors.flatten(params)
   layers = nvfp4_layer_paths(model, *example_args)
   tensors, packed, quantized_elems, layer_meta = {}, set(), 0, {}
   weights = quantized_weights(model, params, rules, *example_args, step=step)
@@ -278,7 +256,7 @@ def load(path: str | pathlib.Path) -> dict[str, Any]:
       raise safetensors.SafetensorsError(
           f"{path}: parameter {p!r} is missing; re-export it.")
     flat[p] = jnp.asarray(tensors[key])
-  return _unflat(flat)
+  return safetensors.unflatten(flat)
 
 
 def _packed(path, layer: str, meta: Any, codes: np.ndarray,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import pathlib
 import struct
-from typing import Mapping
+from typing import Any, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -108,3 +108,27 @@ def load(path: str | pathlib.Path
     tensors[name] = np.frombuffer(data[begin:end], dtype.newbyteorder("<")
                                   ).astype(dtype).reshape(shape)
   return tensors, dict(metadata)
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """A nested dict of arrays as one dict of "a/b/c" names (safetensors is flat)."""
+  out = {}
+  for k, v in tree.items():
+    path = f"{prefix}/{k}" if prefix else str(k)
+    if isinstance(v, Mapping):
+      out.update(flatten(v, path))
+    else:
+      out[path] = v
+  return out
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+  """The inverse of `flatten`: "a/b/c" names back to nested dicts."""
+  tree: dict[str, Any] = {}
+  for path, v in flat.items():
+    node = tree
+    *parents, leaf = path.split("/")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = v
+  return tree
