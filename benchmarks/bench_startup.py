@@ -16,7 +16,10 @@ process (the initial state's programs too; a cache hit counts its load).
 The table reports medians over the rounds and each phase's ratio to the
 first configuration's. `--profile N` runs one cold process per configuration
 under `cProfile` instead and prints the N functions of the trace and the
-lowering with the most cumulative time (where start-up goes, by function).
+lowering with the most cumulative time (where start-up goes, by function),
+the lowered step's custom calls, and the N host events of XLA's compile
+(its passes, autotuning, LLVM and ptxas under `jax.profiler`) with the most
+self time.
 """
 
 from __future__ import annotations
@@ -105,6 +108,17 @@ def _child(cfg: StartConfig) -> dict:
       stats.sort_stats("tottime").print_stats(cfg.profile)
       print(f"== {cfg.label} {stage}: {time.perf_counter() - t0:.1f} s "
             f"under cProfile\n{out.getvalue()}", file=sys.stderr)
+    lowered = traced.lower()
+    print(f"== {cfg.label} custom calls in the lowered step:\n"
+          + _custom_calls(lowered.as_text()), file=sys.stderr)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as d:
+      jax.profiler.start_trace(d)
+      lowered.compile()
+      jax.profiler.stop_trace()
+      wall = time.perf_counter() - t0
+      print(f"== {cfg.label} XLA compile: {wall:.1f} s under the profiler\n"
+            + compile_events(d, cfg.profile), file=sys.stderr)
     return {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
   t0 = time.perf_counter()
   traced = trainer.train_step.trace(state, batch)
@@ -123,6 +137,52 @@ def _child(cfg: StartConfig) -> dict:
   t["xla_compile"] = sum(compiles)
   dev = jax.devices()[0]
   return {**t, "device": dev.device_kind, "jax": jax.__version__}
+
+
+def _custom_calls(hlo: str) -> str:
+  """The lowered program's custom calls by target, and its distinct kernels
+  (Pallas names each kernel in the call's backend config)."""
+  import collections  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  calls = collections.Counter(a or b for a, b in re.findall(
+      r'custom_call @([\w$.]+)|call_target_name = "([^"]+)"', hlo))
+  names = collections.Counter(re.findall(r'name = "([^"]+)"', hlo))
+  lines = [f"  {n:6d}  {t}" for t, n in calls.most_common()]
+  lines.append(f"  {len(names)} distinct kernel names over "
+               f"{sum(names.values())} calls")
+  return "\n".join(lines)
+
+
+def compile_events(trace_dir: str, top: int) -> str:
+  """The host's traced events (XLA's passes, autotuning, LLVM, ptxas) of a
+  `jax.profiler` trace, summed by name: self time (less the events nested
+  in them on the same thread), total, count; the `top` by self time."""
+  import collections  # pylint: disable=g-import-not-at-top
+  import glob  # pylint: disable=g-import-not-at-top
+  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+  (xplane,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+  own = collections.defaultdict(float)
+  total = collections.defaultdict(float)
+  count = collections.Counter()
+  for plane in ProfileData.from_file(xplane).planes:
+    if plane.name.startswith("/device:"):
+      continue
+    for line in plane.lines:
+      events = sorted(((e.start_ns, e.duration_ns, e.name)
+                       for e in line.events), key=lambda e: (e[0], -e[1]))
+      stack: list[list] = []  # [end_ns, name]
+      for start, dur, name in events:
+        while stack and stack[-1][0] <= start:
+          stack.pop()
+        if stack:
+          own[stack[-1][1]] -= dur
+        own[name] += dur
+        total[name] += dur
+        count[name] += 1
+        stack.append([start + dur, name])
+  rows = sorted(own, key=own.get, reverse=True)[:top]
+  return "\n".join(f"  {own[n] / 1e9:8.2f} s self {total[n] / 1e9:8.2f} s "
+                   f"total {count[n]:6d}x  {n[:100]}" for n in rows)
 
 
 def run(configs: list[StartConfig], repeats: int) -> list[dict]:
@@ -169,8 +229,9 @@ def main(argv=None):
   p.add_argument("--precisions", default="bf16,nvfp4")
   p.add_argument("--repeats", type=int, default=2)
   p.add_argument("--profile", type=int, default=0, metavar="N",
-                 help="profile the trace and the lowering of one cold process "
-                 "per configuration; print the N costliest functions")
+                 help="profile the trace, the lowering and XLA's compile of "
+                 "one cold process per configuration; print the N costliest "
+                 "functions and compile events")
   a = p.parse_args(argv)
   if a.child:
     print(json.dumps(_child(StartConfig(**json.loads(a.child)))))
