@@ -81,7 +81,13 @@ def seeds_key(words: jax.Array) -> jax.Array:
 def operand_seeds(key: jax.Array, n: int) -> list[jax.Array]:
   """`n` seeds keys drawn from `key` with one threefry call: the `i`-th
   streams with the seed words `jax.random.bits(key, (n, 2), uint32)[i]`."""
-  words = jax.random.bits(key, (n, 2), jnp.uint32)
+  # The barrier materialises the words once: without it XLA's GPU fusion
+  # copies the whole threefry chain (the layer key's fold_ins and this draw)
+  # into every consumer of every word, ~500 instructions each, which made
+  # priority fusion the largest pass of an NVFP4 step's compile (BENCHMARKS.md,
+  # start-up). The values are unchanged.
+  words = jax.lax.optimization_barrier(
+      jax.random.bits(key, (n, 2), jnp.uint32))
   return [seeds_key(words[i]) for i in range(n)]
 
 
