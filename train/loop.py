@@ -74,6 +74,24 @@ __all__ = ["RunResult", "TrainState", "Trainer", "cross_entropy",
            "default_dtype", "make_rules", "model_config", "run_recipe"]
 
 
+def threefry_kernels() -> None:
+  """Lowers threefry to JAX's GPU kernel (`jax_threefry_gpu_kernel_lowering`)
+  for the rest of the process.
+
+  The kernel computes the same bits as the unrolled rounds XLA otherwise
+  fuses, in one call instead of ~1,100 instructions per key: for GPT base in
+  NVFP4 (a fold_in and the seed draws of every quantized layer) that was
+  about half of XLA's compile (BENCHMARKS.md, start-up). Its cost, outputs
+  materialised in memory, is nothing here: the run draws keys and seed
+  words, no large random tensors (the GPT has no dropout). A JAX without
+  the option keeps its lowering.
+  """
+  try:
+    jax.config.update("jax_threefry_gpu_kernel_lowering", True)
+  except AttributeError:
+    pass
+
+
 class Trainer:
   """Builds the model, rules, optimizer, data and jitted functions of a run.
 
@@ -102,6 +120,7 @@ class Trainer:
                mesh: jax.sharding.Mesh | None = None):
     self.cfg = cfg
     self.corpus = corpus
+    threefry_kernels()
     if model_cfg is None:
       model_cfg = model_config(cfg, corpus.vocab_size)
     corpus.check_vocab(model_cfg.vocab_size)

@@ -81,14 +81,24 @@ def seeds_key(words: jax.Array) -> jax.Array:
 def operand_seeds(key: jax.Array, n: int) -> list[jax.Array]:
   """`n` seeds keys drawn from `key` with one threefry call: the `i`-th
   streams with the seed words `jax.random.bits(key, (n, 2), uint32)[i]`."""
-  # The barrier materialises the words once: without it XLA's GPU fusion
-  # copies the whole threefry chain (the layer key's fold_ins and this draw)
-  # into every consumer of every word, ~500 instructions each, which made
-  # priority fusion the largest pass of an NVFP4 step's compile (BENCHMARKS.md,
-  # start-up). The values are unchanged.
-  words = jax.lax.optimization_barrier(
-      jax.random.bits(key, (n, 2), jnp.uint32))
+  words = computed_once(jax.random.bits(key, (n, 2), jnp.uint32))
   return [seeds_key(words[i]) for i in range(n)]
+
+
+def computed_once(key: jax.Array) -> jax.Array:
+  """`key` (or seed words) unchanged, behind an optimization barrier.
+
+  Threefry is elementwise integer arithmetic, so XLA's GPU fusion copies a
+  key's whole derivation (flax's fold_ins of the layer path, the layer's
+  draw: ~500 instructions) into every consumer rather than compute it once;
+  in a GPT step that made priority fusion the largest pass of the compile
+  (BENCHMARKS.md, start-up). Fusion does not cross the barrier: the key is
+  computed once and its consumers read it. Anything but a JAX array (a
+  bad key the quantizer names) passes through as it is.
+  """
+  if not isinstance(key, jax.Array):
+    return key
+  return jax.lax.optimization_barrier(key)
 
 
 def pair_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -64,6 +64,7 @@ from jax.sharding import PartitionSpec as P
 
 from nvfp4_jax.core import dispatch
 from nvfp4_jax.core import numerics as nm
+from nvfp4_jax.core import prng
 from nvfp4_jax.core import spmd
 from nvfp4_jax.ops.quantize.api import block_size
 from nvfp4_jax.ops.quantize.api import quantize_operand
@@ -649,6 +650,7 @@ def _dot_general(lhs, rhs, dimension_numbers, precision,
                    cc=dispatch.compute_capability(),
                    impl=dispatch.current_default(),
                    cudnn=dispatch.cudnn_version())
+  key = prng.computed_once(key)  # Forward and backward draw from it.
   y = _layer(x, w, key, LinearCall(
       recipe=recipe, precision=precision, out_dtype=out_dtype,
       x_dtype=x.dtype, name=f"layer {name!r}: " if name else "", plan=plan,

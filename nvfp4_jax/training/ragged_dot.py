@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_jax.core import dispatch
+from nvfp4_jax.core import prng
 from nvfp4_jax.core.arrays import NVFP4Array
 from nvfp4_jax.core.recipe import Recipe
 from nvfp4_jax.core.recipe import as_recipe
@@ -434,7 +435,8 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   with jax.named_scope(layer_scope(name, recipe)):
     keys = None
     if key is not None and recipe.needs_key:
-      keys = per_expert_keys(key, num_experts, first_expert)
+      keys = prng.computed_once(
+          per_expert_keys(key, num_experts, first_expert))
     return _layer(lhs, rhs, group_sizes.astype(jnp.int32), keys, RaggedCall(
         recipe=recipe, precision=precision, out_dtype=out_dtype,
         x_dtype=lhs.dtype, name=prefix, impl=dispatch.current_default(),

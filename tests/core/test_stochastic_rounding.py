@@ -291,3 +291,62 @@ def test_block_words_are_tile_words():
   got = prng.block_words(prng.block_word_base(row, blk, 40), s0, s1)
   np.testing.assert_array_equal(np.stack([np.asarray(w) for w in got], -1),
                                 np.asarray(want))
+
+
+def _barrier_operands(jaxpr) -> list:
+  from jaxprs import eqns  # pylint: disable=g-import-not-at-top
+  return [str(v.aval) for e in eqns(jaxpr)
+          if e.primitive.name == "optimization_barrier" for v in e.invars]
+
+
+def test_layer_key_and_seed_words_are_computed_once():
+  # Without the barriers XLA's GPU fusion copies the threefry chain into
+  # every consumer (BENCHMARKS.md, start-up); on CPU the jaxpr shows them.
+  x = jnp.ones((32, 64), jnp.bfloat16)
+  w = jnp.ones((64, 32), jnp.float32)
+  key = jax.random.fold_in(jax.random.key(1), 7)
+
+  def loss(x, w, key):
+    return nf.dot_general(x, w, (((1,), (0,)), ((), ())), key=key,
+                          recipe=nf.Recipe.nvfp4()).astype(
+        jnp.float32).sum()
+
+  got = _barrier_operands(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, w, key))
+  assert any("key<fry>[]" in a for a in got), got  # The layer's key.
+  assert any(a == "uint32[6,2]" for a in got), got  # Its operands' words.
+
+
+def test_operand_seeds_are_the_draw():
+  key = jax.random.key(3)
+  words = jax.random.bits(key, (6, 2), jnp.uint32)
+  got = jax.jit(lambda k: jnp.stack([prng.seeds_from_key(s) for s in
+                                     prng.operand_seeds(k, 6)]))(key)
+  np.testing.assert_array_equal(got, words)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="the threefry kernel lowering exists on GPU only")
+def test_threefry_kernel_lowering_draws_the_same_seeds_and_rounding():
+  # The trainer lowers threefry to JAX's GPU kernel (train.loop.
+  # threefry_kernels) to halve the compile; every bit must stay the same.
+  x = make_heavy_tailed((256, 512), seed=5)
+  keys = jax.random.split(jax.random.key(11), 4)
+
+  def draw(keys):
+    seeds = jax.vmap(lambda k: jnp.stack(
+        [prng.seeds_from_key(s) for s in prng.operand_seeds(k, 6)]))(keys)
+    q = nf.quantize(x, rounding="stochastic", key=jax.random.fold_in(
+        keys[0], 3))
+    return seeds, q.codes, q.scales
+
+  flag = "jax_threefry_gpu_kernel_lowering"
+  before = jax.config.read(flag)
+  try:
+    outs = []
+    for on in (False, True):
+      jax.config.update(flag, on)
+      outs.append(jax.jit(lambda k: draw(k))(keys))
+  finally:
+    jax.config.update(flag, before)
+  for a, b in zip(*outs):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
