@@ -340,7 +340,7 @@ def test_threefry_kernel_lowering_draws_the_same_seeds_and_rounding():
     return seeds, q.codes, q.scales
 
   flag = "jax_threefry_gpu_kernel_lowering"
-  before = jax.config.read(flag)
+  before = getattr(jax.config, flag)
   try:
     outs = []
     for on in (False, True):
